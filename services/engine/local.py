@@ -1,0 +1,64 @@
+"""Build a local engine from model paths: the one place the CLI and the benchmark assemble
+target + head + drafter + verifier. Does not parse arguments or format prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.drafter import Drafter
+from services.engine.engine import Engine
+from services.engine.verifier import Verifier
+from services.errors import CheckpointError
+from services.model.head_checkpoint import load_head
+from services.model.loading import find_default_gguf, load_target
+from services.spec.tree import TreeParams
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The trained head for the default model, shipped in the repository (issue: default model).
+DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEngine:
+    engine: Engine
+    tokenizer: Any | None
+    target_path: str
+    draft_path: str | None
+
+
+def resolve_draft(draft: str | None, target: str | None) -> str | None:
+    """`none` -> no draft; None/`auto` -> the shipped head for the default model if present."""
+    if draft is not None and draft.lower() == "none":
+        return None
+    if draft is None or draft == "auto":
+        if target is None and (DEFAULT_HEAD / "config.json").is_file():
+            return str(DEFAULT_HEAD)
+        return None
+    return draft
+
+
+def build_local_engine(target: str | None, draft: str | None, dtype: str = "bf16",
+                       tree: TreeParams | None = None) -> LocalEngine:
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    target_path = target or find_default_gguf()
+    loaded = load_target(target_path, DTYPES[dtype])
+    model = loaded.model
+    draft_path = resolve_draft(draft, target)
+    drafter = None
+    feature_kind = "none"
+    if draft_path:
+        head = load_head(draft_path, model)
+        drafter = Drafter(head, tree or TreeParams())
+        feature_kind = head.feature_kind
+    verifier = Verifier(model, feature_kind)
+    eos = model.config.eos_token_ids
+    tok = loaded.tokenizer
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        eos = tuple(sorted(set(eos) | {int(tok.eos_token_id)}))
+    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos)
+    return LocalEngine(engine, tok, target_path, draft_path)

@@ -1,0 +1,3 @@
+"""Models: the native Llama-family target, EAGLE draft heads, the KV cache and checkpoint loading.
+
+Written for one device; tensor parallelism is a later transform over the named `nn.Linear`s."""

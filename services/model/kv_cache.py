@@ -1,0 +1,70 @@
+"""Preallocated per-sequence KV cache, shared by the target and the draft heads.
+
+Layout (one tensor for K, one for V; B=1 as in the reference):
+
+    k, v: [num_layers, num_kv_heads, capacity, head_dim]
+          slot 0 ........ length-1 | length ....... capacity-1
+          committed (or being-written) rows | free
+
+A forward over T new tokens writes their K/V at slots [length, length+T) in every layer and then
+advances `length` by T (`advance`). After tree verification, `keep` compacts the accepted nodes' rows
+to the slots right after the committed prefix and drops the rest of the tree, as the reference's
+`update_inference_inputs` does (eagle.md section 4). Does not know about tokens or positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.errors import CapacityExceeded
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0  # rows in use
+
+    def reserve(self, num_new: int) -> None:
+        """Raise before a forward that would overflow the preallocated slots."""
+        if self.length + num_new > self.capacity:
+            raise CapacityExceeded(
+                f"KV cache holds {self.capacity} rows; {self.length} used, {num_new} more requested")
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [nKV, T, hd] at slots [length, length+T) of `layer`; return that layer's
+        K and V over [0, length+T). WARNING: mutates the cache (not `length`: see `advance`)."""
+        t = k_new.shape[1]
+        end = self.length + t
+        if k_new.requires_grad:
+            # Training through the cache: copy first so tensors saved for backward stay intact.
+            self.k, self.v = self.k.clone(), self.v.clone()
+        self.k[layer, :, self.length:end] = k_new
+        self.v[layer, :, self.length:end] = v_new
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def advance(self, num_new: int) -> None:
+        self.length += num_new
+
+    def truncate(self, length: int) -> None:
+        """Forget every row at or after `length` (the draft drops its tree rows this way)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+
+    def keep(self, start: int, slots: torch.Tensor) -> None:
+        """Compact: copy the rows at absolute `slots` [n] (ascending; slots[i] >= start + i) to
+        [start, start+n) and set length = start + n.
+
+        Example: committed prefix 7, tree of 5 nodes at slots 7..11, accepted nodes [0, 2, 3]
+        -> slots [7, 9, 10] move to [7, 8, 9]; length becomes 10."""
+        n = int(slots.numel())
+        assert start + n <= self.length, (start, n, self.length)
+        idx = slots.to(self.k.device)
+        # Gather first (a copy), then write: source and destination ranges may overlap.
+        self.k[:, :, start:start + n] = self.k[:, :, idx]
+        self.v[:, :, start:start + n] = self.v[:, :, idx]
+        self.length = start + n

@@ -1,0 +1,96 @@
+"""Sampling parameters, the logits processor, and the per-round random generator.
+
+The processor matches the reference's `prepare_logits_processor` (transformers warpers in the order
+temperature -> top-p -> top-k); the same processed distribution serves acceptance and the bonus token,
+which losslessness needs (eagle.md 3.3 (c)). Draws come from a `torch.Generator` seeded by
+(sequence seed, round index), so any round can be replayed after a failure. The draft is never
+tempered: temperature only shapes the target distribution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.errors import InvalidRequest
+
+GREEDY_TEMPERATURE = 1e-5  # the reference treats temperature <= 1e-5 as greedy
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 (or <= 1e-5) = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0; got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 = off); got {self.top_k}")
+        if not 0 <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must be in [0, 2**63); got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= GREEDY_TEMPERATURE
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] fp32 -> processed logits [..., V] (filtered entries are -inf)."""
+    x = logits.float()
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    if params.top_p < 1.0:
+        # transformers TopPLogitsWarper: drop the smallest tokens whose cumulative mass <= 1 - top_p,
+        # always keeping the most likely one.
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - params.top_p)
+        drop_sorted[..., -1:] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, -math.inf)
+    if params.top_k > 0:
+        k = min(params.top_k, x.shape[-1])
+        kth = torch.topk(x, k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    return x
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The processed target distribution [..., V] (fp32) that acceptance and the bonus use."""
+    return torch.softmax(process_logits(logits, params), dim=-1)
+
+
+def round_generator(seed: int, round_index: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator for round `round_index` (0 = prefill) of a sequence seeded with `seed`.
+
+    The two integers are hashed so nearby seeds and rounds give unrelated streams."""
+    digest = hashlib.sha256(f"aerie:{seed}:{round_index}".encode()).digest()
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return g
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniform(generator: torch.Generator) -> float:
+    """A uniform draw in [0, 1) in float64."""
+    return float(torch.rand(1, dtype=torch.float64, generator=generator).item())
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The target's own next token from logits [V]: argmax when greedy, else a processed sample."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    assert generator is not None
+    return sample(target_probs(logits, params), generator)

@@ -1,0 +1,203 @@
+"""EAGLE-2 dynamic draft tree: extend the draft's committed rows, expand, rerank (eagle.md section 2).
+
+Vocabulary used across aerie:
+  * root        node 0: the token the target sampled last (the previous round's bonus, or the
+                prefill's first token). It is not in the target KV yet.
+  * draft node  every other node: a token proposed by the draft head.
+  * depth       distance from the root (root 0); the target sees node i at position prefix + depth[i].
+  * path        a root-to-leaf list of node indices (the reference's `retrieve_indices` row).
+
+Phases (same names as the reference where it has them):
+  1. `extend`  appends the newly committed rows (token t+1 paired with target feature t) to the
+               draft KV and returns the head output of the last row.
+  2. `expand`  runs `depth` steps; each step feeds the `top_k` best nodes of the previous level
+               (one position per level), takes `top_k` children per node and keeps the global best
+               `top_k` by cumulative draft log-probability. Tree rows are appended to the draft KV
+               and dropped afterwards: the draft KV keeps only committed rows.
+  3. `rerank`  keeps the `total_tokens - 1` best of all K + D*K^2 candidates (expanded or not),
+               in flat-index order so parents precede children, and builds mask, depths, paths.
+
+With the same head weights in fp32 this gives the reference's nodes, order, masks and positions.
+It does not talk to the target or decide acceptance (`verify.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.errors import InvalidRequest
+from services.model.eagle_head import DraftHead
+from services.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class TreeParams:
+    top_k: int = 10  # children per expanded node and beam width per level
+    depth: int = 5  # expansion steps; the deepest draft node is at depth `depth + 1`
+    total_tokens: int = 60  # nodes kept, root included
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise InvalidRequest(f"tree_top_k must be >= 1; got {self.top_k}")
+        if self.depth < 1:
+            raise InvalidRequest(f"tree_depth must be >= 1; got {self.depth}")
+        if self.total_tokens < 2:
+            raise InvalidRequest(f"tree_tokens must be >= 2 (root + one draft); got {self.total_tokens}")
+        if self.total_tokens - 1 > self.num_candidates:
+            raise InvalidRequest(
+                f"tree_tokens={self.total_tokens} needs more than the {self.num_candidates} candidates "
+                f"(top_k + depth * top_k^2) that tree_top_k={self.top_k}, tree_depth={self.depth} "
+                f"produce; lower tree_tokens or raise tree_top_k / tree_depth")
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + self.depth * self.top_k ** 2
+
+    @property
+    def draft_rows(self) -> int:
+        """Draft-KV rows a tree expansion needs on top of the committed rows."""
+        return self.depth * self.top_k
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Everything `expand` proposes, flattened in the reference's order: the K first-level children,
+    then for each step the K*K children of that step's K expanded nodes."""
+
+    scores: torch.Tensor  # [K + D*K*K] cumulative draft log-probability
+    tokens: torch.Tensor  # [K + D*K*K] target token ids
+    parents: torch.Tensor  # [1 + D*K] per K-block: 1 + flat index of the parent (0 = the root)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    tokens: torch.Tensor  # [N] int64 target ids; node 0 is the root; N = total_tokens
+    parents: torch.Tensor  # [N] int64 parent node index; -1 for the root
+    depths: torch.Tensor  # [N] int64; root 0 (the reference's tree_position_ids)
+    mask: torch.Tensor  # [N, N] bool: mask[i, j] = node j is node i or an ancestor of it
+    paths: torch.Tensor  # [P, max_depth + 1] int64 root-to-leaf node indices, right-padded with -1
+    scores: torch.Tensor  # [N] fp32 cumulative draft log-probability; 0 for the root
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max().item())
+
+
+def extend(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Append committed draft rows: row r pairs `tokens[r]` (token t+1) with `features[r]` (the
+    target feature of token t). features [n, F], tokens [n] -> head output of the last row [H].
+    WARNING: mutates `cache` (n more rows)."""
+    out = head(features, tokens, cache)
+    return out[-1]
+
+
+def expand(head: DraftHead, cache: KVCache, last: torch.Tensor, params: TreeParams) -> Candidates:
+    """Grow `params.depth` levels from `last` [H], the head output of the last committed row.
+    The draft cache is left exactly as it was found."""
+    k = params.top_k
+    stable = cache.length
+    device = last.device
+    lp = head.log_probs(last[None])[0]  # [V_draft]
+    top = torch.topk(lp, k)
+    scores = top.values  # [K]
+    scores_list, tokens_list = [scores], [head.to_target(top.indices)]
+    parents_list = [torch.zeros(1, dtype=torch.long, device=device)]
+    cur_ids = head.to_target(top.indices)  # [K]
+    cur_hidden = last[None].expand(k, -1)  # [K, H]
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    tree_mask = eye  # [K, K*(i+1)]: each current node's ancestors among the tree rows, and itself
+    sel = torch.arange(k, device=device)
+    try:
+        for i in range(params.depth):
+            positions = torch.full((k,), stable + i, dtype=torch.long, device=device)
+            out = head(cur_hidden, cur_ids, cache, positions, tree_mask)  # [K, H]
+            # 1 + flat index (into the concatenated scores) of each node just expanded
+            bias = 1 + (k if i > 0 else 0) + k * k * max(0, i - 1)
+            parents_list.append(sel + bias)
+            child = torch.topk(head.log_probs(out), k, dim=-1)  # [K, K]
+            cu = child.values + scores[:, None]  # [K, K] cumulative log-prob
+            best = torch.topk(cu.view(-1), k)
+            sel, scores = best.indices, best.values
+            rows = sel // k  # which expanded node each survivor hangs from
+            cur_hidden = out[rows]
+            cur_ids = head.to_target(child.indices.view(-1)[sel])
+            tokens_list.append(head.to_target(child.indices))
+            scores_list.append(cu)
+            tree_mask = torch.cat((tree_mask[rows], eye), dim=1)
+    finally:
+        cache.truncate(stable)  # tree rows came from draft features: never keep them
+    return Candidates(scores=torch.cat([s.reshape(-1) for s in scores_list]),
+                      tokens=torch.cat([t.reshape(-1) for t in tokens_list]),
+                      parents=torch.cat(parents_list))
+
+
+def rerank(cand: Candidates, root: int, params: TreeParams, sort_paths: bool) -> DraftTree:
+    """Keep the best `total_tokens - 1` candidates and build the tree around `root`.
+
+    `sort_paths` (sampling) orders paths lexicographically by node index with -1 last, so siblings
+    are tried in descending draft probability; greedy keeps leaf order.
+
+    Worked example (eagle.md; K=2, D=2, total_tokens=6, root 16):
+        tokens [16, 18, 0, 24, 16, 24], depths [0, 1, 1, 2, 2, 2],
+        paths [[0,1,3],[0,1,4],[0,2,5]], mask rows 100000/110000/101000/110100/110010/101001."""
+    k, m = params.top_k, params.total_tokens - 1
+    device = cand.scores.device
+    # The best M by score. NOTE: the reference uses topk, whose choice among exactly tied scores
+    # is unspecified: it can keep a child without its parent (e.g. a log-prob of exactly 0), and then
+    # `searchsorted` links the child to the wrong node and a path can start at a non-root node
+    # (eagle.md section 2). A stable sort breaks ties by flat index, and a parent's index is below
+    # its children's, so the kept set is always ancestor-closed. Without ties the set is the same.
+    best = torch.sort(cand.scores, descending=True, stable=True).indices[:m]
+    idx = torch.sort(best).values  # [M] ascending flat indices: parents precede children
+    parent_flat1 = cand.parents[idx // k]  # [M] 1 + flat index of the parent, 0 = root
+    # parent position among the kept nodes (+1 for the root slot)
+    parent_node = torch.searchsorted(idx, parent_flat1 - 1) + 1
+    parent_node[parent_flat1 == 0] = 0
+    parents = torch.cat([torch.tensor([-1], device=device), parent_node])  # [N]
+    parent_list = parents.tolist()
+    mask = torch.eye(m + 1, dtype=torch.bool, device=device)
+    mask[:, 0] = True
+    for i in range(1, m + 1):
+        mask[i] |= mask[parent_list[i]]
+    depths = mask.sum(dim=1) - 1
+    tokens = torch.cat([torch.tensor([root], device=device), cand.tokens[idx]])
+    scores = torch.cat([torch.zeros(1, device=device), cand.scores[idx].float()])
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask,
+                     paths=_paths(parent_list, depths.tolist(), sort_paths), scores=scores)
+
+
+def _paths(parents: list[int], depths: list[int], sort_paths: bool) -> torch.Tensor:
+    n = len(parents)
+    inner = set(parents[1:])
+    width = max(depths) + 1
+    rows = []
+    for leaf in range(n):
+        if leaf in inner:
+            continue
+        row = [-1] * width
+        node = leaf
+        for d in range(depths[leaf], -1, -1):
+            row[d] = node
+            node = parents[node]
+        rows.append(row)
+    if sort_paths:
+        rows.sort(key=lambda r: [x if x >= 0 else n + 5 for x in r])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def grow_tree(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor,
+              params: TreeParams, sort_paths: bool) -> DraftTree:
+    """extend -> expand -> rerank. `tokens` [n] are the newly committed tokens shifted by one
+    (the last is the new root), `features` [n, F] the target features of the rows before them.
+
+    Prefill: tokens = prompt[1:] + [t0], features = the prompt's features.
+    Round k: tokens = [a_1..a_m, bonus], features = features of [root, a_1..a_m]."""
+    last = extend(head, cache, features, tokens)
+    cand = expand(head, cache, last, params)
+    return rerank(cand, int(tokens[-1].item()), params, sort_paths)

@@ -1,0 +1,110 @@
+"""Tree verification: which draft nodes the target accepts, and the bonus token (eagle.md section 3).
+
+Vocabulary:
+  * accepted token   a draft node on the chosen path that the target also produces.
+  * accept_length    m, the number of accepted draft tokens (root excluded); a round commits the
+                     root and the m accepted tokens to the target KV and emits m + 1 new tokens
+                     (the m accepted ones and the bonus).
+  * bonus token      the target's own next token after the last accepted node: its argmax (greedy),
+                     a draw from the residual when every child at the next level was rejected, or a
+                     draw from the full processed distribution when the path ran out of children.
+
+Greedy: the longest path whose every token equals the target argmax after its prefix.
+
+Sampling: multi-candidate rejection sampling with one-hot proposals (q(x) = 1), as the reference:
+at each level the children of the accepted prefix are tried in path order (lexicographic = descending
+draft score among siblings), duplicates skipped; child x is accepted with probability p(x), else p(x)
+is zeroed and p renormalised (the residual). P(emit y) = p(y) for every y, so the output law equals
+the target's. The draft's probabilities only affect speed. Draws come from the round's generator.
+NOTE: acceptance uses `u < p(x)` with u ~ U[0,1) in float64 (the reference has `<=`): a token the
+processor filtered out (p = 0) can then never be accepted; the two differ with probability zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.spec.sampling import SamplingParams, sample, target_probs, uniform
+from services.spec.tree import DraftTree
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    path: int  # the chosen row of tree.paths
+    accept_length: int  # m: accepted draft tokens, root excluded
+    nodes: torch.Tensor  # [m + 1] node indices: root, then the accepted nodes
+    tokens: torch.Tensor  # [m + 1] their token ids
+    bonus: int  # the target's next token after nodes[-1]
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The m + 1 tokens this round emits: the accepted draft tokens and the bonus."""
+        return self.tokens[1:].tolist() + [self.bonus]
+
+
+def _path_tokens(tree: DraftTree) -> torch.Tensor:
+    """[P, W] token ids along each path, -1 where the path is padded."""
+    padded = torch.cat([tree.tokens, torch.tensor([-1], device=tree.tokens.device)])
+    return padded[tree.paths]  # index -1 picks the appended -1
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    """logits [N, V]: the target's logits at every tree node."""
+    argmax = torch.argmax(logits, dim=-1)  # [N]; equal to argmax(logits[paths]) and much cheaper
+    cand = _path_tokens(tree)  # [P, W]
+    pred = argmax[tree.paths]  # [P, W]; pads read the last node, never compared with a real token
+    match = (cand[:, 1:] == pred[:, :-1]).int()
+    per_path = torch.cumprod(match, dim=1).sum(dim=1)  # [P]
+    m = int(per_path.max().item())
+    best = int(torch.argmax(per_path).item()) if m > 0 else 0
+    nodes = tree.paths[best, : m + 1]
+    return Acceptance(path=best, accept_length=m, nodes=nodes, tokens=tree.tokens[nodes],
+                      bonus=int(argmax[nodes[-1]].item()))
+
+
+def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+                    generator: torch.Generator) -> Acceptance:
+    """logits [N, V]; tree.paths sorted lexicographically (rerank(sort_paths=True))."""
+    cand = _path_tokens(tree).tolist()  # [P][W]
+    paths = tree.paths.tolist()
+    width = len(cand[0])
+    accepted = [cand[0][0]]  # the root
+    best = 0
+    p = None
+    adjusted = False
+    for level in range(1, width):
+        if level != len(accepted):
+            break  # the previous level accepted nothing
+        adjusted = False
+        rows = [j for j, row in enumerate(cand) if row[:level] == accepted]
+        p = target_probs(logits[paths[rows[0]][level - 1]], params)  # [V] after the prefix
+        seen: set[int] = set()
+        for j in rows:
+            x = cand[j][level]
+            if x == -1 or x in seen:
+                continue
+            seen.add(x)
+            if uniform(generator) < float(p[x]):
+                accepted.append(x)
+                best = j
+                break
+            p = p.clone()
+            p[x] = 0
+            p = p / p.sum()
+            adjusted = True
+    m = len(accepted) - 1
+    nodes = tree.paths[best, : m + 1]
+    if not (adjusted and len(accepted) != width):
+        p = target_probs(logits[int(nodes[-1])], params)
+    return Acceptance(path=best, accept_length=m, nodes=nodes, tokens=tree.tokens[nodes],
+                      bonus=sample(p, generator))
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> Acceptance:
+    if params.greedy:
+        return accept_greedy(tree, logits)
+    assert generator is not None, "sampling needs the round's generator"
+    return accept_sampling(tree, logits, params, generator)

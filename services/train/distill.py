@@ -1,0 +1,142 @@
+"""Self-distillation of an EAGLE head on a target's own continuations (training-time test).
+
+    collect(target, prompts)  -> [Sample]     the target's greedy continuations and their features
+    head_loss(head, sample)   -> (loss, acc)  unrolled over `steps` draft steps, as inference runs them
+
+Step 0 is the ordinary EAGLE objective: row t pairs token t+1 with the target feature of token t and
+predicts token t+2 (cross-entropy through the head's logits) and, for EAGLE-1/2, the feature of token
+t+1 (SmoothL1, weight 1; cross-entropy weight 0.1 as the reference). Step s >= 1 feeds the head's own
+step s-1 output back at the same row, one position further, attending to the committed rows <= t and
+to its own earlier steps: exactly the keys a depth-s tree node sees at inference (eagle.md 6.2).
+Step s is weighted 0.8**s. It does not batch, schedule or checkpoint; the CLI trainer does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.model.eagle_head import DraftHead
+from services.model.target import TargetModel
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    tokens: torch.Tensor  # [T] prompt + continuation
+    features: torch.Tensor  # [T, F] target features (post-norm hidden or EAGLE-3 taps)
+    hidden: torch.Tensor  # [T, H] post-norm hidden (EAGLE-1/2 regression target)
+    next_tokens: torch.Tensor  # [T] the target's argmax after each token
+    loss_mask: torch.Tensor  # [T] 1 where the next token is a target-generated one
+
+
+@torch.no_grad()
+def collect(target: TargetModel, prompt: list[int], max_new_tokens: int, want_taps: bool) -> Sample:
+    """Greedy-continue `prompt` with the target and record features of the whole sequence."""
+    cache = target.new_cache(len(prompt) + max_new_tokens + 1)
+    ids = torch.tensor(prompt)
+    out = target(ids, cache, logits_for="last")
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        seq.append(int(out.logits[-1].argmax()))
+        out = target(torch.tensor(seq[-1:]), cache, logits_for="last")
+    tokens = torch.tensor(seq)
+    full = target(tokens, target.new_cache(len(seq)), want_taps=want_taps)
+    mask = torch.zeros(len(seq))
+    mask[len(prompt) - 1:] = 1.0
+    feats = full.taps if want_taps else full.hidden
+    return Sample(tokens, feats.float(), full.hidden.float(), full.logits.argmax(-1), mask)
+
+
+def head_loss(head: DraftHead, s: Sample, steps: int = 3, noise_std: float = 0.0,
+              vloss_weight: float = 1.0, ploss_weight: float = 0.1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unrolled training loss over rows 0..T-2; returns (loss, step-0 top-1 agreement)."""
+    t = s.tokens.shape[0] - 1  # rows: (token r+1, feature r)
+    ids = s.tokens[1:]  # [t]
+    feats = s.features[:t]
+    if noise_std > 0:
+        feats = feats + (torch.rand_like(feats) - 0.5) * noise_std
+    cache = head.new_cache(t * steps)
+    eye = torch.eye(t, dtype=torch.bool)
+    mask_blocks = [torch.ones(t, t, dtype=torch.bool).tril()]
+    x, pos = feats, torch.arange(t)
+    total = torch.zeros(())
+    acc = torch.zeros(())
+    is_eagle2 = head.feature_kind == "hidden"
+    for step in range(steps):
+        n = t - step  # rows whose step-`step` input token exists
+        if n < 2:
+            break
+        tree_mask = torch.cat(mask_blocks, dim=1)
+        out = head(x, ids_shift(ids, step), cache, pos + step, tree_mask)  # [t, H]
+        target_tok = s.next_tokens[1 + step: 1 + step + n]  # token after ids[r + step]
+        valid = s.loss_mask[1 + step: 1 + step + n]
+        logits = head.logits(out[:n]).float()
+        draft_target = _draft_ids(head, target_tok)
+        keep = valid * (draft_target >= 0)
+        ce = F.cross_entropy(logits, draft_target.clamp(min=0), reduction="none")
+        denom = keep.sum() + 1e-5
+        step_loss = ploss_weight * (ce * keep).sum() / denom
+        if is_eagle2:
+            reg = F.smooth_l1_loss(out[:n].float(), s.hidden[1 + step: 1 + step + n], reduction="none").mean(-1)
+            step_loss = step_loss + vloss_weight * (reg * keep).sum() / denom
+        else:
+            step_loss = step_loss / ploss_weight  # EAGLE-3 trains on cross-entropy alone
+        total = total + (0.8 ** step) * step_loss
+        if step == 0:
+            acc = ((logits.argmax(-1) == draft_target) * keep).sum() / denom
+        x = out  # the next step consumes the head's own output at the same row
+        mask_blocks.append(eye)
+    return total, acc.detach()
+
+
+def ids_shift(ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Tokens fed at step s: row r gets ids[r + s] (padded with the last token past the end)."""
+    if step == 0:
+        return ids
+    return torch.cat([ids[step:], ids[-1:].expand(step)])
+
+
+def _draft_ids(head: DraftHead, target_ids: torch.Tensor) -> torch.Tensor:
+    """Map target ids to the head's draft vocabulary (-1 where a token has no draft id)."""
+    d2t = getattr(head, "d2t", None)
+    if d2t is None:
+        return target_ids
+    lookup = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    lookup[d2t + torch.arange(d2t.shape[0])] = torch.arange(d2t.shape[0])
+    return lookup[target_ids]
+
+
+def build_d2t(token_counts: torch.Tensor, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's scandata: keep the `draft_vocab` most frequent target ids (sorted);
+    d2t[i] = used[i] - i, t2d[j] = j is used. token_counts [V]."""
+    used = torch.sort(torch.topk(token_counts, draft_vocab).indices).values
+    d2t = used - torch.arange(draft_vocab)
+    t2d = torch.zeros(token_counts.shape[0], dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def train(head: DraftHead, samples: list[Sample], steps: int, lr: float = 3e-3, ttt_steps: int = 3,
+          seed: int = 0, log_every: int = 0) -> list[float]:
+    """Plain Adam over the samples in order (cycled). Returns the step-0 agreement history."""
+    torch.manual_seed(seed)
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    head.train()
+    history = []
+    for i in range(steps):
+        loss, acc = head_loss(head, samples[i % len(samples)], ttt_steps)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(params, 0.5)
+        opt.step()
+        history.append(float(acc))
+        if log_every and i % log_every == 0:
+            print(f"step {i} loss {loss.item():.4f} acc {acc.item():.3f}")
+    head.eval().requires_grad_(False)
+    return history

@@ -1,0 +1,90 @@
+"""Test helpers: tiny random-weight targets built with transformers, and EAGLE heads distilled on
+them for a few seconds so that rounds accept several tokens.
+
+The targets are "peaked" (embeddings x50, final norm x10) so their next-token distributions are
+confident like a real LM's rather than near-uniform; nothing else about them is special.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+HIDDEN = 64
+
+
+def tiny_hf(arch: str = "llama", layers: int = 2, seed: int = 0, peaked: bool = True, **overrides):
+    """A random-weight transformers model (fp32, eval). No EOS unless given, so generate() runs
+    to max_new_tokens like aerie's --ignore-eos."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**kw)).eval()
+    with torch.no_grad():
+        if arch == "qwen2":
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+        if peaked:
+            model.model.embed_tokens.weight.mul_(50.0)
+            model.model.norm.weight.mul_(10.0)
+    return model
+
+
+def to_native(hf_model, dtype: torch.dtype = torch.float32):
+    """The same weights in aerie's TargetModel (loaded by name, strictly)."""
+    from services.model.config import ModelConfig
+    from services.model.target import TargetModel
+
+    model = TargetModel(ModelConfig.from_hf_dict(hf_model.config.to_dict()))
+    state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert set(result.missing_keys) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    return model.to(dtype).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    return out[0, len(prompt):].tolist()
+
+
+def distill_head(target, kind: str, seed: int = 0, steps: int = 150, draft_vocab: int | None = None):
+    """An EAGLE head trained briefly on the target's own greedy continuations."""
+    from services.model.eagle_head import HeadConfig, build_head
+    from services.train.distill import build_d2t, collect, head_loss
+
+    g = torch.Generator().manual_seed(seed + 1)
+    samples = [collect(target, torch.randint(0, VOCAB, (8,), generator=g).tolist(), 56,
+                       want_taps=kind == "eagle3") for _ in range(32)]
+    cfg = HeadConfig(kind, HIDDEN, 128, 4, 2, 1e-6, VOCAB,
+                     draft_vocab_size=draft_vocab if kind == "eagle3" else None)
+    torch.manual_seed(seed)
+    head = build_head(cfg, target.lm_head)
+    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    if kind == "eagle3" and draft_vocab and draft_vocab < VOCAB:
+        counts = torch.bincount(torch.cat([s.tokens for s in samples]), minlength=VOCAB).float()
+        head.d2t, head.t2d = build_d2t(counts, draft_vocab)
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    head.train()
+    for i in range(steps):
+        opt.zero_grad()
+        for j in range(4):
+            loss, _ = head_loss(head, samples[(4 * i + j) % len(samples)], steps=4)
+            (loss / 4).backward()
+        torch.nn.utils.clip_grad_value_(params, 0.5)
+        opt.step()
+        sched.step()
+    return head.eval().requires_grad_(False)

@@ -1,0 +1,157 @@
+"""Sampling verification is lossless: a chi-square test over the first three emitted tokens that the
+real rule passes and a deliberately wrong rule (bonus drawn from the un-residualised distribution)
+fails; plus seeded determinism and the logits processor."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from services.errors import InvalidRequest
+from services.spec.sampling import SamplingParams, process_logits, round_generator, sample, target_probs
+from services.spec.tree import DraftTree
+from services.spec.verify import accept_sampling
+
+V = 5
+
+
+def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
+    n = len(tokens)
+    depths, mask = [0] * n, torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+        mask[i] |= mask[parents[i]]
+    width = max(depths) + 1
+    rows = []
+    for leaf in (i for i in range(n) if i not in parents):
+        row, node = [-1] * width, leaf
+        for d in range(depths[leaf], -1, -1):
+            row[d], node = node, parents[node]
+        rows.append(row)
+    rows.sort(key=lambda r: [x if x >= 0 else n + 5 for x in r])
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), mask,
+                     torch.tensor(rows), torch.zeros(n))
+
+
+def mock_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A fixed 'target': next-token logits [V] as a deterministic function of the prefix."""
+    g = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.randn(V, generator=g) * 1.5
+
+
+def ranked(prefix: tuple[int, ...], r: int) -> int:
+    """The r-th most likely next token of the mock target: a drafter that is often right."""
+    return int(torch.argsort(mock_logits(prefix), descending=True)[r])
+
+
+def build_tree() -> DraftTree:
+    """root 0 -> {a -> {c -> {e}, d}, b -> {f}} with a, b the target's two most likely tokens,
+    c, d the two most likely after a, etc.: paths [0,1,3,6], [0,1,4,-1], [0,2,5,-1]."""
+    a, b = ranked((0,), 0), ranked((0,), 1)
+    c, d = ranked((0, a), 0), ranked((0, a), 1)
+    f = ranked((0, b), 1)
+    e = ranked((0, a, c), 0)
+    return make_tree([0, a, b, c, d, f, e], [-1, 0, 0, 1, 1, 2, 3])
+
+
+TREE = build_tree()
+
+
+def node_prefix(tree: DraftTree, node: int) -> tuple[int, ...]:
+    out = []
+    while node >= 0:
+        out.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return tuple(reversed(out))
+
+
+def first_three(params: SamplingParams, draw: int, wrong: bool) -> tuple[int, ...]:
+    gen = round_generator(params.seed, draw)
+    logits = torch.stack([mock_logits(node_prefix(TREE, i)) for i in range(TREE.size)])
+    acc = accept_sampling(TREE, logits, params, gen)
+    if wrong and bool((TREE.parents == int(acc.nodes[-1])).any()):
+        # every child of the last accepted node was rejected: a wrong rule ignores the residual
+        acc_bonus = sample(target_probs(logits[int(acc.nodes[-1])], params), gen)
+        out = acc.tokens[1:].tolist() + [acc_bonus]
+    else:
+        out = acc.new_tokens
+    prefix = node_prefix(TREE, 0) + tuple(out)
+    while len(out) < 3:  # continue with plain target sampling
+        tok = sample(target_probs(mock_logits(prefix), params), gen)
+        out.append(tok)
+        prefix += (tok,)
+    return tuple(out[:3])
+
+
+def exact_joint(params: SamplingParams) -> dict[tuple[int, ...], float]:
+    joint = {}
+    for y in itertools.product(range(V), repeat=3):
+        p, prefix = 1.0, (0,)
+        for tok in y:
+            p *= float(target_probs(mock_logits(prefix), params)[tok])
+            prefix += (tok,)
+        joint[y] = p
+    return joint
+
+
+def chi_square_p(params: SamplingParams, wrong: bool, n: int = 12000) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(n):
+        y = first_three(params, i, wrong)
+        counts[y] = counts.get(y, 0) + 1
+    joint = exact_joint(params)
+    obs, exp, rest_obs, rest_exp = [], [], 0, 0.0
+    for y, p in joint.items():
+        if p * n >= 5:
+            obs.append(counts.get(y, 0))
+            exp.append(p * n)
+        else:
+            rest_obs += counts.get(y, 0)
+            rest_exp += p * n
+    assert sum(counts.get(y, 0) for y, p in joint.items() if p == 0) == 0, "emitted a filtered token"
+    obs.append(rest_obs)
+    exp.append(rest_exp)
+    exp = [e * sum(obs) / sum(exp) for e in exp]  # guard float drift in the totals
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+SETTINGS = [SamplingParams(1.0, seed=1), SamplingParams(0.8, top_p=0.95, seed=2),
+            SamplingParams(1.0, top_k=3, seed=3)]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["T=1", "T=0.8,top_p=0.95", "T=1,top_k=3"])
+def test_rejection_sampling_preserves_the_target_distribution(params):
+    assert chi_square_p(params, wrong=False) > 1e-3
+
+
+def test_the_test_detects_a_wrong_rule():
+    assert chi_square_p(SETTINGS[0], wrong=True) < 1e-6
+
+
+def test_rounds_replay_from_seed_and_round():
+    params = SamplingParams(1.0, seed=7)
+    a = [first_three(params, 3, False) for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+    draws = {first_three(params, i, False) for i in range(40)}
+    assert len(draws) > 5  # different rounds draw differently
+
+
+def test_processor_matches_transformers_warpers():
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(0.7, top_p=0.8, top_k=10)
+    ref = TopKLogitsWarper(10)(None, TopPLogitsWarper(0.8)(None, TemperatureLogitsWarper(0.7)(None, logits)))
+    ours = process_logits(logits, params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert torch.allclose(ours[~torch.isinf(ours)], ref[~torch.isinf(ref)])
+
+
+@pytest.mark.parametrize("kw,word", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                      ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                                      ({"temperature": math.nan}, "temperature"), ({"seed": -1}, "seed")])
+def test_bad_sampling_parameters(kw, word):
+    with pytest.raises(InvalidRequest, match=word):
+        SamplingParams(**kw)
