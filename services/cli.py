@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from coordinator.cli import register as register_pipeline
 from services.errors import AerieError, InvalidRequest
 
 
@@ -84,7 +85,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt_ids is not None:
         parse_ids(args.prompt_ids, "--prompt-ids")  # fail before the slow model load
     t_load = time.perf_counter()
-    local = build_local_engine(args.target, args.draft, args.dtype, tree)
+    if getattr(args, "coordinator", None):  # stream from a running pipeline (coordinator/cli.py)
+        from services.rpc.coordinator_client import connect
+        local = connect(args.coordinator, args.target, timeout_s=3600)
+    else:
+        local = build_local_engine(args.target, args.draft, args.dtype, tree)
     load_s = time.perf_counter() - t_load
     request = GenerationRequest(prompt_ids=encode_prompt(args, local.tokenizer),
                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -109,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     total_s = time.perf_counter() - t0
     text = local.tokenizer.decode(tokens, skip_special_tokens=True) if local.tokenizer else None
     decode_s = total_s - prefill_s
+    tree = getattr(local, "tree", None) or tree  # a pipeline reports the tree its drafter grows
     result = {
         "tokens": tokens,
         "text": text,
@@ -154,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
+    register_pipeline(sub)  # verifier, drafter, coordinator, up; generate --coordinator
+    from services.train.cli import register as register_train
+    register_train(sub)
     return parser
 
 

@@ -165,13 +165,15 @@ def head_config_dict(cfg: HeadConfig) -> dict:
 
 
 def save_head(head: DraftHead, path: str | Path, fmt: str = "safetensors",
-              dtype: torch.dtype | None = None) -> Path:
-    """Write config.json and the weights (`model.safetensors` or `pytorch_model.bin`)."""
+              dtype: torch.dtype | None = None, skip: tuple[str, ...] = ()) -> Path:
+    """Write config.json and the weights (`model.safetensors` or `pytorch_model.bin`).
+    `skip=("embed_tokens.weight",)` leaves out the frozen embedding copy; loading restores it from
+    the target, as the reference's `load_emb` does."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(head_config_dict(head.config), indent=2) + "\n")
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous().cpu()
-             for k, v in head.state_dict().items()}
+             for k, v in head.state_dict().items() if k not in skip}
     if fmt == "safetensors":
         from safetensors.torch import save_file
         save_file(state, str(root / "model.safetensors"))

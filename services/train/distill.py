@@ -72,21 +72,20 @@ def head_loss(head: DraftHead, s: Sample, steps: int = 3, noise_std: float = 0.0
         tree_mask = torch.cat(mask_blocks, dim=1)
         out = head(x, ids_shift(ids, step), cache, pos + step, tree_mask)  # [t, H]
         target_tok = s.next_tokens[1 + step: 1 + step + n]  # token after ids[r + step]
-        valid = s.loss_mask[1 + step: 1 + step + n]
-        logits = head.logits(out[:n]).float()
         draft_target = _draft_ids(head, target_tok)
-        keep = valid * (draft_target >= 0)
-        ce = F.cross_entropy(logits, draft_target.clamp(min=0), reduction="none")
-        denom = keep.sum() + 1e-5
-        step_loss = ploss_weight * (ce * keep).sum() / denom
+        rows = torch.nonzero((s.loss_mask[1 + step: 1 + step + n] > 0) & (draft_target >= 0)).flatten()
+        if rows.numel() == 0:
+            break
+        picked = out[rows]  # only trained rows go through the (large) vocabulary projection
+        logits = head.logits(picked).float()
+        labels = draft_target[rows]
+        step_loss = F.cross_entropy(logits, labels)
         if is_eagle2:
-            reg = F.smooth_l1_loss(out[:n].float(), s.hidden[1 + step: 1 + step + n], reduction="none").mean(-1)
-            step_loss = step_loss + vloss_weight * (reg * keep).sum() / denom
-        else:
-            step_loss = step_loss / ploss_weight  # EAGLE-3 trains on cross-entropy alone
+            reg = F.smooth_l1_loss(picked.float(), s.hidden[1 + step + rows].float())
+            step_loss = ploss_weight * step_loss + vloss_weight * reg
         total = total + (0.8 ** step) * step_loss
         if step == 0:
-            acc = ((logits.argmax(-1) == draft_target) * keep).sum() / denom
+            acc = (logits.argmax(-1) == labels).float().mean()
         x = out  # the next step consumes the head's own output at the same row
         mask_blocks.append(eye)
     return total, acc.detach()

@@ -1,0 +1,111 @@
+"""`aerie generate`: JSON output equals transformers greedy in fp32, and every bad input ends with
+exit code 2 and one line naming the offending value."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.cli import main
+from services.model.head_checkpoint import save_head
+from tests.helpers import hf_greedy
+
+PROMPT = [5, 17, 99, 3, 42, 8]
+
+
+@pytest.fixture(scope="module")
+def dirs(llama_pair, tmp_path_factory):
+    hf, _, head = llama_pair
+    root = tmp_path_factory.mktemp("cli")
+    hf.save_pretrained(root / "target")
+    save_head(head, root / "head", "bin")
+    return root / "target", root / "head", hf
+
+
+def run_cli(capsys, *argv):
+    code = main(["generate", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_equals_transformers_greedy(dirs, capsys):
+    target, head, hf = dirs
+    code, out, err = run_cli(capsys, "--target", target, "--draft", head, "--dtype", "fp32",
+                             "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", 32,
+                             "--tree-tokens", 16, "--tree-depth", 3, "--tree-top-k", 4, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["tokens"] == hf_greedy(hf, PROMPT, 32)
+    assert res["text"] is None  # the tiny target has no tokenizer
+    assert res["rounds"] == len(res["accept_lengths"]) > 0
+    assert res["tau"] == pytest.approx(sum(res["accept_lengths"]) / res["rounds"])
+    assert max(res["accept_lengths"]) > 1
+    # tokens: 1 from the prefill, then each round's accepted tokens + bonus, cut at max_new_tokens
+    assert 1 + sum(res["accept_lengths"]) >= 32 > 1 + sum(res["accept_lengths"][:-1])
+    assert res["tree"] == {"top_k": 4, "depth": 3, "tokens": 16}
+    assert {"prefill_s", "total_s", "draft_s", "verify_s", "tokens_per_s"} <= set(res["timings"])
+
+
+def test_draft_none_is_the_plain_baseline(dirs, capsys):
+    target, _, hf = dirs
+    code, out, _ = run_cli(capsys, "--target", target, "--draft", "none", "--dtype", "fp32",
+                           "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", 20, "--json")
+    res = json.loads(out)
+    assert code == 0 and res["tokens"] == hf_greedy(hf, PROMPT, 20)
+    assert res["accept_lengths"] == [1] * 19 and res["draft"] is None
+
+
+def test_seeded_sampling_is_reproducible(dirs, capsys):
+    target, head, _ = dirs
+    args = ["--target", target, "--draft", head, "--prompt-ids", "1,2,3", "--max-new-tokens", 24,
+            "--temperature", 0.9, "--top-p", 0.95, "--json"]
+    runs = [json.loads(run_cli(capsys, *args, "--seed", s)[1])["tokens"] for s in (11, 11, 12)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+BAD = [
+    (["--prompt-ids", ""], "prompt is empty"),
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1,128"], "prompt token id 128 at position 1 is outside the vocabulary [0, 128)"),
+    (["--prompt-ids", "-3"], "prompt token id -3"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be >= 1; got 0"),
+    (["--prompt-ids", "1", "--max-new-tokens", "600"], "exceeds the model context of 512"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0; got -1.0"),
+    (["--prompt-ids", "1", "--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]; got 1.5"),
+    (["--prompt-ids", "1", "--top-p", "0"], "top_p must be in (0, 1]; got 0.0"),
+    (["--prompt-ids", "1", "--tree-tokens", "200", "--tree-depth", "2", "--tree-top-k", "3"],
+     "tree_tokens=200 needs more than the 21 candidates"),
+    (["--prompt-ids", "1", "--tree-top-k", "0"], "tree_top_k must be >= 1; got 0"),
+    (["--prompt-ids", "1", "--tree-top-k", "200", "--tree-tokens", "20"],
+     "tree_top_k=200 exceeds the draft vocabulary (128)"),
+    (["--prompt", "hello"], "has no tokenizer"),
+    (["--prompt-ids", "1", "--stop-token-ids", "999"], "stop token id 999"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_is_one_line_and_exit_2(dirs, capsys, argv, message):
+    target, head, _ = dirs
+    code, out, err = run_cli(capsys, "--target", target, "--draft", head, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("aerie: error: ")
+    assert message in err, err
+
+
+def test_missing_checkpoints(dirs, capsys, tmp_path):
+    target, head, _ = dirs
+    code, _, err = run_cli(capsys, "--target", tmp_path / "nope", "--prompt-ids", "1")
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "--target", target, "--draft", tmp_path, "--prompt-ids", "1")
+    assert code == 2 and "no config.json" in err
+
+
+def test_console_script_exit_code(dirs):
+    target, _, _ = dirs
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--target", str(target),
+                           "--draft", "none", "--prompt-ids", "1,999"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "aerie: error: prompt token id 999 at position 1 is outside the vocabulary [0, 128)"]
