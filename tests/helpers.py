@@ -88,3 +88,21 @@ def distill_head(target, kind: str, seed: int = 0, steps: int = 150, draft_vocab
         opt.step()
         sched.step()
     return head.eval().requires_grad_(False)
+
+
+def save_tiny_tokenizer(path, eos: str = "t2") -> None:
+    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t127", whitespace-separated), so
+    commands that need text (train-draft, bench) run on the tiny targets."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=eos)
+    fast.save_pretrained(str(path))
+
+
+def tiny_text(seed: int, n: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=g))

@@ -26,8 +26,9 @@ DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eag
 class LocalEngine:
     engine: Engine
     tokenizer: Any | None
-    target_path: str
+    target_path: str  # as given (a directory or a .gguf file)
     draft_path: str | None
+    model_dir: str  # the Hugging Face directory actually loaded (the converted cache for GGUF)
 
 
 def resolve_draft(draft: str | None, target: str | None) -> str | None:
@@ -61,4 +62,4 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "bf16
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         eos = tuple(sorted(set(eos) | {int(tok.eos_token_id)}))
     engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos)
-    return LocalEngine(engine, tok, target_path, draft_path)
+    return LocalEngine(engine, tok, target_path, draft_path, loaded.path)

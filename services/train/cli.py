@@ -32,7 +32,6 @@ def register(sub) -> None:
     p.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
     p.add_argument("--heldout", type=int, default=16, help="prompts held out for evaluation")
     p.add_argument("--max-new-tokens", type=int, default=192, help="response length cap")
-    p.add_argument("--gen-batch-size", type=int, default=16)
     p.add_argument("--data-dtype", choices=["fp32", "bf16"], default="bf16",
                    help="dtype of the target when generating data and features (the serving dtype)")
     p.add_argument("--steps", type=int, default=2000)
@@ -89,8 +88,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         print(f"reusing {len(data['train'])} + {len(data['heldout'])} samples from {data_path}")
     else:
         prompt_ids = [chat_ids(tok, p) for p in prompts]
-        responses = generate_responses(loaded.path, prompt_ids, args.max_new_tokens, eos,
-                                       args.gen_batch_size, DTYPES[args.data_dtype])
+        responses = generate_responses(target, prompt_ids, args.max_new_tokens, eos)
         samples = [make_sample(target, p, r, want_taps) for p, r in zip(prompt_ids, responses)]
         texts = [make_sample(target, c[:1], c[1:], want_taps)
                  for c in text_chunks(tok, args.text, 256)]

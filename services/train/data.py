@@ -1,9 +1,8 @@
 """Training data for draft heads: the target's own responses to prompts (self-distillation) and/or
 plain text, turned into `Sample`s (tokens, target features, target argmax) by one target forward each.
 
-Responses are generated with transformers' batched `generate` on the same weights (left padding,
-greedy): data preparation only, where batching matters more than the serving path. Features come
-from aerie's own TargetModel in the serving dtype, so the head trains on what it will see.
+Responses are the target's greedy continuations through aerie's own decoding path, and features
+come from aerie's TargetModel in the serving dtype, so the head trains on what it will see.
 """
 
 from __future__ import annotations
@@ -54,33 +53,18 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.no_grad()
-def generate_responses(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-                       eos_ids: tuple[int, ...], batch_size: int = 16,
-                       dtype: torch.dtype = torch.bfloat16) -> list[list[int]]:
-    """Greedy responses (EOS included when reached) for each tokenized prompt."""
-    from transformers import AutoModelForCausalLM
+def generate_responses(target: TargetModel, prompts: list[list[int]], max_new_tokens: int,
+                       eos_ids: tuple[int, ...]) -> list[list[int]]:
+    """The target's greedy response (EOS included when reached) to each tokenized prompt, through
+    aerie's own plain decoding path."""
+    from services.engine.engine import Engine, GenerationRequest
+    from services.engine.verifier import Verifier
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    pad = eos_ids[0] if eos_ids else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
-    out: list[list[int]] = [[] for _ in prompts]
-    for start in tqdm(range(0, len(order), batch_size), desc="generating responses", unit="batch"):
-        idx = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=list(eos_ids) or None, pad_token_id=pad)
-        for r, i in enumerate(idx):
-            resp = gen[r, width:].tolist()
-            for j, tok in enumerate(resp):
-                if tok in eos_ids:
-                    resp = resp[: j + 1]
-                    break
-            out[i] = resp
+    engine = Engine(Verifier(target), None, target.config.max_context, target.config.vocab_size, eos_ids)
+    out = []
+    for ids in tqdm(prompts, desc="generating responses", unit="prompt"):
+        req = GenerationRequest(tuple(ids), max_new_tokens)
+        out.append([t for step in engine.generate(req) for t in step.tokens])
     return out
 
 

@@ -49,8 +49,9 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir: Path,
-               resume: bool = False) -> list[float]:
-    """Train in place; returns the per-step mean top-1 agreement. WARNING: mutates `head`."""
+               resume: bool = False, stop_at: int | None = None) -> list[float]:
+    """Train in place; returns the per-step mean top-1 agreement. `stop_at` ends the run early
+    (as an interruption would) after checkpointing. WARNING: mutates `head`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in params:
@@ -69,7 +70,8 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
     order = torch.randperm(len(samples), generator=gen).tolist()
     head.train()
     history: list[float] = []
-    bar = tqdm(range(start, cfg.steps), desc="training", unit="step", initial=start, total=cfg.steps)
+    end = min(cfg.steps, stop_at) if stop_at else cfg.steps
+    bar = tqdm(range(start, end), desc="training", unit="step", initial=start, total=cfg.steps)
     for step in bar:
         opt.zero_grad()
         losses, accs = [], []
@@ -78,7 +80,7 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
                 loss, acc = head_loss(head, s, cfg.ttt_steps, cfg.noise_std)
             (loss / cfg.batch_size).backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             accs.append(float(acc))
         torch.nn.utils.clip_grad_value_(params, 0.5)
         opt.step()
@@ -86,7 +88,7 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
         history.append(sum(accs) / len(accs))
         window = history[-50:]
         bar.set_postfix(loss=f"{sum(losses) / len(losses):.3f}", acc=f"{sum(window) / len(window):.3f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
             torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "step": step + 1}, ckpt)
     head.eval().requires_grad_(False)

@@ -1,0 +1,175 @@
+"""Speed measurement on a prompt set, in one process and one run, so ratios are fair on a noisy machine.
+
+Methods (greedy, batch 1, the same weights and the same stopping rule: EOS or max_new_tokens):
+  hf        transformers `generate` (the baseline every ratio is taken against)
+  native    aerie's target with no draft (plain decoding)
+  eagle     aerie EAGLE-2 in process
+  pipeline  aerie through the distributed services (when a coordinator address is given)
+
+Per method and per category: tokens/s (generated tokens over wall time, prefill included), speed-up
+over hf, tau (tokens per target forward after the prefill), mean round latency split into draft /
+verify / other, and the share of prompts whose tokens equal hf's (exact in fp32; the bf16 share is
+reported, not asserted). It does not print or plot: `report.py` does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.engine.engine import Engine, GenerationRequest, StepOutput
+from services.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    question_id: str
+    category: str
+    ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Run:
+    """One method on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    rounds: int = 0  # target forwards after the prefill
+    round_s: float = 0.0  # wall time of those rounds (draft + verify + other)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Summary:
+    prompts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    round_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    exact: int = 0
+    per_prompt_tps: list[float] = field(default_factory=list)
+
+    def add(self, run: Run, exact: bool) -> None:
+        self.prompts += 1
+        self.tokens += len(run.tokens)
+        self.seconds += run.seconds
+        self.rounds += run.rounds
+        self.round_s += run.round_s
+        self.draft_s += run.draft_s
+        self.verify_s += run.verify_s
+        self.exact += int(exact)
+        self.per_prompt_tps.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
+
+    def row(self, baseline: "Summary | None") -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        base = baseline.tokens / baseline.seconds if baseline and baseline.seconds else None
+        # tau: tokens per target forward after the prefill (the prefill makes the first token)
+        tau = (self.tokens - self.prompts) / self.rounds if self.rounds else None
+        per_round = (lambda x: round(1000 * x / self.rounds, 3)) if self.rounds else (lambda x: None)
+        return {
+            "prompts": self.prompts, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(tps, 3),
+            "speedup": round(tps / base, 4) if base else None,
+            "tau": round(tau, 4) if tau is not None else None,
+            "round_ms": per_round(self.round_s), "draft_ms": per_round(self.draft_s),
+            "verify_ms": per_round(self.verify_s),
+            "other_ms": per_round(self.round_s - self.draft_s - self.verify_s),
+            "exact_match": round(self.exact / self.prompts, 4) if self.prompts else None,
+        }
+
+
+def load_prompts(path: str | Path, tokenizer, limit: int = 0) -> list[Prompt]:
+    """Spec-Bench JSONL: question_id, category, turns (first turn, chat template applied)."""
+    from services.train.data import chat_ids
+
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidRequest(f"prompt file {p} does not exist")
+    out = []
+    for i, line in enumerate(p.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row["turns"][0]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise InvalidRequest(f"{p}:{i + 1} is not a Spec-Bench row (question_id, category, turns)") from None
+        out.append(Prompt(str(row.get("question_id", i)), str(row.get("category", "all")),
+                          tuple(chat_ids(tokenizer, text))))
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise InvalidRequest(f"prompt file {p} has no prompts")
+    return out
+
+
+def run_engine(engine: Engine, prompt: Prompt, max_new_tokens: int) -> Run:
+    return run_steps(lambda: engine.generate(GenerationRequest(prompt.ids, max_new_tokens)))
+
+
+def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
+    """Time a stream of StepOutputs: total wall time, and per round the draft / verify split."""
+    run = Run(tokens=[], seconds=0.0)
+    t0 = time.perf_counter()
+    last = t0
+    for step in start():
+        now = time.perf_counter()
+        run.tokens += step.tokens
+        if step.stats.index > 0:
+            run.rounds += 1
+            run.round_s += now - last
+            run.draft_s += step.stats.draft_s
+            run.verify_s += step.stats.verify_s
+        last = now
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+class HFBaseline:
+    """transformers generate on the same converted weights, same dtype, same EOS ids."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, eos_ids: tuple[int, ...]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.eos = list(eos_ids)
+
+    @torch.no_grad()
+    def run(self, prompt: Prompt, max_new_tokens: int) -> Run:
+        ids = torch.tensor([prompt.ids])
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=self.eos or None,
+                                  pad_token_id=self.eos[0] if self.eos else 0)
+        seconds = time.perf_counter() - t0
+        tokens = out[0, len(prompt.ids):].tolist()
+        for j, t in enumerate(tokens):  # generate pads after EOS; keep up to and including it
+            if t in self.eos:
+                tokens = tokens[: j + 1]
+                break
+        return Run(tokens=tokens, seconds=seconds, rounds=max(len(tokens) - 1, 0))
+
+
+def summarize(runs: dict[str, list[Run]], prompts: list[Prompt], baseline: str = "hf") -> dict:
+    """{"methods": {m: row}, "categories": {cat: {m: row}}} with exact match against `baseline`."""
+    methods: dict[str, Summary] = {m: Summary() for m in runs}
+    cats: dict[str, dict[str, Summary]] = {}
+    for i, prompt in enumerate(prompts):
+        ref = runs[baseline][i].tokens
+        for m, rs in runs.items():
+            exact = rs[i].tokens == ref
+            methods[m].add(rs[i], exact)
+            cats.setdefault(prompt.category, {}).setdefault(m, Summary()).add(rs[i], exact)
+    return {
+        "methods": {m: s.row(methods[baseline]) for m, s in methods.items()},
+        "categories": {c: {m: s.row(ms[baseline]) for m, s in ms.items()} for c, ms in sorted(cats.items())},
+    }
+

@@ -1,0 +1,55 @@
+"""`aerie bench`: table, JSON fields, chart, and exact match of aerie's methods with transformers in fp32."""
+
+import json
+
+import pytest
+
+from services.cli import main
+from services.model.head_checkpoint import save_head
+from tests.helpers import save_tiny_tokenizer, tiny_text
+
+
+@pytest.fixture(scope="module")
+def setup(llama_pair, tmp_path_factory):
+    hf, _, head = llama_pair
+    root = tmp_path_factory.mktemp("bench")
+    hf.save_pretrained(root / "target")
+    save_tiny_tokenizer(root / "target", eos="t127")
+    save_head(head, root / "head")
+    rows = [{"question_id": i, "category": ["writing", "math"][i % 2], "turns": [tiny_text(i, 6), "x"]}
+            for i in range(4)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_bench_fp32_exact_and_reports(setup, capsys):
+    out_json, out_png = setup / "bench.json", setup / "bench.png"
+    code = main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"),
+                 "--dtype", "fp32", "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "24",
+                 "--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4",
+                 "--json-out", str(out_json), "--chart", str(out_png)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "speedup" in table and "eagle" in table and "writing" in table
+    res = json.loads(out_json.read_text())
+    assert set(res["methods"]) == {"hf", "native", "eagle"}
+    for m in ("native", "eagle"):
+        row = res["methods"][m]
+        assert row["exact_match"] == 1.0, m  # fp32: token for token equal to transformers
+        assert row["tokens_per_s"] > 0 and row["speedup"] > 0
+    assert res["methods"]["eagle"]["tau"] > 1.0
+    assert res["methods"]["native"]["tau"] == pytest.approx(1.0)
+    assert set(res["categories"]) == {"writing", "math"}
+    assert res["categories"]["math"]["eagle"]["prompts"] == 2
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_sweep_reports_best_tree(setup, capsys):
+    out_json = setup / "sweep.json"
+    assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"), "--dtype", "fp32",
+                 "--prompts", str(setup / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "12",
+                 "--methods", "hf", "--sweep", "--json-out", str(out_json)]) == 0
+    res = json.loads(out_json.read_text())
+    eagles = [m for m in res["methods"] if m.startswith("eagle")]
+    assert len(eagles) >= 5 and res["best_tree"] in eagles
+    assert all(res["methods"][m]["exact_match"] == 1.0 for m in eagles)
