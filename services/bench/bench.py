@@ -14,7 +14,6 @@ reported, not asserted). It does not print or plot: `report.py` does.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,26 +87,20 @@ class Summary:
 
 def load_prompts(path: str | Path, tokenizer, limit: int = 0) -> list[Prompt]:
     """Spec-Bench JSONL: question_id, category, turns (first turn, chat template applied)."""
-    from services.train.data import chat_ids
+    from services.train.data import chat_ids, read_jsonl
 
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidRequest(f"prompt file {p} does not exist")
     out = []
-    for i, line in enumerate(p.read_text().splitlines()):
-        if not line.strip():
-            continue
+    for i, row in read_jsonl(path):
         try:
-            row = json.loads(line)
             text = row["turns"][0]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise InvalidRequest(f"{p}:{i + 1} is not a Spec-Bench row (question_id, category, turns)") from None
+        except (KeyError, IndexError, TypeError):
+            raise InvalidRequest(f"{path}:{i} is not a Spec-Bench row (question_id, category, turns)") from None
         out.append(Prompt(str(row.get("question_id", i)), str(row.get("category", "all")),
                           tuple(chat_ids(tokenizer, text))))
         if limit and len(out) >= limit:
             break
     if not out:
-        raise InvalidRequest(f"prompt file {p} has no prompts")
+        raise InvalidRequest(f"prompt file {path} has no prompts")
     return out
 
 

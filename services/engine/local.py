@@ -42,7 +42,7 @@ def resolve_draft(draft: str | None, target: str | None) -> str | None:
     return draft
 
 
-def build_local_engine(target: str | None, draft: str | None, dtype: str = "bf16",
+def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
                        tree: TreeParams | None = None) -> LocalEngine:
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")

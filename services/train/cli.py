@@ -32,14 +32,15 @@ def register(sub) -> None:
     p.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
     p.add_argument("--heldout", type=int, default=16, help="prompts held out for evaluation")
     p.add_argument("--max-new-tokens", type=int, default=192, help="response length cap")
-    p.add_argument("--data-dtype", choices=["fp32", "bf16"], default="bf16",
+    p.add_argument("--data-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the target when generating data and features (the serving dtype)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--ttt-steps", type=int, default=2, help="unrolled draft steps per sample")
-    p.add_argument("--fp32-train", action="store_true", help="train without bf16 autocast")
+    p.add_argument("--bf16-train", action="store_true",
+                   help="train under bf16 autocast (as the reference; faster on GPUs, slower on this CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt and DIR/data.pt")
     p.add_argument("--eval-tree", default="16/4/4", help="tree tokens/depth/top_k for the held-out tau")
@@ -65,7 +66,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     eval_tree = _parse_tree(args.eval_tree)
     cfg = TrainConfig(args.steps, args.batch_size, args.lr, args.warmup, args.ttt_steps, seed=args.seed,
-                      bf16_autocast=not args.fp32_train)
+                      bf16_autocast=args.bf16_train)
     loaded = load_target(args.target or find_default_gguf(), DTYPES[args.data_dtype])
     target, tok = loaded.model, loaded.tokenizer
     if tok is None:

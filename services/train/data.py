@@ -18,27 +18,36 @@ from services.model.target import TargetModel
 from services.train.distill import Sample
 
 
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-empty line of a JSONL file."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidRequest(f"prompt file {p} does not exist")
+    rows = []
+    for i, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((i, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"{p}:{i} is not valid JSON: {e}") from None
+    return rows
+
+
 def load_prompts(path: str | Path) -> list[str]:
     """A .jsonl file (fields `prompt`, `text`, or Spec-Bench `turns`, first turn) or a .txt file
     with one prompt per line."""
     p = Path(path)
-    if not p.is_file():
-        raise InvalidRequest(f"prompt file {p} does not exist")
+    if p.suffix != ".jsonl":
+        if not p.is_file():
+            raise InvalidRequest(f"prompt file {p} does not exist")
+        return [line.strip() for line in p.read_text().splitlines() if line.strip()]
     out = []
-    for i, line in enumerate(p.read_text().splitlines()):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidRequest(f"{p}:{i + 1} is not valid JSON: {e}") from None
-            text = row.get("prompt") or row.get("text") or (row.get("turns") or [None])[0]
-            if not text:
-                raise InvalidRequest(f"{p}:{i + 1} has no prompt, text or turns field")
-            out.append(text)
-        else:
-            out.append(line.strip())
+    for i, row in read_jsonl(p):
+        text = row.get("prompt") or row.get("text") or (row.get("turns") or [None])[0]
+        if not text:
+            raise InvalidRequest(f"{p}:{i} has no prompt, text or turns field")
+        out.append(text)
     return out
 
 

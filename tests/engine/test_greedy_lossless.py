@@ -1,5 +1,7 @@
 """Greedy speculative output == transformers generate(do_sample=False), token for token, in fp32."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_greedy_equals_transformers(pair, shape, request):
     hf, target, head = request.getfixturevalue(pair)
     engine = Engine(Verifier(target, head.feature_kind), Drafter(head, SHAPES[shape]), 512, VOCAB)
     all_accepts = []
-    for prompt in prompts(seed=hash(shape) % 1000):
+    for prompt in prompts(seed=zlib.crc32(shape.encode()) % 1000):
         tokens, accepts = run(engine, prompt, 48)
         assert tokens == hf_greedy(hf, prompt, 48), f"prompt {prompt}"
         all_accepts += accepts

@@ -1,0 +1,167 @@
+#!/usr/bin/env node
+'use strict';
+/**
+ * Stream a generation from an aerie coordinator and print tokens as they arrive.
+ *
+ *   node clients/node/generate.js --coordinator localhost:50051 --prompt-ids 1,2,3 --max-new-tokens 20
+ *   node clients/node/generate.js --coordinator localhost:50051 --prompt-ids 1,2,3 --temperature 0.7 --json
+ *
+ * Without --json, token ids go to stdout space-separated as each committed round arrives, and a
+ * summary line goes to stderr. With --json, one JSON object is printed at the end:
+ *   {"sequence_id", "tokens", "finish_reason", "accept_lengths", "rounds", "tau", "info"}
+ * (tokens, finish_reason, accept_lengths, rounds and tau mean what they mean in `aerie generate --json`).
+ * Ctrl-C cancels the sequence on the coordinator. Exit codes: 0 done, 1 RPC error, 2 bad arguments,
+ * 130 interrupted. This client knows no tokenizer: it sends and prints token ids.
+ */
+
+const { connect, deadlineIn, statusName, grpc } = require('./aerie');
+
+const USAGE = `usage: generate.js --coordinator HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens N]
+                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop-token-ids 5,6]
+                   [--ignore-eos] [--sequence-id ID] [--timeout SECONDS] [--tls] [--json]`;
+
+class UsageError extends Error {}
+
+// flag -> [kind, default]; kinds: string, int, float, ids, bool
+const FLAGS = {
+  '--coordinator': ['string', undefined],
+  '--prompt-ids': ['ids', undefined],
+  '--max-new-tokens': ['int', undefined],
+  '--temperature': ['float', 0],
+  '--top-p': ['float', undefined],
+  '--top-k': ['int', 0],
+  '--seed': ['int', 0],
+  '--stop-token-ids': ['ids', []],
+  '--ignore-eos': ['bool', false],
+  '--sequence-id': ['string', ''],
+  '--timeout': ['float', 600],
+  '--tls': ['bool', false],
+  '--json': ['bool', false],
+};
+
+function parseValue(flag, kind, text) {
+  if (kind === 'string') return text;
+  if (kind === 'ids') {
+    if (text.trim() === '') return [];
+    const ids = text.split(',').map((s) => s.trim());
+    if (!ids.every((s) => /^\d+$/.test(s))) throw new UsageError(`${flag} must be comma-separated integers; got ${JSON.stringify(text)}`);
+    return ids.map(Number);
+  }
+  const n = Number(text);
+  if (text.trim() === '' || !Number.isFinite(n) || (kind === 'int' && !Number.isInteger(n))) {
+    throw new UsageError(`${flag} must be ${kind === 'int' ? 'an integer' : 'a number'}; got ${JSON.stringify(text)}`);
+  }
+  return n;
+}
+
+function parseArgs(argv) {
+  const opts = {};
+  for (const [flag, [, def]] of Object.entries(FLAGS)) opts[flag] = def;
+  for (let i = 0; i < argv.length; i++) {
+    let arg = argv[i];
+    if (arg === '-h' || arg === '--help') {
+      process.stdout.write(USAGE + '\n');
+      process.exit(0);
+    }
+    let inline;
+    if (arg.includes('=')) [arg, inline] = [arg.slice(0, arg.indexOf('=')), arg.slice(arg.indexOf('=') + 1)];
+    if (!(arg in FLAGS)) throw new UsageError(`unknown argument ${arg}`);
+    const [kind] = FLAGS[arg];
+    if (kind === 'bool') {
+      opts[arg] = true;
+      continue;
+    }
+    const text = inline !== undefined ? inline : argv[++i];
+    if (text === undefined) throw new UsageError(`${arg} needs a value`);
+    opts[arg] = parseValue(arg, kind, text);
+  }
+  if (!opts['--coordinator']) throw new UsageError('--coordinator is required');
+  if (!opts['--prompt-ids'] || opts['--prompt-ids'].length === 0) throw new UsageError('--prompt-ids is required');
+  return opts;
+}
+
+function buildRequest(opts) {
+  const sampling = { temperature: opts['--temperature'], top_k: opts['--top-k'], seed: opts['--seed'] };
+  if (opts['--top-p'] !== undefined) sampling.top_p = opts['--top-p'];
+  const request = {
+    prompt_ids: opts['--prompt-ids'],
+    sampling,
+    stop_token_ids: opts['--stop-token-ids'],
+    ignore_eos: opts['--ignore-eos'],
+    sequence_id: opts['--sequence-id'],
+  };
+  if (opts['--max-new-tokens'] !== undefined) request.max_new_tokens = opts['--max-new-tokens'];
+  return request;
+}
+
+async function main(argv) {
+  let opts;
+  try {
+    opts = parseArgs(argv);
+  } catch (e) {
+    if (!(e instanceof UsageError)) throw e;
+    process.stderr.write(`${USAGE}\ngenerate.js: error: ${e.message}\n`);
+    return 2;
+  }
+  const json = opts['--json'];
+  const coordinator = connect(opts['--coordinator'], { tls: opts['--tls'] });
+  const call = coordinator.Generate(buildRequest(opts), { deadline: deadlineIn(opts['--timeout']) });
+
+  const result = { sequence_id: '', tokens: [], finish_reason: null, accept_lengths: [], rounds: 0, tau: null, info: null };
+  let interrupted = false;
+  process.once('SIGINT', () => {
+    interrupted = true;
+    // Ask the coordinator to stop the sequence (it frees KV), then drop the stream.
+    if (result.sequence_id) {
+      coordinator.Cancel({ sequence_id: result.sequence_id }, { deadline: deadlineIn(5) }, () => call.cancel());
+    } else {
+      call.cancel();
+    }
+  });
+
+  const started = process.hrtime.bigint();
+  try {
+    for await (const msg of call) {
+      if (msg.sequence_id) result.sequence_id = msg.sequence_id;
+      if (msg.info && !result.info) result.info = msg.info;
+      if (msg.stats && msg.stats.index > 0) result.accept_lengths.push(msg.stats.accept_length);
+      result.tokens.push(...msg.tokens);
+      if (msg.finish_reason) result.finish_reason = msg.finish_reason;
+      if (!json && msg.tokens.length) process.stdout.write(msg.tokens.join(' ') + ' ');
+    }
+  } catch (e) {
+    if (interrupted && e.code === grpc.status.CANCELLED) {
+      if (!json) process.stdout.write('\n');
+      process.stderr.write(`[cancelled ${result.sequence_id || ''} after ${result.tokens.length} tokens]\n`);
+      return 130;
+    }
+    if (!json) process.stdout.write('\n');
+    process.stderr.write(`generate.js: error: ${statusName(e.code)}: ${e.details || e.message}\n`);
+    return 1;
+  } finally {
+    coordinator.close();
+  }
+
+  const seconds = Number(process.hrtime.bigint() - started) / 1e9;
+  result.rounds = result.accept_lengths.length;
+  result.tau = result.rounds ? result.accept_lengths.reduce((a, b) => a + b, 0) / result.rounds : null;
+  if (json) {
+    process.stdout.write(JSON.stringify(result) + '\n');
+  } else {
+    process.stdout.write('\n');
+    const tau = result.tau === null ? '-' : result.tau.toFixed(2);
+    const rate = seconds > 0 ? (result.tokens.length / seconds).toFixed(1) : '-';
+    process.stderr.write(`[${result.tokens.length} tokens, ${result.rounds} rounds, tau ${tau}, ${rate} tok/s, ` +
+      `finish: ${result.finish_reason}, sequence ${result.sequence_id}]\n`);
+  }
+  return 0;
+}
+
+if (require.main === module) {
+  main(process.argv.slice(2)).then((code) => { process.exitCode = code; }, (e) => {
+    process.stderr.write(`generate.js: error: ${e.message}\n`);
+    process.exitCode = 1;
+  });
+}
+
+module.exports = { parseArgs, buildRequest, main };

@@ -1,0 +1,99 @@
+"""The distributed commands of `aerie`, registered by `services.cli.build_parser` through
+`register(sub)`:
+
+    aerie verifier ...      serve the target (verifier_svc)
+    aerie drafter ...       serve the EAGLE head (drafter_svc)
+    aerie coordinator ...   serve the public API (coordinator)
+    aerie up ...            all of it on one machine (coordinator/up.py)
+    aerie generate --coordinator HOST:PORT ...   stream from a running pipeline
+
+Each command: argparse -> validated config -> serve. Configuration errors exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.rpc.config import ConfigError, configure_logging, env
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from coordinator import config as coordinator_config
+    from coordinator import up
+    from drafter_svc import config as drafter_config
+    from verifier_svc import config as verifier_config
+
+    generate = sub.choices.get("generate")
+    if generate is not None:
+        generate.add_argument("--coordinator", default=env("AERIE_COORDINATOR"), metavar="HOST:PORT",
+                              help="stream from a running pipeline (aerie up / a cluster) instead of loading "
+                                   "the models here; --target only supplies the tokenizer (AERIE_COORDINATOR)")
+    p = sub.add_parser("verifier", help="serve the target model (aerie.v1.Verifier)")
+    verifier_config.add_flags(p)
+    p.set_defaults(func=cmd_verifier)
+    p = sub.add_parser("drafter", help="serve an EAGLE draft head (aerie.v1.Drafter)")
+    drafter_config.add_flags(p)
+    p.set_defaults(func=cmd_drafter)
+    p = sub.add_parser("coordinator", help="serve the public API (aerie.v1.Coordinator)")
+    coordinator_config.add_flags(p)
+    p.set_defaults(func=cmd_coordinator)
+    p = sub.add_parser("up", help="start Redis, a verifier, a drafter and a coordinator on this machine")
+    up.add_flags(p)
+    p.set_defaults(func=up.cmd_up)
+
+
+def cmd_verifier(args: argparse.Namespace) -> int:
+    from services.rpc.server import serve_forever
+    from verifier_svc.config import from_args
+    from verifier_svc.server import create_server, load_servicer
+
+    config = from_args(args)
+    configure_logging(config.service.log_level, "verifier")
+    servicer = load_servicer(config)
+
+    async def on_stop() -> None:
+        servicer.close()
+
+    asyncio.run(serve_forever(lambda: create_server(config.service.address, config, servicer),
+                              config.service, "verifier", on_stop))
+    return 0
+
+
+def cmd_drafter(args: argparse.Namespace) -> int:
+    from drafter_svc.config import from_args
+    from drafter_svc.server import create_server, load_servicer
+    from services.rpc.server import serve_forever
+
+    config = from_args(args)
+    configure_logging(config.service.log_level, "drafter")
+    servicer = load_servicer(config)
+
+    async def on_stop() -> None:
+        servicer.close()
+
+    asyncio.run(serve_forever(lambda: create_server(config.service.address, config, servicer),
+                              config.service, "drafter", on_stop))
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    import redis
+
+    from coordinator.config import from_args
+    from coordinator.server import build, create_server
+    from services.rpc.server import serve_forever
+
+    config = from_args(args)
+    configure_logging(config.service.log_level, "coordinator")
+    try:
+        coordinator = build(config)
+    except redis.RedisError as e:
+        raise ConfigError(f"cannot reach Redis at {config.redis_url}: {e}") from None
+
+    async def on_stop() -> None:
+        await asyncio.to_thread(coordinator.close, config.service.drain_s)
+
+    asyncio.run(serve_forever(lambda: create_server(config.service.address, config, coordinator),
+                              config.service, "coordinator", on_stop))
+    return 0

@@ -1,0 +1,86 @@
+"""Coordinator configuration: flags and AERIE_* variables -> CoordinatorConfig.
+
+    AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
+    AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
+    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), and the common ones in
+    services/rpc/config.py.
+
+AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
+several addresses (a Kubernetes headless service), re-resolved every AERIE_RESOLVE_INTERVAL_S.
+An empty drafter list means plain decoding (no speculation).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
+
+DEFAULT_PORT = 50051
+
+
+def parse_endpoints(text: str, name: str) -> tuple[str, ...]:
+    """'a:1, b:2' -> ('a:1', 'b:2'); '[::1]:50052' is an IPv6 literal."""
+    entries = tuple(e.strip() for e in (text or "").split(",") if e.strip())
+    for e in entries:
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{name} entries must be host:port; got {e!r}")
+    return entries
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    service: ServiceConfig
+    verifiers: tuple[str, ...]  # host:port entries
+    drafters: tuple[str, ...] = ()  # empty = plain decoding
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    max_new_tokens: int = 4096  # the most a request may ask for
+    sequence_ttl_s: int = 86400  # a sequence's Redis record expires this long after its last update
+    max_sequences: int = 256  # sequences running on this coordinator at once
+    rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
+    resolve_interval_s: float = 10.0  # re-resolve the pools' host names
+
+    def __post_init__(self) -> None:
+        if not self.verifiers:
+            raise ConfigError("the coordinator needs at least one verifier: set --verifiers / AERIE_VERIFIERS")
+        parse_endpoints(",".join(self.verifiers), "verifiers")
+        parse_endpoints(",".join(self.drafters), "drafters")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {self.redis_url!r}")
+        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("rpc_timeout_s", "resolve_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
+
+
+def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
+    if with_service:
+        add_service_flags(p, "AERIE_COORDINATOR_PORT", DEFAULT_PORT)
+    g = p.add_argument_group("coordinator")
+    g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list (AERIE_VERIFIERS)")
+    g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
+                   help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
+    g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="AERIE_REDIS_URL")
+    g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
+                   help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS, 4096)")
+    g.add_argument("--sequence-ttl-s", type=int, default=env("AERIE_SEQUENCE_TTL_S", 86400),
+                   help="lifetime of a sequence's Redis record after its last update (AERIE_SEQUENCE_TTL_S)")
+    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 256),
+                   help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES, 256)")
+    g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
+                   help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S, 60)")
+    g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
+                   help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S, 10)")
+
+
+def from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
+        drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
+        max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
+        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
+        resolve_interval_s=args.resolve_interval_s)

@@ -1,0 +1,134 @@
+"""Placement: which drafter and which verifier replica a new sequence goes to.
+
+A `Pool` holds one role's replicas. Its configured entries are host:port; each host may resolve to
+several addresses (a Kubernetes headless service has one per pod), and `refresh` re-resolves them,
+so replicas join and leave without a restart: a new address gets a channel, a vanished one gets no
+new sequences (sequences already there finish on it; its channel closes once idle).
+
+`acquire` picks the replica with the fewest sequences placed by this coordinator (ties by address),
+skipping replicas that do not answer; the sequence then stays there (its KV lives there) until
+`release`. NOTE: the load is this coordinator's own view; with several coordinators each balances
+its share.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+import grpc
+
+from services.rpc.clients import ServiceClient
+from services.rpc.errors import DownstreamError
+
+log = logging.getLogger("aerie.coordinator")
+C = TypeVar("C", bound=ServiceClient)
+
+
+def resolve_entry(entry: str) -> set[str]:
+    """'verifier-headless:50052' -> {'10.0.0.7:50052', '10.0.0.8:50052'}; IPv4 addresses are
+    preferred when a name has both (services usually listen on 0.0.0.0)."""
+    host, _, port = entry.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+        return {f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"}
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    v4 = {f"{i[4][0]}:{port}" for i in infos if i[0] == socket.AF_INET}
+    return v4 or {f"[{i[4][0]}]:{port}" for i in infos if i[0] == socket.AF_INET6}
+
+
+class Pool(Generic[C]):
+    def __init__(self, role: str, entries: Iterable[str], connect: Callable[[str], C],
+                 resolve: Callable[[str], set[str]] = resolve_entry) -> None:
+        self.role = role
+        self.entries = tuple(entries)
+        self._connect = connect
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        self._resolved: dict[str, set[str]] = {}  # entry -> its addresses at the last good resolution
+        self._clients: dict[str, C] = {}
+        self._active: set[str] = set()
+        self._load: Counter[str] = Counter()
+        self.refresh()
+
+    def refresh(self) -> None:
+        for entry in self.entries:
+            try:
+                self._resolved[entry] = self._resolve(entry)
+            except OSError as e:  # keep the last good answer while DNS is unhappy
+                log.warning("cannot resolve %s %s: %s", self.role, entry, e)
+        addresses = set().union(*self._resolved.values()) if self._resolved else set()
+        with self._lock:
+            for address in addresses - self._clients.keys():
+                log.info("%s %s joined the pool", self.role, address)
+                self._clients[address] = self._connect(address)
+            for address in self._active - addresses:
+                log.info("%s %s left the pool", self.role, address)
+            self._active = addresses
+            self._close_idle()
+
+    def acquire(self) -> C:
+        """The least-loaded replica that answers; raises DownstreamError(UNAVAILABLE) if none does."""
+        with self._lock:
+            order = sorted(self._active, key=lambda a: (self._load[a], a))
+        errors = []
+        for address in order:
+            client = self._clients[address]
+            try:
+                client.info()  # cached after the first answer
+            except DownstreamError as e:
+                errors.append(str(e))
+                continue
+            with self._lock:
+                self._load[address] += 1
+            return client
+        detail = "; ".join(errors) if errors else f"none configured or resolved from {list(self.entries)}"
+        raise DownstreamError(grpc.StatusCode.UNAVAILABLE, f"no {self.role} available: {detail}")
+
+    def release(self, client: C) -> None:
+        with self._lock:
+            self._load[client.address] -= 1
+            self._close_idle()
+
+    def loads(self) -> dict[str, int]:
+        with self._lock:
+            return {a: self._load[a] for a in sorted(self._active)}
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+            self._active.clear()
+
+    def _close_idle(self) -> None:
+        for address in [a for a in self._clients if a not in self._active and self._load[a] <= 0]:
+            self._clients.pop(address).close()
+
+
+class Refresher:
+    """Re-resolves pools every `interval_s` on a daemon thread until `stop`."""
+
+    def __init__(self, pools: Iterable[Pool], interval_s: float) -> None:
+        self._pools = list(pools)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pool-refresh", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            for pool in self._pools:
+                pool.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,61 @@
+"""The tracing spans of one sequence:
+
+    generate                       the request (under the client's span when it sent traceparent)
+      round {index=0}              the prefill round: verify (the verifier's Prefill), commit
+      round {index=k}              draft (the tree round k verifies), verify, commit
+        draft / verify             CLIENT spans; the drafter / verifier add their SERVER span below
+        commit                     the Redis commit
+
+A round span opens with its first phase and ends after its commit, carrying the round index, tree
+size and depth, accept length and the latency of each phase. The draft of round k+1 runs before
+round k is committed (the engine grows the next tree before yielding a round), so consecutive round
+spans overlap slightly. Everything is a no-op when tracing is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+from services import telemetry
+from services.engine.engine import RoundStats
+
+
+class RoundSpans:
+    def __init__(self, seq_id: str, request_span: Any) -> None:
+        self.seq_id = seq_id
+        self.request_span = request_span  # None when tracing is off
+        self._rounds: dict[int, Any] = {}
+
+    def phase(self, round_index: int, name: str) -> ContextManager:
+        if self.request_span is None:
+            return contextlib.nullcontext()
+        kind = "internal" if name == "commit" else "client"
+        return telemetry.start_span(name, parent=self._round(round_index), kind=kind,
+                                    attributes={telemetry.ROUND: round_index, telemetry.SEQ_ID: self.seq_id})
+
+    def _round(self, index: int):
+        span = self._rounds.get(index)
+        if span is None:
+            span = telemetry.begin_span("round", parent=self.request_span,
+                                        attributes={telemetry.ROUND: index, telemetry.SEQ_ID: self.seq_id})
+            self._rounds[index] = span
+        return span
+
+    def end_round(self, stats: RoundStats, commit_s: float) -> None:
+        span = self._rounds.pop(stats.index, None)
+        if span is None:
+            return
+        span.set_attributes({
+            telemetry.TREE_NODES: stats.tree_size, telemetry.TREE_DEPTH: stats.tree_depth,
+            telemetry.ACCEPT_LENGTH: stats.accept_length, telemetry.DRAFT_S: stats.draft_s,
+            telemetry.VERIFY_S: stats.verify_s, telemetry.COMMIT_S: commit_s,
+            telemetry.ROUND_S: stats.draft_s + stats.verify_s + commit_s,
+        })
+        span.end()
+
+    def close(self) -> None:
+        """End rounds that never committed (a draft grown for a round that did not happen)."""
+        for span in self._rounds.values():
+            span.end()
+        self._rounds.clear()

@@ -1,0 +1,100 @@
+"""One sequence, driven on its own thread: `Engine.generate` over the remote drafter and verifier,
+each round committed to Redis before it is handed to the stream.
+
+    for step in engine.generate(request):      # prefill, then draft -> verify rounds
+        commit(step)                           # Redis, atomic, keyed by round index
+        emit(step)                             # to the Generate stream
+        stop on finish | cancel | error        # then both services release the KV
+
+A cancel (the Cancel RPC through any coordinator, or the client going away) takes effect after the
+round in flight is committed: the last message carries finish_reason "cancel". An error marks the
+sequence failed in Redis and is handed to the stream, which maps it to a status code; it never
+touches other sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services import metrics
+from services.engine.engine import Engine, GenerationRequest, StepOutput
+from coordinator.round_spans import RoundSpans
+from coordinator.sequence_store import SequenceStore
+
+log = logging.getLogger("aerie.coordinator")
+SERVICE = "coordinator"
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """One committed round, as streamed."""
+    step: StepOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
+    commit_s: float
+
+
+class SequenceRun:
+    def __init__(self, seq_id: str, request: GenerationRequest, engine: Engine, store: SequenceStore,
+                 spans: RoundSpans, emit: Callable[[Committed | BaseException], None],
+                 on_exit: Callable[[SequenceRun], None]) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.engine = engine
+        self.store = store
+        self.spans = spans
+        self.emit = emit
+        self.on_exit = on_exit
+        self.cancelled = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"seq-{seq_id[:12]}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def cancel(self) -> None:
+        """Stop after the round in flight (thread-safe)."""
+        self.cancelled.set()
+
+    def _run(self) -> None:
+        steps = self.engine.generate(self.request, self.seq_id)
+        try:
+            for step in steps:
+                t0 = time.perf_counter()
+                with self.spans.phase(step.stats.index, "commit"):
+                    result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason)
+                commit_s = time.perf_counter() - t0
+                self.spans.end_round(step.stats, commit_s)
+                _observe(step, commit_s)
+                if step.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
+                    self.store.finish(self.seq_id, "cancelled", "cancel")
+                    step = StepOutput(step.tokens, step.stats, "cancel")
+                self.emit(Committed(step, commit_s))
+                if step.finish_reason is not None:
+                    return
+        except Exception as e:  # noqa: BLE001 - the sequence fails alone; the stream maps the error
+            log.info("sequence %s failed: %s: %s", self.seq_id, type(e).__name__, e)
+            try:
+                self.store.finish(self.seq_id, "failed", "error", f"{type(e).__name__}: {e}")
+            except Exception as store_error:  # noqa: BLE001
+                log.warning("cannot mark %s failed in Redis: %s", self.seq_id, store_error)
+            self.emit(e)
+        finally:
+            steps.close()  # Engine.generate's finally releases the KV on both services
+            self.spans.close()
+            self.on_exit(self)
+
+
+def _observe(step: StepOutput, commit_s: float) -> None:
+    s = step.stats
+    metrics.COMMIT_SECONDS.labels(SERVICE).observe(commit_s)
+    metrics.TOKENS_GENERATED.labels(SERVICE).inc(len(step.tokens))
+    if s.index == 0:
+        metrics.PREFILL_SECONDS.labels(SERVICE).observe(s.verify_s)
+        return
+    metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)
+    metrics.ACCEPT_LENGTH.labels(SERVICE).observe(s.accept_length)
+    metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)
+    if s.tree_size:
+        metrics.DRAFT_SECONDS.labels(SERVICE).observe(s.draft_s)

@@ -1,0 +1,128 @@
+"""Admission and the in-flight registry of one coordinator.
+
+`admit` validates a request against the placed verifier's model (vocabulary, context), picks a
+drafter and a verifier (sticky for the sequence's life), writes the sequence to Redis and starts its
+`SequenceRun`. `cancel` reaches a sequence through Redis (so any coordinator can cancel any
+sequence) and, when it runs here, directly. `drain` stops every run after its round in flight.
+It does not speak gRPC to clients (servicer.py) or hold tokens (Redis does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services import metrics
+from services.engine.engine import Engine, GenerationRequest
+from services.errors import CapacityExceeded
+from services.rpc.clients import DrafterClient, VerifierClient
+from services.rpc.errors import SequenceExists
+from services.rpc import codec
+from services.rpc.stubs import coordinator as cpb
+from coordinator.config import CoordinatorConfig
+from coordinator.placement import Pool
+from coordinator.round_spans import RoundSpans
+from coordinator.sequence_run import Committed, SequenceRun
+from coordinator.sequence_store import SequenceRecord, SequenceStore, Status
+
+log = logging.getLogger("aerie.coordinator")
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    run: SequenceRun
+    info: cpb.SequenceInfo  # placement and models, sent with the first message
+
+
+class Sequences:
+    def __init__(self, config: CoordinatorConfig, store: SequenceStore, verifiers: Pool[VerifierClient],
+                 drafters: Pool[DrafterClient] | None) -> None:
+        self.config = config
+        self.store = store
+        self.verifiers = verifiers
+        self.drafters = drafters
+        self._runs: dict[str, SequenceRun] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def admit(self, request: GenerationRequest, seq_id: str | None,
+              emit: Callable[[Committed | BaseException], None], request_span: Any = None) -> Admitted:
+        """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop."""
+        seq_id = seq_id or uuid.uuid4().hex
+        with self._lock:
+            if len(self._runs) >= self.config.max_sequences:
+                raise CapacityExceeded(f"coordinator runs its maximum of {self.config.max_sequences} sequences "
+                                       f"(AERIE_MAX_SEQUENCES)")
+            if seq_id in self._runs:
+                raise SequenceExists(f"sequence {seq_id!r} already exists")
+            self._runs[seq_id] = None  # type: ignore[assignment]  # reserved while admitting
+        verifier = drafter = None
+        try:
+            spans = RoundSpans(seq_id, request_span)
+            verifier = self.verifiers.acquire()
+            drafter = self.drafters.acquire() if self.drafters else None
+            remote_drafter = drafter.for_sequence(spans) if drafter else None
+            kind = remote_drafter.feature_kind if remote_drafter else "none"
+            vinfo = verifier.info()
+            engine = Engine(verifier.for_sequence(kind, spans), remote_drafter, int(vinfo.max_context),
+                            int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids))
+            engine.validate(request)
+            s = request.sampling
+            self.store.create(SequenceRecord(
+                sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
+                params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                        "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
+                        "ignore_eos": request.ignore_eos},
+                drafter=drafter.address if drafter else "", verifier=verifier.address))
+        except BaseException:
+            with self._lock:
+                self._runs.pop(seq_id, None)
+            if verifier is not None:
+                self.verifiers.release(verifier)
+            if drafter is not None:
+                self.drafters.release(drafter)
+            raise
+        info = cpb.SequenceInfo(placement=cpb.Placement(drafter=drafter.address if drafter else "",
+                                                        verifier=verifier.address), target=vinfo.target)
+        if remote_drafter is not None:
+            info.draft = drafter.info().draft
+            info.tree.CopyFrom(codec.encode_tree_params(remote_drafter.tree))
+
+        def on_exit(run: SequenceRun) -> None:
+            with self._lock:
+                self._runs.pop(run.seq_id, None)
+                metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
+            self.verifiers.release(verifier)
+            if drafter is not None:
+                self.drafters.release(drafter)
+
+        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit)
+        with self._lock:
+            self._runs[seq_id] = run
+            metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
+        run.start()
+        return Admitted(run, info)
+
+    def cancel(self, seq_id: str) -> Status:
+        """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""
+        status = self.store.request_cancel(seq_id)
+        with self._lock:
+            run = self._runs.get(seq_id)
+        if run is not None:
+            run.cancel()
+        return status
+
+    def drain(self, timeout_s: float) -> None:
+        """Cancel every run and wait (up to `timeout_s`) for each to finish its round and release."""
+        with self._lock:
+            runs = [r for r in self._runs.values() if r is not None]
+        for run in runs:
+            run.cancel()
+        for run in runs:
+            run.thread.join(timeout=timeout_s)

@@ -1,0 +1,62 @@
+"""Build the coordinator: Redis store, drafter and verifier pools, admission, servicer, server.
+
+    coordinator = build(config)
+    server, port = await create_server("127.0.0.1:0", config, coordinator)
+    ...; coordinator.close(drain_s)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from services.rpc import server as rpc_server
+from services.rpc.clients import DrafterClient, VerifierClient
+from services.rpc.stubs import coordinator_grpc
+from coordinator.config import CoordinatorConfig
+from coordinator.placement import Pool, Refresher
+from coordinator.sequence_store import SequenceStore
+from coordinator.sequences import Sequences
+from coordinator.servicer import CoordinatorServicer
+
+SERVICE_NAME = "aerie.v1.Coordinator"
+log = logging.getLogger("aerie.coordinator")
+
+
+@dataclass
+class Coordinator:
+    servicer: CoordinatorServicer
+    sequences: Sequences
+    store: SequenceStore
+    pools: list[Pool]
+    refresher: Refresher
+
+    def close(self, drain_s: float = 10.0) -> None:
+        """Stop every sequence after its round in flight, then close channels."""
+        self.sequences.drain(drain_s)
+        self.refresher.stop()
+        for pool in self.pools:
+            pool.close()
+
+
+def build(config: CoordinatorConfig) -> Coordinator:
+    store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s)
+    store.ping()
+    limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
+    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout))
+    drafters = Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout)) if config.drafters else None
+    pools = [p for p in (verifiers, drafters) if p is not None]
+    sequences = Sequences(config, store, verifiers, drafters)
+    servicer = CoordinatorServicer(config, sequences, store)
+    return Coordinator(servicer, sequences, store, pools, Refresher(pools, config.resolve_interval_s))
+
+
+async def create_server(address: str, config: CoordinatorConfig, coordinator: Coordinator
+                        ) -> tuple[grpc.aio.Server, int]:
+    def register(server: grpc.aio.Server) -> list[str]:
+        coordinator_grpc.add_CoordinatorServicer_to_server(coordinator.servicer, server)
+        return [SERVICE_NAME]
+
+    return await rpc_server.create_server(address, config.service, "coordinator", register)

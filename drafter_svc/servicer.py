@@ -1,0 +1,138 @@
+"""DrafterServicer: decode -> call `Drafter` -> encode. Nothing else lives here.
+
+Model work runs on one worker thread in arrival order. Draft is idempotent per (sequence, round):
+the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
+of extending the draft KV twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from services.engine.drafter import Drafter
+from services.errors import InvalidRequest
+from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
+from services.rpc import codec
+from services.rpc.errors import rpc_errors
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import drafter as dpb
+from services.rpc.stubs import drafter_grpc
+from drafter_svc.config import DrafterConfig
+
+SERVICE = "drafter"
+
+
+class DrafterServicer(drafter_grpc.DrafterServicer):
+    SERVICE = SERVICE
+
+    def __init__(self, drafter: Drafter, config: DrafterConfig, draft_path: str, max_context: int) -> None:
+        self.drafter = drafter
+        self.config = config
+        self.draft_path = draft_path
+        head = drafter.head.config
+        self.vocab_size = head.vocab_size
+        self.feature_size = head.feature_size
+        self.dtype = drafter.head.embed_tokens.weight.dtype
+        self.max_rows = max_context + codec.MAX_TREE_NODES
+        self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="drafter")
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # ---- RPCs --------------------------------------------------------------------------------------
+
+    @rpc_errors
+    async def Prefill(self, request_iterator, context) -> dpb.DraftResponse:
+        first: dpb.DrafterPrefillRequest | None = None
+        features = None
+        async for msg in request_iterator:
+            if first is None:
+                first = msg
+                seq_id = codec.sequence_id(msg.sequence_id)
+                tokens = codec.token_ids(msg.tokens, self.vocab_size, "prefill")
+                n = len(tokens)
+                if n == 0:
+                    raise InvalidRequest("prefill tokens must hold prompt[1:] and the first token; got none")
+                if not n <= msg.max_rows <= self.max_rows:
+                    raise InvalidRequest(f"max_rows must be in [{n}, {self.max_rows}]; got {msg.max_rows}")
+                features = codec.TensorAssembler("features", dtype=self.dtype, shape=(n, self.feature_size))
+            elif msg.sequence_id or msg.tokens or msg.max_rows:
+                raise InvalidRequest("only the first Prefill message may carry sequence_id, max_rows and tokens")
+            features.add(msg.features)
+        if first is None:
+            raise InvalidRequest("the Prefill stream carried no message")
+        t0 = time.perf_counter()
+        response = await self._call(self._prefill, seq_id, first.max_rows, first.sampling,
+                                    torch.tensor(tokens, dtype=torch.long), features.result())
+        DRAFT_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        return response
+
+    @rpc_errors
+    async def Draft(self, request: dpb.DraftRequest, context) -> dpb.DraftResponse:
+        seq_id = codec.sequence_id(request.sequence_id)
+        if request.round_index < 1:
+            raise InvalidRequest(f"round_index must be >= 1; got {request.round_index}")
+        tokens = codec.token_ids(request.tokens, self.vocab_size, "draft")
+        if not tokens:
+            raise InvalidRequest("draft tokens must hold the accepted tokens and the bonus; got none")
+        features = codec.decode_tensor(request.features, "features", dtype=self.dtype,
+                                       shape=(len(tokens), self.feature_size))
+        t0 = time.perf_counter()
+        response = await self._call(self._draft, seq_id, request.round_index,
+                                    torch.tensor(tokens, dtype=torch.long), features)
+        DRAFT_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        return response
+
+    @rpc_errors
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        seq_id = codec.sequence_id(request.sequence_id)
+        return pb.ReleaseResponse(released=await self._call(self._release, seq_id))
+
+    @rpc_errors
+    async def GetInfo(self, request: pb.InfoRequest, context) -> dpb.DrafterInfo:
+        return dpb.DrafterInfo(draft=self.draft_path, dtype=codec.dtype_name(self.dtype),
+                               feature_kind=codec.WIRE_FEATURE_KINDS[self.drafter.feature_kind],
+                               feature_size=self.feature_size, vocab_size=self.vocab_size,
+                               tree=codec.encode_tree_params(self.drafter.tree),
+                               max_sequences=self.drafter.max_sequences, num_sequences=self.drafter.num_sequences)
+
+    # ---- on the worker thread ------------------------------------------------------------------------
+
+    def _prefill(self, seq_id: str, max_rows: int, sampling: bool, tokens: torch.Tensor,
+                 features: torch.Tensor) -> dpb.DraftResponse:
+        self.drafter.start(seq_id, max_rows, sampling)
+        try:
+            response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features)))
+        except BaseException:
+            self.drafter.release(seq_id)
+            raise
+        self._last[seq_id] = (1, response)  # the prefill's tree is the one round 1 verifies
+        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
+        return response
+
+    def _draft(self, seq_id: str, round_index: int, tokens: torch.Tensor, features: torch.Tensor
+               ) -> dpb.DraftResponse:
+        last = self._last.get(seq_id)
+        if last is not None and round_index == last[0]:
+            return last[1]
+        if last is not None and round_index < last[0]:
+            raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest "
+                                 f"round {last[0]}")
+        response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features)))
+        self._last[seq_id] = (round_index, response)
+        return response
+
+    def _release(self, seq_id: str) -> bool:
+        self._last.pop(seq_id, None)
+        before = self.drafter.num_sequences
+        self.drafter.release(seq_id)
+        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
+        return self.drafter.num_sequences < before

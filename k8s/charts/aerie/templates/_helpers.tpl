@@ -1,0 +1,348 @@
+{{/*
+Names, labels and the pieces every aerie pod shares. Templates call the component helpers with
+(dict "ctx" $ "component" "drafter").
+*/}}
+
+{{- define "aerie.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "aerie.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>", e.g. aerie-drafter. */}}
+{{- define "aerie.componentName" -}}
+{{- printf "%s-%s" (include "aerie.fullname" .ctx | trunc 50 | trimSuffix "-") .component }}
+{{- end }}
+
+{{- define "aerie.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "aerie.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "aerie.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" | trunc 63 }}
+{{ include "aerie.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: aerie
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "aerie.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "aerie.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "aerie.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* In-cluster DNS name of a component's Service. */}}
+{{- define "aerie.serviceHost" -}}
+{{- printf "%s.%s.svc" (include "aerie.componentName" .) .ctx.Release.Namespace }}
+{{- end }}
+
+{{/*
+Redis: the Secret holding the password ("" when there is none), its key, and the URL the coordinator
+gets as AERIE_REDIS_URL. The password enters the URL only through the REDIS_PASSWORD variable
+($(REDIS_PASSWORD) is expanded by the kubelet), so it never appears in a rendered manifest.
+*/}}
+{{- define "aerie.redis.secretName" -}}
+{{- if .Values.redis.enabled }}
+{{- default (include "aerie.componentName" (dict "ctx" . "component" "redis")) .Values.redis.auth.existingSecret }}
+{{- else }}
+{{- .Values.externalRedis.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "aerie.redis.secretKey" -}}
+{{- if .Values.redis.enabled }}
+{{- .Values.redis.auth.existingSecretPasswordKey }}
+{{- else }}
+{{- .Values.externalRedis.existingSecretPasswordKey }}
+{{- end }}
+{{- end }}
+
+{{- define "aerie.redis.url" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:%d/%d" (include "aerie.serviceHost" (dict "ctx" . "component" "redis")) (int .Values.redis.port) (int .Values.redis.db) }}
+{{- else }}
+{{- $url := required "externalRedis.url is required when redis.enabled is false" .Values.externalRedis.url }}
+{{- if not (regexMatch "^rediss?://[^/@]+(/[0-9]*)?$" $url) }}
+{{- fail (printf "externalRedis.url must look like redis://host:port/db or rediss://... without credentials (the password comes from externalRedis.existingSecret); got %q" $url) }}
+{{- end }}
+{{- if .Values.externalRedis.existingSecret }}
+{{- regexReplaceAll "^(rediss?://)" $url (printf "${1}%s:$(REDIS_PASSWORD)@" .Values.externalRedis.username) }}
+{{- else if .Values.externalRedis.username }}
+{{- regexReplaceAll "^(rediss?://)" $url (printf "${1}%s@" .Values.externalRedis.username) }}
+{{- else }}
+{{- $url }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A model path value: absolute paths and "none"/"auto" as given, others under model.mountPath. */}}
+{{- define "aerie.modelPath" -}}
+{{- $p := .path }}
+{{- if or (hasPrefix "/" $p) (has $p (list "none" "auto")) }}
+{{- $p }}
+{{- else }}
+{{- printf "%s/%s" (trimSuffix "/" .ctx.Values.model.mountPath) $p }}
+{{- end }}
+{{- end }}
+
+{{/* ConfigMap data every service shares. */}}
+{{- define "aerie.commonConfig" -}}
+AERIE_HOST: {{ .ctx.Values.config.host | quote }}
+AERIE_LOG_LEVEL: {{ .ctx.Values.config.logLevel | quote }}
+AERIE_METRICS_PORT: {{ .ctx.Values.config.metricsPort | int64 | quote }}
+AERIE_MAX_MESSAGE_BYTES: {{ .ctx.Values.config.maxMessageBytes | int64 | quote }}
+AERIE_DRAIN_S: {{ .ctx.Values.config.drainSeconds | toString | quote }}
+AERIE_CACHE_DIR: {{ .ctx.Values.config.cacheDir | quote }}
+XDG_CACHE_HOME: {{ .ctx.Values.config.cacheDir | quote }}
+HF_HOME: {{ printf "%s/huggingface" .ctx.Values.config.cacheDir | quote }}
+HF_HUB_OFFLINE: "1"
+TRANSFORMERS_OFFLINE: "1"
+TORCHINDUCTOR_CACHE_DIR: {{ printf "%s/inductor" .ctx.Values.config.cacheDir | quote }}
+TRITON_CACHE_DIR: {{ printf "%s/triton" .ctx.Values.config.cacheDir | quote }}
+HOME: "/tmp"
+OTEL_SERVICE_NAME: {{ printf "aerie-%s" .component | quote }}
+{{- with .ctx.Values.otel.endpoint }}
+OTEL_EXPORTER_OTLP_ENDPOINT: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* ConfigMap data for the model settings of drafters and verifiers. */}}
+{{- define "aerie.modelConfig" -}}
+AERIE_DTYPE: {{ .ctx.Values.model.dtype | quote }}
+{{- with .ctx.Values.model.target }}
+AERIE_TARGET: {{ include "aerie.modelPath" (dict "ctx" $.ctx "path" .) | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "aerie.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.fsGroup }}
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "aerie.containerSecurityContext" -}}
+runAsNonRoot: true
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Pod-template annotations: roll pods when their ConfigMap changes. Also checks that the
+termination grace outlasts the drain. */}}
+{{- define "aerie.podAnnotations" -}}
+{{- $grace := (index .ctx.Values .component).terminationGracePeriodSeconds }}
+{{- if le (float64 $grace) (float64 .ctx.Values.config.drainSeconds) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed config.drainSeconds (%v)" .component $grace .ctx.Values.config.drainSeconds) }}
+{{- end -}}
+checksum/config: {{ include (print .ctx.Template.BasePath "/configmap.yaml") .ctx | sha256sum }}
+{{- with (index .ctx.Values .component).podAnnotations }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Environment every aerie container gets besides its ConfigMap: pod identity for traces. */}}
+{{- define "aerie.podEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
+{{- end }}
+
+{{/* gRPC startup, readiness and liveness probes on a port (the standard gRPC health service). */}}
+{{- define "aerie.grpcProbes" -}}
+{{- $p := .ctx.Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+{{- end }}
+
+{{/* Ports of an aerie container: gRPC and metrics. */}}
+{{- define "aerie.containerPorts" -}}
+- name: grpc
+  containerPort: {{ .port }}
+  protocol: TCP
+- name: metrics
+  containerPort: {{ .ctx.Values.config.metricsPort }}
+  protocol: TCP
+{{- end }}
+
+{{/* Writable scratch mounts (the root filesystem is read-only). */}}
+{{- define "aerie.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: {{ .Values.config.cacheDir }}
+{{- end }}
+
+{{- define "aerie.scratchVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.config.tmpSizeLimit }}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .Values.config.cacheSizeLimit }}
+{{- end }}
+
+{{/* The model volume of drafter and verifier pods (none when the model is baked into the image). */}}
+{{- define "aerie.modelVolume" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "pvc" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source is pvc" $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: models
+  hostPath:
+    path: {{ required "model.hostPath.path is required when model.source is hostPath" $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "emptyDir" }}
+- name: models
+  emptyDir:
+    sizeLimit: {{ $m.emptyDir.sizeLimit }}
+{{- else if ne $m.source "image" }}
+{{- fail (printf "model.source must be one of image, pvc, hostPath, emptyDir; got %q" $m.source) }}
+{{- end }}
+{{- end }}
+
+{{- define "aerie.modelMount" -}}
+{{- if ne .Values.model.source "image" }}
+- name: models
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+Init containers that fill the model volume; they run before aerie in drafter and verifier pods. One
+without a securityContext gets the restricted one, and one without volumeMounts gets the model volume.
+*/}}
+{{- define "aerie.modelInitContainers" -}}
+{{- range .Values.model.initContainers }}
+- {{ toYaml (omit . "securityContext" "volumeMounts") | nindent 2 | trim }}
+  securityContext:
+    {{- if .securityContext }}
+    {{- toYaml .securityContext | nindent 4 }}
+    {{- else }}
+    {{- include "aerie.containerSecurityContext" $ | nindent 4 }}
+    {{- end }}
+  {{- if .volumeMounts }}
+  volumeMounts:
+    {{- toYaml .volumeMounts | nindent 4 }}
+  {{- else if ne $.Values.model.source "image" }}
+  volumeMounts:
+    - name: models
+      mountPath: {{ $.Values.model.mountPath }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* GPU resources merged into a container's resources. */}}
+{{- define "aerie.resources" -}}
+{{- $res := deepCopy (default dict .resources) }}
+{{- if gt (int .gpus) 0 }}
+{{- $gpu := dict .ctx.Values.gpuResourceName (int .gpus) }}
+{{- $_ := set $res "limits" (merge (default dict (get $res "limits")) $gpu) }}
+{{- $_ := set $res "requests" (merge (default dict (get $res "requests")) $gpu) }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* HorizontalPodAutoscaler (autoscaling/v2) for a component's workload. */}}
+{{- define "aerie.hpa" -}}
+{{- $a := (index .ctx.Values .component).autoscaling }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "aerie.componentName" . }}
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "aerie.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: {{ .kind }}
+    name: {{ include "aerie.componentName" . }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  metrics:
+    {{- with $a.targetCPUUtilizationPercentage }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ . }}
+    {{- end }}
+    {{- with $a.metrics }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+
+{{/* PodDisruptionBudget (policy/v1) for a component. */}}
+{{- define "aerie.pdb" -}}
+{{- $p := (index .ctx.Values .component).pdb }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "aerie.componentName" . }}
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "aerie.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ $p.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "aerie.selectorLabels" . | nindent 6 }}
+{{- end }}

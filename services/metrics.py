@@ -1,0 +1,43 @@
+"""Prometheus metrics of the aerie services (prometheus-client), one endpoint per process.
+
+Every metric carries a `service` label (coordinator | drafter | verifier), so processes that share a
+registry (tests running all three in one process) stay distinguishable. Latencies are seconds.
+
+    aerie_round_seconds{service}            one draft -> verify -> commit round (coordinator)
+    aerie_accept_length{service}            tokens a round produced: accepted drafts + bonus (coordinator)
+    aerie_draft_seconds{service}            growing a tree (coordinator: the RPC; drafter: the work)
+    aerie_verify_seconds{service}           verifying a tree / decoding (coordinator: RPC; verifier: work)
+    aerie_prefill_seconds{service}          the prompt forward
+    aerie_commit_seconds{service}           the Redis commit of a round (coordinator)
+    aerie_tokens_generated_total{service}   committed tokens (coordinator)
+    aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
+    aerie_requests_failed_total{service,code}  calls that ended with an error status
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+ROUND_SECONDS = Histogram("aerie_round_seconds", "Latency of one draft/verify/commit round", ["service"],
+                          buckets=_LATENCY)
+ACCEPT_LENGTH = Histogram("aerie_accept_length", "Tokens produced per round (accepted drafts + bonus)",
+                          ["service"], buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
+DRAFT_SECONDS = Histogram("aerie_draft_seconds", "Latency of growing a draft tree", ["service"], buckets=_LATENCY)
+VERIFY_SECONDS = Histogram("aerie_verify_seconds", "Latency of verifying a tree (or one decode step)",
+                           ["service"], buckets=_LATENCY)
+PREFILL_SECONDS = Histogram("aerie_prefill_seconds", "Latency of the prompt forward", ["service"], buckets=_LATENCY)
+COMMIT_SECONDS = Histogram("aerie_commit_seconds", "Latency of committing a round to Redis", ["service"],
+                           buckets=_LATENCY)
+TOKENS_GENERATED = Counter("aerie_tokens_generated", "Committed output tokens", ["service"])
+SEQUENCES_IN_FLIGHT = Gauge("aerie_sequences_in_flight", "Sequences running or holding KV", ["service"])
+REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
+
+
+def serve_metrics(port: int | None, host: str = "0.0.0.0") -> int | None:
+    """Start the /metrics HTTP endpoint; port 0 picks a free one. Returns the port (None = off)."""
+    if port is None:
+        return None
+    server, _thread = start_http_server(port, addr=host)
+    return int(server.server_port)

@@ -1,0 +1,31 @@
+"""Client channels: message-size limits, the tracing interceptor, and retries.
+
+Retries live in the service config and only for UNAVAILABLE on calls that are idempotent: Draft,
+Verify and Decode (each keyed by (sequence_id, round_index) on the server), Release and GetInfo.
+Prefill is never retried (a second one finds the sequence already there). Callers always pass a
+deadline (`timeout=`) per call.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from services.rpc.interceptors import ClientTracing
+from services.rpc.server import message_options
+
+_RETRIED = [("aerie.v1.Drafter", m) for m in ("Draft", "Release", "GetInfo")] + \
+           [("aerie.v1.Verifier", m) for m in ("Verify", "Decode", "Release", "GetInfo")] + \
+           [("aerie.v1.Coordinator", m) for m in ("GetSequence", "Cancel")]
+SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": s, "method": m} for s, m in _RETRIED],
+    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "1s",
+                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+
+
+def open_channel(address: str, max_message_bytes: int) -> grpc.Channel:
+    options = [*message_options(max_message_bytes), ("grpc.service_config", SERVICE_CONFIG),
+               ("grpc.enable_retries", 1)]
+    return grpc.intercept_channel(grpc.insecure_channel(address, options=options), ClientTracing())

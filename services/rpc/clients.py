@@ -1,0 +1,201 @@
+"""The gRPC implementations of the engine's roles (`services.engine.roles`): `RemoteVerifier` and
+`RemoteDrafter` have the in-process classes' methods and results, so `Engine` drives them unchanged.
+
+    verifiers = VerifierClient("10.0.0.7:50052", max_message_bytes, timeout_s)   # one per replica
+    engine = Engine(verifiers.for_sequence(kind, phases), drafters.for_sequence(phases), ...)
+
+`VerifierClient` / `DrafterClient` hold one channel per replica, shared by every sequence placed
+there; `for_sequence` returns the per-sequence role object. Every call has a deadline; a failed call
+raises `DownstreamError` naming the replica and keeping the downstream status code. `phases` (see
+`Phases`) lets the caller wrap each call in a tracing span for its round. These classes are
+synchronous (the coordinator drives each sequence's engine on its own thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import ContextManager, Protocol
+
+import grpc
+import torch
+
+from services.engine.verifier import PrefillResult, VerifyResult
+from services.rpc import codec
+from services.rpc.channel import open_channel
+from services.rpc.config import MESSAGE_OVERHEAD
+from services.rpc.errors import DownstreamError
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import drafter as dpb
+from services.rpc.stubs import drafter_grpc
+from services.rpc.stubs import verifier as vpb
+from services.rpc.stubs import verifier_grpc
+from services.spec.sampling import SamplingParams
+from services.spec.tree import DraftTree, TreeParams
+
+log = logging.getLogger("aerie.rpc")
+RELEASE_TIMEOUT_S = 10.0
+
+
+class Phases(Protocol):
+    def phase(self, round_index: int, name: str) -> ContextManager:
+        """Context for the `name` ('draft' | 'verify') call of round `round_index`."""
+
+
+class _NoPhases:
+    def phase(self, round_index: int, name: str) -> ContextManager:
+        return contextlib.nullcontext()
+
+
+NO_PHASES = _NoPhases()
+
+
+class ServiceClient:
+    role = "service"
+
+    def __init__(self, address: str, max_message_bytes: int, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.chunk_bytes = max_message_bytes - MESSAGE_OVERHEAD
+        self.channel = open_channel(address, max_message_bytes)
+        self._info = None
+
+    def call(self, method, request, timeout_s: float | None = None):
+        """One unary call with a deadline; failures become DownstreamError."""
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise DownstreamError.from_rpc(e, self.role, self.address) from None
+
+    def info(self, refresh: bool = False):
+        if self._info is None or refresh:
+            self._info = self.call(self.stub.GetInfo, pb.InfoRequest())
+        return self._info
+
+    def release(self, seq_id: str) -> None:
+        """Best effort: release runs in the engine's `finally` and must not mask the real error.
+        Its deadline is at least RELEASE_TIMEOUT_S, so a round that timed out still frees its KV."""
+        try:
+            self.call(self.stub.Release, pb.ReleaseRequest(sequence_id=seq_id),
+                      max(self.timeout_s, RELEASE_TIMEOUT_S))
+        except DownstreamError as e:
+            log.warning("release of %s on %s %s failed: %s", seq_id, self.role, self.address, e)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class VerifierClient(ServiceClient):
+    role = "verifier"
+
+    def __init__(self, address: str, max_message_bytes: int, timeout_s: float) -> None:
+        super().__init__(address, max_message_bytes, timeout_s)
+        self.stub = verifier_grpc.VerifierStub(self.channel)
+
+    def for_sequence(self, feature_kind: str, phases: Phases = NO_PHASES) -> RemoteVerifier:
+        return RemoteVerifier(self, feature_kind, phases)
+
+
+class DrafterClient(ServiceClient):
+    role = "drafter"
+
+    def __init__(self, address: str, max_message_bytes: int, timeout_s: float) -> None:
+        super().__init__(address, max_message_bytes, timeout_s)
+        self.stub = drafter_grpc.DrafterStub(self.channel)
+
+    def for_sequence(self, phases: Phases = NO_PHASES) -> RemoteDrafter:
+        return RemoteDrafter(self, phases)
+
+
+class RemoteVerifier:
+    """The verifier role over gRPC (see services.engine.roles.VerifierRole)."""
+
+    def __init__(self, client: VerifierClient, feature_kind: str, phases: Phases) -> None:
+        self.client = client
+        self.feature_kind = feature_kind
+        self.phases = phases
+        self.vocab_size = int(client.info().vocab_size)
+
+    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int) -> PrefillResult:
+        request = vpb.VerifierPrefillRequest(
+            sequence_id=seq_id, prompt_ids=prompt.tolist(), sampling=codec.encode_sampling(sampling),
+            capacity=capacity, feature_kind=codec.WIRE_FEATURE_KINDS[self.feature_kind])
+        rows = 0 if self.feature_kind == "none" else len(prompt)  # plain decoding gets no features
+        features = codec.TensorAssembler("features", shape=(rows, None))
+        first_token = None
+        with self.phases.phase(0, "verify"):
+            try:
+                for msg in self.client.stub.Prefill(request, timeout=self.client.timeout_s):
+                    if first_token is None:
+                        first_token = int(msg.first_token)
+                    features.add(msg.features)
+            except grpc.RpcError as e:
+                raise DownstreamError.from_rpc(e, self.client.role, self.client.address) from None
+        return PrefillResult(first_token, features.result())
+
+    def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+        request = vpb.VerifyRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree))
+        with self.phases.phase(round_index, "verify"):
+            response = self.client.call(self.client.stub.Verify, request)
+        return codec.decode_verify_result(response)
+
+    def decode(self, seq_id: str, token: int, round_index: int) -> int:
+        request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token)
+        with self.phases.phase(round_index, "verify"):
+            return int(self.client.call(self.client.stub.Decode, request).token)
+
+    def release(self, seq_id: str) -> None:
+        self.client.release(seq_id)
+
+
+class RemoteDrafter:
+    """The drafter role over gRPC (see services.engine.roles.DrafterRole). `start` only records the
+    parameters: the first `draft` sends them with the prompt features in one streamed Prefill."""
+
+    def __init__(self, client: DrafterClient, phases: Phases) -> None:
+        self.client = client
+        self.phases = phases
+        info = client.info()
+        self.tree: TreeParams = codec.decode_tree_params(info.tree)
+        self.vocab_size = int(info.vocab_size)
+        self._feature_kind = codec.FEATURE_KINDS[info.feature_kind]
+        self._pending: dict[str, tuple[int, bool]] = {}  # started, not yet prefilled
+        self._round: dict[str, int] = {}  # the round the latest tree is for
+
+    @property
+    def feature_kind(self) -> str:
+        return self._feature_kind
+
+    def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
+        self._pending[seq_id] = (max_rows, sampling)
+
+    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor) -> DraftTree:
+        if seq_id in self._pending:
+            max_rows, sampling = self._pending.pop(seq_id)
+            round_index = 1
+            self._round[seq_id] = 0  # prefilled (or partly): release must reach the drafter
+            with self.phases.phase(round_index, "draft"):
+                response = self.client.call(self.client.stub.Prefill,
+                                            self._prefill_messages(seq_id, max_rows, sampling, tokens, features))
+        else:
+            round_index = self._round.get(seq_id, 0) + 1
+            request = dpb.DraftRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
+                                       features=codec.encode_tensor(features))
+            with self.phases.phase(round_index, "draft"):
+                response = self.client.call(self.client.stub.Draft, request)
+        self._round[seq_id] = round_index
+        return codec.decode_tree(response.tree, self.vocab_size)
+
+    def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features):
+        # the first message also carries the token ids (<= 10 bytes each as varints)
+        chunks = codec.tensor_chunks(features, self.client.chunk_bytes,
+                                     self.client.chunk_bytes - 10 * int(tokens.numel()))
+        yield dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=max_rows, sampling=sampling,
+                                        tokens=tokens.tolist(), features=next(chunks))
+        for chunk in chunks:
+            yield dpb.DrafterPrefillRequest(features=chunk)
+
+    def release(self, seq_id: str) -> None:
+        self._pending.pop(seq_id, None)
+        if self._round.pop(seq_id, None) is not None:
+            self.client.release(seq_id)

@@ -1,0 +1,301 @@
+"""The one codec: aerie's dataclasses and tensors <-> `aerie.v1` messages, with input validation.
+
+Every message that crosses a process boundary is converted here and nowhere else. Decoders check
+what a peer sent and raise `InvalidRequest` naming the field (the servicer edge maps it to
+INVALID_ARGUMENT): an unknown dtype, bytes that do not match dtype x shape, a wrong dtype or shape,
+an oversize tensor, token ids outside the vocabulary, a malformed tree, a bad sequence id.
+It knows nothing about gRPC status codes, channels or sessions.
+
+Tensors travel as raw row-major bytes in little-endian order, the native order of every platform
+aerie runs on (x86-64, aarch64): encoding is one memcpy, decoding one `frombuffer`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from services.engine.engine import GenerationRequest, RoundStats
+from services.engine.verifier import VerifyResult
+from services.errors import InvalidRequest
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import coordinator as cpb
+from services.rpc.stubs import verifier as vpb
+from services.spec.sampling import SamplingParams
+from services.spec.tree import DraftTree, TreeParams
+from services.spec.verify import Acceptance
+
+assert sys.byteorder == "little", "the tensor codec writes native byte order, which must be little-endian"
+
+DTYPES: dict[int, torch.dtype] = {
+    pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_INT64: torch.int64, pb.DTYPE_INT32: torch.int32, pb.DTYPE_BOOL: torch.bool,
+}
+WIRE_DTYPES = {v: k for k, v in DTYPES.items()}
+FEATURE_KINDS = {pb.FEATURE_KIND_HIDDEN: "hidden", pb.FEATURE_KIND_TAPS: "taps", pb.FEATURE_KIND_NONE: "none"}
+WIRE_FEATURE_KINDS = {v: k for k, v in FEATURE_KINDS.items()}
+SEQUENCE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_TREE_NODES = 4096  # far above any useful tree (EAGLE-2 uses 60); bounds the [N, N] mask
+DEFAULT_MAX_NEW_TOKENS = 128  # a GenerateRequest without max_new_tokens (the CLI's default too)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- ids ---------------------------------------------------------------------------------------
+
+
+def sequence_id(value: str) -> str:
+    if not SEQUENCE_ID.fullmatch(value):
+        raise InvalidRequest(f"sequence_id must be 1-128 characters from [A-Za-z0-9._:-]; got {value!r}")
+    return value
+
+
+def token_ids(values: Iterable[int], vocab_size: int, field: str) -> list[int]:
+    """Check every id is in [0, vocab_size). Message as the engine's: 'prompt token id 999 at
+    position 1 is outside the vocabulary [0, 128)'."""
+    ids = list(values)
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < vocab_size:
+            raise InvalidRequest(
+                f"{field} token id {tok} at position {i} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _from_raw(data: bytes | bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+    return pb.Tensor(dtype=WIRE_DTYPES[t.dtype], shape=list(t.shape), data=_raw(t))
+
+
+def _check_meta(field: str, msg: pb.Tensor, dtype: torch.dtype | None,
+                shape: Sequence[int | None] | None, max_bytes: int | None) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """-> (dtype, shape, byte size) after checking them against the expectation."""
+    if msg.dtype not in DTYPES:
+        raise InvalidRequest(f"{field} has an unknown dtype ({msg.dtype}); expected one of "
+                             f"{sorted(dtype_name(d) for d in DTYPES.values())}")
+    dt = DTYPES[msg.dtype]
+    dims = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in dims):
+        raise InvalidRequest(f"{field} has a negative dimension in its shape {list(dims)}")
+    if dtype is not None and dt != dtype:
+        raise InvalidRequest(f"{field} must be {dtype_name(dtype)}; got {dtype_name(dt)}")
+    if shape is not None and (len(dims) != len(shape) or any(e is not None and e != d for e, d in zip(shape, dims))):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise InvalidRequest(f"{field} must have shape {want}; got {list(dims)}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    size = numel * dt.itemsize
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidRequest(f"{field} is {size} bytes (shape {list(dims)}), over the limit of {max_bytes}")
+    return dt, dims, size
+
+
+def decode_tensor(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
+                  shape: Sequence[int | None] | None = None, max_bytes: int | None = None) -> torch.Tensor:
+    """A tensor from one message. `shape` entries of None match any size."""
+    dt, dims, size = _check_meta(field, msg, dtype, shape, max_bytes)
+    if len(msg.data) != size:
+        raise InvalidRequest(f"{field} has {len(msg.data)} bytes; dtype {dtype_name(dt)} and shape "
+                             f"{list(dims)} need {size}")
+    return _from_raw(msg.data, dt, dims)
+
+
+def tensor_chunks(t: torch.Tensor, chunk_bytes: int, first_chunk_bytes: int | None = None) -> Iterator[pb.Tensor]:
+    """The chunked form: the first message carries dtype, shape and the first slice of the bytes
+    (`first_chunk_bytes`, default `chunk_bytes`: less when that message carries other large fields)."""
+    data = _raw(t)
+    first = chunk_bytes if first_chunk_bytes is None else max(0, min(first_chunk_bytes, chunk_bytes))
+    yield pb.Tensor(dtype=WIRE_DTYPES[t.dtype], shape=list(t.shape), data=data[:first])
+    for offset in range(first, len(data), chunk_bytes):
+        yield pb.Tensor(data=data[offset:offset + chunk_bytes])
+
+
+class TensorAssembler:
+    """Rebuilds a chunked tensor, checking dtype, shape and size as soon as the first chunk arrives
+    (an oversize tensor is refused before its bytes are received)."""
+
+    def __init__(self, field: str, *, dtype: torch.dtype | None = None,
+                 shape: Sequence[int | None] | None = None, max_bytes: int | None = None) -> None:
+        self.field, self.dtype, self.shape, self.max_bytes = field, dtype, shape, max_bytes
+        self._meta: tuple[torch.dtype, tuple[int, ...], int] | None = None
+        self._data = bytearray()
+
+    def add(self, msg: pb.Tensor) -> None:
+        if self._meta is None:
+            self._meta = _check_meta(self.field, msg, self.dtype, self.shape, self.max_bytes)
+        elif msg.dtype or msg.shape:
+            raise InvalidRequest(f"{self.field}: only the first chunk may carry dtype and shape")
+        self._data += msg.data
+        if len(self._data) > self._meta[2]:
+            raise InvalidRequest(f"{self.field}: chunks add up to more than the {self._meta[2]} bytes "
+                                 f"its dtype and shape need")
+
+    def result(self) -> torch.Tensor:
+        if self._meta is None:
+            raise InvalidRequest(f"{self.field} is missing")
+        dt, dims, size = self._meta
+        if len(self._data) != size:
+            raise InvalidRequest(f"{self.field} has {len(self._data)} bytes; dtype {dtype_name(dt)} and "
+                                 f"shape {list(dims)} need {size}")
+        return _from_raw(self._data, dt, dims)
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+
+def encode_sampling(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+
+
+def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
+    """Validated by SamplingParams itself (InvalidRequest naming the field)."""
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+                          top_k=msg.top_k, seed=msg.seed)
+
+
+def encode_tree_params(t: TreeParams) -> pb.TreeParams:
+    return pb.TreeParams(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens)
+
+
+def decode_tree_params(msg: pb.TreeParams) -> TreeParams:
+    return TreeParams(msg.top_k, msg.depth, msg.total_tokens)
+
+
+def feature_kind(value: int) -> str:
+    try:
+        return FEATURE_KINDS[value]
+    except KeyError:
+        raise InvalidRequest(f"feature_kind must be HIDDEN, TAPS or NONE; got {value}") from None
+
+
+# ---- draft trees ---------------------------------------------------------------------------------
+
+
+def encode_tree(tree: DraftTree) -> pb.DraftTree:
+    return pb.DraftTree(tokens=encode_tensor(tree.tokens.long()), parents=encode_tensor(tree.parents.long()),
+                        paths=encode_tensor(tree.paths.long()), scores=encode_tensor(tree.scores.float()))
+
+
+def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NODES) -> DraftTree:
+    """Rebuild a DraftTree, recomputing depths and the ancestor mask from `parents` and checking that
+    every path is a root-to-leaf chain, so a malformed tree can never index out of range."""
+    tokens = decode_tensor(msg.tokens, "tree.tokens", dtype=torch.int64, shape=(None,))
+    n = int(tokens.shape[0])
+    if not 1 <= n <= max_nodes:
+        raise InvalidRequest(f"tree must have 1 to {max_nodes} nodes; got {n}")
+    token_ids(tokens.tolist(), vocab_size, "tree")
+    parents = decode_tensor(msg.parents, "tree.parents", dtype=torch.int64, shape=(n,))
+    scores = decode_tensor(msg.scores, "tree.scores", dtype=torch.float32, shape=(n,))
+    plist = parents.tolist()
+    if plist[0] != -1:
+        raise InvalidRequest(f"tree.parents[0] must be -1 (node 0 is the root); got {plist[0]}")
+    for i, p in enumerate(plist[1:], start=1):
+        if not 0 <= p < i:
+            raise InvalidRequest(f"tree.parents[{i}] must be in [0, {i}) (parents precede children); got {p}")
+    depths, mask = _ancestors(parents)
+    width = int(depths.max()) + 1
+    paths = decode_tensor(msg.paths, "tree.paths", dtype=torch.int64, shape=(None, width))
+    if paths.shape[0] < 1:
+        raise InvalidRequest("tree.paths must hold at least one path")
+    if bool(((paths < -1) | (paths >= n)).any()):
+        raise InvalidRequest(f"tree.paths entries must be node indices in [0, {n}) or -1 (padding)")
+    if bool((paths[:, 0] != 0).any()):
+        raise InvalidRequest("every row of tree.paths must start at the root (node 0)")
+    real = paths >= 0
+    if bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise InvalidRequest("tree.paths rows may be padded with -1 only at the end")
+    cur, prev = paths[:, 1:], paths[:, :-1]
+    linked = torch.where(cur >= 0, parents[cur.clamp(min=0)] == prev, torch.ones_like(real[:, 1:]))
+    if not bool(linked.all()):
+        row = int((~linked).any(dim=1).nonzero()[0])
+        raise InvalidRequest(f"tree.paths row {row} is not a root-to-leaf chain of tree.parents")
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask, paths=paths, scores=scores)
+
+
+def _ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [N] (parents precede children) -> (depths [N], mask [N, N] ancestors-or-self).
+    Walks every node's chain to the root at once: max_depth hops of vectorised gathers.
+    Example: parents [-1, 0, 0, 1] -> depths [0, 1, 1, 2]; mask row 3 = [1, 1, 0, 1]."""
+    n = parents.shape[0]
+    up = parents.clone()
+    up[0] = 0
+    rows = torch.arange(n)
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    depths = torch.zeros(n, dtype=torch.long)
+    cur = rows
+    while True:
+        moving = cur != 0
+        if not bool(moving.any()):
+            return depths, mask
+        depths += moving
+        cur = up[cur]
+        mask[rows, cur] = True
+
+
+# ---- verification --------------------------------------------------------------------------------
+
+
+def encode_verify_result(res: VerifyResult) -> vpb.VerifyResponse:
+    acc = res.acceptance
+    return vpb.VerifyResponse(path=acc.path, accept_length=acc.accept_length, nodes=acc.nodes.tolist(),
+                              tokens=acc.tokens.tolist(), bonus=acc.bonus, features=encode_tensor(res.features))
+
+
+def decode_verify_result(msg: vpb.VerifyResponse) -> VerifyResult:
+    m = msg.accept_length
+    if len(msg.nodes) != m + 1 or len(msg.tokens) != m + 1:
+        raise InvalidRequest(f"verify result has {len(msg.nodes)} nodes and {len(msg.tokens)} tokens for "
+                             f"accept_length {m}")
+    acc = Acceptance(path=msg.path, accept_length=m, nodes=torch.tensor(list(msg.nodes), dtype=torch.long),
+                     tokens=torch.tensor(list(msg.tokens), dtype=torch.long), bonus=msg.bonus)
+    return VerifyResult(acc, decode_tensor(msg.features, "features", shape=(m + 1, None)))
+
+
+# ---- the public API ------------------------------------------------------------------------------
+
+
+def encode_generation_request(req: GenerationRequest, seq_id: str = "") -> cpb.GenerateRequest:
+    return cpb.GenerateRequest(prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                               sampling=encode_sampling(req.sampling), stop_token_ids=list(req.stop_token_ids),
+                               ignore_eos=req.ignore_eos, sequence_id=seq_id)
+
+
+def decode_generation_request(msg: cpb.GenerateRequest, max_new_tokens_limit: int) -> GenerationRequest:
+    """Parameters only; token ids against the vocabulary are the engine's `validate`."""
+    n = msg.max_new_tokens if msg.HasField("max_new_tokens") else min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
+    if n > max_new_tokens_limit:
+        raise InvalidRequest(f"max_new_tokens must be <= {max_new_tokens_limit} on this coordinator; got {n}")
+    return GenerationRequest(prompt_ids=tuple(msg.prompt_ids), max_new_tokens=n,
+                             sampling=decode_sampling(msg.sampling), stop_token_ids=tuple(msg.stop_token_ids),
+                             ignore_eos=msg.ignore_eos)
+
+
+def encode_stats(s: RoundStats, commit_s: float = 0.0) -> cpb.RoundStats:
+    return cpb.RoundStats(index=s.index, accept_length=s.accept_length, tree_size=s.tree_size,
+                          tree_depth=s.tree_depth, draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s)
+
+
+def decode_stats(msg: cpb.RoundStats) -> RoundStats:
+    return RoundStats(index=msg.index, accept_length=msg.accept_length, tree_size=msg.tree_size,
+                      tree_depth=msg.tree_depth, draft_s=msg.draft_s, verify_s=msg.verify_s)

@@ -1,0 +1,96 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_BOOL: _ClassVar[DType]
+
+class FeatureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FEATURE_KIND_UNSPECIFIED: _ClassVar[FeatureKind]
+    FEATURE_KIND_HIDDEN: _ClassVar[FeatureKind]
+    FEATURE_KIND_TAPS: _ClassVar[FeatureKind]
+    FEATURE_KIND_NONE: _ClassVar[FeatureKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+DTYPE_INT64: DType
+DTYPE_INT32: DType
+DTYPE_BOOL: DType
+FEATURE_KIND_UNSPECIFIED: FeatureKind
+FEATURE_KIND_HIDDEN: FeatureKind
+FEATURE_KIND_TAPS: FeatureKind
+FEATURE_KIND_NONE: FeatureKind
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TreeParams(_message.Message):
+    __slots__ = ("top_k", "depth", "total_tokens")
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    top_k: int
+    depth: int
+    total_tokens: int
+    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("tokens", "parents", "paths", "scores")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    tokens: Tensor
+    parents: Tensor
+    paths: Tensor
+    scores: Tensor
+    def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., paths: _Optional[_Union[Tensor, _Mapping]] = ..., scores: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("sequence_id",)
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    def __init__(self, sequence_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

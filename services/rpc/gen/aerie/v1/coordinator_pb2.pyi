@@ -1,0 +1,128 @@
+from aerie.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SequenceStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEQUENCE_STATUS_UNSPECIFIED: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_RUNNING: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_FINISHED: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_CANCELLED: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_FAILED: _ClassVar[SequenceStatus]
+SEQUENCE_STATUS_UNSPECIFIED: SequenceStatus
+SEQUENCE_STATUS_RUNNING: SequenceStatus
+SEQUENCE_STATUS_FINISHED: SequenceStatus
+SEQUENCE_STATUS_CANCELLED: SequenceStatus
+SEQUENCE_STATUS_FAILED: SequenceStatus
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: _common_pb2.SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    sequence_id: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sequence_id: _Optional[str] = ...) -> None: ...
+
+class RoundStats(_message.Message):
+    __slots__ = ("index", "accept_length", "tree_size", "tree_depth", "draft_s", "verify_s", "commit_s")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_S_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    accept_length: int
+    tree_size: int
+    tree_depth: int
+    draft_s: float
+    verify_s: float
+    commit_s: float
+    def __init__(self, index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("drafter", "verifier")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    verifier: str
+    def __init__(self, drafter: _Optional[str] = ..., verifier: _Optional[str] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("placement", "target", "draft", "tree")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    target: str
+    draft: str
+    tree: _common_pb2.TreeParams
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    stats: RoundStats
+    finish_reason: str
+    info: SequenceInfo
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("sequence_id",)
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    def __init__(self, sequence_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: SequenceStatus
+    def __init__(self, status: _Optional[_Union[SequenceStatus, str]] = ...) -> None: ...
+
+class GetSequenceRequest(_message.Message):
+    __slots__ = ("sequence_id",)
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    def __init__(self, sequence_id: _Optional[str] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("sequence_id", "prompt_ids", "tokens", "status", "finish_reason", "round", "placement", "error")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    status: SequenceStatus
+    finish_reason: str
+    round: int
+    placement: Placement
+    error: str
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., finish_reason: _Optional[str] = ..., round: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...

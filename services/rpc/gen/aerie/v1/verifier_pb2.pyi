@@ -1,0 +1,92 @@
+from aerie.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifierPrefillRequest(_message.Message):
+    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_KIND_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    capacity: int
+    feature_kind: _common_pb2.FeatureKind
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ...) -> None: ...
+
+class VerifierPrefillResponse(_message.Message):
+    __slots__ = ("first_token", "features")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    features: _common_pb2.Tensor
+    def __init__(self, first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("sequence_id", "round_index", "tree")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    round_index: int
+    tree: _common_pb2.DraftTree
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("path", "accept_length", "nodes", "tokens", "bonus", "features")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    path: int
+    accept_length: int
+    nodes: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    bonus: int
+    features: _common_pb2.Tensor
+    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("sequence_id", "round_index", "token")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    round_index: int
+    token: int
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    def __init__(self, token: _Optional[int] = ...) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    dtype: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_sequences: int
+    num_sequences: int
+    max_prompt_tokens: int
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., num_sequences: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,99 @@
+"""Cross-cutting gRPC state: the W3C trace context travels in call metadata.
+
+`ClientTracing` (sync channels) adds `traceparent` for the caller's current span; `ServerTracing`
+(grpc.aio servers) opens a SERVER span under it for the duration of the call, so one request's spans
+from the coordinator, drafter and verifier form one trace. Both do nothing when tracing is off
+(`telemetry.enabled()` is False) or the call carries no trace context (health probes).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import grpc
+
+from services import telemetry
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    @staticmethod
+    def _details(d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        if not telemetry.enabled():
+            return d
+        metadata = list(d.metadata or ())
+        telemetry.inject(metadata)
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+class ServerTracing(grpc.aio.ServerInterceptor):
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not telemetry.enabled():
+            return handler
+        parent = telemetry.extract(handler_call_details.invocation_metadata)
+        if parent is None:
+            return handler
+        method = handler_call_details.method.lstrip("/")  # "aerie.v1.Verifier/Verify"
+        attributes = {telemetry.SERVICE: self.service, "rpc.system": "grpc", "rpc.method": method}
+        return _traced(handler, lambda: telemetry.begin_span(method, parent, "server", attributes))
+
+
+def _traced(handler: grpc.RpcMethodHandler, new_span) -> grpc.RpcMethodHandler:
+    """The same handler with every call wrapped in a span (ended however the call ends). The span is
+    the current one while the handler runs. grpc.aio tells streaming handlers from unary ones by
+    their function type, so each wrapper is a real coroutine / async generator function."""
+    des, ser = handler.request_deserializer, handler.response_serializer
+    inner = handler.unary_unary or handler.stream_unary or handler.unary_stream or handler.stream_stream
+
+    async def unary(request, context):
+        span = new_span()
+        try:
+            with telemetry.use_span(span):
+                return await inner(request, context)
+        except Exception as e:
+            telemetry.record_error(span, e)
+            raise
+        finally:
+            span.end()
+
+    async def stream(request, context):
+        span = new_span()
+        try:
+            with telemetry.use_span(span):
+                async for item in inner(request, context):
+                    yield item
+        except Exception as e:
+            telemetry.record_error(span, e)
+            raise
+        finally:
+            span.end()
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, des, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, des, ser)
+    return grpc.stream_stream_rpc_method_handler(stream, des, ser)

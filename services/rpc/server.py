@@ -1,0 +1,90 @@
+"""gRPC server plumbing: the `create_server` factory every service uses, and the process loop that
+serves until SIGTERM/SIGINT and then drains.
+
+    server, port = await create_server("127.0.0.1:0", config, "verifier", register)
+
+The server is a started `grpc.aio` server with the standard health service (every registered service
+and "" SERVING), the tracing interceptor and message-size limits. On SIGTERM `serve_forever` marks
+health NOT_SERVING, stops accepting calls and gives in-flight calls `drain_s` seconds to finish
+(a round in progress completes), then runs the service's own `on_stop` hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services import telemetry
+from services.metrics import serve_metrics
+from services.rpc.config import ServiceConfig
+from services.rpc.interceptors import ServerTracing
+
+log = logging.getLogger("aerie.rpc")
+_HEALTH: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+async def create_server(address: str, config: ServiceConfig, service: str,
+                        register: Callable[[grpc.aio.Server], Sequence[str]]) -> tuple[grpc.aio.Server, int]:
+    """A started server on `address` (port 0 = any free port). `register` adds the servicers and
+    returns their full service names (for the health service)."""
+    server = grpc.aio.server(interceptors=[ServerTracing(service)], options=message_options(config.max_message_bytes))
+    names = register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(address)
+    await server.start()
+    _HEALTH[server] = health_servicer
+    return server, port
+
+
+async def drain(server: grpc.aio.Server, grace_s: float) -> None:
+    """Health NOT_SERVING, refuse new calls, let in-flight ones finish for up to `grace_s`."""
+    health_servicer = _HEALTH.get(server)
+    if health_servicer is not None:
+        await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+def write_port_file(path: str, **ports: int | None) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(ports))
+    os.replace(tmp, path)
+
+
+async def serve_forever(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int]]], config: ServiceConfig,
+                        service: str, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Start, serve until SIGTERM or SIGINT, drain, stop."""
+    telemetry.setup(f"aerie-{service}")
+    server, port = await start()
+    metrics_port = serve_metrics(config.metrics_port, config.host)
+    log.info("%s listening on %s:%d (metrics: %s)", service, config.host, port,
+             f"port {metrics_port}" if metrics_port is not None else "off")
+    if config.port_file:
+        write_port_file(config.port_file, port=port, metrics_port=metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s draining (up to %.0f s)", service, config.drain_s)
+    await drain(server, config.drain_s)
+    if on_stop is not None:
+        await on_stop()
+    telemetry.shutdown()
+    log.info("%s stopped", service)

@@ -1,0 +1,84 @@
+"""Redis sequence state against a real redis-server: commits are atomic, keyed by round index and
+idempotent; cancel requests travel through Redis; records expire."""
+
+import grpc
+import pytest
+import redis
+
+from coordinator.redis_server import free_port
+from coordinator.sequence_store import SequenceRecord, SequenceStore
+from services.errors import InvalidRequest, SequenceNotFound
+from services.rpc.errors import DownstreamError, SequenceExists
+
+
+@pytest.fixture
+def store(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.flushdb()
+    yield SequenceStore(client, ttl_s=120)
+    client.close()
+
+
+def record(seq_id: str = "s1") -> SequenceRecord:
+    return SequenceRecord(seq_id, (5, 6, 7), {"max_new_tokens": 10, "temperature": 0.0}, seed=3,
+                          drafter="10.0.0.1:50053", verifier="10.0.0.2:50052")
+
+
+def test_commits_are_idempotent_per_round(store):
+    store.create(record())
+    assert store.get("s1").round == -1 and store.get("s1").tokens == []
+    assert store.commit("s1", 0, [11], None).applied
+    assert store.commit("s1", 1, [12, 13, 14], None).applied
+    # a retried commit of round 1 (even with different tokens) changes nothing
+    assert not store.commit("s1", 1, [99, 98], None).applied
+    assert not store.commit("s1", 0, [11], None).applied
+    state = store.get("s1")
+    assert state.tokens == [11, 12, 13, 14] and state.round == 1 and state.status == "running"
+    with pytest.raises(InvalidRequest, match="GAP round 3 after round 1"):
+        store.commit("s1", 3, [1], None)
+    assert store.commit("s1", 2, [15], "length").applied
+    state = store.get("s1")
+    assert (state.tokens, state.status, state.finish_reason) == ([11, 12, 13, 14, 15], "finished", "length")
+    assert state.prompt_ids == [5, 6, 7] and state.params["max_new_tokens"] == 10
+    assert (state.drafter, state.verifier) == ("10.0.0.1:50053", "10.0.0.2:50052")
+    with pytest.raises(InvalidRequest, match="sequence is finished"):
+        store.commit("s1", 3, [16], None)
+    assert store.get("s1").tokens == [11, 12, 13, 14, 15]
+
+
+def test_keys_share_a_cluster_slot_and_expire(store):
+    store.create(record("abc"))
+    store.commit("abc", 0, [1], None)
+    key, tokens = SequenceStore.keys("abc")
+    assert (key, tokens) == ("aerie:seq:{abc}", "aerie:seq:{abc}:tokens")
+    assert 0 < store.redis.ttl(key) <= 120 and 0 < store.redis.ttl(tokens) <= 120
+
+
+def test_create_twice_and_unknown_sequences(store):
+    store.create(record())
+    with pytest.raises(SequenceExists, match="sequence 's1' already exists"):
+        store.create(record())
+    for call in (lambda: store.get("nope"), lambda: store.commit("nope", 0, [1], None),
+                 lambda: store.request_cancel("nope"), lambda: store.finish("nope", "failed")):
+        with pytest.raises(SequenceNotFound, match="unknown sequence 'nope'"):
+            call()
+
+
+def test_cancel_requests_reach_the_next_commit(store):
+    store.create(record())
+    assert not store.commit("s1", 0, [1], None).cancel_requested
+    assert store.request_cancel("s1") == "running"
+    result = store.commit("s1", 1, [2, 3], None)
+    assert result.applied and result.cancel_requested
+    assert store.finish("s1", "cancelled", "cancel") == "cancelled"
+    assert store.finish("s1", "failed", "error", "late") == "cancelled"  # only a running sequence changes
+    assert store.request_cancel("s1") == "cancelled"
+    state = store.get("s1")
+    assert (state.status, state.finish_reason, state.tokens) == ("cancelled", "cancel", [1, 2, 3])
+
+
+def test_unreachable_redis_is_unavailable():
+    store = SequenceStore.from_url(f"redis://127.0.0.1:{free_port()}/0", ttl_s=10)
+    with pytest.raises(DownstreamError, match="Redis is unavailable") as e:
+        store.get("s1")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE

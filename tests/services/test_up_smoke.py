@@ -1,0 +1,56 @@
+"""`aerie up` as a user runs it: four real processes (Redis, verifier, drafter, coordinator) on
+loopback, `aerie generate --coordinator` against them, then SIGTERM stops everything cleanly."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from services.cli import main
+from tests.pipeline import TREE
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_then_generate_then_sigterm(model_dirs, capsys):
+    env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING"}
+    argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
+            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens)]
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *argv, "--port", "0"],
+                          stdout=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (lines and lines[-1].startswith("ready:")):
+            line = up.stdout.readline()
+            assert line or up.poll() is None, f"aerie up exited with {up.poll()}: {lines}"
+            assert time.monotonic() < deadline, lines
+            lines.append(line.strip())
+        roles = {line.split()[0]: line for line in lines[:-1]}
+        assert set(roles) == {"redis", "verifier", "drafter", "coordinator"}, lines
+        address = re.search(r"--coordinator (\S+)", lines[-1]).group(1)
+        pids = [int(p) for p in re.findall(r"pid (\d+)", "\n".join(lines))]
+        assert len(pids) == 4 and all(alive(p) for p in pids)
+        assert all("metrics http://127.0.0.1:" in roles[r] for r in ("verifier", "drafter", "coordinator"))
+
+        gen = ["generate", *argv, "--prompt-ids", "5,17,99,3,42", "--max-new-tokens", "30", "--json"]
+        assert main([*gen, "--coordinator", address]) == 0
+        remote = json.loads(capsys.readouterr().out)
+        assert main(gen) == 0
+        local = json.loads(capsys.readouterr().out)
+        assert remote["tokens"] == local["tokens"] and remote["accept_lengths"] == local["accept_lengths"]
+        assert remote["tree"] == local["tree"] and remote["draft"] == str(model_dirs.head)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(60)
+    assert code == 0
+    assert not any(alive(p) for p in pids), "aerie up left a service running"

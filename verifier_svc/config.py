@@ -1,0 +1,49 @@
+"""Verifier configuration: flags and AERIE_* variables -> VerifierConfig.
+
+    AERIE_VERIFIER_PORT (50052), AERIE_TARGET, AERIE_DTYPE (fp32), AERIE_MAX_SEQUENCES (64),
+    AERIE_MAX_PROMPT_TOKENS (8192), and the common ones in services/rpc/config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.engine.local import DTYPES
+from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
+
+DEFAULT_PORT = 50052
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierConfig:
+    service: ServiceConfig
+    target: str | None = None  # HF directory or .gguf; None = the default SmolLM2 GGUF
+    dtype: str = "fp32"
+    max_sequences: int = 64  # sequences holding KV at once
+    max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        if self.max_sequences < 1:
+            raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"max_prompt_tokens must be >= 1; got {self.max_prompt_tokens}")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_service_flags(p, "AERIE_VERIFIER_PORT", DEFAULT_PORT)
+    g = p.add_argument_group("verifier")
+    g.add_argument("--target", default=env("AERIE_TARGET"),
+                   help="target model: HF directory or .gguf (AERIE_TARGET; default SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=env("AERIE_DTYPE", "fp32"), help="AERIE_DTYPE (fp32)")
+    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
+                   help="sequences holding KV at once (AERIE_MAX_SEQUENCES, 64)")
+    g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
+                   help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS, 8192)")
+
+
+def from_args(args: argparse.Namespace) -> VerifierConfig:
+    return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype,
+                          max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens)
