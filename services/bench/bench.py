@@ -85,8 +85,9 @@ class Summary:
         }
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int = 0) -> list[Prompt]:
-    """Spec-Bench JSONL: question_id, category, turns (first turn, chat template applied)."""
+def load_prompts(path: str | Path, tokenizer, limit: int = 0, per_category: int = 0) -> list[Prompt]:
+    """Spec-Bench JSONL: question_id, category, turns (first turn, chat template applied).
+    `per_category` keeps the first N of each category (the file is ordered by category)."""
     from services.train.data import chat_ids, read_jsonl
 
     out = []
@@ -95,8 +96,10 @@ def load_prompts(path: str | Path, tokenizer, limit: int = 0) -> list[Prompt]:
             text = row["turns"][0]
         except (KeyError, IndexError, TypeError):
             raise InvalidRequest(f"{path}:{i} is not a Spec-Bench row (question_id, category, turns)") from None
-        out.append(Prompt(str(row.get("question_id", i)), str(row.get("category", "all")),
-                          tuple(chat_ids(tokenizer, text))))
+        category = str(row.get("category", "all"))
+        if per_category and sum(p.category == category for p in out) >= per_category:
+            continue
+        out.append(Prompt(str(row.get("question_id", i)), category, tuple(chat_ids(tokenizer, text))))
         if limit and len(out) >= limit:
             break
     if not out:
@@ -119,6 +122,9 @@ def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
         if step.stats.index > 0:
             run.rounds += 1
             run.round_s += now - last
+            if step.stats.index == 1:
+                # round 1's tree was drafted inside the prefill step: count it in round 1
+                run.round_s += step.stats.draft_s
             run.draft_s += step.stats.draft_s
             run.verify_s += step.stats.verify_s
         last = now

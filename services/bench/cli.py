@@ -23,6 +23,7 @@ def register(sub) -> None:
     add_model_flags(p)
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (question_id, category, turns)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
+    p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="hf,native,eagle", help="comma list of hf,native,eagle,pipeline")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline')")
@@ -48,7 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     local = build_local_engine(args.target, args.draft, args.dtype, tree)
     if local.engine.drafter is None and ("eagle" in methods or args.sweep):
         raise InvalidRequest("method 'eagle' needs a draft head: pass --draft DIR")
-    prompts = load_prompts(args.prompts, local.tokenizer, args.limit)
+    prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
     engine = local.engine
     plain = type(engine)(engine.verifier, None, engine.max_context, engine.vocab_size, engine.eos_token_ids)
     hf = HFBaseline(local.model_dir, DTYPES[args.dtype], engine.eos_token_ids)
@@ -78,7 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = summarize(runs, prompts)
     result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": args.dtype,
                         "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-                        "limit": args.limit, "torch_threads": __import__("torch").get_num_threads()}
+                        "limit": args.limit, "per_category": args.per_category, "torch_threads": __import__("torch").get_num_threads()}
     if args.sweep:
         eagle_rows = {m: r for m, r in result["methods"].items() if m.startswith("eagle")}
         best = max(eagle_rows, key=lambda m: eagle_rows[m]["tokens_per_s"])

@@ -47,9 +47,10 @@ def test_bench_fp32_exact_and_reports(setup, capsys):
 def test_bench_sweep_reports_best_tree(setup, capsys):
     out_json = setup / "sweep.json"
     assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"), "--dtype", "fp32",
-                 "--prompts", str(setup / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "12",
+                 "--prompts", str(setup / "prompts.jsonl"), "--per-category", "1", "--max-new-tokens", "12",
                  "--methods", "hf", "--sweep", "--json-out", str(out_json)]) == 0
     res = json.loads(out_json.read_text())
     eagles = [m for m in res["methods"] if m.startswith("eagle")]
     assert len(eagles) >= 5 and res["best_tree"] in eagles
+    assert set(res["categories"]) == {"writing", "math"} and res["methods"]["hf"]["prompts"] == 2
     assert all(res["methods"][m]["exact_match"] == 1.0 for m in eagles)
