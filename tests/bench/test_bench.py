@@ -7,6 +7,7 @@ import pytest
 from services.cli import main
 from services.model.head_checkpoint import save_head
 from tests.helpers import save_tiny_tokenizer, tiny_text
+from tests.pipeline import redis_url  # noqa: F401  (a real Redis for the pipeline method)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,22 @@ def test_bench_sweep_reports_best_tree(setup, capsys):
     assert len(eagles) >= 5 and res["best_tree"] in eagles
     assert set(res["categories"]) == {"writing", "math"} and res["methods"]["hf"]["prompts"] == 2
     assert all(res["methods"][m]["exact_match"] == 1.0 for m in eagles)
+
+
+def test_bench_pipeline_method_matches(setup, redis_url, capsys):
+    """Method (d): the same prompts through real gRPC services give the same tokens as transformers."""
+    from tests.pipeline import ModelDirs, start_pipeline
+
+    pipe = start_pipeline(ModelDirs(setup / "target", setup / "head"), redis_url)
+    try:
+        out_json = setup / "pipeline.json"
+        assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"),
+                     "--dtype", "fp32", "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "16",
+                     "--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4",
+                     "--methods", "hf,eagle,pipeline", "--coordinator", pipe.addresses["coordinator"],
+                     "--json-out", str(out_json)]) == 0
+    finally:
+        pipe.close()
+    res = json.loads(out_json.read_text())
+    assert res["methods"]["pipeline"]["exact_match"] == 1.0
+    assert res["methods"]["pipeline"]["tau"] == pytest.approx(res["methods"]["eagle"]["tau"])
