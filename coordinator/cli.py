@@ -44,36 +44,32 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
-    from services.rpc.server import serve_forever
-    from verifier_svc.config import from_args
-    from verifier_svc.server import create_server, load_servicer
+    import verifier_svc.config
+    import verifier_svc.server
 
-    config = from_args(args)
-    configure_logging(config.service.log_level, "verifier")
-    servicer = load_servicer(config)
-
-    async def on_stop() -> None:
-        servicer.close()
-
-    asyncio.run(serve_forever(lambda: create_server(config.service.address, config, servicer),
-                              config.service, "verifier", on_stop))
-    return 0
+    return _serve_model_service(args, "verifier", verifier_svc.config, verifier_svc.server)
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
-    from drafter_svc.config import from_args
-    from drafter_svc.server import create_server, load_servicer
+    import drafter_svc.config
+    import drafter_svc.server
+
+    return _serve_model_service(args, "drafter", drafter_svc.config, drafter_svc.server)
+
+
+def _serve_model_service(args: argparse.Namespace, role: str, config_mod, server_mod) -> int:
+    """Load the role's models, serve until SIGTERM/Ctrl-C, then close its worker thread."""
     from services.rpc.server import serve_forever
 
-    config = from_args(args)
-    configure_logging(config.service.log_level, "drafter")
-    servicer = load_servicer(config)
+    config = config_mod.from_args(args)
+    configure_logging(config.service.log_level, role)
+    servicer = server_mod.load_servicer(config)
 
     async def on_stop() -> None:
         servicer.close()
 
-    asyncio.run(serve_forever(lambda: create_server(config.service.address, config, servicer),
-                              config.service, "drafter", on_stop))
+    asyncio.run(serve_forever(lambda: server_mod.create_server(config.service.address, config, servicer),
+                              config.service, role, on_stop))
     return 0
 
 

@@ -7,9 +7,7 @@ of extending the draft KV twice.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -18,6 +16,7 @@ from services.errors import InvalidRequest
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
+from services.rpc.server import ModelWorker
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import drafter_grpc
@@ -39,13 +38,10 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.dtype = drafter.head.embed_tokens.weight.dtype
         self.max_rows = max_context + codec.MAX_TREE_NODES
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="drafter")
-
-    async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self._call = ModelWorker("drafter")  # every model call runs on this one thread
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        self._call.close()
 
     # ---- RPCs --------------------------------------------------------------------------------------
 

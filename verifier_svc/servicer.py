@@ -11,9 +11,7 @@ repeated call (a retry after UNAVAILABLE) returns it instead of running the roun
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -23,6 +21,7 @@ from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECOND
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
+from services.rpc.server import ModelWorker
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
@@ -48,13 +47,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._roles = {kind: Verifier(target, kind, config.max_sequences) for kind in ("hidden", "taps", "none")}
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind (the Verifier holding it)
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="verifier")
-
-    async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self._call = ModelWorker("verifier")  # every model call runs on this one thread
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        self._call.close()
 
     @property
     def num_sequences(self) -> int:

@@ -88,3 +88,22 @@ async def serve_forever(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int
         await on_stop()
     telemetry.shutdown()
     log.info("%s stopped", service)
+
+
+class ModelWorker:
+    """One worker thread for a service's model calls: the asyncio server stays responsive while a
+    forward runs, and the model (and its per-sequence KV) sees one call at a time."""
+
+    def __init__(self, name: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    async def __call__(self, fn, *args):
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
