@@ -129,6 +129,13 @@ async function main(argv) {
       if (msg.finish_reason) result.finish_reason = msg.finish_reason;
       if (!json && msg.tokens.length) process.stdout.write(msg.tokens.join(' ') + ' ');
     }
+    if (interrupted) {
+      // Ctrl-C raced the end of the stream (the last round arrived before the cancel took effect):
+      // the user still interrupted, so report it as such.
+      if (!json) process.stdout.write('\n');
+      process.stderr.write(`[cancelled ${result.sequence_id || ''} after ${result.tokens.length} tokens]\n`);
+      return 130;
+    }
   } catch (e) {
     if (interrupted && e.code === grpc.status.CANCELLED) {
       if (!json) process.stdout.write('\n');
