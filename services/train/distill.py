@@ -116,26 +116,3 @@ def build_d2t(token_counts: torch.Tensor, draft_vocab: int) -> tuple[torch.Tenso
     t2d = torch.zeros(token_counts.shape[0], dtype=torch.bool)
     t2d[used] = True
     return d2t, t2d
-
-
-def train(head: DraftHead, samples: list[Sample], steps: int, lr: float = 3e-3, ttt_steps: int = 3,
-          seed: int = 0, log_every: int = 0) -> list[float]:
-    """Plain Adam over the samples in order (cycled). Returns the step-0 agreement history."""
-    torch.manual_seed(seed)
-    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    head.train()
-    history = []
-    for i in range(steps):
-        loss, acc = head_loss(head, samples[i % len(samples)], ttt_steps)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_value_(params, 0.5)
-        opt.step()
-        history.append(float(acc))
-        if log_every and i % log_every == 0:
-            print(f"step {i} loss {loss.item():.4f} acc {acc.item():.3f}")
-    head.eval().requires_grad_(False)
-    return history
