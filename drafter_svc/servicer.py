@@ -7,7 +7,6 @@ of extending the draft KV twice.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -65,10 +64,9 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             features.add(msg.features)
         if first is None:
             raise InvalidRequest("the Prefill stream carried no message")
-        t0 = time.perf_counter()
-        response = await self._call(self._prefill, seq_id, first.max_rows, first.sampling,
-                                    torch.tensor(tokens, dtype=torch.long), features.result())
-        DRAFT_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        response = await self._call.timed(DRAFT_SECONDS.labels(SERVICE),
+                                              self._prefill, seq_id, first.max_rows, first.sampling,
+                                              torch.tensor(tokens, dtype=torch.long), features.result())
         return response
 
     @rpc_errors
@@ -81,10 +79,9 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             raise InvalidRequest("draft tokens must hold the accepted tokens and the bonus; got none")
         features = codec.decode_tensor(request.features, "features", dtype=self.dtype,
                                        shape=(len(tokens), self.feature_size))
-        t0 = time.perf_counter()
-        response = await self._call(self._draft, seq_id, request.round_index,
-                                    torch.tensor(tokens, dtype=torch.long), features)
-        DRAFT_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        response = await self._call.timed(DRAFT_SECONDS.labels(SERVICE),
+                                              self._draft, seq_id, request.round_index,
+                                              torch.tensor(tokens, dtype=torch.long), features)
         return response
 
     @rpc_errors

@@ -11,7 +11,6 @@ repeated call (a retry after UNAVAILABLE) returns it instead of running the roun
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -73,9 +72,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not n < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt; "
                                  f"got {request.capacity}")
-        t0 = time.perf_counter()
-        result = await self._call(self._prefill, seq_id, kind, prompt, sampling, request.capacity)
-        PREFILL_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        result = await self._call.timed(PREFILL_SECONDS.labels(SERVICE),
+                                              self._prefill, seq_id, kind, prompt, sampling, request.capacity)
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
 
@@ -84,9 +82,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         tree = codec.decode_tree(request.tree, self.vocab_size)
-        t0 = time.perf_counter()
-        response = await self._call(self._verify, seq_id, request.round_index, tree)
-        VERIFY_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        response = await self._call.timed(VERIFY_SECONDS.labels(SERVICE),
+                                              self._verify, seq_id, request.round_index, tree)
         return response
 
     @rpc_errors
@@ -94,9 +91,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         token = codec.token_ids([request.token], self.vocab_size, "decode")[0]
-        t0 = time.perf_counter()
-        response = await self._call(self._decode, seq_id, request.round_index, token)
-        VERIFY_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        response = await self._call.timed(VERIFY_SECONDS.labels(SERVICE),
+                                              self._decode, seq_id, request.round_index, token)
         return response
 
     @rpc_errors

@@ -104,6 +104,16 @@ class ModelWorker:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def timed(self, histogram, fn, *args):
+        """Run `fn` on the worker and observe its wall time (queueing included) in `histogram`."""
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            return await self(fn, *args)
+        finally:
+            histogram.observe(time.perf_counter() - t0)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
