@@ -60,7 +60,8 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos: int | None 
 def distill_head(target, kind: str, seed: int = 0, steps: int = 150, draft_vocab: int | None = None):
     """An EAGLE head trained briefly on the target's own greedy continuations."""
     from services.model.eagle_head import HeadConfig, build_head
-    from services.train.distill import build_d2t, collect, head_loss
+    from services.model import draft_vocab as dv
+    from services.train.distill import collect, head_loss
 
     g = torch.Generator().manual_seed(seed + 1)
     samples = [collect(target, torch.randint(0, VOCAB, (8,), generator=g).tolist(), 56,
@@ -71,8 +72,8 @@ def distill_head(target, kind: str, seed: int = 0, steps: int = 150, draft_vocab
     head = build_head(cfg, target.lm_head)
     head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     if kind == "eagle3" and draft_vocab and draft_vocab < VOCAB:
-        counts = torch.bincount(torch.cat([s.tokens for s in samples]), minlength=VOCAB).float()
-        head.d2t, head.t2d = build_d2t(counts, draft_vocab)
+        counts = torch.bincount(torch.cat([s.tokens for s in samples]), minlength=VOCAB)
+        head.d2t, head.t2d = dv.d2t_t2d(dv.select(counts, draft_vocab), VOCAB)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in params:
         p.requires_grad_(True)

@@ -58,7 +58,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from services.model.loading import find_default_gguf, load_target
     from services.spec.tree import TreeParams
     from services.train.data import chat_ids, generate_responses, load_prompts, make_sample, text_chunks
-    from services.train.distill import build_d2t
+    from services.model import draft_vocab
     from services.train.prompts import default_prompts
     from services.train.trainer import TrainConfig, agreement, train_head
 
@@ -119,7 +119,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             head.fc.weight[:, t.hidden_size:] = torch.eye(t.hidden_size)
     elif head_cfg.draft_vocab < t.vocab_size:
         counts = torch.bincount(torch.cat([s.tokens for s in data["train"]]), minlength=t.vocab_size)
-        head.d2t, head.t2d = build_d2t(counts.float(), head_cfg.draft_vocab)
+        head.d2t, head.t2d = draft_vocab.d2t_t2d(draft_vocab.select(counts, head_cfg.draft_vocab),
+                                                   head_cfg.vocab_size)
     lm_head_float = torch.nn.Linear(t.hidden_size, t.vocab_size, bias=False)
     lm_head_float.weight = torch.nn.Parameter(target.lm_head.weight.detach().float(), requires_grad=False)
     if args.kind == "eagle":

@@ -106,13 +106,3 @@ def _draft_ids(head: DraftHead, target_ids: torch.Tensor) -> torch.Tensor:
     lookup = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     lookup[d2t + torch.arange(d2t.shape[0])] = torch.arange(d2t.shape[0])
     return lookup[target_ids]
-
-
-def build_d2t(token_counts: torch.Tensor, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's scandata: keep the `draft_vocab` most frequent target ids (sorted);
-    d2t[i] = used[i] - i, t2d[j] = j is used. token_counts [V]."""
-    used = torch.sort(torch.topk(token_counts, draft_vocab).indices).values
-    d2t = used - torch.arange(draft_vocab)
-    t2d = torch.zeros(token_counts.shape[0], dtype=torch.bool)
-    t2d[used] = True
-    return d2t, t2d

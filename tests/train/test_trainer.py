@@ -8,7 +8,8 @@ import torch
 from services.cli import main
 from services.model.eagle_head import HeadConfig, build_head
 from services.model.head_checkpoint import load_head
-from services.train.distill import build_d2t, collect
+from services.model import draft_vocab
+from services.train.distill import collect
 from services.train.trainer import TrainConfig, agreement, train_head
 from tests.helpers import HIDDEN, VOCAB, save_tiny_tokenizer, tiny_hf, tiny_text, to_native
 
@@ -47,8 +48,8 @@ def test_training_raises_agreement_and_resumes_exactly(tmp_path):
 
 
 def test_d2t_is_the_reference_construction():
-    counts = torch.tensor([5.0, 0, 9, 1, 7, 3])
-    d2t, t2d = build_d2t(counts, 3)
+    counts = torch.tensor([5, 0, 9, 1, 7, 3])
+    d2t, t2d = draft_vocab.d2t_t2d(draft_vocab.select(counts, 3), 6)
     used = torch.tensor([0, 2, 4])  # the 3 most frequent, sorted
     assert torch.equal(d2t, used - torch.arange(3))
     assert t2d.tolist() == [True, False, True, False, True, False]
