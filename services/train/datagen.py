@@ -156,11 +156,13 @@ def generate_batch(model, hooks: FeatureHooks, prompts: list[list[int]], max_new
 
 def write_shard(path: Path, gens: list[Generated], specs: list[PromptSpec],
                 derived: list[PromptSpec]) -> int:
-    """One shard (atomically). Returns the number of answer tokens in it."""
+    """One shard (atomically) of the samples with >= 2 answer tokens (the others are listed in the
+    metadata with written=false). Returns the number of answer tokens written."""
     from safetensors.torch import save_file
 
+    written = [len(g.answer) >= 2 for g in gens]
     tokens, nxt, offsets, plens, hidden, taps = [], [], [0], [], [], []
-    for g in gens:
+    for g in [g for g, w in zip(gens, written) if w]:
         seq = g.prompt + g.answer[:-1]
         tokens += seq
         nxt += [-1] * (len(g.prompt) - 1) + g.answer
@@ -168,10 +170,10 @@ def write_shard(path: Path, gens: list[Generated], specs: list[PromptSpec],
         plens.append(len(g.prompt))
         hidden.append(g.hidden)
         taps.append(g.taps)
-    meta = {"prompts": json.dumps([{"text": s.text, "source": s.source, "id": prompt_id(s.text)}
-                                   for s in specs]),
+    meta = {"prompts": json.dumps([{"text": s.text, "source": s.source, "id": prompt_id(s.text),
+                                    "written": w} for s, w in zip(specs, written)]),
             "derived": json.dumps([asdict(d) for d in derived]),
-            "answer_tokens": str(sum(len(g.answer) for g in gens))}
+            "answer_tokens": str(sum(len(g.answer) for g, w in zip(gens, written) if w))}
     tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32), "next": torch.tensor(nxt, dtype=torch.int32),
                "offsets": torch.tensor(offsets, dtype=torch.int64),
                "prompt_lens": torch.tensor(plens, dtype=torch.int32),
@@ -268,9 +270,7 @@ def run(out: Path, specs: list[PromptSpec], model, tok, max_tokens: int, batch: 
                         text = clean_followup(tok.decode(g.answer, skip_special_tokens=True))
                         if text:
                             new.append(PromptSpec(s.followup.replace("{out}", text), "derived"))
-                keep = [(c, g) for c, g in zip(chunk, gens) if len(g.answer) >= 2]
-                n = write_shard(out / f"shard-{shard_idx:06d}.safetensors", [g for _, g in keep],
-                                [c[0] for c in chunk], new)
+                n = write_shard(out / f"shard-{shard_idx:06d}.safetensors", gens, [c[0] for c in chunk], new)
                 dt = time.perf_counter() - t0
                 shard_idx += 1
                 total += n
