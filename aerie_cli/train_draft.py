@@ -54,6 +54,7 @@ def register(sub) -> None:
     g.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps")
     g.add_argument("--patience", type=int, default=4, help="stop after N evaluations without improvement")
     g.add_argument("--heldout-samples", type=int, default=64, help="held-out samples evaluated during training")
+    g.add_argument("--heldout-every", type=int, default=50, help="1 prompt in N (by hash) is held out")
     g.add_argument("--eval-depth", type=int, default=4, help="draft positions in the report")
     p.set_defaults(func=cmd_train_draft)
 

@@ -54,6 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--patience", type=int, default=4)
     p.add_argument("--heldout-samples", type=int, default=64, help="held-out samples evaluated during training")
+    p.add_argument("--heldout-every", type=int, default=50, help="1 prompt in N (by hash) is held out")
     p.add_argument("--eval-depth", type=int, default=4, help="draft positions in the report")
     p.add_argument("--compare", default=None,
                    help="also evaluate this head directory (default: --init) on the same data, for the report")
@@ -91,15 +92,16 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
     target = loaded.model
     t = target.config
     t0 = time.perf_counter()
-    train = load_samples(shards, args.kind, "train")
-    held_all = load_samples(shards, args.kind, "heldout")
+    every = getattr(args, "heldout_every", 50)
+    train = load_samples(shards, args.kind, "train", every)
+    held_all = load_samples(shards, args.kind, "heldout", every)
     held = held_all[: args.heldout_samples]
     dev = load_samples(list_shards(args.dev_data), args.kind, "all") if args.dev_data else []
     n_tokens = sum(int(s.loss_mask.sum()) for s in train)
     print(f"{len(shards)} shards: {len(train)} training samples ({n_tokens} answer tokens), "
           f"{len(held_all)} held out, {len(dev)} dev; loaded in {time.perf_counter() - t0:.0f} s", file=log, flush=True)
 
-    counts = token_counts(shards, t.vocab_size)
+    counts = token_counts(shards, t.vocab_size, every)
     k = args.draft_vocab or t.vocab_size
     used = draft_vocab.select(counts, k)
     if args.init:
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
         served._target_head = head._target_head
     report = {
         "target": loaded.path, "kind": args.kind, "draft_vocab": k, "ttt_steps": args.ttt_steps,
-        "data": {"dir": str(args.data), "shards": len(shards), "train_samples": len(train),
+        "data": {"dir": str(args.data), "shards": len(shards), "heldout_every": every, "train_samples": len(train),
                  "train_answer_tokens": n_tokens, "heldout_samples": len(held_all),
                  "dev_samples": len(dev)},
         "steps_this_run": len(history), "steps_max": args.steps,

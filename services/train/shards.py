@@ -23,8 +23,9 @@ def list_shards(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob(SHARD_GLOB))
 
 
-def shard_samples(path: Path, kind: str, split: str = "train") -> list[Sample]:
-    """Samples of one shard. split: "train", "heldout" or "all"."""
+def shard_samples(path: Path, kind: str, split: str = "train", heldout_every: int = 50) -> list[Sample]:
+    """Samples of one shard. split: "train", "heldout" or "all"; 1 prompt in `heldout_every` (by
+    hash) is held out."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
@@ -37,7 +38,7 @@ def shard_samples(path: Path, kind: str, split: str = "train") -> list[Sample]:
     written = _written_ids(json.loads(meta["prompts"]), n) if split != "all" else [None] * n
     out = []
     for i, pid in enumerate(written):
-        if split != "all" and (split == "heldout") != is_heldout(pid):
+        if split != "all" and (split == "heldout") != is_heldout(pid, heldout_every):
             continue
         a, b = int(offsets[i]), int(offsets[i + 1])
         p = int(plens[i])
@@ -57,17 +58,17 @@ def _written_ids(prompts: list[dict], n: int) -> list[str]:
     return written
 
 
-def load_samples(paths: list[Path], kind: str, split: str = "train") -> list[Sample]:
+def load_samples(paths: list[Path], kind: str, split: str = "train", heldout_every: int = 50) -> list[Sample]:
     out = []
     for p in paths:
-        out += shard_samples(p, kind, split)
+        out += shard_samples(p, kind, split, heldout_every)
     return out
 
 
-def token_counts(paths: list[Path], vocab_size: int) -> torch.Tensor:
+def token_counts(paths: list[Path], vocab_size: int, heldout_every: int = 50) -> torch.Tensor:
     """Token counts over the training split (prompt and answer tokens) for draft_vocab.select."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for p in paths:
-        for s in shard_samples(p, "eagle", "train"):
+        for s in shard_samples(p, "eagle", "train", heldout_every):
             counts += torch.bincount(s.tokens, minlength=vocab_size)
     return counts
