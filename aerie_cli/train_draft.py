@@ -52,6 +52,7 @@ def register(sub) -> None:
     g.add_argument("--max-shards", type=int, default=0, help="use the first N shards (0 = all)")
     g.add_argument("--noise", type=float, default=0.0, help="uniform feature noise width")
     g.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps")
+    g.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (resumable)")
     g.add_argument("--patience", type=int, default=4, help="stop after N evaluations without improvement")
     g.add_argument("--heldout-samples", type=int, default=64, help="held-out samples evaluated during training")
     g.add_argument("--heldout-every", type=int, default=50, help="1 prompt in N (by hash) is held out")

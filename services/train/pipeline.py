@@ -52,6 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per sample (training-time test)")
     p.add_argument("--noise", type=float, default=0.0, help="uniform feature noise width")
     p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (resumable)")
     p.add_argument("--patience", type=int, default=4)
     p.add_argument("--heldout-samples", type=int, default=64, help="held-out samples evaluated during training")
     p.add_argument("--heldout-every", type=int, default=50, help="1 prompt in N (by hash) is held out")
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
         base["init_heldout"] = evaluate(head, held, args.eval_depth)
         print(f"init head held-out: {base['init_heldout']}", file=log, flush=True)
     cfg = TrainConfig(args.steps, args.batch_size, args.lr, args.warmup, args.ttt_steps, args.noise,
-                      seed=args.seed, checkpoint_every=50, eval_every=args.eval_every, patience=args.patience)
+                      seed=args.seed, checkpoint_every=50, eval_every=args.eval_every, patience=args.patience,
+                      max_seconds=60 * getattr(args, "max_minutes", 0.0))
     t1 = time.perf_counter()
     history = train_head(head, train, cfg, out, resume=args.resume, vocab=vocab, heldout=held, log=log)
     train_s = time.perf_counter() - t1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class TrainConfig:
     bf16_autocast: bool = False  # the reference trains under bf16 autocast; torch's CPU bf16 matmul is slow
     eval_every: int = 0  # held-out evaluation every N steps (0 = never)
     patience: int = 0  # stop after this many evaluations without a better held-out top-1 (0 = never)
+    max_seconds: float = 0.0  # stop (checkpointed, resumable) after this much training time (0 = never)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "ttt_steps", "checkpoint_every"):
@@ -90,6 +92,7 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
     history: list[float] = []
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     bar = tqdm(range(start, end), desc="training", unit="step", initial=start, total=cfg.steps)
+    t_start = time.monotonic()
     for step in bar:
         opt.zero_grad()
         losses, accs = [], []
@@ -106,7 +109,7 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
         history.append(sum(accs) / len(accs))
         window = history[-50:]
         bar.set_postfix(loss=f"{sum(losses) / len(losses):.3f}", acc=f"{sum(window) / len(window):.3f}")
-        stop = False
+        stop = bool(cfg.max_seconds) and time.monotonic() - t_start > cfg.max_seconds
         if heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             ev = evaluate(head, heldout, depth=cfg.ttt_steps)
             head.train()
@@ -116,7 +119,7 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
                 torch.save(head.state_dict(), out_dir / "best.pt")
             else:
                 bad_evals += 1
-                stop = bool(cfg.patience) and bad_evals >= cfg.patience
+                stop = stop or (bool(cfg.patience) and bad_evals >= cfg.patience)
             line = {"step": step + 1, "train_top1": round(sum(window) / len(window), 4),
                     "heldout": ev, "best_step": best_step}
             with open(out_dir / "evals.jsonl", "a") as f:
