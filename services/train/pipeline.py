@@ -97,10 +97,9 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
     train = load_samples(shards, args.kind, "train", every)
     held_all = load_samples(shards, args.kind, "heldout", every)
     held = held_all[: args.heldout_samples]
-    dev = load_samples(list_shards(args.dev_data), args.kind, "all") if args.dev_data else []
     n_tokens = sum(int(s.loss_mask.sum()) for s in train)
     print(f"{len(shards)} shards: {len(train)} training samples ({n_tokens} answer tokens), "
-          f"{len(held_all)} held out, {len(dev)} dev; loaded in {time.perf_counter() - t0:.0f} s", file=log, flush=True)
+          f"{len(held_all)} held out; loaded in {time.perf_counter() - t0:.0f} s", file=log, flush=True)
 
     counts = token_counts(shards, t.vocab_size, every)
     k = args.draft_vocab or t.vocab_size
@@ -146,6 +145,8 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
     save_head(head, out, "safetensors", dtype=torch.bfloat16, skip=("embed_tokens.weight",))
     draft_vocab.save_counts(out, counts)
 
+    # dev answers are read now (a datagen run may still be adding to them), evaluation only
+    dev = load_samples(list_shards(args.dev_data), args.kind, "all") if args.dev_data else []
     served = load_head(out, target)  # evaluate what was saved (bf16 weights, as served)
     if args.kind == "eagle":
         served._target_head = head._target_head
