@@ -30,6 +30,7 @@ from torch import nn
 from services.model.config import rope_inv_freq
 from services.model.kv_cache import KVCache
 from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
+from services.model.linear import Linear
 
 HeadKind = Literal["eagle", "eagle3"]
 
@@ -132,7 +133,7 @@ class Eagle2Head(DraftHead):
     def __init__(self, cfg: HeadConfig, target_lm_head: nn.Module) -> None:
         super().__init__(cfg)
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+        self.fc = Linear(2 * h, h, bias=cfg.fc_bias)
         self.layers = nn.ModuleList([_Eagle2Layer(cfg)])
         self._target_head = (target_lm_head,)  # a tuple keeps it out of parameters/state_dict
 
@@ -161,10 +162,10 @@ class Eagle3Head(DraftHead):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg)
         h = cfg.hidden_size
-        self.fc = nn.Linear(cfg.feature_size, h, bias=False)
+        self.fc = Linear(cfg.feature_size, h, bias=False)
         self.midlayer = _Eagle3Layer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab, bias=False)
+        self.lm_head = Linear(h, cfg.draft_vocab, bias=False)
         if cfg.draft_vocab != cfg.vocab_size:
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))

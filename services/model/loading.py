@@ -63,8 +63,14 @@ class LoadedTarget:
     path: str  # the directory actually loaded (the converted cache directory for GGUF)
 
 
-def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
-    """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use)."""
+# Inference weight layout of the linears (linear.py; measured in README "Cheaper rounds").
+DEFAULT_LAYOUT = "transposed"
+
+
+def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                layout: str = DEFAULT_LAYOUT) -> LoadedTarget:
+    """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
+    `layout`: "transposed" (default), "hf" or "both" (see `Linear.freeze`)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist")
@@ -75,6 +81,7 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
                 f"(config.json + weights) or a .gguf file")
         path = converted_gguf_dir(path)
     model = load_model_dir(path, dtype, device)
+    model.freeze_layout(layout)
     return LoadedTarget(model=model, tokenizer=load_tokenizer(path), path=str(path))
 
 
