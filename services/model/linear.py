@@ -136,8 +136,17 @@ def keep_part_names(owner: nn.Module, attr: str) -> None:
     owner.register_load_state_dict_pre_hook(from_parts)
 
 
+def parse_layout(layout: str) -> tuple[str, int]:
+    """"hf" | "transposed" | "both" | "both:N" -> (layout, max_rows_t); "both" alone means N = 2."""
+    name, _, rows = layout.partition(":")
+    if name not in ("hf", "transposed", "both") or (rows and (name != "both" or not rows.isdigit())):
+        raise ValueError(f"weight layout must be hf, transposed, both or both:N; got {layout!r}")
+    return name, int(rows or 2)
+
+
 def freeze_linears(module: nn.Module, layout: str) -> None:
-    """`freeze` every Linear under `module` (inference layout)."""
+    """`freeze` every Linear under `module` (inference layout, see `parse_layout`)."""
+    name, rows = parse_layout(layout)
     for m in module.modules():
         if isinstance(m, Linear):
-            m.freeze(layout)
+            m.freeze(name, rows)

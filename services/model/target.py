@@ -24,7 +24,7 @@ from torch import nn
 from services.model.config import ModelConfig, rope_inv_freq
 from services.model.kv_cache import KVCache
 from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
-from services.model.linear import Linear, freeze_linears
+from services.model.linear import Linear, freeze_linears, parse_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +62,16 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
-    def freeze_layout(self, layout: str = "transposed", lm_head_layout: str | None = None) -> None:
-        """Inference weight layout of every linear (linear.py `Linear.freeze`); the lm_head may get
-        its own. A tied lm_head then stops sharing the embedding's tensor."""
-        lm = lm_head_layout or layout
-        if self.config.tie_word_embeddings and lm != "hf":
+    def freeze_layout(self, layout: str = "transposed") -> None:
+        """Inference weight layout of the linears (linear.py `parse_layout`): "BODY" for all, or
+        "BODY/HEAD" with the lm_head's own, e.g. "transposed/both:2". A tied lm_head in a layout
+        other than "hf" stops sharing the embedding's tensor (the embedding keeps [V, H])."""
+        body, _, head = layout.partition("/")
+        head = head or body
+        if self.config.tie_word_embeddings and parse_layout(head)[0] != "hf":
             self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach(), requires_grad=False)
-        freeze_linears(self.model, layout)
-        self.lm_head.freeze(lm)
+        freeze_linears(self.model, body)
+        freeze_linears(self.lm_head, head)
 
     @property
     def dtype(self) -> torch.dtype:

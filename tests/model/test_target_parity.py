@@ -67,7 +67,7 @@ def test_tied_embeddings_share_one_tensor(tiny, tmp_path) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight, atol=0, rtol=0)
     # the transposed inference layout keeps one [in, out] copy for the head, same values
-    model = load_target(str(path)).model
+    model = load_target(str(path), layout="transposed").model
     assert model.lm_head.weight_t is not None and model.lm_head.weight_t.is_contiguous()
     assert model.lm_head.weight.data_ptr() == model.lm_head.weight_t.data_ptr()
     torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight, atol=0, rtol=0)
