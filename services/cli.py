@@ -27,9 +27,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None,
                    help="EAGLE head directory, or 'none' for plain decoding "
                         "(default: the shipped head when --target is the default model, else none)")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="weights and activations (default fp32: token-exact, and on CPU faster than "
-                        "bf16 in torch's CPU build, whose bf16 matmuls are ~8x slower for >1 row)")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="target weights and activations (default fp32: token-exact against transformers; "
+                        "bf16 is 0.8-1.3x fp32's time at serving shapes on CPU, 1.3-1.7x slower from 32 "
+                        "rows; int8 = dynamic int8 linears, opt-in, lossless only against aerie's own "
+                        "int8 plain decoding)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft only the K most frequent target tokens (the head's token_counts file); "
+                        "0 = full vocabulary (default: 8192 when the head has counts, else full)")
+    g.add_argument("--draft-dtype", choices=["fp32", "bf16", "int8"], default=None,
+                   help="the draft head's precision; never affects output (default fp32; bf16 with a "
+                        "bf16 target)")
     # CPU defaults from `aerie bench --sweep` on the default model (README, "Tree size"): on a CPU the
     # draft's vocabulary projection and every extra verified node cost real time, so a chain wins;
     # the reference's GPU default is 60/5/10.
@@ -94,7 +102,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from services.rpc.coordinator_client import connect
         local = connect(args.coordinator, args.target, timeout_s=3600)
     else:
-        local = build_local_engine(args.target, args.draft, args.dtype, tree)
+        local = build_local_engine(args.target, args.draft, args.dtype, tree,
+                                   args.draft_vocab, args.draft_dtype)
     load_s = time.perf_counter() - t_load
     request = GenerationRequest(prompt_ids=encode_prompt(args, local.tokenizer),
                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -157,6 +166,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    """aerie draft-vocab --from FILES --out FILE: token counts for a reduced draft vocabulary."""
+    from services.model.draft_vocab import COUNTS_FILE, save_counts
+    from services.model.draft_vocab_build import count_corpus
+    from services.model.loading import converted_gguf_dir, find_default_gguf, load_tokenizer, read_config
+    from pathlib import Path
+
+    src = Path(args.target or find_default_gguf()).expanduser()
+    model_dir = converted_gguf_dir(src) if src.is_file() else src
+    vocab = read_config(model_dir).vocab_size
+    counts, total = count_corpus(args.from_files, load_tokenizer(model_dir), vocab)
+    out = Path(args.out)
+    if out.name != COUNTS_FILE:
+        raise InvalidRequest(f"--out must name a file called {COUNTS_FILE} (in the head directory); got {out}")
+    save_counts(out.parent, counts)
+    seen = int((counts > 0).sum())
+    print(json.dumps({"out": str(out), "tokens": total, "distinct": seen, "vocab_size": vocab,
+                      "files": len(args.from_files)}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aerie", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
+    dv = sub.add_parser("draft-vocab", help="token counts for a reduced draft vocabulary (--draft-vocab)")
+    dv.add_argument("--from", dest="from_files", nargs="+", required=True,
+                    help="corpus: text files (tokenized with the target's tokenizer) and/or self-"
+                         "distillation shards (.safetensors from train datagen; their answer tokens)")
+    dv.add_argument("--out", required=True, help=".../token_counts.safetensors (usually in the head directory)")
+    dv.add_argument("--target", default=None, help="target whose tokenizer and vocabulary to use (default model)")
+    dv.set_defaults(func=cmd_draft_vocab)
     register_pipeline(sub)  # verifier, drafter, coordinator, up; generate --coordinator
     from services.bench.cli import register as register_bench
     from services.train.cli import register as register_train

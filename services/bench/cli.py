@@ -46,7 +46,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = TreeParams(args.tree_top_k, args.tree_depth, args.tree_tokens)
-    local = build_local_engine(args.target, args.draft, args.dtype, tree)
+    local = build_local_engine(args.target, args.draft, args.dtype, tree,
+                               getattr(args, "draft_vocab", None), getattr(args, "draft_dtype", None))
     if local.engine.drafter is None and ("eagle" in methods or args.sweep):
         raise InvalidRequest("method 'eagle' needs a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
