@@ -95,6 +95,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="how long the services may take to load their models (900)")
 
 
+def draft_flags(args: argparse.Namespace) -> list[str]:
+    """--draft-vocab / --draft-dtype forwarded to the drafter when given."""
+    out = []
+    if getattr(args, "draft_vocab", None) is not None:
+        out += ["--draft-vocab", str(args.draft_vocab)]
+    if getattr(args, "draft_dtype", None) is not None:
+        out += ["--draft-dtype", args.draft_dtype]
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -116,7 +126,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if draft is not None:
             drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft,
                                           "--tree-top-k", str(args.tree_top_k), "--tree-depth", str(args.tree_depth),
-                                          "--tree-tokens", str(args.tree_tokens)], workdir, args.host)
+                                          "--tree-tokens", str(args.tree_tokens), *draft_flags(args)],
+                            workdir, args.host)
             services.append(drafter)
         for s in services:
             s.wait_ready(deadline)

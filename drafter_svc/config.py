@@ -24,6 +24,8 @@ class DrafterConfig:
     draft: str | None = None  # EAGLE head directory; None = the shipped head of the default model
     target: str | None = None  # the target the head belongs to (its embedding and lm_head)
     dtype: str = "fp32"
+    draft_vocab: int | None = None  # None = the head's default (8192 with counts), 0 = full
+    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = as the target (fp32 for int8)
     tree: TreeParams = field(default_factory=TreeParams)
     max_sequences: int = 64
 
@@ -40,6 +42,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT)")
     g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=env("AERIE_DTYPE", "fp32"), help="AERIE_DTYPE (fp32)")
+    g.add_argument("--draft-vocab", type=int, default=env("AERIE_DRAFT_VOCAB", None),
+                   help="K most frequent tokens to draft from, 0 = full (AERIE_DRAFT_VOCAB; default 8192 "
+                        "when the head has token counts)")
+    g.add_argument("--draft-dtype", choices=["fp32", "bf16", "int8"], default=env("AERIE_DRAFT_DTYPE", None),
+                   help="the draft head's precision (AERIE_DRAFT_DTYPE; default fp32)")
     g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="AERIE_TREE_TOP_K (10)")
     g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="AERIE_TREE_DEPTH (5)")
     g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="AERIE_TREE_TOKENS (60)")
@@ -53,4 +60,4 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
-                         tree=tree, max_sequences=args.max_sequences)
+                         draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences)

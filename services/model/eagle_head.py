@@ -89,11 +89,18 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         self.vocab_proj: nn.Module | None = None  # owned [K, H] projection once restricted / recast
         self.register_buffer("vocab_d2t", None, persistent=False)  # [K] int64, target = i + d2t[i]
         self.token_counts: torch.Tensor | None = None  # [V] int64 frequency ranking (draft_vocab.py)
+        self.draft_dtype = "fp32"
         self.register_state_dict_post_hook(_drop_derived)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """The dtype the target's features arrive in (the head's load dtype, before
+        set_draft_dtype); forward casts them to the head's own."""
+        return getattr(self, "_feature_dtype", None) or self.dtype
 
     @property
     def draft_vocab_size(self) -> int:
@@ -130,6 +137,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
             raise ValueError(f"draft dtype must be one of {sorted(DRAFT_DTYPES)}; got {draft_dtype!r}")
         if draft_dtype == "fp32" and self.dtype == torch.float32:
             return
+        self._feature_dtype = self.feature_dtype
         if self.vocab_proj is None and isinstance(self, Eagle2Head):
             weight, _ = self._projection()
             proj = Linear(weight.shape[1], weight.shape[0], bias=False)
