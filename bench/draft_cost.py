@@ -7,7 +7,7 @@ For each dev prompt the target's greedy answer (--max-new-tokens) is decoded onc
 forced, each head configuration predicts every answer token from the target's features of the two
 tokens before it (one draft step, as the first level of a chain): `agree` = share of answer tokens
 the head's top-1 equals (the acceptance of a 1-token draft). `step_ms` = median time of one draft
-step (head forward on one row after a 160-row draft KV + log-softmax + top-8), interleaved over
+step (head forward on one row after the longest sequence's draft KV + log-softmax + top-8), interleaved over
 configurations in one process; `D` = the target's plain decode step in the same rounds.
 """
 
@@ -64,14 +64,16 @@ def main() -> None:
             tot += len(rows)
         result[f"{c[0]}:{c[1]}"] = {"agree": hit / tot, "answer_tokens": tot}
     # timing: one draft step after a 160-row KV, interleaved, plus the target decode step
-    ids, _ = seqs[0]
+    i = max(range(len(seqs)), key=lambda j: len(seqs[j][0]))
+    ids, f0 = seqs[i][0], feats[i]
+    n = len(ids) - 2  # draft KV rows before the timed step
     caches = {}
     for c, head in heads.items():
-        caches[c] = head.new_cache(200)
-        head(feats[0][:160], ids[1:161], caches[c])
-    tcache = target.new_cache(300)
-    target(ids[:160], tcache, logits_for="last")
-    x_feat, x_id = feats[0][160:161], ids[161:162]
+        caches[c] = head.new_cache(n + 4)
+        head(f0[:n], ids[1:n + 1], caches[c])
+    tcache = target.new_cache(n + 4)
+    target(ids[:n], tcache, logits_for="last")
+    x_feat, x_id = f0[n:n + 1], ids[n + 1:n + 2]
     times = {c: [] for c in heads} | {"D": []}
     for _ in range(args.rounds):
         for c, head in heads.items():
@@ -80,11 +82,11 @@ def main() -> None:
                 o = head(x_feat, x_id, caches[c])
                 torch.topk(head.log_probs(o), 8, dim=-1)
             times[c].append(time.perf_counter() - t0)
-            caches[c].truncate(160)
+            caches[c].truncate(n)
         t0 = time.perf_counter()
-        target(ids[160:161], tcache, logits_for="last")
+        target(ids[n:n + 1], tcache, logits_for="last")
         times["D"].append(time.perf_counter() - t0)
-        tcache.truncate(160)
+        tcache.truncate(n)
     d = statistics.median(times["D"]) * 1e3
     print(f"target decode step D = {d:.1f} ms; {len(seqs)} prompts, {result[next(iter(result))]['answer_tokens']} answer tokens")
     print(f"{'K:dtype':>12} {'step ms':>8} {'step/D':>7} {'agree':>6}")

@@ -3,7 +3,8 @@
 
     AERIE_TORCH_THREADS=1 python bench/forward_cost.py --variants hf,transposed,both [--old DIR] [--rounds 9]
 
-Each variant is the default model loaded with that weight layout (`load_target(layout=...)`);
+Each variant is the default model loaded with that weight layout (`load_target(layout=...)`), and
+with `@bf16` / `@int8` in that dtype (e.g. `both:2@int8`);
 `--old DIR` adds a variant "old" built by a copy of an older checkout's `services/model`, imported as
 the package `services_old` from DIR (how the "before" numbers were taken). After a 128-token prefill
 the script times, round-robin over variants and sizes, one plain decode step (T=1, last-row logits)
@@ -30,6 +31,11 @@ TS = (1, 2, 4, 8, 16, 32)
 
 
 def load_variant(name: str, source: str, dtype: torch.dtype, old_dir: str | None, int8: bool):
+    """`LAYOUT[@fp32|bf16|int8]` or `old`."""
+    name, _, dt = name.partition("@")
+    if dt:
+        int8 = dt == "int8"
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float32
     if name == "old":
         sys.path.insert(0, old_dir)
         from services_old.model.loading import load_target as old_load

@@ -25,7 +25,7 @@ class DrafterConfig:
     target: str | None = None  # the target the head belongs to (its embedding and lm_head)
     dtype: str = "fp32"
     draft_vocab: int | None = None  # None = the head's default (8192 with counts), 0 = full
-    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = as the target (fp32 for int8)
+    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.engine.local.DEFAULT_DRAFT_DTYPE
     tree: TreeParams = field(default_factory=TreeParams)
     max_sequences: int = 64
 
@@ -46,7 +46,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="K most frequent tokens to draft from, 0 = full (AERIE_DRAFT_VOCAB; default 8192 "
                         "when the head has token counts)")
     g.add_argument("--draft-dtype", choices=["fp32", "bf16", "int8"], default=env("AERIE_DRAFT_DTYPE", None),
-                   help="the draft head's precision (AERIE_DRAFT_DTYPE; default fp32)")
+                   help="the draft head's precision (AERIE_DRAFT_DTYPE; default int8)")
     g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="AERIE_TREE_TOP_K (10)")
     g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="AERIE_TREE_DEPTH (5)")
     g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="AERIE_TREE_TOKENS (60)")

@@ -36,8 +36,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft only the K most frequent target tokens (the head's token_counts file); "
                         "0 = full vocabulary (default: 8192 when the head has counts, else full)")
     g.add_argument("--draft-dtype", choices=["fp32", "bf16", "int8"], default=None,
-                   help="the draft head's precision; never affects output (default fp32; bf16 with a "
-                        "bf16 target)")
+                   help="the draft head's precision; never affects output (default int8: dynamic int8 "
+                        "linears, the cheapest draft step on CPU at the same acceptance)")
     # CPU defaults from `aerie bench --sweep` on the default model (README, "Tree size"): on a CPU the
     # draft's vocabulary projection and every extra verified node cost real time, so a chain wins;
     # the reference's GPU default is 60/5/10.
