@@ -60,4 +60,5 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
-                         draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences)
+                         draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree,
+                         max_sequences=args.max_sequences)
