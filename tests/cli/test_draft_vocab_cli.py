@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.cli import main
+from aerie_cli.main import main
 from services.model.draft_vocab import COUNTS_FILE, load_counts
 from services.model.head_checkpoint import save_head
 from tests.helpers import VOCAB, hf_greedy, save_tiny_tokenizer, tiny_text
