@@ -21,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "draft-vocab", "token counts for a reduced draft vocabulary (--draft-vocab)", __doc__)
     p.add_argument("--from", dest="from_files", nargs="+", required=True,
                    help="corpus: text files (tokenized with the target's tokenizer) and/or self-distillation "
-                        "shards (.safetensors; their answer tokens)")
-    p.add_argument("--out", required=True, help="path of the token_counts.safetensors to write (in the head directory)")
+                        "shards (.safetensors; their answer tokens); required")
+    p.add_argument("--out", required=True, help="path of the token_counts.safetensors to write (in the head directory); required")
     p.add_argument("--target", default=None,
                    help="target whose tokenizer and vocabulary to use (default: the default model)")
     p.set_defaults(func=cmd_draft_vocab)
