@@ -34,6 +34,10 @@ CONTRACT = {
 NOT_SET_BY_CHART = {
     "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
+    # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
+    "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
+    "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
+    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default both:2 (README, Cheaper rounds)",
 }
 
 
