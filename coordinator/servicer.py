@@ -49,9 +49,9 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             if not self._target:
                 try:
                     self._verifier_target()
-                except DownstreamError:
-                    if self.config.tokenizer is None:
-                        raise
+                except DownstreamError as e:
+                    if self.config.tokenizer is None:  # not cached: token-id requests go on to admission
+                        return Text(None, "", unavailable=str(e))
             if self._text is None:
                 self._text = Text.load(self.config.tokenizer or self._target)
             return self._text

@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from services.engine.engine import GenerationRequest, StepOutput
+import grpc
+
 from services.errors import CheckpointError, InvalidRequest
+from services.rpc.errors import DownstreamError
 from services.rpc.stubs import coordinator as cpb
 from services.stop_strings import StopMatcher, check_stops
 from services.text import IncrementalDetokenizer, load_tokenizer
@@ -91,9 +94,10 @@ class StopStringEngine:
 
 
 class Text:
-    def __init__(self, tokenizer: Any | None, source: str) -> None:
+    def __init__(self, tokenizer: Any | None, source: str, unavailable: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.source = source
+        self.unavailable = unavailable  # why the tokenizer cannot be loaded yet (no verifier answers)
 
     @classmethod
     def load(cls, source: str | None) -> Text:
@@ -114,6 +118,8 @@ class Text:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
     def _need_tokenizer(self, field: str) -> Any:
+        if self.unavailable is not None:
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE, f"{field} needs the tokenizer: {self.unavailable}")
         if self.tokenizer is None:
             raise InvalidRequest(f"{field} needs a tokenizer and this coordinator has none (from {self.source!r}; "
                                  f"set --tokenizer / AERIE_TOKENIZER) : send prompt_ids")
