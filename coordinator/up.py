@@ -89,6 +89,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline")
     g.add_argument("--port", type=int, default=env("AERIE_COORDINATOR_PORT", DEFAULT_PORT),
                    help=f"coordinator port, 0 = any free port (AERIE_COORDINATOR_PORT, {DEFAULT_PORT})")
+    g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT", 8000),
+                   help="the OpenAI-compatible HTTP API's port, 0 = any free port (AERIE_HTTP_PORT, 8000)")
     g.add_argument("--host", default="127.0.0.1", help="listen address of every service (127.0.0.1)")
     g.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     g.add_argument("--startup-timeout-s", type=float, default=900.0,
@@ -122,12 +124,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             s.wait_ready(deadline)
         coordinator = Service("coordinator", [*common, "--port", str(args.port), "--verifiers", verifier.address,
                                               "--drafters", drafter.address if drafter else "",
-                                              "--redis-url", redis_url], workdir, args.host)
+                                              "--redis-url", redis_url, "--http-port", str(args.http_port)],
+                              workdir, args.host)
         services.append(coordinator)
         coordinator.wait_ready(deadline)
         print(f"redis        {redis_url}{'' if redis_proc is None else f' (pid {redis_proc.pid})'}", flush=True)
         for s in services:
             print(s.describe(), flush=True)
+        print(f"http         http://{args.host}:{json.loads(coordinator.port_file.read_text())['http_port']}/v1 "
+              f"(OpenAI-compatible; docs/clients.md)", flush=True)
         if drafter is None:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinator.address} --prompt 'Hello'   (Ctrl-C stops)",

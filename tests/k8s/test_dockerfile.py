@@ -108,5 +108,5 @@ def test_build_context_is_limited_by_dockerignore():
     lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
              if l.strip() and not l.startswith("#")]
     assert lines[0] == "*"
-    for needed in ("pyproject.toml", "services", "coordinator", "drafter_svc", "verifier_svc", "proto"):
+    for needed in ("pyproject.toml", "services", "coordinator", "drafter_svc", "verifier_svc", "gateway", "proto"):
         assert f"!{needed}" in lines
