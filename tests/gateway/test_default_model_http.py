@@ -35,8 +35,6 @@ def test_chat_equals_aerie_generate_in_process(client, capsys):
     assert aerie_main(["generate", "--prompt", QUESTION, "--max-new-tokens", "12", "--dtype", "fp32",
                        "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth),
                        "--tree-tokens", str(TREE.total_tokens), "--json"]) == 0
-
-
     local = json.loads(capsys.readouterr().out)
     assert text == local["text"] and r.usage.prompt_tokens == local["prompt_tokens"]
     assert r.usage.completion_tokens == len(local["tokens"])
