@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "clients" / "node"
 GENERATE_JS = CLIENT_DIR / "generate.js"
 AERIE = Path(sys.executable).with_name("aerie")
+HTTP_URL: list[str] = []  # the OpenAI-compatible API's base URL, as `aerie up` printed it
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,14 @@ def save_tiny_models(root: Path) -> tuple[Path, Path]:
 
     hf = tiny_hf("llama", layers=2, seed=3)
     hf.save_pretrained(root / "target")
-    save_tiny_tokenizer(root / "target")  # the coordinator speaks text ("t0" .. "t127")
+    save_tiny_tokenizer(root / "target")  # the coordinator speaks text ("t0" .. "t127"), chat included
+    from transformers import AutoTokenizer
+
+    from tests.pipeline import TINY_CHAT_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(str(root / "target"))
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(str(root / "target"))
     target = to_native(hf)
     torch.manual_seed(3)
     head = build_head(HeadConfig("eagle", HIDDEN, 128, 4, 2, 1e-6, VOCAB), target.lm_head)
@@ -257,7 +265,7 @@ def pipeline(tiny_models):
     address = None
     deadline = time.monotonic() + 300
     try:
-        while address is None:
+        while address is None or not HTTP_URL:
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -267,6 +275,8 @@ def pipeline(tiny_models):
                 pytest.fail(f"aerie up did not become ready:\n{(root / 'up.log').read_text()[-3000:]}")
             if line.startswith("coordinator"):
                 address = line.split()[1]
+            if line.startswith("http"):
+                HTTP_URL.append(line.split()[1])
         yield address
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -313,8 +323,9 @@ def test_node_text_matches_python_client(node, pipeline, tiny_models):
     """Node sends text and prints the coordinator's text deltas; the Python client tokenizes and
     decodes locally (--target supplies its tokenizer): same tokens, same text."""
     args = ["--prompt", "t1 t5 t9 t33", "--max-new-tokens", "20", "--ignore-eos"]
-    expected = python_generate(pipeline, "--target", str(tiny_models[0]), *args)
+    expected = python_generate(pipeline, "--target", str(tiny_models[0]), *args)  # applies the chat template
     assert len(expected["tokens"]) == 20 and expected["text"]
+    args.append("--chat")  # Node: the chat template on the coordinator
     proc = run_node(node, "--coordinator", pipeline, *args, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -322,3 +333,23 @@ def test_node_text_matches_python_client(node, pipeline, tiny_models):
     proc = run_node(node, "--coordinator", pipeline, *args, timeout=300)  # streamed to stdout as text
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected["text"] + "\n"
+
+
+@pytest.mark.slow
+def test_node_http_chat_matches_the_openai_python_client(node, pipeline):
+    """clients/node/chat.js (fetch + server-sent events) against the HTTP API that `aerie up` started:
+    the same text as the official openai Python client."""
+    import openai
+
+    assert HTTP_URL, "aerie up printed no http line"
+    url = HTTP_URL[-1]
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    expected = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "t7 t8"}],
+                                              max_tokens=16, temperature=0)
+    proc = subprocess.run([node, str(CLIENT_DIR / "chat.js"), "--url", url, "--prompt", "t7 t8", "--max-tokens", "16",
+                           "--temperature", "0", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] == expected.choices[0].message.content and out["text"]
+    assert out["finish_reason"] == expected.choices[0].finish_reason
+    assert out["usage"] == expected.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
