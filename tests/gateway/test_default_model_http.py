@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from gateway.server import start_http
-from services.cli import main as aerie_main
+from aerie_cli.main import main as aerie_main
 from services.engine.local import DEFAULT_HEAD
 from services.model.loading import find_default_gguf
 from tests.pipeline import HOST, ModelDirs, TREE, start_pipeline

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from gateway.server import start_http
-from services.cli import main as aerie_main
+from aerie_cli.main import main as aerie_main
 from tests.pipeline import HOST, start_pipeline, wait_until
 
 RAW = {"skip_special_tokens": False}  # text <-> tokens is then a bijection on the tiny vocabulary
