@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from services.engine.engine import GenerationRequest, StepOutput
 import grpc
 
+from services.engine.engine import GenerationRequest, StepOutput
 from services.errors import CheckpointError, InvalidRequest
 from services.rpc.errors import DownstreamError
 from services.rpc.stubs import coordinator as cpb
