@@ -34,6 +34,11 @@ CONTRACT = {
 NOT_SET_BY_CHART = {
     "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
+    # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
+    # token ids only there, and its HTTP API has no container/Service port.
+    "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",
+    "AERIE_SERVED_MODEL_NAME": "not in the chart yet (the name defaults to the target's file name)",
+    "AERIE_HTTP_PORT": "not in the chart yet: the HTTP API has no container or Service port there",
 }
 
 
