@@ -17,6 +17,8 @@ import uvicorn
 
 from gateway.app import Gateway
 
+KEEP_ALIVE_S = 75
+
 
 @dataclass
 class HttpServer:
@@ -34,8 +36,10 @@ async def start_http(coordinator_address: str, host: str, port: int,
                      max_message_bytes: int = 64 * 1024 * 1024) -> HttpServer:
     gateway = Gateway(coordinator_address, max_message_bytes)
     await gateway.open()
+    # keep-alive: uvicorn's 5 s default closes idle connections that clients (the openai SDK's pool)
+    # are about to reuse, and the request racing the close fails; 75 s outlasts common client pools.
     config = uvicorn.Config(gateway.app(), host=host, port=port, log_level="warning", lifespan="off",
-                            access_log=False)
+                            access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
