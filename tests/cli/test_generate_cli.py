@@ -39,12 +39,30 @@ def test_json_output_equals_transformers_greedy(dirs, capsys):
     assert res["tokens"] == hf_greedy(hf, PROMPT, 32)
     assert res["text"] is None  # the tiny target has no tokenizer
     assert res["rounds"] == len(res["accept_lengths"]) > 0
-    assert res["tau"] == pytest.approx(sum(res["accept_lengths"]) / res["rounds"])
     assert max(res["accept_lengths"]) > 1
     # tokens: 1 from the prefill, then each round's accepted tokens + bonus, cut at max_new_tokens
     assert 1 + sum(res["accept_lengths"]) >= 32 > 1 + sum(res["accept_lengths"][:-1])
     assert res["tree"] == {"top_k": 4, "depth": 3, "tokens": 16}
     assert {"prefill_s", "total_s", "draft_s", "verify_s", "tokens_per_s"} <= set(res["timings"])
+
+
+def test_tau_is_tokens_per_target_forward(dirs, capsys, monkeypatch):
+    """tau checked against counted target forwards: a run cut at a round boundary generates
+    1 (prefill) + tau * forwards tokens."""
+    from services.engine.verifier import Verifier
+
+    target, head, _ = dirs
+    argv = ["--target", target, "--draft", head, "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--tree-tokens", 16, "--tree-depth", 3, "--tree-top-k", 4, "--json"]
+    full = json.loads(run_cli(capsys, *argv, "--max-new-tokens", 64)[1])
+    k = len(full["accept_lengths"]) // 2
+    cut = 1 + sum(full["accept_lengths"][:k])  # ends exactly after round k
+    forwards = []
+    verify = Verifier.verify
+    monkeypatch.setattr(Verifier, "verify", lambda self, *a, **kw: forwards.append(1) or verify(self, *a, **kw))
+    res = json.loads(run_cli(capsys, *argv, "--max-new-tokens", cut)[1])
+    assert len(res["tokens"]) == cut and len(forwards) == k > 1
+    assert res["tau"] == (cut - 1) / len(forwards) > 1
 
 
 def test_draft_none_is_the_plain_baseline(dirs, capsys):
