@@ -86,8 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         local = build_local_engine(args.target, args.draft, dtype(args), tree)
     load_s = time.perf_counter() - t_load
     if args.coordinator and local.tokenizer is None and args.prompt_ids is None:
-        raise InvalidRequest(f"the pipeline serves {local.target_path}, which is not on this machine: pass --target "
-                             f"with a local copy of it (for its tokenizer) or --prompt-ids")
+        raise InvalidRequest(f"the pipeline serves {local.target_path}, and there is no tokenizer for it on this "
+                             f"machine: pass --target with a local copy of that model, or --prompt-ids")
     request = GenerationRequest(prompt_ids=encode_prompt(args, local.tokenizer),
                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
                                 stop_token_ids=parse_ids(args.stop_token_ids, "--stop-token-ids"),
