@@ -81,9 +81,13 @@ def test_drain_finishes_in_flight_streams_and_refuses_new_ones(pipeline, redis_u
         await task
 
     server.stop = stop_and_signal
+    # and the client's side of it: the server's GOAWAY takes this channel out of READY (the stream in
+    # flight goes on; a new call needs a new connection, which the stopped listener refuses)
+    goaway = threading.Event()
+    ch.subscribe(lambda state: refusing.is_set() and state != grpc.ChannelConnectivity.READY and goaway.set())
     drained = threading.Thread(target=lambda: pipeline.loop.run(rpc_server.drain(server, 30.0)))
     drained.start()
-    assert refusing.wait(10)
+    assert refusing.wait(10) and goaway.wait(10)
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(LONG, timeout=10).next()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
