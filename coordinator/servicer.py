@@ -147,20 +147,24 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         return await asyncio.to_thread(self._info)
 
     def _info(self) -> cpb.CoordinatorInfo:
-        """Asks every verifier and drafter now (a short deadline each), so it doubles as readiness."""
+        """Asks every verifier and drafter now (a short deadline each), so it doubles as readiness;
+        UNAVAILABLE when no verifier answers (a drafter that does not answer is counted, not fatal)."""
         verifiers = _answering(self.sequences.verifiers)
+        if not verifiers:
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                                  f"no verifier available: none of {list(self.config.verifiers)} answers")
         drafters = _answering(self.sequences.drafters) if self.sequences.drafters else []
-        info = cpb.CoordinatorInfo(max_new_tokens=self.config.max_new_tokens, verifiers_ready=len(verifiers),
-                                   drafters_ready=len(drafters), drafters_configured=len(self.config.drafters))
-        if verifiers:
-            v = verifiers[0]
-            self._target = v.target
-            info.target, info.max_context, info.vocab_size = v.target, v.max_context, v.vocab_size
-            text = self.text()
-            info.text, info.chat_template = text.tokenizer is not None, text.has_chat_template
-        info.model = self.model_name
+        v = verifiers[0]
+        self._target = v.target
+        text = self.text()
+        info = cpb.CoordinatorInfo(target=v.target, dtype=v.dtype, vocab_size=v.vocab_size, model=self.model_name,
+                                   max_context=v.max_context, text=text.tokenizer is not None,
+                                   chat_template=text.has_chat_template, max_new_tokens=self.config.max_new_tokens,
+                                   verifiers_ready=len(verifiers), drafters_ready=len(drafters),
+                                   drafters_configured=len(self.config.drafters))
         if drafters:
             info.draft = drafters[0].draft
+            info.tree.CopyFrom(drafters[0].tree)
         return info
 
 

@@ -21,6 +21,36 @@ SEQUENCE_STATUS_FINISHED: SequenceStatus
 SEQUENCE_STATUS_CANCELLED: SequenceStatus
 SEQUENCE_STATUS_FAILED: SequenceStatus
 
+class CoordinatorInfo(_message.Message):
+    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree", "model", "max_context", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIERS_READY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_READY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    dtype: str
+    vocab_size: int
+    draft: str
+    tree: _common_pb2.TreeParams
+    model: str
+    max_context: int
+    text: bool
+    chat_template: bool
+    max_new_tokens: int
+    verifiers_ready: int
+    drafters_ready: int
+    drafters_configured: int
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id", "prompt", "messages", "skip_chat_template", "stop", "skip_special_tokens")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -122,32 +152,6 @@ class CancelResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: SequenceStatus
     def __init__(self, status: _Optional[_Union[SequenceStatus, str]] = ...) -> None: ...
-
-class CoordinatorInfo(_message.Message):
-    __slots__ = ("model", "max_context", "draft", "vocab_size", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured", "target")
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
-    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    VERIFIERS_READY_FIELD_NUMBER: _ClassVar[int]
-    DRAFTERS_READY_FIELD_NUMBER: _ClassVar[int]
-    DRAFTERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
-    TARGET_FIELD_NUMBER: _ClassVar[int]
-    model: str
-    max_context: int
-    draft: str
-    vocab_size: int
-    text: bool
-    chat_template: bool
-    max_new_tokens: int
-    verifiers_ready: int
-    drafters_ready: int
-    drafters_configured: int
-    target: str
-    def __init__(self, model: _Optional[str] = ..., max_context: _Optional[int] = ..., draft: _Optional[str] = ..., vocab_size: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ..., target: _Optional[str] = ...) -> None: ...
 
 class GetSequenceRequest(_message.Message):
     __slots__ = ("sequence_id",)
