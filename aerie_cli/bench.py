@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 
@@ -43,10 +44,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = set(methods) - {"hf", "native", "eagle", "pipeline"}
     if unknown or "hf" not in methods:
         raise InvalidRequest(f"--methods must include hf and only hf,native,eagle,pipeline; got {args.methods!r}")
+    if args.chart and importlib.util.find_spec("matplotlib") is None:  # before the long run, not after
+        raise InvalidRequest("--chart needs matplotlib: pip install 'aerie[bench]'")
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)
-    local = build_local_engine(args.target, args.draft, dtype(args), tree)
+    local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype)
     if local.engine.drafter is None and ("eagle" in methods or args.sweep):
         raise InvalidRequest("method 'eagle' needs a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)

@@ -81,6 +81,16 @@ class Service:
         return f"{self.role:<12} {self.address} (pid {self.proc.pid}{metrics})"
 
 
+def draft_flags(args: argparse.Namespace) -> list[str]:
+    """--draft-vocab / --draft-dtype forwarded to the drafter when given."""
+    out = []
+    if getattr(args, "draft_vocab", None) is not None:
+        out += ["--draft-vocab", str(args.draft_vocab)]
+    if getattr(args, "draft_dtype", None) is not None:
+        out += ["--draft-dtype", args.draft_dtype]
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -102,18 +112,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         if draft is not None:
             drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft,
                                           "--tree-top-k", str(args.tree_top_k), "--tree-depth", str(args.tree_depth),
-                                          "--tree-tokens", str(args.tree_tokens)], workdir, args.host)
+                                          "--tree-tokens", str(args.tree_tokens), *draft_flags(args)],
+                              workdir, args.host)
             services.append(drafter)
         for s in services:
             s.wait_ready(deadline)
         coordinator = Service("coordinator", [*common, "--port", str(args.port), "--verifiers", verifier.address,
                                               "--drafters", drafter.address if drafter else "",
-                                              "--redis-url", redis_url], workdir, args.host)
+                                              "--redis-url", redis_url, "--http-port", str(args.http_port)],
+                              workdir, args.host)
         services.append(coordinator)
         coordinator.wait_ready(deadline)
         print(f"redis        {redis_url}{'' if redis_proc is None else f' (pid {redis_proc.pid})'}", flush=True)
         for s in services:
             print(s.describe(), flush=True)
+        print(f"http         http://{args.host}:{json.loads(coordinator.port_file.read_text())['http_port']}/v1 "
+              f"(OpenAI-compatible; docs/clients.md)", flush=True)
         if drafter is None:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinator.address} --prompt 'Hello'   (Ctrl-C stops)",

@@ -34,6 +34,15 @@ CONTRACT = {
 NOT_SET_BY_CHART = {
     "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
+    # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
+    "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
+    "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
+    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default both:2 (README, Cheaper rounds)",
+    # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
+    # token ids only there, and its HTTP API has no container/Service port.
+    "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",
+    "AERIE_SERVED_MODEL_NAME": "not in the chart yet (the name defaults to the target's file name)",
+    "AERIE_HTTP_PORT": "not in the chart yet: the HTTP API has no container or Service port there",
 }
 
 
