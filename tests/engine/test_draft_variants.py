@@ -166,3 +166,19 @@ def test_int8_target_speculative_equals_int8_plain(llama_pair):
     logits_fp32 = target(torch.tensor(PROMPTS[0]), target.new_cache(16)).logits
     logits_int8 = q(torch.tensor(PROMPTS[0]), q.new_cache(16)).logits
     assert not torch.equal(logits_fp32, logits_int8)
+
+
+def test_int8_linear_rows_do_not_depend_on_each_other():
+    """Per-row activation scales: a row's output is the same in a 1-row and a 9-row call (a per-tensor
+    scale, as torch's quantize_dynamic uses, makes verification differ from plain decoding)."""
+    from services.model.linear import Linear
+
+    torch.manual_seed(0)
+    q = QuantLinear(Linear(64, 96))
+    x = torch.randn(9, 64)
+    x[4] *= 30  # one large row would change a per-tensor scale for all the others
+    batch = q(x)
+    for i in range(9):
+        assert torch.equal(q(x[i:i + 1]), batch[i:i + 1])
+    ref = torch.nn.functional.linear(x, q.wq_t.t().float() * q.w_scale[:, None], q.bias)
+    torch.testing.assert_close(batch, ref, atol=0.05 * float(x.abs().max()), rtol=0.05)
