@@ -151,7 +151,9 @@ def _chi_square_p(obs, joint, n) -> float:
 
 
 def test_int8_target_speculative_equals_int8_plain(llama_pair):
-    """Opt-in int8 target: lossless against aerie's own int8 plain decoding (not transformers)."""
+    """Opt-in int8 target on the tiny models: speculative == aerie's own int8 plain decoding. (On the
+    default model this does NOT hold on most prompts — README "Cheaper rounds": verify and decode take
+    different fp32 paths whose tiny differences int8 rounding amplifies.)"""
     hf, target, head = llama_pair
     q = quantize_linears(copy.deepcopy(target))
     assert isinstance(q.lm_head, QuantLinear) and isinstance(q.model.layers[0].self_attn.qkv_proj, QuantLinear)
