@@ -15,6 +15,7 @@ from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
+from services.spec.budget import AUTO_LARGEST, CostModel, build_budget, head_costs, load_report, target_costs
 from services.spec.tree import TreeParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -31,8 +32,28 @@ class LocalEngine:
     model_dir: str  # the Hugging Face directory actually loaded (the converted cache for GGUF)
 
 
+SPEC_MODES = ("eagle", "sam", "eagle+sam")
+
+
+def split_draft(draft: str | None) -> tuple[str | None, bool]:
+    """--draft -> (head spec, retrieval): `sam` = retrieval only, `eagle+sam` = the default head and
+    retrieval, `DIR+sam` = that head and retrieval; anything else is a head spec (no retrieval)."""
+    if draft is None:
+        return None, False
+    if draft.lower() == "sam":
+        return "none", True
+    if draft.lower() == "eagle+sam":
+        return "auto", True
+    if draft.endswith("+sam"):
+        return draft[: -len("+sam")], True
+    if draft.lower() == "eagle":
+        return "auto", False
+    return draft, False
+
+
 def resolve_draft(draft: str | None, target: str | None) -> str | None:
     """`none` -> no draft; None/`auto` -> the shipped head for the default model if present."""
+    draft = split_draft(draft)[0] if draft is not None else None
     if draft is not None and draft.lower() == "none":
         return None
     if draft is None or draft == "auto":
@@ -43,23 +64,34 @@ def resolve_draft(draft: str | None, target: str | None) -> str | None:
 
 
 def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
-                       tree: TreeParams | None = None) -> LocalEngine:
+                       tree: TreeParams | None = None, recalibrate: bool = False) -> LocalEngine:
+    """`draft`: a head directory, `none`, `auto`, `sam`, `eagle+sam` (see split_draft). `tree` None =
+    the auto budget (cost model calibrated on this device, cached); a TreeParams = that fixed shape."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
     target_path = target or find_default_gguf()
     loaded = load_target(target_path, DTYPES[dtype])
     model = loaded.model
     draft_path = resolve_draft(draft, target)
+    retrieval = split_draft(draft)[1]
     drafter = None
+    head = None
     feature_kind = "none"
     if draft_path:
         head = load_head(draft_path, model)
-        drafter = Drafter(head, tree or TreeParams())
+        drafter = Drafter(head, tree or AUTO_LARGEST)
         feature_kind = head.feature_kind
+    budget = None
+    if drafter is not None or retrieval:
+        model_id = f"{loaded.path}|{dtype}"
+        costs = CostModel(target_costs(model, model_id, recalibrate))
+        if head is not None:
+            costs = CostModel(costs.verify, *head_costs(head, f"{model_id}|{draft_path}", recalibrate))
+        budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)
     verifier = Verifier(model, feature_kind)
     eos = model.config.eos_token_ids
     tok = loaded.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         eos = tuple(sorted(set(eos) | {int(tok.eos_token_id)}))
-    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos)
+    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos, budget, retrieval)
     return LocalEngine(engine, tok, target_path, draft_path, loaded.path)

@@ -69,6 +69,8 @@ class Verifier:
         gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index)
         acc = accept(tree, out.logits, seq.sampling, gen)
         seq.cache.keep(prefix, prefix + acc.nodes.to(self.target.device))
+        if self.feature_kind == "none":  # retrieval-only speculation: no drafter reads features
+            return VerifyResult(acc, out.hidden[acc.nodes, :0])
         return VerifyResult(acc, self._features(out)[acc.nodes])
 
     def decode(self, seq_id: str, token: int, round_index: int) -> int:
