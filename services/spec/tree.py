@@ -72,6 +72,16 @@ class TreeParams:
         """Draft-KV rows a tree expansion needs on top of the committed rows."""
         return self.depth * self.top_k
 
+    @staticmethod
+    def from_flags(top_k: int | None, depth: int | None, total_tokens: int | None) -> "TreeParams | None":
+        """--tree-* flags -> a fixed shape, or None (auto budget) when none is given; a missing one
+        takes the class default."""
+        if top_k is None and depth is None and total_tokens is None:
+            return None
+        d = TreeParams()
+        return TreeParams(d.top_k if top_k is None else top_k, d.depth if depth is None else depth,
+                          d.total_tokens if total_tokens is None else total_tokens)
+
     def covers(self, other: "TreeParams") -> bool:
         """True if a KV sized for this shape holds `other`'s expansion and tree."""
         return other.draft_rows <= self.draft_rows and other.total_tokens <= self.total_tokens

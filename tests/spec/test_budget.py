@@ -149,7 +149,7 @@ def test_cost_curve_interpolates():
 
 
 def test_costs_are_cached_per_key_and_recalibrated_on_request(tmp_path, monkeypatch):
-    monkeypatch.setenv("AERIE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path / "costs"))
     monkeypatch.delenv("AERIE_RECALIBRATE", raising=False)
     calls = []
 
@@ -166,7 +166,7 @@ def test_costs_are_cached_per_key_and_recalibrated_on_request(tmp_path, monkeypa
 
 
 def test_calibration_measures_real_forwards(llama_pair, tmp_path, monkeypatch):
-    monkeypatch.setenv("AERIE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path / "costs"))
     _, target, head = llama_pair
     verify = B.target_costs(target, "tiny")
     layer, proj = B.head_costs(head, "tiny")
