@@ -41,6 +41,7 @@ class CoordinatorConfig:
     max_sequences: int = 256  # sequences running on this coordinator at once
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
+    retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
 
     def __post_init__(self) -> None:
         if not self.verifiers:
@@ -64,6 +65,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list (AERIE_VERIFIERS)")
     g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
                    help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
+    g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL", "") not in ("", "0"),
+                   help="join retrieved chains (suffix index over prompt + output) to the drafts; "
+                        "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="AERIE_REDIS_URL")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
                    help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS, 4096)")
@@ -83,4 +87,4 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
-        resolve_interval_s=args.resolve_interval_s)
+        resolve_interval_s=args.resolve_interval_s, retrieval=bool(args.retrieval))

@@ -201,6 +201,32 @@ def decode_cost(msg: pb.CostCurve, name: str) -> CostCurve | None:
         raise InvalidRequest(f"{name}: {e}") from None
 
 
+def decode_budget(vinfo, dinfo, retrieval: bool):
+    """The coordinator's budget from the services' GetInfo: t_verify from the verifier, t_draft and
+    the head's prior from the drafter, its largest (or fixed) shape. Services that report no cost
+    curves (built without calibration) give the drafter's shape every round, as before."""
+    from dataclasses import replace
+
+    from services.spec.budget import CostModel, build_budget
+
+    verify = decode_cost(vinfo.verify_cost, "verifier verify_cost")
+    if dinfo is None:
+        if not retrieval:
+            return None
+        nominal = CostCurve((1, 2), (1.0, 2.0))
+        return build_budget(CostModel(verify or nominal), None, None, eagle=False, retrieval=True)
+    tree = decode_tree_params(dinfo.tree)
+    head = decode_cost(dinfo.head_cost, "drafter head_cost")
+    logits = decode_cost(dinfo.logits_cost, "drafter logits_cost")
+    if dinfo.fixed_tree or verify is None or head is None or logits is None:
+        costs = CostModel(verify or CostCurve((1, 2), (1.0, 2.0)), head or CostCurve((1,), (0.0,)),
+                          logits or CostCurve((1,), (0.0,)))
+        return build_budget(costs, None, tree, eagle=True, retrieval=retrieval)
+    report = {"top1_agreement": dinfo.top1_agreement} if dinfo.top1_agreement > 0 else None
+    budget = build_budget(CostModel(verify, head, logits), report, None, eagle=True, retrieval=retrieval)
+    return replace(budget, largest=tree)  # the drafter's KV is sized for its own largest shape
+
+
 def feature_kind(value: int) -> str:
     try:
         return FEATURE_KINDS[value]
