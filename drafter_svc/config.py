@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from services.engine.local import DTYPES
 from services.errors import InvalidRequest
-from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
-from services.spec.tree import TreeParams
+from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
+
+if TYPE_CHECKING:  # the module builds `aerie drafter --help`: no torch at import
+    from services.spec.tree import TreeParams
 
 DEFAULT_PORT = 50053
 
@@ -29,8 +31,12 @@ class DrafterConfig:
     max_sequences: int = 64
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        if self.tree is None:
+            from services.spec.tree import TreeParams
+
+            object.__setattr__(self, "tree", TreeParams())
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
 
@@ -38,9 +44,10 @@ class DrafterConfig:
 def add_flags(p: argparse.ArgumentParser) -> None:
     add_service_flags(p, "AERIE_DRAFTER_PORT", DEFAULT_PORT)
     g = p.add_argument_group("drafter")
-    g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT)")
-    g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=env("AERIE_DTYPE", "fp32"), help="AERIE_DTYPE (fp32)")
+    g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT; default: the shipped head of the default model)")
+    g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
+                   help="weights and activations (AERIE_DTYPE)")
     g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K"),
                    help="fixed shape: AERIE_TREE_TOP_K (default: auto budget)")
     g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH"),
@@ -48,10 +55,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS"),
                    help="fixed shape: AERIE_TREE_TOKENS (default: auto budget)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
-                   help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES, 64)")
+                   help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
 
 
 def from_args(args: argparse.Namespace) -> DrafterConfig:
+    from services.spec.tree import TreeParams
+
     try:
         tree = TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
     except InvalidRequest as e:

