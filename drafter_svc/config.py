@@ -31,14 +31,20 @@ class DrafterConfig:
     max_sequences: int = 64
 
     def __post_init__(self) -> None:
-        if self.tree is None:
-            from services.spec.tree import TreeParams
-
-            object.__setattr__(self, "tree", TreeParams())
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
+
+
+def tree_flag(text: str) -> int | None:
+    """A --tree-* value: an integer, or 'auto' / '' (the budget chooses)."""
+    if text.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto'; got {text!r}") from None
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -48,12 +54,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
                    help="weights and activations (AERIE_DTYPE)")
-    g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K"),
-                   help="fixed shape: AERIE_TREE_TOP_K (default: auto budget)")
-    g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH"),
-                   help="fixed shape: AERIE_TREE_DEPTH (default: auto budget)")
-    g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS"),
-                   help="fixed shape: AERIE_TREE_TOKENS (default: auto budget)")
+    g.add_argument("--tree-top-k", type=tree_flag, default=env("AERIE_TREE_TOP_K"),
+                   help="fixed shape: AERIE_TREE_TOP_K (default / 'auto': the coordinator's budget)")
+    g.add_argument("--tree-depth", type=tree_flag, default=env("AERIE_TREE_DEPTH"),
+                   help="fixed shape: AERIE_TREE_DEPTH (default / 'auto': the coordinator's budget)")
+    g.add_argument("--tree-tokens", type=tree_flag, default=env("AERIE_TREE_TOKENS"),
+                   help="fixed shape: AERIE_TREE_TOKENS (default / 'auto': the coordinator's budget)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
 

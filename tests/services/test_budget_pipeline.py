@@ -61,3 +61,22 @@ def test_a_shape_beyond_the_largest_is_refused(pipeline):
         pipeline.drafter_stub().Draft(request)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"depth={big.depth}" in e.value.details() and "largest" in e.value.details()
+
+
+def test_drafter_tree_flags_auto_or_fixed(monkeypatch):
+    import argparse
+
+    from drafter_svc.config import add_flags, from_args
+
+    for name in ("AERIE_TREE_TOP_K", "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def parse(*argv):
+        p = argparse.ArgumentParser()
+        add_flags(p)
+        return from_args(p.parse_args(list(argv))).tree
+
+    assert parse() is None and parse("--tree-top-k", "auto") is None
+    assert parse("--tree-top-k", "3", "--tree-depth", "2", "--tree-tokens", "9") == TreeParams(3, 2, 9)
+    monkeypatch.setenv("AERIE_TREE_TOKENS", "auto")  # the chart's default
+    assert parse() is None
