@@ -35,7 +35,9 @@ Pure: no services, no I/O except the cost cache (json under $AERIE_CACHE_DIR/cos
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -289,13 +291,6 @@ class Budget:
         eagle = (self.fixed or self.largest).total_tokens if self.eagle else 1
         return eagle + self.chain_limit
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """(top_k, depth) pairs the chooser considers."""
-        lim = self.largest
-        return [(k, d) for k in range(1, min(lim.top_k, MAX_RANK) + 1)
-                for d in range(0, min(lim.depth, MAX_LEVELS - 1) + 1)
-                if d * k <= lim.draft_rows]
-
     def plan(self, stats: AcceptanceStats, chain: int = 0, commit_rows: float = 2.0) -> RoundPlan:
         """The shape with the highest predicted committed tokens per second, given `chain` retrieved
         tokens available. WARNING: counts idle rounds in `stats` (probing)."""
@@ -315,22 +310,48 @@ class Budget:
             best = max(best, cand, key=lambda p: p.rate)
         smallest: RoundPlan | None = None
         if self.eagle:
-            for k, d in self.shapes():
-                counts = [n for n in NODE_COUNTS
-                          if k <= n - 1 <= min(k + d * k * k, self.largest.total_tokens - 1)] or [k + 1]
-                if k == 1:
-                    counts = [d + 2]
-                gains = expected_accept(stats.depth, stats.rank, k, d + 1, [n - 1 for n in counts])
-                for n, g in zip(counts, gains):
-                    params = TreeParams(k, d, n)
-                    t_draft = c.draft_seconds(params, commit_rows)
-                    for extra in (0, chain) if chain else (0,):
-                        cand = RoundPlan(params, extra, 1.0 + g + chain_gain[extra],
-                                         t_draft + c.t_verify(n + extra))
-                        if smallest is None and n == 2 and extra == 0:
-                            smallest = cand
-                        if cand.rate > best.rate:
-                            best = cand
+            tv = _verify_table(c, self.largest.total_tokens + chain + 1)  # tv[n] = t_verify(n)
+            base = c.head(commit_rows) + c.logits(1)
+            lim = self.largest
+            extras = (0, chain) if chain else (0,)
+            best_rate, best_key = best.rate, None
+            for k in range(1, min(lim.top_k, MAX_RANK) + 1):
+                step = c.t_draft(k)
+                hit = [1.0] + [stats.rank[min(r - 1, len(stats.rank) - 1)] for r in range(1, k)]
+                frontier, probs = [1.0], []
+                for d in range(0, min(lim.depth, MAX_LEVELS - 1) + 1):
+                    if d * k > lim.draft_rows:
+                        break
+                    a = stats.depth[min(d, len(stats.depth) - 1)]
+                    kids = []
+                    for p in frontier:  # expected_accept's beam, one level at a time
+                        miss = 1.0 - a
+                        kids.append(p * a)
+                        for r in range(1, k):
+                            kids.append(p * miss * hit[r])
+                            miss *= 1.0 - hit[r]
+                    probs += kids
+                    frontier = sorted(kids, reverse=True)[:k]
+                    if k == 1:
+                        counts = (d + 2,)
+                    else:
+                        top = min(k + d * k * k, lim.total_tokens - 1)
+                        counts = tuple(n for n in NODE_COUNTS if k <= n - 1 <= top) or (k + 1,)
+                    ranked = sorted(probs, reverse=True)
+                    prefix = list(itertools.accumulate(ranked, initial=0.0))
+                    t_draft = base + d * step
+                    for n in counts:
+                        g = prefix[min(n - 1, len(ranked))]
+                        for extra in extras:
+                            rate = (1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
+                            if k == 1 and d == 0 and extra == 0:
+                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2])
+                            if rate > best_rate:
+                                best_rate = rate
+                                best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra])
+            if best_key is not None:
+                k, d, n, extra, tokens, seconds = best_key
+                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds)
         if best.drafts:
             stats.idle_rounds = 0
         else:
@@ -359,6 +380,12 @@ class Budget:
 
 
 # ---- calibration on the device -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _verify_table(costs: CostModel, n: int) -> tuple[float, ...]:
+    """(0, t_verify(1), ..., t_verify(n))."""
+    return (0.0,) + tuple(costs.t_verify(r) for r in range(1, n + 1))
 
 
 VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
