@@ -217,8 +217,9 @@ class Engine:
         row), the retrieved chain, both, or the root alone."""
         t0 = time.perf_counter()
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
-        pending = sum(int(t.shape[0]) for t in seq.pending_tokens)
-        plan = self.budget.plan(seq.stats, len(chain), commit_rows=max(pending, 1))
+        # the rows waiting for the draft KV are paid whenever the head next drafts (a sunk cost):
+        # the decision uses a steady round's extension (root + about one accepted token)
+        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0)
         if plan.tree is not None:
             tokens = torch.cat(seq.pending_tokens)
             features = torch.cat(seq.pending_features)

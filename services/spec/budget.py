@@ -392,8 +392,9 @@ VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 HEAD_ROWS = (1, 2, 4, 8, 16)
 
 
-def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 3) -> CostCurve:
-    """Median wall time of `fn(rows)` for each row count (one untimed warm-up call each)."""
+def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 5) -> CostCurve:
+    """Median wall time of `fn(rows)` for each row count (one untimed warm-up call each), made
+    non-decreasing in rows (more rows never cost less; on a busy machine a median can dip)."""
     out = []
     for r in rows:
         fn(r)
@@ -403,11 +404,11 @@ def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 3)
             fn(r)
             ts.append(time.perf_counter() - t0)
         out.append(sorted(ts)[len(ts) // 2])
-    return CostCurve(tuple(rows), tuple(out))
+    return CostCurve(tuple(rows), tuple(itertools.accumulate(out, max)))
 
 
 @torch.no_grad()
-def calibrate_target(target, rows: Sequence[int] = VERIFY_ROWS, prefix: int = 128, repeats: int = 3
+def calibrate_target(target, rows: Sequence[int] = VERIFY_ROWS, prefix: int = 128, repeats: int = 5
                      ) -> CostCurve:
     """t_verify: the target's tree-attention forward over `rows` chain nodes after `prefix` tokens."""
     device = target.device
@@ -426,7 +427,7 @@ def calibrate_target(target, rows: Sequence[int] = VERIFY_ROWS, prefix: int = 12
 
 
 @torch.no_grad()
-def calibrate_head(head, rows: Sequence[int] = HEAD_ROWS, prefix: int = 128, repeats: int = 3
+def calibrate_head(head, rows: Sequence[int] = HEAD_ROWS, prefix: int = 128, repeats: int = 5
                    ) -> tuple[CostCurve, CostCurve]:
     """(t_head, t_logits): the head's layer over `rows` rows after `prefix` rows, and its
     projection + log-softmax over `rows` rows."""

@@ -173,3 +173,11 @@ def test_calibration_measures_real_forwards(llama_pair, tmp_path, monkeypatch):
     assert verify.rows == B.VERIFY_ROWS and all(s > 0 for s in verify.seconds)
     assert layer.rows == B.HEAD_ROWS and all(s > 0 for s in proj.seconds)
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+def test_time_calls_medians_are_made_non_decreasing():
+    delays = {1: [0.0] * 6, 2: [0.004] * 6, 4: [0.001] * 6}
+    import time as _t
+
+    curve = B.time_calls(lambda r: _t.sleep(delays[r].pop()), (1, 2, 4), repeats=5)
+    assert curve.seconds[1] >= 0.004 and curve.seconds[2] == curve.seconds[1]
