@@ -59,7 +59,7 @@ PRIOR_C = (0.2, 0.12, 0.08, 0.06, 0.05, 0.04, 0.03)  # c_2 .. c_8
 PRIOR_S = 0.5  # s_d: a retrieved continuation of an exact match
 DEEPER_DECAY = 0.9  # prior a_{d+1} = a_d * decay: deeper draft steps read draft features
 CHAIN_LIMIT = 16  # longest retrieved chain the budget joins
-COST_VERSION = 1
+COST_VERSION = 2
 
 
 # ---- cost model ----------------------------------------------------------------------------------
@@ -393,8 +393,9 @@ HEAD_ROWS = (1, 2, 4, 8, 16)
 
 
 def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 5) -> CostCurve:
-    """Median wall time of `fn(rows)` for each row count (one untimed warm-up call each), made
-    non-decreasing in rows (more rows never cost less; on a busy machine a median can dip)."""
+    """The fastest of `repeats` timed calls of `fn(rows)` for each row count (one untimed warm-up
+    call each): on a shared machine the minimum is the least disturbed, so the ratios between row
+    counts (what the chooser compares) stay stable; made non-decreasing in rows."""
     out = []
     for r in rows:
         fn(r)
@@ -403,7 +404,7 @@ def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 5)
             t0 = time.perf_counter()
             fn(r)
             ts.append(time.perf_counter() - t0)
-        out.append(sorted(ts)[len(ts) // 2])
+        out.append(min(ts))
     return CostCurve(tuple(rows), tuple(itertools.accumulate(out, max)))
 
 
