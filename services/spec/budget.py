@@ -358,10 +358,12 @@ class Budget:
             stats.idle_rounds += 1
             if stats.idle_rounds >= self.probe_every:  # re-measure acceptance now and then
                 stats.idle_rounds = 0
+                # one draft token, and the whole retrieved chain (so every chain depth is re-measured)
                 if smallest is not None:
-                    best = smallest
+                    best = replace(smallest, chain=chain, tokens=smallest.tokens + chain_gain[chain],
+                                   seconds=smallest.seconds + c.t_verify(2 + chain) - c.t_verify(2))
                 elif chain:
-                    best = RoundPlan(None, 1, 1.0 + chain_gain[1], c.t_verify(2))
+                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], c.t_verify(1 + chain))
         if best.tree is not None and self.stop_depth:
             best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best)))
         return best

@@ -101,7 +101,11 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     s = stats([0.05])
     plans = [b.plan(s) for _ in range(8)]
     assert [p.drafts for p in plans] == [False, False, False, True] * 2
-    assert plans[3].tree.total_tokens == 2
+    assert plans[3].tree.total_tokens == 2 and plans[3].chain == 0
+    # a probe with a retrieved chain verifies all of it, so every chain depth is re-measured
+    b = Budget(CostModel(linear(0.3, 1.0)), eagle=False, chain_limit=8, probe_every=2)
+    s = stats([0.05], s=0.05)
+    assert [b.plan(s, chain=6).chain for _ in range(4)] == [0, 6, 0, 6]
 
 
 def test_stop_logprob_from_costs():
