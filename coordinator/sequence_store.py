@@ -188,8 +188,14 @@ def _errors(seq_id: str) -> Iterator[None]:
         raise _store_error(seq_id, e) from None
 
 
+SCRIPT_ERRORS = ("GAP", "ENDED")  # raised by the scripts above for a request that does not fit the sequence
+
+
 def _store_error(seq_id: str, e: redis.ResponseError) -> Exception:
     text = str(e)
     if "NOTFOUND" in text:
         return SequenceNotFound(f"unknown sequence {seq_id!r}")
-    return InvalidRequest(f"sequence {seq_id!r}: {text}")
+    if text.startswith(SCRIPT_ERRORS):
+        return InvalidRequest(f"sequence {seq_id!r}: {text}")
+    # Redis itself refused (read-only replica, NOREPLICAS, OOM, MISCONF, LOADING...): not the client's fault
+    return DownstreamError(grpc.StatusCode.UNAVAILABLE, f"Redis refused the command for sequence {seq_id!r}: {text}")

@@ -111,6 +111,24 @@ class Sequences:
         run.start()
         return Admitted(run, info)
 
+    def info(self) -> cpb.CoordinatorInfo:
+        """What the pools serve: one verifier's target and one drafter's head and tree."""
+        verifier = self.verifiers.acquire()
+        try:
+            vinfo = verifier.info()
+        finally:
+            self.verifiers.release(verifier)
+        info = cpb.CoordinatorInfo(target=vinfo.target, dtype=vinfo.dtype, vocab_size=vinfo.vocab_size)
+        if self.drafters:
+            drafter = self.drafters.acquire()
+            try:
+                dinfo = drafter.info()
+            finally:
+                self.drafters.release(drafter)
+            info.draft = dinfo.draft
+            info.tree.CopyFrom(dinfo.tree)
+        return info
+
     def cancel(self, seq_id: str) -> Status:
         """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""
         status = self.store.request_cancel(seq_id)
