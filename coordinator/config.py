@@ -65,7 +65,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list; required (AERIE_VERIFIERS)")
     g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
                    help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
-    g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL", "") not in ("", "0"),
+    g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
@@ -87,4 +87,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
-        resolve_interval_s=args.resolve_interval_s, retrieval=bool(args.retrieval))
+        resolve_interval_s=args.resolve_interval_s,
+        retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"))  # flag or env
