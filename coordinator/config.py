@@ -67,7 +67,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
-                        "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1)")
+                        "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
                    help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS)")
