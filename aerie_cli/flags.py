@@ -64,6 +64,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="fixed tree shape: tree nodes verified, root included (default: auto budget)")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure the cost model again instead of reading ~/.cache/aerie/costs")
+    from services.spec.tree_flags import add_tree_aliases
+
+    add_tree_aliases(g)
 
 
 def dtype(args: argparse.Namespace) -> str:

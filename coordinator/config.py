@@ -2,8 +2,8 @@
 
     AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
-    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), and the common ones in
-    services/rpc/config.py.
+    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_TOKENIZER (the verifier's target),
+    AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), and the common ones in services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
 several addresses (a Kubernetes headless service), re-resolved every AERIE_RESOLVE_INTERVAL_S.
@@ -42,6 +42,9 @@ class CoordinatorConfig:
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
+    tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
+    served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
 
     def __post_init__(self) -> None:
         if not self.verifiers:
@@ -53,6 +56,8 @@ class CoordinatorConfig:
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
         for name in ("rpc_timeout_s", "resolve_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
@@ -79,6 +84,14 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
                    help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S)")
+    g.add_argument("--tokenizer", default=env("AERIE_TOKENIZER"),
+                   help="the target's tokenizer for text requests (a directory or .gguf; only the tokenizer is "
+                        "read); default: the target the verifier serves; 'none' = token ids only (AERIE_TOKENIZER)")
+    g.add_argument("--served-model-name", default=env("AERIE_SERVED_MODEL_NAME"),
+                   help="the model's name in the APIs (AERIE_SERVED_MODEL_NAME; default: the target's file name)")
+    g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT"),
+                   help="serve the OpenAI-compatible HTTP API on this port, 0 = any free port; default: off "
+                        "(AERIE_HTTP_PORT)")
 
 
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -87,5 +100,6 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
-        resolve_interval_s=args.resolve_interval_s,
+        resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name, http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"))  # flag or env

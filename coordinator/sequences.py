@@ -52,8 +52,10 @@ class Sequences:
         return len(self._runs)
 
     def admit(self, request: GenerationRequest, seq_id: str | None,
-              emit: Callable[[Committed | BaseException], None], request_span: Any = None) -> Admitted:
-        """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop."""
+              emit: Callable[[Committed | BaseException], None], request_span: Any = None,
+              wrap_engine: Callable[[Engine], Any] | None = None) -> Admitted:
+        """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
+        `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine."""
         seq_id = seq_id or uuid.uuid4().hex
         with self._lock:
             if len(self._runs) >= self.config.max_sequences:
@@ -75,6 +77,8 @@ class Sequences:
             engine = Engine(verifier.for_sequence(kind, spans), remote_drafter, int(vinfo.max_context),
                             int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
             engine.validate(request)
+            if wrap_engine is not None:
+                engine = wrap_engine(engine)
             s = request.sampling
             self.store.create(SequenceRecord(
                 sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
@@ -110,24 +114,6 @@ class Sequences:
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
         run.start()
         return Admitted(run, info)
-
-    def info(self) -> cpb.CoordinatorInfo:
-        """What the pools serve: one verifier's target and one drafter's head and tree."""
-        verifier = self.verifiers.acquire()
-        try:
-            vinfo = verifier.info()
-        finally:
-            self.verifiers.release(verifier)
-        info = cpb.CoordinatorInfo(target=vinfo.target, dtype=vinfo.dtype, vocab_size=vinfo.vocab_size)
-        if self.drafters:
-            drafter = self.drafters.acquire()
-            try:
-                dinfo = drafter.info()
-            finally:
-                self.drafters.release(drafter)
-            info.draft = dinfo.draft
-            info.tree.CopyFrom(dinfo.tree)
-        return info
 
     def cancel(self, seq_id: str) -> Status:
         """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""

@@ -110,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             s.wait_ready(deadline)
         coordinator = Service("coordinator", [*common, "--port", str(args.port), "--verifiers", verifier.address,
                                               "--drafters", drafter.address if drafter else "",
-                                              "--redis-url", redis_url,
+                                              "--redis-url", redis_url, "--http-port", str(args.http_port),
                                               *(["--retrieval"] if split_draft(args.draft)[1] else [])],
                               workdir, args.host)
         services.append(coordinator)
@@ -118,6 +118,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"redis        {redis_url}{'' if redis_proc is None else f' (pid {redis_proc.pid})'}", flush=True)
         for s in services:
             print(s.describe(), flush=True)
+        print(f"http         http://{args.host}:{json.loads(coordinator.port_file.read_text())['http_port']}/v1 "
+              f"(OpenAI-compatible; docs/clients.md)", flush=True)
         if drafter is None:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinator.address} --prompt 'Hello'   (Ctrl-C stops)",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from services.errors import InvalidRequest
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
+from services.spec.tree_flags import add_tree_aliases
 
 if TYPE_CHECKING:  # the module builds `aerie drafter --help`: no torch at import
     from services.spec.tree import TreeParams
@@ -60,6 +61,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="fixed shape: AERIE_TREE_DEPTH (default / 'auto': the coordinator's budget)")
     g.add_argument("--tree-tokens", type=tree_flag, default=env("AERIE_TREE_TOKENS"),
                    help="fixed shape: AERIE_TREE_TOKENS (default / 'auto': the coordinator's budget)")
+    add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
 

@@ -36,6 +36,11 @@ NOT_SET_BY_CHART = {
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
     "AERIE_COST_DIR": "where measured cost curves are cached; a fresh pod measures its device (seconds)",
     "AERIE_RECALIBRATE": "force a new cost measurement; a fresh pod measures anyway",
+    # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
+    # token ids only there, and its HTTP API has no container/Service port.
+    "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",
+    "AERIE_SERVED_MODEL_NAME": "not in the chart yet (the name defaults to the target's file name)",
+    "AERIE_HTTP_PORT": "not in the chart yet: the HTTP API has no container or Service port there",
 }
 
 
