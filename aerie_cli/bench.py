@@ -58,7 +58,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)
-    local = build_local_engine(args.target, args.draft, dtype(args), tree, args.recalibrate)
+    local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
+                               recalibrate=args.recalibrate)
     if local.engine.drafter is None and ({"eagle", "eagle+sam"} & set(methods) or args.sweep):
         raise InvalidRequest("methods 'eagle' and 'eagle+sam' need a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)

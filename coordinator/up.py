@@ -81,6 +81,16 @@ class Service:
         return f"{self.role:<12} {self.address} (pid {self.proc.pid}{metrics})"
 
 
+def draft_flags(args: argparse.Namespace) -> list[str]:
+    """--draft-vocab / --draft-dtype forwarded to the drafter when given."""
+    out = []
+    if getattr(args, "draft_vocab", None) is not None:
+        out += ["--draft-vocab", str(args.draft_vocab)]
+    if getattr(args, "draft_dtype", None) is not None:
+        out += ["--draft-dtype", args.draft_dtype]
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             shape = [f"--tree-{name}={value}" for name, value in
                      (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
                      if value is not None]  # none given: the auto budget
-            drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft, *shape],
+            drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft, *shape, *draft_flags(args)],
                               workdir, args.host)
             services.append(drafter)
         for s in services:

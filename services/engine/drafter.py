@@ -19,9 +19,9 @@ class Drafter:
     grows any shape it covers (the budget picks one per round), `params=None` grows `tree` itself."""
 
     def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64) -> None:
-        if tree.top_k > head.config.draft_vocab:
+        if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
-                f"tree_top_k={tree.top_k} exceeds the draft vocabulary ({head.config.draft_vocab})")
+                f"tree_top_k={tree.top_k} exceeds the draft vocabulary ({head.draft_vocab_size})")
         self.head = head
         self.tree = tree
         self.max_sequences = max_sequences

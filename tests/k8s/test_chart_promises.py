@@ -36,6 +36,10 @@ NOT_SET_BY_CHART = {
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
     "AERIE_COST_DIR": "where measured cost curves are cached; a fresh pod measures its device (seconds)",
     "AERIE_RECALIBRATE": "force a new cost measurement; a fresh pod measures anyway",
+    # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
+    "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
+    "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
+    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default both:2 (README, Cheaper rounds)",
     # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
     # token ids only there, and its HTTP API has no container/Service port.
     "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",
