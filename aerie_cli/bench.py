@@ -1,7 +1,10 @@
-"""`aerie bench`: hf generate vs aerie plain vs aerie EAGLE-2 (vs the pipeline) on a prompt set.
+"""`aerie bench`: hf generate vs aerie plain vs EAGLE-2 (auto budget) vs retrieval (sam, eagle+sam)
+(vs the pipeline) on a prompt set, in one run.
 
-    aerie bench --prompts ../shared/data/spec_bench_dev.jsonl --limit 24 --json-out bench.json --chart bench.png
-    aerie bench --sweep ...   # tree tokens/depth/top_k grid for EAGLE-2 only; reports the best
+    aerie bench --prompts ../shared/data/spec_bench_dev.jsonl --per-category 2 --max-new-tokens 64 \
+        --json-out bench.json --chart bench.png
+    aerie bench --sweep ...   # fixed tree shapes and auto for EAGLE-2; the cost model's predicted
+                              # tok/s next to the measured one per shape; reports the best
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import time
 from aerie_cli.flags import add_command, add_model_flags, dtype, tree_params
 from services.errors import InvalidRequest
 
-SWEEP = [(8, 7, 1), (6, 4, 2), (10, 4, 2), (12, 3, 3), (16, 4, 4), (16, 5, 3), (24, 5, 4), (32, 5, 6),
-         (60, 5, 10)]  # (tokens, depth, top_k)
+SWEEP = [(2, 0, 1), (3, 1, 1), (4, 2, 1), (6, 4, 1), (8, 6, 1), (6, 2, 2), (10, 3, 2), (16, 3, 4),
+         (32, 5, 4)]  # (tokens, depth, top_k); a chain of L drafts is (L + 1, L - 1, 1)
+METHODS = ("hf", "native", "eagle", "sam", "eagle+sam", "pipeline")
 
 
 def register(sub) -> None:
@@ -25,9 +29,10 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--methods", default="hf,native,eagle", help="comma list of hf,native,eagle,pipeline")
+    p.add_argument("--methods", default="hf,native,eagle,sam,eagle+sam",
+                   help="comma list of hf,native,eagle,sam,eagle+sam,pipeline")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline'; default: none)")
-    p.add_argument("--sweep", action="store_true", help="grid of tree shapes for EAGLE-2")
+    p.add_argument("--sweep", action="store_true", help="grid of fixed tree shapes and auto for EAGLE-2, with the cost model's predicted tok/s")
     p.add_argument("--json-out", default=None, help="write the results as JSON here (default: not written)")
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
@@ -35,54 +40,84 @@ def register(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from services.bench.bench import HFBaseline, load_prompts, run_engine, summarize
     from services.bench.report import chart, table
+    from services.engine.engine import Engine
     from services.engine.local import DTYPES, build_local_engine
+    from services.spec.budget import CHAIN_LIMIT
     from services.spec.tree import TreeParams
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - {"hf", "native", "eagle", "pipeline"}
+    unknown = set(methods) - set(METHODS)
     if unknown or "hf" not in methods:
-        raise InvalidRequest(f"--methods must include hf and only hf,native,eagle,pipeline; got {args.methods!r}")
+        raise InvalidRequest(f"--methods must include hf and only {','.join(METHODS)}; got {args.methods!r}")
     if args.chart and importlib.util.find_spec("matplotlib") is None:  # before the long run, not after
         raise InvalidRequest("--chart needs matplotlib: pip install 'aerie[bench]'")
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)
-    local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype)
-    if local.engine.drafter is None and ("eagle" in methods or args.sweep):
-        raise InvalidRequest("method 'eagle' needs a draft head: pass --draft DIR")
+    local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
+                               recalibrate=args.recalibrate)
+    if local.engine.drafter is None and ({"eagle", "eagle+sam"} & set(methods) or args.sweep):
+        raise InvalidRequest("methods 'eagle' and 'eagle+sam' need a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
     engine = local.engine
-    plain = type(engine)(engine.verifier, None, engine.max_context, engine.vocab_size, engine.eos_token_ids)
+    e = engine
+    plain = Engine(e.verifier, None, e.max_context, e.vocab_size, e.eos_token_ids)
+    with_chain = replace(e.budget, chain_limit=CHAIN_LIMIT)
+    retrieval = {
+        "sam": Engine(e.verifier, None, e.max_context, e.vocab_size, e.eos_token_ids, with_chain, retrieval=True),
+        "eagle+sam": Engine(e.verifier, e.drafter, e.max_context, e.vocab_size, e.eos_token_ids, with_chain,
+                            retrieval=True),
+    }
     hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids)
     # warm up every path once (first-call allocations and kernel selection)
     hf.run(prompts[0], 4)
     run_engine(plain, prompts[0], 4)
     if engine.drafter:
         run_engine(engine, prompts[0], 4)
+    for m, eng in retrieval.items():
+        if m in methods:
+            run_engine(eng, prompts[0], 4)
 
-    shapes = [TreeParams(k, d, n) for n, d, k in SWEEP] if args.sweep else \
+    # sweep: fixed shapes through the same cost model (predictions), and the auto budget itself
+    shapes = [TreeParams(k, d, n) for n, d, k in SWEEP] + [None] if args.sweep else \
         ([tree] if "eagle" in methods else [])
-    runs: dict[str, list] = {m: [] for m in methods if m != "eagle"}
+    sweep_engines = {}
     for shape in shapes:
-        runs[_eagle_name(shape, args.sweep)] = []
+        budget = e.budget if shape is None else replace(e.budget, largest=shape, fixed=shape)
+        drafter = e.drafter
+        if shape is not None and not drafter.tree.covers(shape):
+            from services.engine.drafter import Drafter
+            drafter = Drafter(drafter.head, shape)
+        sweep_engines[_eagle_name(shape, args.sweep)] = Engine(e.verifier, drafter, e.max_context, e.vocab_size,
+                                                               e.eos_token_ids, budget)
+    runs: dict[str, list] = {m: [] for m in methods if m != "eagle"}
+    for name in sweep_engines:
+        runs[name] = []
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         # interleave methods per prompt so machine noise hits all of them alike
         runs["hf"].append(hf.run(prompt, args.max_new_tokens))
         if "native" in runs:
             runs["native"].append(run_engine(plain, prompt, args.max_new_tokens))
-        for shape in shapes:
-            engine.drafter.tree = shape
-            runs[_eagle_name(shape, args.sweep)].append(run_engine(engine, prompt, args.max_new_tokens))
+        for name, eng in sweep_engines.items():
+            runs[name].append(run_engine(eng, prompt, args.max_new_tokens))
+        for m, eng in retrieval.items():
+            if m in runs:
+                runs[m].append(run_engine(eng, prompt, args.max_new_tokens))
         if "pipeline" in runs:
             runs["pipeline"].append(_pipeline_run(args, prompt))
         print(f"[{i + 1}/{len(prompts)}] {prompt.category} {time.perf_counter() - t0:.0f}s", flush=True)
     result = summarize(runs, prompts)
     result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": dtype(args),
                         "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-                        "limit": args.limit, "per_category": args.per_category, "torch_threads": __import__("torch").get_num_threads()}
+                        "limit": args.limit, "per_category": args.per_category,
+                        "torch_threads": __import__("torch").get_num_threads(),
+                        "tree": "auto" if tree is None else [tree.total_tokens, tree.depth, tree.top_k],
+                        "cost_model": e.budget.costs.to_dict()}
     if args.sweep:
         eagle_rows = {m: r for m, r in result["methods"].items() if m.startswith("eagle")}
         best = max(eagle_rows, key=lambda m: eagle_rows[m]["tokens_per_s"])
@@ -99,7 +134,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _eagle_name(shape, sweep: bool) -> str:
-    return f"eagle{shape.total_tokens}/{shape.depth}/{shape.top_k}" if sweep else "eagle"
+    if not sweep:
+        return "eagle"
+    return "eagle-auto" if shape is None else f"eagle{shape.total_tokens}/{shape.depth}/{shape.top_k}"
 
 
 def _pipeline_run(args, prompt):

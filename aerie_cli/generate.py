@@ -83,7 +83,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         local = connect(args.coordinator, args.target, timeout_s=3600)
     else:
         from services.engine.local import build_local_engine
-        local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype)
+        local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
+                                   recalibrate=args.recalibrate)
     load_s = time.perf_counter() - t_load
     if args.coordinator and local.tokenizer is None and args.prompt_ids is None:
         raise InvalidRequest(f"the pipeline serves {local.target_path}, and there is no tokenizer for it on this "
@@ -94,6 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos)
     tokens: list[int] = []
     accepts: list[int] = []
+    tree_sizes: list[int] = []  # nodes verified per round (0 = a round that drafted nothing)
     draft_s = verify_s = prefill_s = 0.0
     reason = None
     detok = IncrementalDetokenizer(local.tokenizer) if local.tokenizer is not None and not args.json else None
@@ -105,6 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prefill_s = step.stats.verify_s
         else:
             accepts.append(step.stats.accept_length)
+            tree_sizes.append(step.stats.tree_size)
             draft_s += step.stats.draft_s
             verify_s += step.stats.verify_s
         if detok is not None:  # special tokens never printed, multi-byte characters only once complete
@@ -126,8 +129,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "target": local.target_path,
         "draft": local.draft_path,
         "dtype": getattr(local, "dtype", None) or dtype(args),  # a pipeline reports what it serves
-        "tree": None if local.draft_path is None else
-        {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens},
+        "tree": None if local.draft_path is None and not any(tree_sizes) else
+        {"mode": "auto" if tree is None else "fixed",  # auto: the budget chose every round's shape
+         **({} if tree is None else {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens}),
+         "mean_tokens": round(sum(tree_sizes) / len(tree_sizes), 2) if tree_sizes else 0.0},
         "timings": {
             "load_s": round(load_s, 4),
             "prefill_s": round(prefill_s, 4),

@@ -41,6 +41,7 @@ class CoordinatorConfig:
     max_sequences: int = 256  # sequences running on this coordinator at once
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
+    retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
     http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
@@ -69,6 +70,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list; required (AERIE_VERIFIERS)")
     g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
                    help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
+    g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
+                   help="join retrieved chains (suffix index over prompt + output) to the drafts; "
+                        "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
                    help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS)")
@@ -97,4 +101,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
-        served_model_name=args.served_model_name, http_port=args.http_port)
+        served_model_name=args.served_model_name, http_port=args.http_port,
+        retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"))  # flag or env

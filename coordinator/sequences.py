@@ -72,8 +72,10 @@ class Sequences:
             remote_drafter = drafter.for_sequence(spans) if drafter else None
             kind = remote_drafter.feature_kind if remote_drafter else "none"
             vinfo = verifier.info()
+            retrieval = self.config.retrieval
+            budget = codec.decode_budget(vinfo, drafter.info() if drafter else None, retrieval)
             engine = Engine(verifier.for_sequence(kind, spans), remote_drafter, int(vinfo.max_context),
-                            int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids))
+                            int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
             engine.validate(request)
             if wrap_engine is not None:
                 engine = wrap_engine(engine)

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.engine.local import resolve_draft
+from services.engine.local import resolve_draft, split_draft
 from services.errors import AerieError
 from coordinator.redis_server import start_redis, stop_process
 
@@ -110,16 +110,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         services.append(verifier)
         drafter = None
         if draft is not None:
-            drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft,
-                                          "--tree-top-k", str(args.tree_top_k), "--tree-depth", str(args.tree_depth),
-                                          "--tree-tokens", str(args.tree_tokens), *draft_flags(args)],
+            shape = [f"--tree-{name}={value}" for name, value in
+                     (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
+                     if value is not None]  # none given: the auto budget
+            drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft, *shape, *draft_flags(args)],
                               workdir, args.host)
             services.append(drafter)
         for s in services:
             s.wait_ready(deadline)
         coordinator = Service("coordinator", [*common, "--port", str(args.port), "--verifiers", verifier.address,
                                               "--drafters", drafter.address if drafter else "",
-                                              "--redis-url", redis_url, "--http-port", str(args.http_port)],
+                                              "--redis-url", redis_url, "--http-port", str(args.http_port),
+                                              *(["--retrieval"] if split_draft(args.draft)[1] else [])],
                               workdir, args.host)
         services.append(coordinator)
         coordinator.wait_ready(deadline)

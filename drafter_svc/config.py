@@ -1,8 +1,9 @@
 """Drafter configuration: flags and AERIE_* variables -> DrafterConfig.
 
-    AERIE_DRAFTER_PORT (50053), AERIE_TARGET, AERIE_DRAFT, AERIE_DTYPE (fp32), AERIE_TREE_TOP_K (10),
-    AERIE_TREE_DEPTH (5), AERIE_TREE_TOKENS (60), AERIE_MAX_SEQUENCES (64), and the common ones in
-    services/rpc/config.py.
+    AERIE_DRAFTER_PORT (50053), AERIE_TARGET, AERIE_DRAFT, AERIE_DTYPE (fp32), AERIE_TREE_TOP_K,
+    AERIE_TREE_DEPTH, AERIE_TREE_TOKENS (unset: the auto budget, which the coordinator runs per round
+    within services.spec.budget.AUTO_LARGEST; any of them: that fixed shape), AERIE_MAX_SEQUENCES (64),
+    and the common ones in services/rpc/config.py.
 """
 
 from __future__ import annotations
@@ -29,18 +30,24 @@ class DrafterConfig:
     dtype: str = "fp32"
     draft_vocab: int | None = None  # None = the head's default (8192 with token counts), 0 = full
     draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.engine.local.DEFAULT_DRAFT_DTYPE
-    tree: TreeParams | None = None  # None = TreeParams()
+    tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
     max_sequences: int = 64
 
     def __post_init__(self) -> None:
-        if self.tree is None:
-            from services.spec.tree import TreeParams
-
-            object.__setattr__(self, "tree", TreeParams())
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
+
+
+def tree_flag(text: str) -> int | None:
+    """A --tree-* value: an integer, or 'auto' / '' (the budget chooses)."""
+    if text.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto'; got {text!r}") from None
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -55,9 +62,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "when the head has token counts)")
     g.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=env("AERIE_DRAFT_DTYPE", None),
                    help="the draft head's precision (AERIE_DRAFT_DTYPE; default: int8)")
-    g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="children per node and beam width (AERIE_TREE_TOP_K)")
-    g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="draft expansion steps (AERIE_TREE_DEPTH)")
-    g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="tree nodes verified, root included (AERIE_TREE_TOKENS)")
+    g.add_argument("--tree-top-k", type=tree_flag, default=env("AERIE_TREE_TOP_K"),
+                   help="fixed shape: AERIE_TREE_TOP_K (default / 'auto': the coordinator's budget)")
+    g.add_argument("--tree-depth", type=tree_flag, default=env("AERIE_TREE_DEPTH"),
+                   help="fixed shape: AERIE_TREE_DEPTH (default / 'auto': the coordinator's budget)")
+    g.add_argument("--tree-tokens", type=tree_flag, default=env("AERIE_TREE_TOKENS"),
+                   help="fixed shape: AERIE_TREE_TOKENS (default / 'auto': the coordinator's budget)")
     add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
@@ -67,7 +77,7 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     from services.spec.tree import TreeParams
 
     try:
-        tree = TreeParams(args.tree_top_k, args.tree_depth, args.tree_tokens)
+        tree = TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,

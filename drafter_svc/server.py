@@ -13,6 +13,7 @@ from services.engine.local import build_local_engine, resolve_draft
 from services.errors import CheckpointError
 from services.rpc import server as rpc_server
 from services.rpc.stubs import drafter_grpc
+from services.spec.budget import AUTO_LARGEST, load_report
 from drafter_svc.config import DrafterConfig
 from drafter_svc.servicer import DrafterServicer
 
@@ -28,8 +29,13 @@ def load_servicer(config: DrafterConfig) -> DrafterServicer:
     local = build_local_engine(config.target, config.draft, config.dtype, config.tree,
                                config.draft_vocab, config.draft_dtype)
     assert local.engine.drafter is not None
-    drafter = Drafter(local.engine.drafter.head, config.tree, config.max_sequences)
-    return DrafterServicer(drafter, config, local.draft_path or "", local.engine.max_context)
+    head = local.engine.drafter.head
+    drafter = Drafter(head, config.tree or AUTO_LARGEST, config.max_sequences)
+    report = load_report(local.draft_path) or {}
+    top1 = float(report.get("top1_agreement") or 0.0) if isinstance(report.get("top1_agreement"), (int, float)) else 0.0
+    # the head's t_draft curves for the coordinator's budget (measured by build_local_engine, cached)
+    costs = (local.engine.budget.costs.head, local.engine.budget.costs.logits)
+    return DrafterServicer(drafter, config, local.draft_path or "", local.engine.max_context, costs, top1)
 
 
 async def create_server(address: str, config: DrafterConfig, servicer: DrafterServicer | None = None

@@ -12,6 +12,8 @@ import torch
 
 from services.engine.drafter import Drafter
 from services.errors import InvalidRequest
+from services.spec.budget import CostCurve
+from services.spec.tree import TreeParams
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
@@ -27,7 +29,11 @@ SERVICE = "drafter"
 class DrafterServicer(drafter_grpc.DrafterServicer):
     SERVICE = SERVICE
 
-    def __init__(self, drafter: Drafter, config: DrafterConfig, draft_path: str, max_context: int) -> None:
+    def __init__(self, drafter: Drafter, config: DrafterConfig, draft_path: str, max_context: int,
+                 costs: tuple[CostCurve, CostCurve] | None = None, top1_agreement: float = 0.0) -> None:
+        """`costs`: (head layer, projection) curves measured on this device, served by GetInfo."""
+        self.costs = costs
+        self.top1_agreement = top1_agreement
         self.drafter = drafter
         self.config = config
         self.draft_path = draft_path
@@ -59,6 +65,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                 if not n <= msg.max_rows <= self.max_rows:
                     raise InvalidRequest(f"max_rows must be in [{n}, {self.max_rows}]; got {msg.max_rows}")
                 features = codec.TensorAssembler("features", dtype=self.dtype, shape=(n, self.feature_size))
+                params = self._params(msg)
             elif msg.sequence_id or msg.tokens or msg.max_rows:
                 raise InvalidRequest("only the first Prefill message may carry sequence_id, max_rows and tokens")
             features.add(msg.features)
@@ -66,7 +73,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             raise InvalidRequest("the Prefill stream carried no message")
         response = await self._call.timed(DRAFT_SECONDS.labels(SERVICE),
                                               self._prefill, seq_id, first.max_rows, first.sampling,
-                                              torch.tensor(tokens, dtype=torch.long), features.result())
+                                              torch.tensor(tokens, dtype=torch.long), features.result(), params)
         return response
 
     @rpc_errors
@@ -79,9 +86,10 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             raise InvalidRequest("draft tokens must hold the accepted tokens and the bonus; got none")
         features = codec.decode_tensor(request.features, "features", dtype=self.dtype,
                                        shape=(len(tokens), self.feature_size))
+        params = self._params(request)
         response = await self._call.timed(DRAFT_SECONDS.labels(SERVICE),
                                               self._draft, seq_id, request.round_index,
-                                              torch.tensor(tokens, dtype=torch.long), features)
+                                              torch.tensor(tokens, dtype=torch.long), features, params)
         return response
 
     @rpc_errors
@@ -91,19 +99,32 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
 
     @rpc_errors
     async def GetInfo(self, request: pb.InfoRequest, context) -> dpb.DrafterInfo:
-        return dpb.DrafterInfo(draft=self.draft_path, dtype=codec.dtype_name(self.dtype),
+        info = dpb.DrafterInfo(draft=self.draft_path, dtype=codec.dtype_name(self.dtype),
                                feature_kind=codec.WIRE_FEATURE_KINDS[self.drafter.feature_kind],
                                feature_size=self.feature_size, vocab_size=self.vocab_size,
                                tree=codec.encode_tree_params(self.drafter.tree),
-                               max_sequences=self.drafter.max_sequences, num_sequences=self.drafter.num_sequences)
+                               max_sequences=self.drafter.max_sequences, num_sequences=self.drafter.num_sequences,
+                               fixed_tree=self.config.tree is not None, top1_agreement=self.top1_agreement)
+        if self.costs is not None:
+            info.head_cost.CopyFrom(codec.encode_cost(self.costs[0]))
+            info.logits_cost.CopyFrom(codec.encode_cost(self.costs[1]))
+        return info
+
+    def _params(self, msg) -> TreeParams | None:
+        """The request's tree shape, checked against this drafter (InvalidRequest names the value)."""
+        if not msg.HasField("tree"):
+            return None
+        params = codec.decode_tree_params(msg.tree)
+        self.drafter.check_params(params)
+        return params
 
     # ---- on the worker thread ------------------------------------------------------------------------
 
     def _prefill(self, seq_id: str, max_rows: int, sampling: bool, tokens: torch.Tensor,
-                 features: torch.Tensor) -> dpb.DraftResponse:
+                 features: torch.Tensor, params: TreeParams | None) -> dpb.DraftResponse:
         self.drafter.start(seq_id, max_rows, sampling)
         try:
-            response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features)))
+            response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features, params)))
         except BaseException:
             self.drafter.release(seq_id)
             raise
@@ -111,15 +132,15 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
         return response
 
-    def _draft(self, seq_id: str, round_index: int, tokens: torch.Tensor, features: torch.Tensor
-               ) -> dpb.DraftResponse:
+    def _draft(self, seq_id: str, round_index: int, tokens: torch.Tensor, features: torch.Tensor,
+               params: TreeParams | None) -> dpb.DraftResponse:
         last = self._last.get(seq_id)
         if last is not None and round_index == last[0]:
             return last[1]
         if last is not None and round_index < last[0]:
             raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest "
                                  f"round {last[0]}")
-        response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features)))
+        response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features, params)))
         self._last[seq_id] = (round_index, response)
         return response
 

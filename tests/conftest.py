@@ -1,6 +1,7 @@
 """Session fixtures: tiny targets and distilled EAGLE heads (builders in tests/helpers.py)."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import torch
 from tests.helpers import distill_head, tiny_hf, to_native
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# cost-model calibrations of the tiny test models stay out of the user's ~/.cache/aerie/costs
+os.environ.setdefault("AERIE_COST_DIR", os.path.join(tempfile.mkdtemp(prefix="aerie-costs-")))
 torch.set_num_threads(1)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from services.engine.local import build_local_engine
+from services.spec.budget import target_costs
 from services.rpc import server as rpc_server
 from services.rpc.stubs import verifier_grpc
 from verifier_svc.config import VerifierConfig
@@ -21,7 +22,10 @@ def load_servicer(config: VerifierConfig) -> VerifierServicer:
     """Load the target exactly as the in-process engine does (same loader, dtype and EOS ids)."""
     local = build_local_engine(config.target, "none", config.dtype)
     engine = local.engine
-    return VerifierServicer(engine.verifier.target, config, local.target_path, engine.eos_token_ids)
+    target = engine.verifier.target
+    # t_verify for the coordinator's budget: measured once per device/model/dtype/threads, cached
+    costs = target_costs(target, f"{local.model_dir}|{config.dtype}")
+    return VerifierServicer(target, config, local.target_path, engine.eos_token_ids, costs)
 
 
 async def create_server(address: str, config: VerifierConfig, servicer: VerifierServicer | None = None

@@ -25,6 +25,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.sampling import SamplingParams
+from services.spec.budget import CostCurve
 from services.spec.tree import DraftTree
 from verifier_svc.config import VerifierConfig
 
@@ -35,7 +36,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     SERVICE = SERVICE
 
     def __init__(self, target: TargetModel, config: VerifierConfig, target_path: str,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], verify_cost: CostCurve | None = None) -> None:
+        """`verify_cost`: t_verify(rows) measured on this device, served by GetInfo for the budget."""
+        self.verify_cost = verify_cost
         self.target = target
         self.config = config
         self.target_path = target_path
@@ -103,10 +106,13 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     @rpc_errors
     async def GetInfo(self, request: pb.InfoRequest, context) -> vpb.VerifierInfo:
         cfg = self.target.config
-        return vpb.VerifierInfo(target=self.target_path, dtype=codec.dtype_name(self.target.dtype),
+        info = vpb.VerifierInfo(target=self.target_path, dtype=codec.dtype_name(self.target.dtype),
                                 vocab_size=cfg.vocab_size, max_context=cfg.max_context,
                                 eos_token_ids=list(self.eos_token_ids), max_sequences=self.config.max_sequences,
                                 num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens)
+        if self.verify_cost is not None:
+            info.verify_cost.CopyFrom(codec.encode_cost(self.verify_cost))
+        return info
 
     # ---- on the worker thread ------------------------------------------------------------------------
 

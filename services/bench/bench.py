@@ -3,7 +3,9 @@
 Methods (greedy, batch 1, the same weights and the same stopping rule: EOS or max_new_tokens):
   hf        transformers `generate` (the baseline every ratio is taken against)
   native    aerie's target with no draft (plain decoding)
-  eagle     aerie EAGLE-2 in process
+  eagle     aerie EAGLE-2 in process (the auto budget unless --tree-* fixes the shape)
+  sam       retrieval drafts only (suffix index over prompt + output), verified by the target
+  eagle+sam EAGLE trees with retrieved chains joined when the cost model says they pay
   pipeline  aerie through the distributed services (when a coordinator address is given)
 
 Per method and per category: tokens/s (generated tokens over wall time, prefill included), speed-up
@@ -42,6 +44,11 @@ class Run:
     round_s: float = 0.0  # wall time of those rounds (draft + verify + other)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    tree_nodes: int = 0  # nodes verified over all rounds (0 for plain rounds)
+    pred_tokens: float = 0.0  # the budget's predictions summed over the rounds that had one
+    pred_s: float = 0.0
+    pred_rounds_s: float = 0.0  # measured wall time of those rounds
+    pred_rounds_tokens: int = 0  # and their committed tokens
 
 
 @dataclass(slots=True)
@@ -53,6 +60,11 @@ class Summary:
     round_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    tree_nodes: int = 0
+    pred_tokens: float = 0.0
+    pred_s: float = 0.0
+    pred_rounds_s: float = 0.0
+    pred_rounds_tokens: int = 0
     exact: int = 0
     per_prompt_tps: list[float] = field(default_factory=list)
 
@@ -64,6 +76,11 @@ class Summary:
         self.round_s += run.round_s
         self.draft_s += run.draft_s
         self.verify_s += run.verify_s
+        self.tree_nodes += run.tree_nodes
+        self.pred_tokens += run.pred_tokens
+        self.pred_s += run.pred_s
+        self.pred_rounds_s += run.pred_rounds_s
+        self.pred_rounds_tokens += run.pred_rounds_tokens
         self.exact += int(exact)
         self.per_prompt_tps.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
 
@@ -85,6 +102,11 @@ class Summary:
             "verify_ms": per_round(self.verify_s),
             "other_ms": per_round(self.round_s - self.draft_s - self.verify_s) if self.round_s > 0 else None,
             "exact_match": round(self.exact / self.prompts, 4) if self.prompts else None,
+            "mean_tree": round(self.tree_nodes / self.rounds, 2) if self.rounds else None,
+            # the cost model's prediction for the rounds it planned, next to their measured rate
+            "predicted_tokens_per_s": round(self.pred_tokens / self.pred_s, 3) if self.pred_s else None,
+            "measured_round_tokens_per_s":
+                round(self.pred_rounds_tokens / self.pred_rounds_s, 3) if self.pred_rounds_s else None,
         }
 
 
@@ -130,6 +152,12 @@ def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
                 run.round_s += step.stats.draft_s
             run.draft_s += step.stats.draft_s
             run.verify_s += step.stats.verify_s
+            run.tree_nodes += step.stats.tree_size
+            if step.stats.predicted_s > 0:
+                run.pred_tokens += step.stats.predicted_tokens
+                run.pred_s += step.stats.predicted_s
+                run.pred_rounds_s += now - last + (step.stats.draft_s if step.stats.index == 1 else 0.0)
+                run.pred_rounds_tokens += step.stats.accept_length
         last = now
     run.seconds = time.perf_counter() - t0
     return run

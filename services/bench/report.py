@@ -7,7 +7,8 @@ from pathlib import Path
 COLUMNS = [("tokens_per_s", "tok/s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"), ("tau", "tau", "{:.2f}"),
            ("round_ms", "round ms", "{:.1f}"), ("draft_ms", "draft ms", "{:.1f}"),
            ("verify_ms", "verify ms", "{:.1f}"), ("other_ms", "other ms", "{:.1f}"),
-           ("exact_match", "exact", "{:.0%}")]
+           ("exact_match", "exact", "{:.0%}"), ("mean_tree", "nodes", "{:.1f}"),
+           ("predicted_tokens_per_s", "pred tok/s", "{:.2f}"), ("measured_round_tokens_per_s", "meas tok/s", "{:.2f}")]
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
@@ -16,12 +17,12 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 
 def table(result: dict) -> str:
-    head = f"{'category':<16}{'method':<10}" + "".join(f"{label:>11}" for _, label, _ in COLUMNS)
+    head = f"{'category':<16}{'method':<16}" + "".join(f"{label:>11}" for _, label, _ in COLUMNS)
     lines = [head, "-" * len(head)]
     groups = [("ALL", result["methods"])] + list(result["categories"].items())
     for cat, rows in groups:
         for method, row in rows.items():
-            lines.append(f"{cat:<16}{method:<10}" + "".join(f"{_cell(row, k, f):>11}" for k, _, f in COLUMNS))
+            lines.append(f"{cat:<16}{method:<16}" + "".join(f"{_cell(row, k, f):>11}" for k, _, f in COLUMNS))
     return "\n".join(lines)
 
 

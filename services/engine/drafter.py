@@ -15,6 +15,9 @@ from services.spec.tree import DraftTree, TreeParams, grow_tree
 
 
 class Drafter:
+    """`tree` is the largest shape a call may ask for (it sizes the draft KV); `draft(..., params)`
+    grows any shape it covers (the budget picks one per round), `params=None` grows `tree` itself."""
+
     def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64) -> None:
         if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
@@ -38,15 +41,31 @@ class Drafter:
         self._caches[seq_id] = self.head.new_cache(max_rows + self.tree.draft_rows)
         self._sort_paths[seq_id] = sampling
 
-    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor) -> DraftTree:
-        """tokens [n] newly committed tokens shifted by one (last = root); features [n, F]."""
+    def check_params(self, params: TreeParams) -> None:
+        if not self.tree.covers(params):
+            raise InvalidRequest(
+                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.total_tokens} exceeds "
+                f"this drafter's largest shape top_k={self.tree.top_k}, depth={self.tree.depth}, "
+                f"tokens={self.tree.total_tokens} (its draft KV is sized for that)")
+        if params.top_k > self.head.config.draft_vocab:
+            raise InvalidRequest(
+                f"tree_top_k={params.top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab})")
+
+    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
+              params: TreeParams | None = None) -> DraftTree:
+        """tokens [n] newly committed tokens shifted by one (last = root); features [n, F];
+        `params` this round's shape (None = the largest)."""
         cache = self._cache(seq_id)
+        if params is None:
+            params = self.tree
+        else:
+            self.check_params(params)
         f = self.head.config.feature_size
         if features.ndim != 2 or features.shape != (tokens.shape[0], f):
             raise InvalidRequest(
                 f"features must have shape [{tokens.shape[0]}, {f}]; got {list(features.shape)}")
         return grow_tree(self.head, cache, features.to(self.head.device), tokens.to(self.head.device),
-                         self.tree, self._sort_paths[seq_id])
+                         params, self._sort_paths[seq_id])
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)

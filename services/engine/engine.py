@@ -6,8 +6,16 @@
     commit   the accepted tokens and the bonus are emitted; stop rules truncate
 
 `Engine` talks to a `Drafter` and a `Verifier` through their methods only, so the coordinator can
-drive gRPC clients with the same loop. With no drafter it runs plain autoregressive decoding through
-the same target code: the baseline. It does not tokenize or format prompts.
+drive gRPC clients with the same loop. With no drafter and no retrieval it runs plain
+autoregressive decoding through the same target code: the baseline. It does not tokenize or format
+prompts.
+
+Each round's shape comes from the `Budget` (services/spec/budget.py): an EAGLE tree of the chosen
+top_k / depth / size, a retrieved chain (services/spec/sam.py; the engine holds the sequence's
+suffix index, so over gRPC the coordinator does), both merged, or nothing. A round that drafts
+nothing verifies the root alone (= one plain decode step that also returns the root's feature):
+the committed rows the drafter has not seen wait in `pending` and extend its KV with the next draft.
+The budget changes the tree, never the acceptance rule: output stays the target's.
 """
 
 from __future__ import annotations
@@ -15,14 +23,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from services.engine.drafter import Drafter
 from services.engine.verifier import Verifier
 from services.errors import InvalidRequest
+from services.spec.budget import AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, observe
+from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
+from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
 
 _seq_counter = itertools.count()
 
@@ -44,6 +55,9 @@ class RoundStats:
     tree_depth: int  # deepest node verified
     draft_s: float  # time growing the tree that this round verified
     verify_s: float  # time in the verifier (target forward + acceptance + KV compaction)
+    chain: int = 0  # retrieved chain tokens in the tree (shared with EAGLE nodes or not)
+    predicted_tokens: float = 0.0  # the budget's prediction for this round: committed tokens
+    predicted_s: float = 0.0  # and round seconds (0 = no prediction: plain decoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +81,49 @@ def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: fro
     return new, None
 
 
+def fixed_budget(drafter: Drafter | None, retrieval: bool = False) -> Budget:
+    """The drafter's own shape every round (no cost model): what an Engine built without a budget
+    runs. Costs are nominal (one unit per verified node), so its predictions mean nothing."""
+    tree = drafter.tree if drafter is not None else TreeParams(1, 0, 2)
+    return Budget(CostModel(CostCurve((1, 2), (1.0, 2.0))), largest=tree, fixed=tree,
+                  eagle=drafter is not None, chain_limit=8 if retrieval else 0)
+
+
+@dataclass
+class _Draft:
+    """The tree in flight and what `observe` needs about it."""
+    tree: DraftTree
+    plan: RoundPlan
+    chain_nodes: list[int]
+    eagle_size: int  # nodes 0..eagle_size-1 came from the draft head (or the root alone)
+    draft_s: float
+
+
 class Engine:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, max_context: int,
-                 vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
+                 retrieval: bool = False) -> None:
+        """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains."""
         self.verifier = verifier
         self.drafter = drafter
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.retrieval = retrieval
+        budget = budget or fixed_budget(drafter, retrieval)
+        # what the budget may use is what this engine has: a head, retrieval
+        self.budget = replace(budget, eagle=budget.eagle and drafter is not None,
+                              chain_limit=budget.chain_limit if retrieval else 0)
+        largest = self.budget.fixed or self.budget.largest
+        if self.budget.eagle and not drafter.tree.covers(largest):
+            raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
+                                 f"tokens={largest.total_tokens}) does not fit the drafter's KV "
+                                 f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
+                                 f"tokens={drafter.tree.total_tokens})")
+
+    @property
+    def speculates(self) -> bool:
+        return self.drafter is not None or self.retrieval
 
     def validate(self, req: GenerationRequest) -> None:
         if not req.prompt_ids:
@@ -104,7 +153,7 @@ class Engine:
         seq_id = seq_id or f"local-{next(_seq_counter)}"
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
         # KV rows: every committed token plus one tree (or one decode token) in flight
-        tree_nodes = self.drafter.tree.total_tokens if self.drafter else 1
+        tree_nodes = self.budget.max_nodes() if self.speculates else 1
         capacity = len(req.prompt_ids) + req.max_new_tokens + tree_nodes
         stop_ids = self.stop_ids(req)
         try:
@@ -118,16 +167,20 @@ class Engine:
         t0 = time.perf_counter()
         pre = self.verifier.prefill(seq_id, prompt, req.sampling, capacity)
         verify_s = time.perf_counter() - t0
-        draft_s = 0.0
-        tree = None
         produced = 0
         new, reason = check_stop([pre.first_token], produced, req.max_new_tokens, stop_ids)
-        if reason is None and self.drafter:
-            t1 = time.perf_counter()
-            self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
-            shifted = torch.cat([prompt[1:], torch.tensor([pre.first_token])])
-            tree = self.drafter.draft(seq_id, shifted, pre.features)
-            draft_s = time.perf_counter() - t1
+        seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
+                             sort_paths=not req.sampling.greedy)
+        draft = None
+        if reason is None and self.speculates:
+            if self.drafter:
+                self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
+                seq.pending_tokens.append(torch.cat([prompt[1:], torch.tensor([pre.first_token])]))
+                seq.pending_features.append(pre.features)
+            if seq.index is not None:
+                seq.index.extend(req.prompt_ids)
+                seq.index.extend([pre.first_token])
+            draft = self._draft(seq_id, seq, pre.first_token)
         produced += len(new)
         yield StepOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason)
         last = pre.first_token
@@ -135,19 +188,55 @@ class Engine:
             if reason is not None:
                 return
             t1 = time.perf_counter()
-            if tree is None:  # plain decoding: one token per target forward
+            if draft is None:  # plain decoding: one token per target forward
                 fresh = [self.verifier.decode(seq_id, last, index)]
                 stats = RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t1)
             else:
+                tree = draft.tree
                 res = self.verifier.verify(seq_id, tree, index)
                 verify_s = time.perf_counter() - t1
                 fresh = res.acceptance.new_tokens
-                stats = RoundStats(index, len(fresh), tree.size, tree.max_depth, draft_s, verify_s)
+                observe(seq.stats, tree, res.acceptance.nodes.tolist(), draft.chain_nodes, draft.eagle_size)
+                stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
+                                   tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
+                                   draft.plan.tokens, draft.plan.seconds)
             new, reason = check_stop(fresh, produced, req.max_new_tokens, stop_ids)
             produced += len(new)
             last = fresh[-1]
-            if reason is None and tree is not None:
-                t2 = time.perf_counter()
-                tree = self.drafter.draft(seq_id, torch.tensor(fresh), res.features)
-                draft_s = time.perf_counter() - t2
+            if reason is None and draft is not None:
+                if self.drafter:
+                    seq.pending_tokens.append(torch.tensor(fresh))
+                    seq.pending_features.append(res.features)
+                if seq.index is not None:
+                    seq.index.extend(fresh)
+                draft = self._draft(seq_id, seq, last)
             yield StepOutput(new, stats, reason)
+
+    def _draft(self, seq_id: str, seq: "_SequenceState", root: int) -> _Draft:
+        """Plan the next round and build its tree: EAGLE (extending the draft KV with every pending
+        row), the retrieved chain, both, or the root alone."""
+        t0 = time.perf_counter()
+        chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
+        # the rows waiting for the draft KV are paid whenever the head next drafts (a sunk cost):
+        # the decision uses a steady round's extension (root + about one accepted token)
+        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0)
+        if plan.tree is not None:
+            tokens = torch.cat(seq.pending_tokens)
+            features = torch.cat(seq.pending_features)
+            seq.pending_tokens.clear()
+            seq.pending_features.clear()
+            tree = self.drafter.draft(seq_id, tokens, features, plan.tree)
+        else:
+            tree = root_tree(root)
+        eagle_size = tree.size
+        tree, chain_nodes = merge_chain(tree, chain[: plan.chain], seq.sort_paths)
+        return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0)
+
+
+@dataclass
+class _SequenceState:
+    stats: AcceptanceStats  # this sequence's acceptance estimates (start: the budget's prior)
+    index: SuffixIndex | None  # retrieval: prompt + committed tokens
+    sort_paths: bool  # sampling: paths in lexicographic order
+    pending_tokens: list[torch.Tensor] = field(default_factory=list)  # committed, not yet in the draft KV
+    pending_features: list[torch.Tensor] = field(default_factory=list)

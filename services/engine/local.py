@@ -15,6 +15,7 @@ from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
+from services.spec.budget import AUTO_LARGEST, CostModel, build_budget, head_costs, load_report, target_costs
 from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
@@ -37,8 +38,28 @@ class LocalEngine:
     model_dir: str  # the Hugging Face directory actually loaded (the converted cache for GGUF)
 
 
+SPEC_MODES = ("eagle", "sam", "eagle+sam")
+
+
+def split_draft(draft: str | None) -> tuple[str | None, bool]:
+    """--draft -> (head spec, retrieval): `sam` = retrieval only, `eagle+sam` = the default head and
+    retrieval, `DIR+sam` = that head and retrieval; anything else is a head spec (no retrieval)."""
+    if draft is None:
+        return None, False
+    if draft.lower() == "sam":
+        return "none", True
+    if draft.lower() == "eagle+sam":
+        return "auto", True
+    if draft.endswith("+sam"):
+        return draft[: -len("+sam")], True
+    if draft.lower() == "eagle":
+        return "auto", False
+    return draft, False
+
+
 def resolve_draft(draft: str | None, target: str | None) -> str | None:
     """`none` -> no draft; None/`auto` -> the shipped head for the default model if present."""
+    draft = split_draft(draft)[0] if draft is not None else None
     if draft is not None and draft.lower() == "none":
         return None
     if draft is None or draft == "auto":
@@ -50,8 +71,10 @@ def resolve_draft(draft: str | None, target: str | None) -> str | None:
 
 def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
                        tree: TreeParams | None = None, draft_vocab: int | None = None,
-                       draft_dtype: str | None = None) -> LocalEngine:
-    """draft_vocab: None = the head's default (load_head), 0 = full, K = the K most frequent tokens;
+                       draft_dtype: str | None = None, *, recalibrate: bool = False) -> LocalEngine:
+    """`draft`: a head directory, `none`, `auto`, `sam`, `eagle+sam` (see split_draft). `tree` None =
+    the auto budget (cost model calibrated on this device, cached); a TreeParams = that fixed shape.
+    draft_vocab: None = the head's default (load_head), 0 = full, K = the K most frequent tokens;
     draft_dtype: fp32 | bf16 | int8, None = DEFAULT_DRAFT_DTYPE."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
@@ -61,21 +84,31 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     loaded = load_target(target_path, DTYPES[dtype])
     model = loaded.model
     draft_path = resolve_draft(draft, target)
+    retrieval = split_draft(draft)[1]
     drafter = None
+    head = None
     feature_kind = "none"
     if draft_path:
         if draft_dtype is None:
             draft_dtype = DEFAULT_DRAFT_DTYPE
         head = load_head(draft_path, model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)
-        drafter = Drafter(head, tree or TreeParams())
+        drafter = Drafter(head, tree or AUTO_LARGEST)
         feature_kind = head.feature_kind
     if dtype == "int8":  # after the head took what it needs from the fp32 lm_head
         from services.model.quant import quantize_linears
         quantize_linears(model)
+    budget = None
+    if drafter is not None or retrieval:  # measured after quantization: the costs of what runs
+        model_id = f"{loaded.path}|{dtype}"
+        costs = CostModel(target_costs(model, model_id, recalibrate))
+        if head is not None:
+            head_id = f"{model_id}|{draft_path}|vocab={draft_vocab}|{draft_dtype}"
+            costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
+        budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)
     verifier = Verifier(model, feature_kind)
     eos = model.config.eos_token_ids
     tok = loaded.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         eos = tuple(sorted(set(eos) | {int(tok.eos_token_id)}))
-    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos)
+    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos, budget, retrieval)
     return LocalEngine(engine, tok, target_path, draft_path, loaded.path)

@@ -169,29 +169,37 @@ class RemoteDrafter:
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
         self._pending[seq_id] = (max_rows, sampling)
 
-    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor) -> DraftTree:
+    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
+              params: TreeParams | None = None) -> DraftTree:
+        """`params`: this round's shape (None = the drafter's largest). The round index sent is the
+        count of draft calls (the drafter's idempotency key), not the engine's round."""
         if seq_id in self._pending:
             max_rows, sampling = self._pending.pop(seq_id)
             round_index = 1
             self._round[seq_id] = 0  # prefilled (or partly): release must reach the drafter
             with self.phases.phase(round_index, "draft"):
-                response = self.client.call(self.client.stub.Prefill,
-                                            self._prefill_messages(seq_id, max_rows, sampling, tokens, features))
+                response = self.client.call(self.client.stub.Prefill, self._prefill_messages(
+                    seq_id, max_rows, sampling, tokens, features, params))
         else:
             round_index = self._round.get(seq_id, 0) + 1
             request = dpb.DraftRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
                                        features=codec.encode_tensor(features))
+            if params is not None:
+                request.tree.CopyFrom(codec.encode_tree_params(params))
             with self.phases.phase(round_index, "draft"):
                 response = self.client.call(self.client.stub.Draft, request)
         self._round[seq_id] = round_index
         return codec.decode_tree(response.tree, self.vocab_size)
 
-    def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features):
+    def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features, params):
         # the first message also carries the token ids (<= 10 bytes each as varints)
         chunks = codec.tensor_chunks(features, self.client.chunk_bytes,
-                                     self.client.chunk_bytes - 10 * int(tokens.numel()))
-        yield dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=max_rows, sampling=sampling,
-                                        tokens=tokens.tolist(), features=next(chunks))
+                                     self.client.chunk_bytes - 10 * int(tokens.numel()) - 64)
+        first = dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=max_rows, sampling=sampling,
+                                          tokens=tokens.tolist(), features=next(chunks))
+        if params is not None:
+            first.tree.CopyFrom(codec.encode_tree_params(params))
+        yield first
         for chunk in chunks:
             yield dpb.DrafterPrefillRequest(features=chunk)
 

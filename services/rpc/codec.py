@@ -25,6 +25,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
+from services.spec.budget import CostCurve
 from services.spec.tree import DraftTree, TreeParams
 from services.spec.verify import Acceptance
 
@@ -187,11 +188,56 @@ def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def encode_tree_params(t: TreeParams) -> pb.TreeParams:
-    return pb.TreeParams(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens)
+    msg = pb.TreeParams(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens)
+    if t.stop_logprob > float("-inf"):
+        msg.stop_logprob = t.stop_logprob
+    return msg
 
 
 def decode_tree_params(msg: pb.TreeParams) -> TreeParams:
-    return TreeParams(msg.top_k, msg.depth, msg.total_tokens)
+    """Raises InvalidRequest naming the bad field (TreeParams checks every value)."""
+    stop = msg.stop_logprob if msg.HasField("stop_logprob") else float("-inf")
+    return TreeParams(msg.top_k, msg.depth, msg.total_tokens, stop)
+
+
+def encode_cost(curve: CostCurve) -> pb.CostCurve:
+    return pb.CostCurve(rows=list(curve.rows), seconds=list(curve.seconds))
+
+
+def decode_cost(msg: pb.CostCurve, name: str) -> CostCurve | None:
+    """None when the message is empty (a service that did not calibrate)."""
+    if not msg.rows:
+        return None
+    try:
+        return CostCurve(tuple(int(r) for r in msg.rows), tuple(float(x) for x in msg.seconds))
+    except InvalidRequest as e:
+        raise InvalidRequest(f"{name}: {e}") from None
+
+
+def decode_budget(vinfo, dinfo, retrieval: bool):
+    """The coordinator's budget from the services' GetInfo: t_verify from the verifier, t_draft and
+    the head's prior from the drafter, its largest (or fixed) shape. Services that report no cost
+    curves (built without calibration) give the drafter's shape every round, as before."""
+    from dataclasses import replace
+
+    from services.spec.budget import CostModel, build_budget
+
+    verify = decode_cost(vinfo.verify_cost, "verifier verify_cost")
+    if dinfo is None:
+        if not retrieval:
+            return None
+        nominal = CostCurve((1, 2), (1.0, 2.0))
+        return build_budget(CostModel(verify or nominal), None, None, eagle=False, retrieval=True)
+    tree = decode_tree_params(dinfo.tree)
+    head = decode_cost(dinfo.head_cost, "drafter head_cost")
+    logits = decode_cost(dinfo.logits_cost, "drafter logits_cost")
+    if dinfo.fixed_tree or verify is None or head is None or logits is None:
+        costs = CostModel(verify or CostCurve((1, 2), (1.0, 2.0)), head or CostCurve((1,), (0.0,)),
+                          logits or CostCurve((1,), (0.0,)))
+        return build_budget(costs, None, tree, eagle=True, retrieval=retrieval)
+    report = {"top1_agreement": dinfo.top1_agreement} if dinfo.top1_agreement > 0 else None
+    budget = build_budget(CostModel(verify, head, logits), report, None, eagle=True, retrieval=retrieval)
+    return replace(budget, largest=tree)  # the drafter's KV is sized for its own largest shape
 
 
 def feature_kind(value: int) -> str:

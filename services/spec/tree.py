@@ -17,6 +17,15 @@ Phases (same names as the reference where it has them):
   3. `rerank`  keeps the `total_tokens - 1` best of all K + D*K^2 candidates (expanded or not),
                in flat-index order so parents precede children, and builds mask, depths, paths.
 
+Dynamic depth (the DDD/SVIP idea; `TreeParams.stop_logprob`, chosen by services/spec/budget.py):
+`expand` stops before a level whose best frontier node's cumulative draft log-probability is below
+`stop_logprob` (too unlikely to be accepted to pay for its draft and verify cost), and `rerank`
+drops candidates below it (at least one draft node is kept). The stop is per level: a batched beam
+expands all K frontier nodes together, so every branch stops with the best one.
+
+A retrieved chain (services/spec/sam.py) joins a tree with `merge_chain`: it shares the prefix
+that the tree already has and hangs the rest from there, so siblings stay distinct.
+
 With the same head weights in fp32 this gives the reference's nodes, order, masks and positions.
 It does not talk to the target or decide acceptance (`verify.py`).
 """
@@ -35,14 +44,17 @@ from services.model.kv_cache import KVCache
 @dataclass(frozen=True, slots=True)
 class TreeParams:
     top_k: int = 10  # children per expanded node and beam width per level
-    depth: int = 5  # expansion steps; the deepest draft node is at depth `depth + 1`
+    depth: int = 5  # expansion steps; the deepest draft node is at depth `depth + 1` (0: one level)
     total_tokens: int = 60  # nodes kept, root included
+    stop_logprob: float = float("-inf")  # dynamic depth: no level / node below this cumulative log-prob
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise InvalidRequest(f"tree_top_k must be >= 1; got {self.top_k}")
-        if self.depth < 1:
-            raise InvalidRequest(f"tree_depth must be >= 1; got {self.depth}")
+        if self.depth < 0:
+            raise InvalidRequest(f"tree_depth must be >= 0; got {self.depth}")
+        if self.stop_logprob != self.stop_logprob or self.stop_logprob > 0:
+            raise InvalidRequest(f"stop_logprob must be a log-probability (<= 0); got {self.stop_logprob}")
         if self.total_tokens < 2:
             raise InvalidRequest(f"tree_tokens must be >= 2 (root + one draft); got {self.total_tokens}")
         if self.total_tokens - 1 > self.num_candidates:
@@ -59,6 +71,20 @@ class TreeParams:
     def draft_rows(self) -> int:
         """Draft-KV rows a tree expansion needs on top of the committed rows."""
         return self.depth * self.top_k
+
+    @staticmethod
+    def from_flags(top_k: int | None, depth: int | None, total_tokens: int | None) -> "TreeParams | None":
+        """--tree-* flags -> a fixed shape, or None (auto budget) when none is given; a missing one
+        takes the class default."""
+        if top_k is None and depth is None and total_tokens is None:
+            return None
+        d = TreeParams()
+        return TreeParams(d.top_k if top_k is None else top_k, d.depth if depth is None else depth,
+                          d.total_tokens if total_tokens is None else total_tokens)
+
+    def covers(self, other: "TreeParams") -> bool:
+        """True if a KV sized for this shape holds `other`'s expansion and tree."""
+        return other.draft_rows <= self.draft_rows and other.total_tokens <= self.total_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +141,8 @@ def expand(head: DraftHead, cache: KVCache, last: torch.Tensor, params: TreePara
     sel = torch.arange(k, device=device)
     try:
         for i in range(params.depth):
+            if params.stop_logprob > float("-inf") and scores.max().item() < params.stop_logprob:
+                break  # dynamic depth: even the best frontier node is too unlikely to pay
             positions = torch.full((k,), stable + i, dtype=torch.long, device=device)
             out = head(cur_hidden, cur_ids, cache, positions, tree_mask)  # [K, H]
             # 1 + flat index (into the concatenated scores) of each node just expanded
@@ -148,6 +176,9 @@ def rerank(cand: Candidates, root: int, params: TreeParams, sort_paths: bool) ->
         paths [[0,1,3],[0,1,4],[0,2,5]], mask rows 100000/110000/101000/110100/110010/101001."""
     k, m = params.top_k, params.total_tokens - 1
     device = cand.scores.device
+    if params.stop_logprob > float("-inf"):  # dynamic depth: drop nodes unlikely to pay (keep one)
+        m = max(1, min(m, int((cand.scores >= params.stop_logprob).sum())))
+    m = min(m, int(cand.scores.shape[0]))
     # The best M by score. NOTE: the reference uses topk, whose choice among exactly tied scores
     # is unspecified: it can keep a child without its parent (e.g. a log-prob of exactly 0), and then
     # `searchsorted` links the child to the wrong node and a path can start at a non-root node
@@ -160,16 +191,66 @@ def rerank(cand: Candidates, root: int, params: TreeParams, sort_paths: bool) ->
     parent_node = torch.searchsorted(idx, parent_flat1 - 1) + 1
     parent_node[parent_flat1 == 0] = 0
     parents = torch.cat([torch.tensor([-1], device=device), parent_node])  # [N]
-    parent_list = parents.tolist()
-    mask = torch.eye(m + 1, dtype=torch.bool, device=device)
-    mask[:, 0] = True
-    for i in range(1, m + 1):
-        mask[i] |= mask[parent_list[i]]
-    depths = mask.sum(dim=1) - 1
     tokens = torch.cat([torch.tensor([root], device=device), cand.tokens[idx]])
     scores = torch.cat([torch.zeros(1, device=device), cand.scores[idx].float()])
+    return build_tree(tokens, parents, scores, sort_paths)
+
+
+def build_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, sort_paths: bool
+               ) -> DraftTree:
+    """tokens [N], parents [N] (-1 for the root; parents precede children), scores [N] -> the tree
+    with its ancestor mask, depths and paths."""
+    parent_list = parents.tolist()
+    n = len(parent_list)
+    mask = torch.eye(n, dtype=torch.bool, device=tokens.device)
+    mask[:, 0] = True
+    for i in range(1, n):
+        mask[i] |= mask[parent_list[i]]
+    depths = mask.sum(dim=1) - 1
     return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask,
                      paths=_paths(parent_list, depths.tolist(), sort_paths), scores=scores)
+
+
+def root_tree(root: int) -> DraftTree:
+    """The tree of no draft at all: verifying it is one plain decode step that also returns the
+    root's target feature (so the draft KV can catch up later)."""
+    return build_tree(torch.tensor([root]), torch.tensor([-1]), torch.zeros(1), False)
+
+
+def merge_chain(tree: DraftTree, chain: list[int], sort_paths: bool) -> tuple[DraftTree, list[int]]:
+    """Join a retrieved chain (the tokens proposed after the root) to `tree` as a branch from the
+    root: the prefix the tree already holds is shared, the rest hangs from the last shared node as
+    new nodes (appended, so parents still precede children; score 0 = a one-hot proposal).
+
+    Example: tree root 7 with children [5, 9] and 5 -> 3; chain [5, 4, 8] -> nodes 7, 5, 9, 3, 4, 8
+    with parents [-1, 0, 0, 1, 1, 4]. Returns the tree and the chain's node indices (depth 1 first)."""
+    if not chain:
+        return tree, []
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+    node = 0
+    nodes: list[int] = []
+    new_tokens, new_parents = [], []
+    for j, tok in enumerate(chain):
+        nxt = children.get((node, tok))
+        if nxt is None:
+            for k, t in enumerate(chain[j:]):
+                new_parents.append(node if k == 0 else len(tokens) + len(new_tokens) - 1)
+                new_tokens.append(t)
+                nodes.append(len(tokens) + len(new_tokens) - 1)
+            break
+        node = nxt
+        nodes.append(node)
+    if not new_tokens:
+        return tree, nodes  # the tree already holds the whole chain
+    device = tree.tokens.device
+    merged = build_tree(
+        torch.cat([tree.tokens, torch.tensor(new_tokens, dtype=tree.tokens.dtype, device=device)]),
+        torch.cat([tree.parents, torch.tensor(new_parents, dtype=tree.parents.dtype, device=device)]),
+        torch.cat([tree.scores, torch.zeros(len(new_tokens), dtype=tree.scores.dtype, device=device)]),
+        sort_paths)
+    return merged, nodes
 
 
 def _paths(parents: list[int], depths: list[int], sort_paths: bool) -> torch.Tensor:

@@ -33,8 +33,8 @@ def test_bench_fp32_exact_and_reports(setup, capsys):
     table = capsys.readouterr().out
     assert "speedup" in table and "eagle" in table and "writing" in table
     res = json.loads(out_json.read_text())
-    assert set(res["methods"]) == {"hf", "native", "eagle"}
-    for m in ("native", "eagle"):
+    assert set(res["methods"]) == {"hf", "native", "eagle", "sam", "eagle+sam"}
+    for m in ("native", "eagle", "sam", "eagle+sam"):
         row = res["methods"][m]
         assert row["exact_match"] == 1.0, m  # fp32: token for token equal to transformers
         assert row["tokens_per_s"] > 0 and row["speedup"] > 0
@@ -58,7 +58,11 @@ def test_bench_sweep_reports_best_tree(setup, capsys):
                  "--methods", "hf", "--sweep", "--json-out", str(out_json)]) == 0
     res = json.loads(out_json.read_text())
     eagles = [m for m in res["methods"] if m.startswith("eagle")]
-    assert len(eagles) >= 5 and res["best_tree"] in eagles
+    assert len(eagles) >= 5 and res["best_tree"] in eagles and "eagle-auto" in eagles
+    for m in eagles:  # the cost model's prediction next to the measurement, per shape
+        assert res["methods"][m]["predicted_tokens_per_s"] > 0, m
+        assert res["methods"][m]["measured_round_tokens_per_s"] > 0, m
+    assert res["config"]["cost_model"]["verify"]["rows"][0] == 1
     assert set(res["categories"]) == {"writing", "math"} and res["methods"]["hf"]["prompts"] == 2
     assert all(res["methods"][m]["exact_match"] == 1.0 for m in eagles)
 

@@ -42,8 +42,21 @@ def test_json_output_equals_transformers_greedy(dirs, capsys):
     assert max(res["accept_lengths"]) > 1
     # tokens: 1 from the prefill, then each round's accepted tokens + bonus, cut at max_new_tokens
     assert 1 + sum(res["accept_lengths"]) >= 32 > 1 + sum(res["accept_lengths"][:-1])
-    assert res["tree"] == {"top_k": 4, "depth": 3, "tokens": 16}
+    assert res["tree"] == {"mode": "fixed", "top_k": 4, "depth": 3, "tokens": 16, "mean_tokens": 16.0}
     assert {"prefill_s", "total_s", "draft_s", "verify_s", "tokens_per_s"} <= set(res["timings"])
+
+
+@pytest.mark.parametrize("draft", ["{head}", "{head}+sam", "sam"])
+def test_auto_budget_and_retrieval_from_the_cli(dirs, capsys, draft):
+    """No --tree-* flag: the auto budget; `DIR+sam` / `sam`: retrieval joins / replaces the head."""
+    target, head, hf = dirs
+    code, out, err = run_cli(capsys, "--target", target, "--draft", draft.format(head=head), "--dtype", "fp32",
+                             "--prompt-ids", ",".join(map(str, PROMPT * 2)), "--max-new-tokens", 32, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["tokens"] == hf_greedy(hf, list(PROMPT * 2), 32)
+    if res["tree"] is not None:
+        assert res["tree"]["mode"] == "auto" and "top_k" not in res["tree"]
 
 
 def test_tau_is_tokens_per_target_forward(dirs, capsys, monkeypatch):

@@ -27,13 +27,15 @@ CONTRACT = {
                 "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES"},
     "coordinator": {"AERIE_COORDINATOR_PORT", "AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS",
                     "AERIE_MAX_NEW_TOKENS", "AERIE_SEQUENCE_TTL_S", "AERIE_MAX_SEQUENCES", "AERIE_RPC_TIMEOUT_S",
-                    "AERIE_RESOLVE_INTERVAL_S"},
+                    "AERIE_RESOLVE_INTERVAL_S", "AERIE_RETRIEVAL"},
 }
 # AERIE_* names the services read that the chart deliberately leaves unset (a user can still add
 # them through <component>.extraEnv). Anything else the code reads must be mapped by the chart.
 NOT_SET_BY_CHART = {
     "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
+    "AERIE_COST_DIR": "where measured cost curves are cached; a fresh pod measures its device (seconds)",
+    "AERIE_RECALIBRATE": "force a new cost measurement; a fresh pod measures anyway",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
@@ -91,6 +93,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_MAX_SEQUENCES": str(c["maxSequences"]),
             "AERIE_RPC_TIMEOUT_S": str(c["rpcTimeoutSeconds"]),
             "AERIE_RESOLVE_INTERVAL_S": str(c["resolveIntervalSeconds"]),
+            "AERIE_RETRIEVAL": "1" if c["retrieval"] else "0",
         },
         "drafter": common | model | {
             "AERIE_DRAFTER_PORT": str(d["port"]),

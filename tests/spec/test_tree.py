@@ -98,7 +98,7 @@ def test_extend_then_expand_equals_one_shot_extension():
     assert torch.equal(ta.tokens, tb.tokens) and torch.equal(ta.paths, tb.paths)
 
 
-@pytest.mark.parametrize("k,d,n,word", [(0, 5, 60, "tree_top_k"), (10, 0, 60, "tree_depth"),
+@pytest.mark.parametrize("k,d,n,word", [(0, 5, 60, "tree_top_k"), (10, -1, 60, "tree_depth"),
                                          (10, 5, 1, "tree_tokens"), (2, 2, 12, "tree_tokens=12")])
 def test_impossible_tree_parameters(k, d, n, word):
     with pytest.raises(InvalidRequest, match=word):

@@ -72,7 +72,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, token: _Optional[int] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens")
+    __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens", "verify_cost")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class VerifierInfo(_message.Message):
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     target: str
     dtype: str
     vocab_size: int
@@ -89,4 +90,5 @@ class VerifierInfo(_message.Message):
     max_sequences: int
     num_sequences: int
     max_prompt_tokens: int
-    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., num_sequences: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
+    verify_cost: _common_pb2.CostCurve
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., num_sequences: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., verify_cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,34 @@
+"""Cost-model view of issue 9's goals: the budget's best predicted speed-up over plain decoding for a
+per-depth acceptance a (all depths), alone and with a 16-token retrieved chain of acceptance s, from
+the cost curves the last calibration cached (one thread count).
+
+    python bench/budget_goals.py ~/.cache/aerie/costs 1     # the curves measured with 1 torch thread
+"""
+import glob, json, sys
+from services.spec.budget import CostCurve, CostModel, build_budget, prior_stats, MAX_LEVELS
+
+curves = {}
+threads = sys.argv[2] if len(sys.argv) > 2 else "1"
+for f in glob.glob(sys.argv[1] + "/*.json"):
+    d = json.load(open(f))
+    if not d["key"].endswith(f"threads={threads}"):
+        continue
+    version, role = d["key"].split("|")[:2]
+    if role not in curves or version > curves[role][0]:  # the newest calibration per role
+        curves[role] = (version, d["costs"])
+curves = {role: c for role, (_, c) in curves.items()}
+costs = CostModel(CostCurve.from_dict(curves["verify"]), CostCurve.from_dict(curves["draft"]["head"]),
+                  CostCurve.from_dict(curves["draft"]["logits"]))
+b = build_budget(costs, None, None, True, True)
+plain = 1 / costs.t_verify(1)
+print("t_verify(1..8) / t_verify(1):", [round(costs.t_verify(r) / costs.t_verify(1), 2) for r in (1, 2, 3, 4, 6, 8)])
+print("t_draft(1) / t_verify(1):", round(costs.t_draft(1) / costs.t_verify(1), 3))
+for a in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+    s = prior_stats({"top1_agreement": a}); s.depth = [a] * MAX_LEVELS
+    p = b.plan(s, 0)
+    row = f"a={a:.1f}: eagle {p.rate / plain:.2f}x ({'plain' if p.tree is None else (p.tree.top_k, p.tree.depth, p.tree.total_tokens)})"
+    for sa in (0.5, 0.7, 0.9):
+        s.chain = [sa] * MAX_LEVELS
+        q = b.plan(s, 16)
+        row += f" | +16-token chain s={sa}: {q.rate / plain:.2f}x (chain {q.chain})"
+    print(row)

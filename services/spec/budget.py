@@ -1,0 +1,528 @@
+"""The draft budget: each round's tree shape chosen from a measured cost model and running
+acceptance statistics, to maximise expected committed tokens per second.
+
+    costs = load_or_calibrate(target, head, key)       # t_verify(rows), t_draft(rows) on this device
+    budget = Budget(costs, prior_stats(head_dir), largest=TreeParams(4, 7, 24))
+    stats = budget.new_stats()                          # one per sequence (an EMA, starts at the prior)
+    plan = budget.plan(stats, chain=len(retrieved))     # -> RoundPlan(tree | None, chain, predicted)
+    ... draft plan.tree, merge plan.chain retrieved tokens, verify ...
+    observe(stats, tree, accepted_nodes, chain_nodes)  # per-depth acceptance update
+
+Vocabulary:
+  * cost model   t_verify(rows): one target forward over `rows` tree nodes (tree attention) on this
+                 device; t_draft(rows): one draft-head step over `rows` rows (decoder layer +
+                 projection + log-softmax); t_head(rows): the head layer alone (extending the draft
+                 KV with committed rows). Piecewise linear between measured row counts.
+  * a_d          P(the top-ranked draft child at depth d is accepted | its parent was accepted).
+  * c_r          P(the rank-r child (r >= 2) is accepted | its parent was, ranks < r were not).
+  * s_d          the same as a_d for the retrieved chain (services/spec/sam.py).
+  * shape        TreeParams(top_k, depth, total_tokens, stop_logprob), or none (verify the root only =
+                 a plain decode step), plus the number of retrieved chain tokens joined to it.
+
+Expected accepted tokens of a shape: EAGLE-2's beam and rerank replayed on estimated acceptance
+probabilities instead of draft scores (a node's probability = its parent's x the hit probability of
+its rank at its depth); the kept nodes' probabilities add up to the expected accept length. A chain
+adds sum_j prod_{d<=j} s_d (alternatives at the root are nearly disjoint, so the sums add).
+Round time = t_head(committed rows) + t_draft(1) + depth * t_draft(top_k) + t_verify(nodes).
+
+Dynamic depth (DDD/SVIP): a node of acceptance probability p pays if p / dt >= the round's rate,
+dt being the cost of one more level (a draft step and a verified node). Draft probabilities are
+turned into acceptance probabilities with the ratio a_1 / (mean top-1 draft probability at depth 1),
+giving `TreeParams.stop_logprob`, below which the tree builder stops expanding and drops nodes.
+
+Pure: no services, no I/O except the cost cache (json under $AERIE_CACHE_DIR/costs).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from services.errors import InvalidRequest
+from services.spec.tree import DraftTree, TreeParams
+
+MAX_LEVELS = 12  # deepest draft level the statistics track
+MAX_RANK = 8  # sibling ranks tracked
+CONSERVATIVE_A = 0.2  # a_d without a head report (the shipped head's measured rate, issue 9)
+PRIOR_C = (0.2, 0.12, 0.08, 0.06, 0.05, 0.04, 0.03)  # c_2 .. c_8
+PRIOR_S = 0.5  # s_d: a retrieved continuation of an exact match
+DEEPER_DECAY = 0.9  # prior a_{d+1} = a_d * decay: deeper draft steps read draft features
+CHAIN_LIMIT = 16  # longest retrieved chain the budget joins
+COST_VERSION = 2
+
+
+# ---- cost model ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CostCurve:
+    """Seconds per call against rows, measured at `rows` (ascending); linear between points and
+    beyond the last two, clamped at the first point below it."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.seconds) or not self.rows:
+            raise InvalidRequest(f"cost curve needs as many seconds as rows; got {len(self.rows)} rows, "
+                                 f"{len(self.seconds)} seconds")
+        if any(b <= a for a, b in zip(self.rows, self.rows[1:])):
+            raise InvalidRequest(f"cost curve rows must ascend; got {list(self.rows)}")
+        if any(not (s >= 0 and math.isfinite(s)) for s in self.seconds):
+            raise InvalidRequest(f"cost curve seconds must be finite and >= 0; got {list(self.seconds)}")
+
+    def __call__(self, rows: float) -> float:
+        r, s = self.rows, self.seconds
+        if rows <= r[0] or len(r) == 1:
+            return s[0]
+        for i in range(1, len(r)):
+            if rows <= r[i]:
+                return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
+        slope = (s[-1] - s[-2]) / (r[-1] - r[-2])
+        return s[-1] + max(slope, 0.0) * (rows - r[-1])
+
+    def to_dict(self) -> dict:
+        return {"rows": list(self.rows), "seconds": list(self.seconds)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "CostCurve":
+        return CostCurve(tuple(int(x) for x in d["rows"]), tuple(float(x) for x in d["seconds"]))
+
+
+ZERO = CostCurve((1,), (0.0,))
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    verify: CostCurve  # target forward over `rows` tree nodes + acceptance, seconds
+    head: CostCurve = ZERO  # draft head layer over `rows` rows (no projection)
+    logits: CostCurve = ZERO  # draft projection + log-softmax over `rows` rows
+
+    def t_verify(self, rows: float) -> float:
+        return self.verify(rows)
+
+    def t_draft(self, rows: float) -> float:
+        """One draft step: head layer + projection over `rows` rows."""
+        return self.head(rows) + self.logits(rows)
+
+    def draft_seconds(self, params: TreeParams, commit_rows: float) -> float:
+        """Extend the draft KV with `commit_rows` rows, project the last, expand `depth` levels."""
+        return self.head(commit_rows) + self.logits(1) + params.depth * self.t_draft(params.top_k)
+
+    def to_dict(self) -> dict:
+        return {"verify": self.verify.to_dict(), "head": self.head.to_dict(), "logits": self.logits.to_dict()}
+
+    @staticmethod
+    def from_dict(d: dict) -> "CostModel":
+        return CostModel(CostCurve.from_dict(d["verify"]), CostCurve.from_dict(d["head"]),
+                         CostCurve.from_dict(d["logits"]))
+
+
+# ---- acceptance statistics -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AcceptanceStats:
+    """Running estimates (exponential moving averages with weight `alpha` on each observation)."""
+
+    depth: list[float]  # [MAX_LEVELS] a_d, d = 1.. (index d - 1)
+    rank: list[float]  # [MAX_RANK - 1] c_r, r = 2.. (index r - 2)
+    chain: list[float]  # [MAX_LEVELS] s_d for the retrieved chain
+    confidence: float = 0.5  # mean draft probability of the top child at depth 1
+    alpha: float = 0.15
+    idle_rounds: int = 0  # consecutive rounds that drafted nothing (for probing)
+
+    def copy(self) -> "AcceptanceStats":
+        return AcceptanceStats(list(self.depth), list(self.rank), list(self.chain), self.confidence,
+                               self.alpha, 0)
+
+    def calibration(self) -> float:
+        """Acceptance probability per unit of draft probability (a_1 / mean top-1 draft probability)."""
+        return min(5.0, max(0.2, self.depth[0] / max(self.confidence, 1e-3)))
+
+
+def ema(old: float, x: float, alpha: float) -> float:
+    """One EMA step: old + alpha * (x - old). ema(0.2, 1, 0.15) = 0.32."""
+    return old + alpha * (x - old)
+
+
+def prior_stats(report: dict | None = None, alpha: float = 0.15) -> AcceptanceStats:
+    """From a head's report.json (`top1_agreement`: held-out top-1 agreement with the target, taken as
+    a_1, deeper levels decayed), else the conservative default."""
+    a1 = CONSERVATIVE_A
+    if report and isinstance(report.get("top1_agreement"), (int, float)):
+        a1 = min(0.95, max(0.01, float(report["top1_agreement"])))
+    return AcceptanceStats(depth=[a1 * DEEPER_DECAY ** d for d in range(MAX_LEVELS)],
+                           rank=list(PRIOR_C[: MAX_RANK - 1]), chain=[PRIOR_S] * MAX_LEVELS,
+                           confidence=max(a1, 0.05), alpha=alpha)
+
+
+def load_report(head_dir: str | Path | None) -> dict | None:
+    if head_dir is None:
+        return None
+    path = Path(head_dir) / "report.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def observe(stats: AcceptanceStats, tree: DraftTree, accepted: Sequence[int],
+            chain_nodes: Sequence[int] = (), eagle_size: int | None = None) -> None:
+    """Update `stats` from one verified round. `accepted` = the root and the accepted node indices
+    (Acceptance.nodes); `chain_nodes` = the retrieved chain's node indices, depth 1 first;
+    `eagle_size` = nodes 0..eagle_size-1 came from the draft head (the chain's own nodes follow;
+    None = all). A chain node the head also proposed counts for both. WARNING: mutates `stats`."""
+    parents = tree.parents.tolist()
+    scores = tree.scores.tolist()
+    eagle_size = len(parents) if eagle_size is None else eagle_size
+    chain = list(chain_nodes)
+    children: dict[int, list[int]] = {}
+    for i in range(1, eagle_size):
+        children.setdefault(parents[i], []).append(i)
+    a = stats.alpha
+    for d in range(1, MAX_LEVELS + 1):
+        if d > len(accepted):
+            break
+        parent = accepted[d - 1]
+        hit = accepted[d] if d < len(accepted) else -1
+        kids = sorted(children.get(parent, []), key=lambda i: -scores[i])
+        if kids:
+            stats.depth[d - 1] = ema(stats.depth[d - 1], float(hit == kids[0]), a)
+            if d == 1:
+                stats.confidence = ema(stats.confidence, math.exp(scores[kids[0]]), a)
+            for r in range(1, min(len(kids), MAX_RANK)):
+                if hit in kids[:r]:
+                    break
+                stats.rank[r - 1] = ema(stats.rank[r - 1], float(hit == kids[r]), a)
+        if d <= len(chain) and (d == 1 or chain[d - 2] == parent):
+            stats.chain[d - 1] = ema(stats.chain[d - 1], float(hit == chain[d - 1]), a)
+
+
+# ---- the chooser ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    tree: TreeParams | None  # the EAGLE shape to draft; None = no head draft this round
+    chain: int  # retrieved tokens to join (0 = none)
+    tokens: float  # predicted committed tokens (accepted + bonus)
+    seconds: float  # predicted round time
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def drafts(self) -> bool:
+        return self.tree is not None or self.chain > 0
+
+
+def expected_accept(depth: Sequence[float], rank: Sequence[float], top_k: int, levels: int,
+                    nodes: Sequence[int]) -> list[float]:
+    """Expected accepted draft tokens of EAGLE-2 trees with `top_k` and `levels` (= depth + 1)
+    draft levels, for each kept-node count in `nodes` (draft nodes, root excluded).
+    Example: a chain (top_k 1) with a = [0.5, 0.5]: levels 2, nodes [1, 2] -> [0.5, 0.75]."""
+    hit = [1.0] + [rank[min(r - 1, len(rank) - 1)] for r in range(1, top_k)]  # c_r by rank
+    all_probs: list[float] = []
+    frontier = [1.0]
+    for lv in range(levels):
+        a = depth[min(lv, len(depth) - 1)]
+        kids = []
+        for p in frontier:
+            miss = 1.0 - a
+            for r in range(top_k):
+                if r == 0:
+                    kids.append(p * a)
+                else:
+                    kids.append(p * miss * hit[r])
+                    miss *= 1.0 - hit[r]
+        all_probs += kids
+        frontier = sorted(kids, reverse=True)[:top_k]
+    all_probs.sort(reverse=True)
+    prefix = [0.0]
+    for p in all_probs:
+        prefix.append(prefix[-1] + p)
+    return [prefix[min(n, len(all_probs))] for n in nodes]
+
+
+def chain_accept(chain: Sequence[float], length: int) -> float:
+    """Expected accepted tokens of a chain: sum_j prod_{d<=j} s_d."""
+    total, run = 0.0, 1.0
+    for d in range(length):
+        run *= chain[min(d, len(chain) - 1)]
+        total += run
+    return total
+
+
+NODE_COUNTS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Chooses every round's shape. `largest` bounds it (the drafter's KV is sized for it); `fixed`
+    forces one shape every round (explicit --tree-* flags; no plain rounds, no dynamic depth)."""
+
+    costs: CostModel
+    prior: AcceptanceStats = field(default_factory=prior_stats)
+    largest: TreeParams = TreeParams(4, 7, 24)
+    fixed: TreeParams | None = None
+    eagle: bool = True  # a draft head is available
+    chain_limit: int = CHAIN_LIMIT  # retrieved tokens joined at most (0 = no retrieval)
+    probe_every: int = 16  # after this many rounds without drafting, draft one token to re-measure
+    stop_depth: bool = True  # dynamic depth (stop_logprob)
+
+    def new_stats(self) -> AcceptanceStats:
+        return self.prior.copy()
+
+    def max_nodes(self) -> int:
+        """The most nodes a round can verify (KV reservation on the verifier)."""
+        eagle = (self.fixed or self.largest).total_tokens if self.eagle else 1
+        return eagle + self.chain_limit
+
+    def plan(self, stats: AcceptanceStats, chain: int = 0, commit_rows: float = 2.0) -> RoundPlan:
+        """The shape with the highest predicted committed tokens per second, given `chain` retrieved
+        tokens available. WARNING: counts idle rounds in `stats` (probing)."""
+        chain = min(chain, self.chain_limit)
+        c = self.costs
+        if self.fixed is not None:
+            e = expected_accept(stats.depth, stats.rank, self.fixed.top_k, self.fixed.depth + 1,
+                                [self.fixed.total_tokens - 1])[0] if self.eagle else 0.0
+            e += chain_accept(stats.chain, chain)
+            t = (c.draft_seconds(self.fixed, commit_rows) if self.eagle else 0.0) + \
+                c.t_verify((self.fixed.total_tokens if self.eagle else 1) + chain)
+            return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, t)
+        chain_gain = [chain_accept(stats.chain, n) for n in range(chain + 1)]
+        best = RoundPlan(None, 0, 1.0, c.t_verify(1))
+        for n in range(1, chain + 1):  # retrieval alone
+            cand = RoundPlan(None, n, 1.0 + chain_gain[n], c.t_verify(1 + n))
+            best = max(best, cand, key=lambda p: p.rate)
+        smallest: RoundPlan | None = None
+        if self.eagle:
+            tv = _verify_table(c, self.largest.total_tokens + chain + 1)  # tv[n] = t_verify(n)
+            base = c.head(commit_rows) + c.logits(1)
+            lim = self.largest
+            extras = (0, chain) if chain else (0,)
+            best_rate, best_key = best.rate, None
+            for k in range(1, min(lim.top_k, MAX_RANK) + 1):
+                step = c.t_draft(k)
+                hit = [1.0] + [stats.rank[min(r - 1, len(stats.rank) - 1)] for r in range(1, k)]
+                frontier, probs = [1.0], []
+                for d in range(0, min(lim.depth, MAX_LEVELS - 1) + 1):
+                    if d * k > lim.draft_rows:
+                        break
+                    a = stats.depth[min(d, len(stats.depth) - 1)]
+                    kids = []
+                    for p in frontier:  # expected_accept's beam, one level at a time
+                        miss = 1.0 - a
+                        kids.append(p * a)
+                        for r in range(1, k):
+                            kids.append(p * miss * hit[r])
+                            miss *= 1.0 - hit[r]
+                    probs += kids
+                    frontier = sorted(kids, reverse=True)[:k]
+                    if k == 1:
+                        counts = (d + 2,)
+                    else:
+                        top = min(k + d * k * k, lim.total_tokens - 1)
+                        counts = tuple(n for n in NODE_COUNTS if k <= n - 1 <= top) or (k + 1,)
+                    ranked = sorted(probs, reverse=True)
+                    prefix = list(itertools.accumulate(ranked, initial=0.0))
+                    t_draft = base + d * step
+                    for n in counts:
+                        g = prefix[min(n - 1, len(ranked))]
+                        for extra in extras:
+                            rate = (1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
+                            if k == 1 and d == 0 and extra == 0:
+                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2])
+                            if rate > best_rate:
+                                best_rate = rate
+                                best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra])
+            if best_key is not None:
+                k, d, n, extra, tokens, seconds = best_key
+                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds)
+        if best.drafts:
+            stats.idle_rounds = 0
+        else:
+            stats.idle_rounds += 1
+            if stats.idle_rounds >= self.probe_every:  # re-measure acceptance now and then
+                stats.idle_rounds = 0
+                # one draft token, and the whole retrieved chain (so every chain depth is re-measured)
+                if smallest is not None:
+                    best = replace(smallest, chain=chain, tokens=smallest.tokens + chain_gain[chain],
+                                   seconds=smallest.seconds + c.t_verify(2 + chain) - c.t_verify(2))
+                elif chain:
+                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], c.t_verify(1 + chain))
+        if best.tree is not None and self.stop_depth:
+            best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best)))
+        return best
+
+    def stop_logprob(self, stats: AcceptanceStats, plan: RoundPlan) -> float:
+        """Cumulative draft log-probability below which a node does not pay for itself."""
+        p = plan.tree
+        assert p is not None
+        c = self.costs
+        dt = c.t_draft(p.top_k) / p.top_k + c.t_verify(p.total_tokens + 1) - c.t_verify(p.total_tokens)
+        p_min = plan.rate * max(dt, 0.0)
+        q_min = p_min / stats.calibration()
+        if q_min <= 0:
+            return float("-inf")
+        return math.log(min(q_min, 1.0))
+
+
+# ---- calibration on the device -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _verify_table(costs: CostModel, n: int) -> tuple[float, ...]:
+    """(0, t_verify(1), ..., t_verify(n))."""
+    return (0.0,) + tuple(costs.t_verify(r) for r in range(1, n + 1))
+
+
+VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+HEAD_ROWS = (1, 2, 4, 8, 16)
+
+
+def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 5) -> CostCurve:
+    """The fastest of `repeats` timed calls of `fn(rows)` for each row count (one untimed warm-up
+    call each): on a shared machine the minimum is the least disturbed, so the ratios between row
+    counts (what the chooser compares) stay stable; made non-decreasing in rows."""
+    out = []
+    for r in rows:
+        fn(r)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(r)
+            ts.append(time.perf_counter() - t0)
+        out.append(min(ts))
+    return CostCurve(tuple(rows), tuple(itertools.accumulate(out, max)))
+
+
+@torch.no_grad()
+def calibrate_target(target, rows: Sequence[int] = VERIFY_ROWS, prefix: int = 128, repeats: int = 5
+                     ) -> CostCurve:
+    """t_verify: the target's tree-attention forward over `rows` chain nodes after `prefix` tokens."""
+    device = target.device
+    vocab = target.config.vocab_size
+    cache = target.new_cache(prefix + max(rows))
+    g = torch.Generator().manual_seed(0)
+    target(torch.randint(0, vocab, (prefix,), generator=g).to(device), cache, logits_for="last")
+
+    def run(r: int) -> None:
+        ids = torch.randint(0, vocab, (r,), generator=g).to(device)
+        mask = torch.ones(r, r, dtype=torch.bool, device=device).tril()
+        target(ids, cache, positions=prefix + torch.arange(r, device=device), tree_mask=mask)
+        cache.truncate(prefix)
+
+    return time_calls(run, rows, repeats)
+
+
+@torch.no_grad()
+def calibrate_head(head, rows: Sequence[int] = HEAD_ROWS, prefix: int = 128, repeats: int = 5
+                   ) -> tuple[CostCurve, CostCurve]:
+    """(t_head, t_logits): the head's layer over `rows` rows after `prefix` rows, and its
+    projection + log-softmax over `rows` rows."""
+    device = head.device
+    f, v = head.config.feature_size, head.config.vocab_size
+    cache = head.new_cache(prefix + max(rows))
+    g = torch.Generator().manual_seed(0)
+    head(torch.randn(prefix, f, generator=g).to(device, head.dtype),
+         torch.randint(0, v, (prefix,), generator=g).to(device), cache)
+    outs = {}
+
+    def layer(r: int) -> None:
+        outs[r] = head(torch.randn(r, f, generator=g).to(device, head.dtype),
+                       torch.randint(0, v, (r,), generator=g).to(device), cache)
+        cache.truncate(prefix)
+
+    def project(r: int) -> None:
+        head.log_probs(outs[r])
+
+    return time_calls(layer, rows, repeats), time_calls(project, rows, repeats)
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cpus)"
+
+
+def cost_key(role: str, model_id: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    return (f"v{COST_VERSION}|{role}|{model_id}|{device_name(device)}|{dtype}|"
+            f"threads={torch.get_num_threads()}")
+
+
+def cache_dir() -> Path:
+    """$AERIE_COST_DIR, else $AERIE_CACHE_DIR/costs (default ~/.cache/aerie/costs)."""
+    if os.environ.get("AERIE_COST_DIR"):
+        return Path(os.environ["AERIE_COST_DIR"]).expanduser()
+    return Path(os.environ.get("AERIE_CACHE_DIR") or "~/.cache/aerie").expanduser() / "costs"
+
+
+def cached(key: str, measure: Callable[[], dict], recalibrate: bool = False) -> dict:
+    """The calibration stored for `key`, or `measure()` stored now. `recalibrate` (or
+    AERIE_RECALIBRATE=1) measures again."""
+    path = cache_dir() / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+    recalibrate = recalibrate or os.environ.get("AERIE_RECALIBRATE", "") not in ("", "0")
+    if not recalibrate:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                return data["costs"]
+        except (OSError, ValueError, KeyError):
+            pass
+    costs = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
+    tmp.replace(path)
+    return costs
+
+
+def target_costs(target, model_id: str, recalibrate: bool = False) -> CostCurve:
+    key = cost_key("verify", model_id, target.device, target.dtype)
+    return CostCurve.from_dict(cached(key, lambda: calibrate_target(target).to_dict(), recalibrate))
+
+
+def head_costs(head, model_id: str, recalibrate: bool = False) -> tuple[CostCurve, CostCurve]:
+    key = cost_key("draft", model_id, head.device, head.dtype)
+
+    def measure() -> dict:
+        layer, proj = calibrate_head(head)
+        return {"head": layer.to_dict(), "logits": proj.to_dict()}
+
+    d = cached(key, measure, recalibrate)
+    return CostCurve.from_dict(d["head"]), CostCurve.from_dict(d["logits"])
+
+
+AUTO_LARGEST = TreeParams(4, 7, 32)  # the largest shape `auto` may pick (sizes the draft KV)
+
+
+def build_budget(costs: CostModel, report: dict | None, tree: TreeParams | None, eagle: bool,
+                 retrieval: bool) -> Budget:
+    """`tree` None = auto (the chooser, bounded by AUTO_LARGEST); a TreeParams = that shape every
+    round (explicit --tree-* flags). The one constructor the CLI, the bench and the services use."""
+    largest = tree or AUTO_LARGEST
+    return Budget(costs, prior_stats(report), largest=largest, fixed=tree, eagle=eagle,
+                  chain_limit=CHAIN_LIMIT if retrieval else 0)

@@ -1,0 +1,187 @@
+"""The draft budget: expected accept lengths, EMA updates, the chooser on synthetic cost tables
+(it must pick the known best shape, plain decoding included), dynamic depth and the cost cache."""
+
+import math
+
+import pytest
+import torch
+
+from services.errors import InvalidRequest
+from services.spec import budget as B
+from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, chain_accept, ema,
+                                  expected_accept, observe, prior_stats)
+from services.spec.tree import TreeParams, build_tree, expand, extend, grow_tree, rerank
+from tests.spec.test_tree import random_head
+
+
+def stats(a, c=(0.2,), s=0.5, conf=None) -> AcceptanceStats:
+    a = list(a) + [a[-1]] * (B.MAX_LEVELS - len(a))
+    c = list(c) + [c[-1]] * (B.MAX_RANK - 1 - len(c))
+    return AcceptanceStats(a, c, [s] * B.MAX_LEVELS, confidence=conf or a[0])
+
+
+def linear(per_row: float, base: float, rows=(1, 2, 4, 8, 16, 32, 64)) -> CostCurve:
+    return CostCurve(rows, tuple(base + per_row * (r - 1) for r in rows))
+
+
+def test_expected_accept_by_hand():
+    assert expected_accept([0.5, 0.5], [0.2], 1, 2, [1, 2]) == pytest.approx([0.5, 0.75])
+    # top_k 2, one level: rank 1 0.5, rank 2 (1 - 0.5) * 0.4 = 0.2
+    assert expected_accept([0.5], [0.4], 2, 1, [1, 2]) == pytest.approx([0.5, 0.7])
+    assert chain_accept([0.5, 0.5, 0.5], 3) == pytest.approx(0.5 + 0.25 + 0.125)
+
+
+def test_ema_and_prior():
+    assert ema(0.2, 1.0, 0.15) == pytest.approx(0.32)
+    assert ema(0.2, 0.0, 0.15) == pytest.approx(0.17)
+    p = prior_stats({"top1_agreement": 0.6})
+    assert p.depth[0] == pytest.approx(0.6) and p.depth[1] == pytest.approx(0.6 * B.DEEPER_DECAY)
+    assert prior_stats(None).depth[0] == B.CONSERVATIVE_A
+    assert prior_stats({"nothing": 1}).depth[0] == B.CONSERVATIVE_A
+
+
+def test_observe_updates_depth_rank_and_chain():
+    # root 0 -> 1 (score -0.1), 2 (-0.5); 1 -> 3 (-0.3); chain node 4 hangs from 2 (appended)
+    tree = build_tree(torch.tensor([9, 5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1, 2]),
+                      torch.tensor([0.0, -0.1, -0.5, -0.3, 0.0]), False)
+    s = stats([0.5, 0.5], c=[0.5], s=0.5)
+    observe(s, tree, [0, 2, 4], chain_nodes=[2, 4], eagle_size=4)
+    # depth 1: the top child (1) was rejected, rank 2 (node 2) accepted
+    assert s.depth[0] == pytest.approx(ema(0.5, 0.0, s.alpha))
+    assert s.rank[0] == pytest.approx(ema(0.5, 1.0, s.alpha))
+    # node 2 has no EAGLE children: depth 2 is not observed
+    assert s.depth[1] == 0.5
+    # the chain's depth 1 (node 2) and depth 2 (node 4) were both accepted
+    assert s.chain[:2] == pytest.approx([ema(0.5, 1.0, s.alpha)] * 2)
+    assert s.confidence == pytest.approx(ema(0.5, math.exp(-0.1), s.alpha))
+
+    s = stats([0.5, 0.5], c=[0.5])
+    observe(s, tree, [0, 1], eagle_size=5)  # accepted 1, then its child 3 rejected
+    assert s.depth[:2] == pytest.approx([ema(0.5, 1.0, s.alpha), ema(0.5, 0.0, s.alpha)])
+    assert s.rank[0] == 0.5  # rank 1 hit: rank 2 not observed
+
+
+FLAT_GPU = CostModel(CostCurve((1, 32, 64), (1.0, 1.0, 2.0)), linear(0.0, 0.01), linear(0.0, 0.01))
+
+
+@pytest.mark.parametrize("case", ["plain", "one_token", "long_chain", "wide_tree"])
+def test_chooser_picks_the_known_best_shape(case):
+    if case == "plain":  # the shipped head on a CPU: low acceptance, verify grows per node
+        b = Budget(CostModel(linear(0.3, 1.0), linear(0.0, 0.05), linear(0.05, 0.15)))
+        plan = b.plan(stats([0.1]))
+        assert plan.tree is None and plan.chain == 0 and plan.rate == pytest.approx(1.0)
+    elif case == "one_token":  # two rows cost little more than one, three cost double
+        costs = CostModel(CostCurve((1, 2, 3, 64), (1.0, 1.1, 2.0, 50.0)), linear(0, 0.0), linear(0, 0.02))
+        plan = Budget(costs).plan(stats([0.6], c=[0.0]))
+        assert plan.tree == TreeParams(1, 0, 2, plan.tree.stop_logprob)
+        assert plan.tokens == pytest.approx(1.6)
+    elif case == "long_chain":  # nearly free verification up to 32 rows, siblings never accepted
+        costs = CostModel(CostCurve((1, 32, 64), (1.0, 1.0, 2.0)), linear(0.01, 0.0), linear(0.0, 0.005))
+        plan = Budget(costs).plan(stats([0.95], c=[0.0]))
+        assert (plan.tree.top_k, plan.tree.depth, plan.tree.total_tokens) == (1, 7, 9)
+    else:  # the top child is a coin flip, the runner-up is usually right: branch
+        plan = Budget(FLAT_GPU).plan(stats([0.5], c=[0.8]))
+        assert plan.tree.top_k >= 2 and plan.tree.total_tokens > plan.tree.depth + 2
+
+
+def test_chooser_joins_a_chain_when_it_pays_and_drops_it_when_not():
+    b = Budget(FLAT_GPU, chain_limit=8)
+    good = b.plan(stats([0.1], s=0.9), chain=8)
+    assert good.chain == 8
+    costly = Budget(CostModel(linear(0.5, 1.0)), eagle=False, chain_limit=8)
+    assert costly.plan(stats([0.1], s=0.2), chain=8).chain == 0
+    assert costly.plan(stats([0.1], s=0.95), chain=8).chain >= 1
+
+
+def test_fixed_shape_is_kept_and_plain_rounds_probe():
+    fixed = TreeParams(2, 3, 10)
+    b = Budget(CostModel(linear(0.3, 1.0)), largest=fixed, fixed=fixed)
+    assert b.plan(stats([0.01])).tree == fixed
+    b = Budget(CostModel(linear(0.3, 1.0), linear(0, 0.05), linear(0, 0.05)), probe_every=4)
+    s = stats([0.05])
+    plans = [b.plan(s) for _ in range(8)]
+    assert [p.drafts for p in plans] == [False, False, False, True] * 2
+    assert plans[3].tree.total_tokens == 2 and plans[3].chain == 0
+    # a probe with a retrieved chain verifies all of it, so every chain depth is re-measured
+    b = Budget(CostModel(linear(0.3, 1.0)), eagle=False, chain_limit=8, probe_every=2)
+    s = stats([0.05], s=0.05)
+    assert [b.plan(s, chain=6).chain for _ in range(4)] == [0, 6, 0, 6]
+
+
+def test_stop_logprob_from_costs():
+    b = Budget(CostModel(linear(0.3, 1.0), linear(0, 0.05), linear(0, 0.05)))
+    s = stats([0.7], conf=0.7)
+    plan = b.plan(s)
+    assert plan.tree is not None
+    # a node must be accepted with p >= rate * dt to pay: 1 verified row (0.3) + one step
+    dt = 0.1 / plan.tree.top_k + 0.3
+    assert math.exp(plan.tree.stop_logprob) == pytest.approx(plan.rate * dt / 1.0, rel=1e-6)
+
+
+def test_dynamic_depth_stops_expansion_and_drops_unlikely_nodes():
+    head = random_head()
+    feats, toks = torch.randn(6, 32), torch.randint(0, 50, (6,))
+    cache = head.new_cache(100)
+    last = extend(head, cache, feats, toks)
+    full = rerank(expand(head, cache, last, TreeParams(3, 4, 20)), 7, TreeParams(3, 4, 20), False)
+    best = float(full.scores[1:].max())
+    above = TreeParams(3, 4, 20, stop_logprob=min(0.0, best + 1e-3))  # no node pays
+    cand = expand(head, cache, last, above)
+    assert cand.scores.shape[0] == 3, "no level is expanded when its best node is below the threshold"
+    tree = rerank(cand, 7, above, False)
+    assert tree.size == 2 and tree.tokens[1] == full.tokens[1], "one draft node is always kept"
+    below = TreeParams(3, 4, 20, stop_logprob=best - 1e-4)  # only the best first-level node pays
+    cand = expand(head, cache, last, below)
+    assert cand.scores.shape[0] == 3 + 9, "the best node was expanded, its children fall below: stop"
+    assert rerank(cand, 7, below, False).size == 2
+    assert cache.length == 6
+    # -inf = the plain EAGLE-2 tree
+    same = grow_tree(head, head.new_cache(100), feats, toks, TreeParams(3, 4, 20), False)
+    assert torch.equal(same.tokens[1:], full.tokens[1:])
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(InvalidRequest, match="ascend"):
+        CostCurve((2, 1), (0.1, 0.2))
+    with pytest.raises(InvalidRequest, match="stop_logprob"):
+        TreeParams(1, 1, 3, stop_logprob=0.5)
+
+
+def test_cost_curve_interpolates():
+    c = CostCurve((1, 4, 8), (1.0, 2.0, 4.0))
+    assert [c(0), c(1), c(2.5), c(6), c(12)] == pytest.approx([1.0, 1.0, 1.5, 3.0, 6.0])
+
+
+def test_costs_are_cached_per_key_and_recalibrated_on_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path / "costs"))
+    monkeypatch.delenv("AERIE_RECALIBRATE", raising=False)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"n": len(calls)}
+
+    assert B.cached("k1", measure) == {"n": 1}
+    assert B.cached("k1", measure) == {"n": 1}
+    assert B.cached("k2", measure) == {"n": 2}
+    assert B.cached("k1", measure, recalibrate=True) == {"n": 3}
+    monkeypatch.setenv("AERIE_RECALIBRATE", "1")
+    assert B.cached("k1", measure) == {"n": 4}
+
+
+def test_calibration_measures_real_forwards(llama_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path / "costs"))
+    _, target, head = llama_pair
+    verify = B.target_costs(target, "tiny")
+    layer, proj = B.head_costs(head, "tiny")
+    assert verify.rows == B.VERIFY_ROWS and all(s > 0 for s in verify.seconds)
+    assert layer.rows == B.HEAD_ROWS and all(s > 0 for s in proj.seconds)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+def test_time_calls_takes_the_fastest_and_is_made_non_decreasing():
+    delays = {1: [0.0] * 6, 2: [0.004] * 5 + [0.02], 4: [0.001] * 6}
+    import time as _t
+
+    curve = B.time_calls(lambda r: _t.sleep(delays[r].pop()), (1, 2, 4), repeats=5)
+    assert curve.seconds[1] >= 0.004 and curve.seconds[2] == curve.seconds[1]
