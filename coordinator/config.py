@@ -2,7 +2,8 @@
 
     AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
-    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), and the common ones in
+    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_VERIFIER_WAIT_S (30),
+    AERIE_PROBE_INTERVAL_S (2), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -41,6 +42,8 @@ class CoordinatorConfig:
     max_sequences: int = 256  # sequences running on this coordinator at once
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
+    verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
+    probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
 
     def __post_init__(self) -> None:
         if not self.verifiers:
@@ -52,7 +55,9 @@ class CoordinatorConfig:
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("rpc_timeout_s", "resolve_interval_s"):
+        if self.verifier_wait_s < 0:
+            raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
+        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
 
@@ -76,6 +81,12 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
                    help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S, 10)")
 
+    g.add_argument("--verifier-wait-s", type=float, default=env("AERIE_VERIFIER_WAIT_S", 30.0),
+                   help="with no verifier answering, a sequence waits this long before UNAVAILABLE "
+                        "(AERIE_VERIFIER_WAIT_S, 30)")
+    g.add_argument("--probe-interval-s", type=float, default=env("AERIE_PROBE_INTERVAL_S", 2.0),
+                   help="a replica that failed a call is probed again after this (AERIE_PROBE_INTERVAL_S, 2)")
+
 
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
@@ -83,4 +94,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
-        resolve_interval_s=args.resolve_interval_s)
+        resolve_interval_s=args.resolve_interval_s, verifier_wait_s=args.verifier_wait_s,
+        probe_interval_s=args.probe_interval_s)

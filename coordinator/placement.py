@@ -9,6 +9,10 @@ new sequences (sequences already there finish on it; its channel closes once idl
 skipping replicas that do not answer; the sequence then stays there (its KV lives there) until
 `release`. NOTE: the load is this coordinator's own view; with several coordinators each balances
 its share.
+
+A replica whose call failed (`mark_failed`: UNAVAILABLE or a missed deadline) leaves placement at
+once: `acquire` skips it, whatever GetInfo answer is cached, until `probe_interval_s` has passed and
+a fresh GetInfo succeeds. `acquire(wait_s=...)` polls for up to that long when none answers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
@@ -47,7 +52,7 @@ def resolve_entry(entry: str) -> set[str]:
 
 class Pool(Generic[C]):
     def __init__(self, role: str, entries: Iterable[str], connect: Callable[[str], C],
-                 resolve: Callable[[str], set[str]] = resolve_entry) -> None:
+                 resolve: Callable[[str], set[str]] = resolve_entry, probe_interval_s: float = 2.0) -> None:
         self.role = role
         self.entries = tuple(entries)
         self._connect = connect
@@ -57,6 +62,8 @@ class Pool(Generic[C]):
         self._clients: dict[str, C] = {}
         self._active: set[str] = set()
         self._load: Counter[str] = Counter()
+        self._failed: dict[str, tuple[float, str]] = {}  # address -> (time it may be probed again, why)
+        self.probe_interval_s = probe_interval_s
         self.refresh()
 
     def refresh(self) -> None:
@@ -75,23 +82,64 @@ class Pool(Generic[C]):
             self._active = addresses
             self._close_idle()
 
-    def acquire(self) -> C:
-        """The least-loaded replica that answers; raises DownstreamError(UNAVAILABLE) if none does."""
+    def acquire(self, exclude: Iterable[str] = (), wait_s: float = 0.0) -> C:
+        """The least-loaded replica that answers, not in `exclude`; polls up to `wait_s` seconds when
+        none does, then raises DownstreamError(UNAVAILABLE) naming why each one was skipped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._acquire_once(frozenset(exclude))
+            except DownstreamError as e:
+                if time.monotonic() >= deadline:
+                    if wait_s > 0:
+                        raise DownstreamError(e.code, f"{e} (waited {wait_s:g} s)") from None
+                    raise
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def try_acquire(self, exclude: Iterable[str] = ()) -> C | None:
+        """`acquire` without waiting; None when no replica answers."""
+        try:
+            return self._acquire_once(frozenset(exclude))
+        except DownstreamError:
+            return None
+
+    def _acquire_once(self, exclude: frozenset[str]) -> C:
+        now = time.monotonic()
         with self._lock:
-            order = sorted(self._active, key=lambda a: (self._load[a], a))
+            order = sorted(self._active - exclude, key=lambda a: (self._load[a], a))
+            failed = dict(self._failed)
         errors = []
         for address in order:
             client = self._clients[address]
+            if address in failed and failed[address][0] > now:
+                errors.append(failed[address][1])
+                continue
             try:
-                client.info()  # cached after the first answer
+                if address in failed:
+                    client.info(refresh=True)  # probed again after a failure
+                else:
+                    client.info()  # cached after the first answer
             except DownstreamError as e:
+                self.mark_failed(address, str(e))
                 errors.append(str(e))
                 continue
             with self._lock:
+                self._failed.pop(address, None)
                 self._load[address] += 1
             return client
         detail = "; ".join(errors) if errors else f"none configured or resolved from {list(self.entries)}"
         raise DownstreamError(grpc.StatusCode.UNAVAILABLE, f"no {self.role} available: {detail}")
+
+    def mark_failed(self, address: str, reason: str) -> None:
+        """Drop `address` from placement until a GetInfo probe succeeds (after probe_interval_s)."""
+        with self._lock:
+            if address not in self._failed:
+                log.warning("%s %s dropped from placement: %s", self.role, address, reason)
+            self._failed[address] = (time.monotonic() + self.probe_interval_s, reason)
+
+    def failed(self) -> set[str]:
+        with self._lock:
+            return set(self._failed)
 
     def release(self, client: C) -> None:
         with self._lock:

@@ -156,6 +156,12 @@ class SequenceStore:
         with _errors(seq_id):
             return self._finish(keys=self.keys(seq_id), args=[status, finish_reason, error[:2000], self.ttl_s])
 
+    def set_placement(self, seq_id: str, drafter: str, verifier: str) -> None:
+        """Record where the sequence runs now (after a fail-over)."""
+        key, _ = self.keys(seq_id)
+        with _errors(seq_id):
+            self.redis.hset(key, mapping={"drafter": drafter, "verifier": verifier})
+
     def request_cancel(self, seq_id: str) -> Status:
         """Flag a running sequence for cancellation; returns its status."""
         with _errors(seq_id):

@@ -26,6 +26,7 @@ from services.rpc.stubs import coordinator as cpb
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Pool
 from coordinator.round_spans import RoundSpans
+from coordinator.sequence_placement import SequencePlacement
 from coordinator.sequence_run import Committed, SequenceRun
 from coordinator.sequence_store import SequenceRecord, SequenceStore, Status
 
@@ -62,45 +63,41 @@ class Sequences:
             if seq_id in self._runs:
                 raise SequenceExists(f"sequence {seq_id!r} already exists")
             self._runs[seq_id] = None  # type: ignore[assignment]  # reserved while admitting
-        verifier = drafter = None
+        placement = None
         try:
             spans = RoundSpans(seq_id, request_span)
-            verifier = self.verifiers.acquire()
-            drafter = self.drafters.acquire() if self.drafters else None
-            remote_drafter = drafter.for_sequence(spans) if drafter else None
-            kind = remote_drafter.feature_kind if remote_drafter else "none"
-            vinfo = verifier.info()
-            engine = Engine(verifier.for_sequence(kind, spans), remote_drafter, int(vinfo.max_context),
+            placement = SequencePlacement(
+                seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+            vinfo = placement.verifier_client.info()
+            engine = Engine(placement.verifier, placement.drafter, int(vinfo.max_context),
                             int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids))
             engine.validate(request)
             s = request.sampling
+            drafter_address, verifier_address = placement.addresses()
             self.store.create(SequenceRecord(
                 sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
                 params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                         "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
                         "ignore_eos": request.ignore_eos},
-                drafter=drafter.address if drafter else "", verifier=verifier.address))
+                drafter=drafter_address, verifier=verifier_address))
         except BaseException:
             with self._lock:
                 self._runs.pop(seq_id, None)
-            if verifier is not None:
-                self.verifiers.release(verifier)
-            if drafter is not None:
-                self.drafters.release(drafter)
+            if placement is not None:
+                placement.close()
             raise
-        info = cpb.SequenceInfo(placement=cpb.Placement(drafter=drafter.address if drafter else "",
-                                                        verifier=verifier.address), target=vinfo.target)
-        if remote_drafter is not None:
-            info.draft = drafter.info().draft
-            info.tree.CopyFrom(codec.encode_tree_params(remote_drafter.tree))
+        info = cpb.SequenceInfo(placement=cpb.Placement(drafter=drafter_address, verifier=verifier_address),
+                                target=vinfo.target)
+        if placement.drafter_client is not None:
+            info.draft = placement.drafter_client.info().draft
+            info.tree.CopyFrom(codec.encode_tree_params(placement.tree))
 
         def on_exit(run: SequenceRun) -> None:
             with self._lock:
                 self._runs.pop(run.seq_id, None)
                 metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
-            self.verifiers.release(verifier)
-            if drafter is not None:
-                self.drafters.release(drafter)
+            placement.close()  # after the engine's own release: frees nothing twice
 
         run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit)
         with self._lock:

@@ -45,8 +45,10 @@ def build(config: CoordinatorConfig) -> Coordinator:
     store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s)
     store.ping()
     limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
-    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout))
-    drafters = Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout)) if config.drafters else None
+    probe = config.probe_interval_s
+    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout), probe_interval_s=probe)
+    drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout), probe_interval_s=probe)
+                if config.drafters else None)
     pools = [p for p in (verifiers, drafters) if p is not None]
     sequences = Sequences(config, store, verifiers, drafters)
     servicer = CoordinatorServicer(config, sequences, store)

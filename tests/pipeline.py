@@ -113,6 +113,26 @@ class Pipeline:
         self.servers.append((server, coordinator))
         return coordinator, f"{HOST}:{port}"
 
+    def add_service(self, role: str, dirs: ModelDirs, tree: TreeParams = TREE, max_sequences: int = 8,
+                    max_prompt_tokens: int = 256):
+        """Another verifier or drafter replica on the same checkpoints: (servicer, server, address)."""
+        if role == "verifier":
+            config = VerifierConfig(self.service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
+                                    max_prompt_tokens=max_prompt_tokens)
+            servicer = load_verifier(config)
+            server, port = self.loop.run(create_verifier(f"{HOST}:0", config, servicer))
+        else:
+            config = DrafterConfig(self.service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32",
+                                   tree=tree, max_sequences=max_sequences)
+            servicer = load_drafter(config)
+            server, port = self.loop.run(create_drafter(f"{HOST}:0", config, servicer))
+        self.servers.append((server, servicer))
+        return servicer, server, f"{HOST}:{port}"
+
+    def stop_server(self, server) -> None:
+        """A replica that goes away at once (in-flight calls fail, new ones are refused)."""
+        self.loop.run(server.stop(None))
+
     def close(self) -> None:
         for ch in self.channels:
             ch.close()

@@ -63,7 +63,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidRequest("prompt is empty: give at least one token")
-        if n > self.config.max_prompt_tokens:
+        if n > self.config.max_prompt_tokens and not request.rebuild:
             raise CapacityExceeded(f"prompt has {n} tokens; this verifier accepts at most "
                                    f"{self.config.max_prompt_tokens} (AERIE_MAX_PROMPT_TOKENS)")
         prompt = torch.tensor(codec.token_ids(request.prompt_ids, self.vocab_size, "prompt"), dtype=torch.long)

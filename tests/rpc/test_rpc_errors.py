@@ -188,15 +188,16 @@ def test_long_prompt_features_stream_in_chunks(pipeline, model_dirs):
 
 
 def test_downstream_failures_are_mapped(pipeline, redis_url):
-    _, dead = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{free_port()}",))
+    _, dead = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{free_port()}",), verifier_wait_s=0.3)
     session = RemoteSession(dead, None, "", timeout_s=30)
     with pytest.raises(Exception) as e:
         list(session.engine.generate(GenerationRequest((1, 2), 5)))
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert str(e.value).startswith("no verifier available: verifier at 127.0.0.1:") and "is unavailable" in str(e.value)
     session.close()
-    # a verifier that does not answer within the deadline
-    slow, address = pipeline.add_coordinator(redis_url)
+    # a verifier that does not answer within the deadline: dropped from placement; with no other
+    # verifier answering within AERIE_VERIFIER_WAIT_S the sequence fails UNAVAILABLE, naming why
+    slow, address = pipeline.add_coordinator(redis_url, verifier_wait_s=0.3)
     session = RemoteSession(address, None, "", timeout_s=30)
     list(session.engine.generate(GenerationRequest((1, 2), 3)))  # placement info is cached now
     for pool in slow.pools:
@@ -204,8 +205,9 @@ def test_downstream_failures_are_mapped(pipeline, redis_url):
             client.timeout_s = 1e-4
     with pytest.raises(Exception) as e:
         list(session.engine.generate(GenerationRequest((1, 2), 5), seq_id="slow-1"))
-    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert "verifier at 127.0.0.1:" in str(e.value) and "did not answer in time" in str(e.value)
+    assert "lost its verifier" in str(e.value)
     session.close()
     state = slow.store.get("slow-1")
     assert (state.status, state.finish_reason) == ("failed", "error") and "did not answer in time" in state.error
