@@ -3,7 +3,7 @@
     AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_VERIFIER_WAIT_S (30),
-    AERIE_PROBE_INTERVAL_S (2), and the common ones in
+    AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -44,10 +44,13 @@ class CoordinatorConfig:
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
+    discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
+    discover_interval_s: float = 1.0  # re-read the registry this often
 
     def __post_init__(self) -> None:
-        if not self.verifiers:
-            raise ConfigError("the coordinator needs at least one verifier: set --verifiers / AERIE_VERIFIERS")
+        if not self.verifiers and not self.discover:
+            raise ConfigError("the coordinator needs verifiers: set --verifiers / AERIE_VERIFIERS, or discover "
+                              "registered ones (AERIE_DISCOVER=1)")
         parse_endpoints(",".join(self.verifiers), "verifiers")
         parse_endpoints(",".join(self.drafters), "drafters")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -57,7 +60,7 @@ class CoordinatorConfig:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
-        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s"):
+        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
 
@@ -87,6 +90,22 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--probe-interval-s", type=float, default=env("AERIE_PROBE_INTERVAL_S", 2.0),
                    help="a replica that failed a call is probed again after this (AERIE_PROBE_INTERVAL_S, 2)")
 
+    g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
+                   help="also use drafters and verifiers registered in Redis (AERIE_DISCOVER, 1; 0 = only the "
+                        "static lists)")
+    g.add_argument("--discover-interval-s", type=float, default=env("AERIE_DISCOVER_INTERVAL_S", 1.0),
+                   help="re-read the registry this often (AERIE_DISCOVER_INTERVAL_S, 1)")
+
+
+def _on_off(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("1", "true", "on", "yes"):
+        return True
+    if text.lower() in ("0", "false", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1 or 0; got {text!r}")
+
 
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
@@ -95,4 +114,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
         resolve_interval_s=args.resolve_interval_s, verifier_wait_s=args.verifier_wait_s,
-        probe_interval_s=args.probe_interval_s)
+        probe_interval_s=args.probe_interval_s, discover=_on_off(args.discover),
+        discover_interval_s=args.discover_interval_s)

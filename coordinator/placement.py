@@ -2,7 +2,8 @@
 
 A `Pool` holds one role's replicas. Its configured entries are host:port; each host may resolve to
 several addresses (a Kubernetes headless service has one per pod), and `refresh` re-resolves them,
-so replicas join and leave without a restart: a new address gets a channel, a vanished one gets no
+so replicas join and leave without a restart (replicas registered in Redis, see
+services/rpc/registry.py, join and leave the same way, read every discover interval): a new address gets a channel, a vanished one gets no
 new sequences (sequences already there finish on it; its channel closes once idle).
 
 `acquire` picks the replica with the fewest sequences placed by this coordinator (ties by address),
@@ -30,6 +31,7 @@ import grpc
 
 from services.rpc.clients import ServiceClient
 from services.rpc.errors import DownstreamError
+from services.rpc.registry import Instance
 
 log = logging.getLogger("aerie.coordinator")
 C = TypeVar("C", bound=ServiceClient)
@@ -52,7 +54,8 @@ def resolve_entry(entry: str) -> set[str]:
 
 class Pool(Generic[C]):
     def __init__(self, role: str, entries: Iterable[str], connect: Callable[[str], C],
-                 resolve: Callable[[str], set[str]] = resolve_entry, probe_interval_s: float = 2.0) -> None:
+                 resolve: Callable[[str], set[str]] = resolve_entry, probe_interval_s: float = 2.0,
+                 discover: Callable[[], dict[str, Instance]] | None = None) -> None:
         self.role = role
         self.entries = tuple(entries)
         self._connect = connect
@@ -64,15 +67,24 @@ class Pool(Generic[C]):
         self._load: Counter[str] = Counter()
         self._failed: dict[str, tuple[float, str]] = {}  # address -> (time it may be probed again, why)
         self.probe_interval_s = probe_interval_s
+        self._discover = discover
+        self._discovered: dict[str, Instance] = {}  # registered replicas at the last good read of Redis
         self.refresh()
 
-    def refresh(self) -> None:
-        for entry in self.entries:
+    def refresh(self, resolve: bool = True) -> None:
+        """Re-read the registry (if any) and, when `resolve`, re-resolve the static entries."""
+        for entry in self.entries if resolve else ():
             try:
                 self._resolved[entry] = self._resolve(entry)
             except OSError as e:  # keep the last good answer while DNS is unhappy
                 log.warning("cannot resolve %s %s: %s", self.role, entry, e)
+        if self._discover is not None:
+            try:
+                self._discovered = self._discover()
+            except Exception as e:  # noqa: BLE001 - Redis down: keep the last good answer
+                log.warning("cannot read the %s registry: %s", self.role, e)
         addresses = set().union(*self._resolved.values()) if self._resolved else set()
+        addresses |= self._discovered.keys()
         with self._lock:
             for address in addresses - self._clients.keys():
                 log.info("%s %s joined the pool", self.role, address)
@@ -106,7 +118,10 @@ class Pool(Generic[C]):
     def _acquire_once(self, exclude: frozenset[str]) -> C:
         now = time.monotonic()
         with self._lock:
-            order = sorted(self._active - exclude, key=lambda a: (self._load[a], a))
+            # least loaded: this coordinator's placements, or the replica's own heartbeat count when
+            # higher (it includes other coordinators' sequences)
+            reported = {a: i.load for a, i in self._discovered.items()}
+            order = sorted(self._active - exclude, key=lambda a: (max(self._load[a], reported.get(a, 0)), a))
             failed = dict(self._failed)
         errors = []
         for address in order:
@@ -163,19 +178,26 @@ class Pool(Generic[C]):
 
 
 class Refresher:
-    """Re-resolves pools every `interval_s` on a daemon thread until `stop`."""
+    """Re-reads the registry every `discover_interval_s` and re-resolves host names every
+    `resolve_interval_s`, on a daemon thread until `stop`."""
 
-    def __init__(self, pools: Iterable[Pool], interval_s: float) -> None:
+    def __init__(self, pools: Iterable[Pool], resolve_interval_s: float, discover_interval_s: float | None = None
+                 ) -> None:
         self._pools = list(pools)
-        self._interval_s = interval_s
+        self._resolve_interval_s = resolve_interval_s
+        self._interval_s = min(resolve_interval_s, discover_interval_s or resolve_interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-refresh", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        last_resolve = time.monotonic()
         while not self._stop.wait(self._interval_s):
+            resolve = time.monotonic() - last_resolve >= self._resolve_interval_s
+            if resolve:
+                last_resolve = time.monotonic()
             for pool in self._pools:
-                pool.refresh()
+                pool.refresh(resolve)
 
     def stop(self) -> None:
         self._stop.set()

@@ -91,7 +91,9 @@ class SequencePlacement:
             raise
         # the tree shape the engine sizes the KV for; a replacement drafter must not need more
         self.tree: TreeParams = self._rd.tree if self._rd else TreeParams()
-        self._kind = self._rd.feature_kind if self._rd else "none"
+        # the verifier's features follow the drafter's kind; with a drafter pool but no drafter yet,
+        # "hidden" (rounds verify root-only trees, whose answer carries features)
+        self._kind = self._rd.feature_kind if self._rd else ("hidden" if drafters is not None else "none")
         self._rv = self.verifier_client.for_sequence(self._kind, phases)
         # what a rebuild needs, recorded from the engine's own calls
         self.prompt: list[int] = []

@@ -14,6 +14,7 @@ import grpc
 
 from services.rpc import server as rpc_server
 from services.rpc.clients import DrafterClient, VerifierClient
+from services.rpc.registry import Registry
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Pool, Refresher
@@ -46,13 +47,21 @@ def build(config: CoordinatorConfig) -> Coordinator:
     store.ping()
     limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
     probe = config.probe_interval_s
-    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout), probe_interval_s=probe)
-    drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout), probe_interval_s=probe)
-                if config.drafters else None)
+    registry = Registry(store.redis) if config.discover else None
+
+    def discover(role: str):
+        return (lambda: registry.instances(role)) if registry is not None else None
+
+    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout), probe_interval_s=probe,
+                     discover=discover("verifier"))
+    drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout), probe_interval_s=probe,
+                     discover=discover("drafter"))
+                if config.drafters or config.discover else None)
     pools = [p for p in (verifiers, drafters) if p is not None]
     sequences = Sequences(config, store, verifiers, drafters)
     servicer = CoordinatorServicer(config, sequences, store)
-    return Coordinator(servicer, sequences, store, pools, Refresher(pools, config.resolve_interval_s))
+    return Coordinator(servicer, sequences, store, pools, Refresher(pools, config.resolve_interval_s,
+                                                                            config.discover_interval_s))
 
 
 async def create_server(address: str, config: CoordinatorConfig, coordinator: Coordinator

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from services.engine.local import DTYPES
 from services.errors import InvalidRequest
+from services.rpc import registry
 from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
 from services.spec.tree import TreeParams
 
@@ -27,7 +28,11 @@ class DrafterConfig:
     tree: TreeParams = field(default_factory=TreeParams)
     max_sequences: int = 64
 
+    idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+
     def __post_init__(self) -> None:
+        if self.idle_ttl_s < 0:
+            raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
@@ -35,6 +40,9 @@ class DrafterConfig:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
+    registry.add_flags(p)  # optional: --redis-url registers this replica
+    p.add_argument("--idle-ttl-s", type=float, default=env("AERIE_IDLE_TTL_S", 600.0),
+                   help="release the KV of a sequence untouched this long (AERIE_IDLE_TTL_S, 600; 0 = never)")
     add_service_flags(p, "AERIE_DRAFTER_PORT", DEFAULT_PORT)
     g = p.add_argument_group("drafter")
     g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT)")
@@ -53,4 +61,4 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
-                         tree=tree, max_sequences=args.max_sequences)
+                         tree=tree, max_sequences=args.max_sequences, idle_ttl_s=args.idle_ttl_s)

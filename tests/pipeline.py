@@ -147,18 +147,18 @@ class Pipeline:
 
 def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
                    max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
-                   **coordinator_overrides) -> Pipeline:
+                   idle_ttl_s: float = 600.0, **coordinator_overrides) -> Pipeline:
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes)
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
-                             max_prompt_tokens=max_prompt_tokens)
+                             max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s)
     verifier = load_verifier(vconfig)
     vserver, vport = loop.run(create_verifier(f"{HOST}:0", vconfig, verifier))
     p = Pipeline(loop, verifier, None, None, {"verifier": f"{HOST}:{vport}"}, service)  # type: ignore[arg-type]
     p.servers.append((vserver, verifier))
     if with_drafter:
         dconfig = DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
-                                max_sequences=max_sequences)
+                                max_sequences=max_sequences, idle_ttl_s=idle_ttl_s)
         p.drafter = load_drafter(dconfig)
         dserver, dport = loop.run(create_drafter(f"{HOST}:0", dconfig, p.drafter))
         p.servers.append((dserver, p.drafter))
