@@ -3,7 +3,8 @@
     AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_VERIFIER_WAIT_S (30),
-    AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1), and the common ones in
+    AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
+    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -44,6 +45,8 @@ class CoordinatorConfig:
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
+    finished_ttl_s: int = 3600  # the record of a finished / cancelled / failed sequence expires after this
+    redis_retry_s: float = 30.0  # an unreachable Redis is retried with backoff this long, then UNAVAILABLE
     discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
     discover_interval_s: float = 1.0  # re-read the registry this often
 
@@ -55,7 +58,9 @@ class CoordinatorConfig:
         parse_endpoints(",".join(self.drafters), "drafters")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {self.redis_url!r}")
-        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences"):
+        if self.redis_retry_s < 0:
+            raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
+        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.verifier_wait_s < 0:
@@ -90,6 +95,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--probe-interval-s", type=float, default=env("AERIE_PROBE_INTERVAL_S", 2.0),
                    help="a replica that failed a call is probed again after this (AERIE_PROBE_INTERVAL_S, 2)")
 
+    g.add_argument("--finished-ttl-s", type=int, default=env("AERIE_FINISHED_TTL_S", 3600),
+                   help="lifetime of a finished sequence's Redis record (AERIE_FINISHED_TTL_S, 3600)")
+    g.add_argument("--redis-retry-s", type=float, default=env("AERIE_REDIS_RETRY_S", 30.0),
+                   help="retry an unreachable Redis with backoff this long (AERIE_REDIS_RETRY_S, 30)")
     g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
                    help="also use drafters and verifiers registered in Redis (AERIE_DISCOVER, 1; 0 = only the "
                         "static lists)")
@@ -114,5 +123,6 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
         resolve_interval_s=args.resolve_interval_s, verifier_wait_s=args.verifier_wait_s,
-        probe_interval_s=args.probe_interval_s, discover=_on_off(args.discover),
+        probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
+        redis_retry_s=args.redis_retry_s, discover=_on_off(args.discover),
         discover_interval_s=args.discover_interval_s)

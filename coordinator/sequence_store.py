@@ -113,18 +113,42 @@ class CommitResult:
 
 
 class SequenceStore:
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+    """`ttl_s`: a running sequence's keys expire this long after its last update; `finished_ttl_s`:
+    those of a finished, cancelled or failed one. `retry_s`: an unreachable Redis (restarting) is
+    retried with backoff for this long before the call fails UNAVAILABLE; every write is idempotent
+    (create checks existence, commit is keyed by round), so a retried write never applies twice."""
+
+    def __init__(self, client: redis.Redis, ttl_s: int, finished_ttl_s: int | None = None,
+                 retry_s: float = 0.0) -> None:
         self.redis = client
         self.ttl_s = ttl_s
+        self.finished_ttl_s = finished_ttl_s or ttl_s
+        self.retry_s = retry_s
         self._create = client.register_script(_CREATE)
         self._commit = client.register_script(_COMMIT)
         self._finish = client.register_script(_FINISH)
         self._cancel = client.register_script(_CANCEL)
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int) -> SequenceStore:
+    def from_url(cls, url: str, ttl_s: int, finished_ttl_s: int | None = None, retry_s: float = 0.0
+                 ) -> SequenceStore:
         return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10,
-                                        socket_connect_timeout=5, health_check_interval=30), ttl_s)
+                                        socket_connect_timeout=5, health_check_interval=30),
+                   ttl_s, finished_ttl_s, retry_s)
+
+    def _call(self, seq_id: str, fn, *args, **kwargs):
+        """fn(*args) with domain errors; connection failures retried with backoff for retry_s."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                with _errors(seq_id):
+                    return fn(*args, **kwargs)
+            except DownstreamError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     @staticmethod
     def keys(seq_id: str) -> tuple[str, str]:
@@ -139,28 +163,25 @@ class SequenceStore:
                   "seed": rec.seed, "round": -1, "status": "running", "finish_reason": "", "error": "",
                   "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}"}
         argv = [self.ttl_s] + [x for kv in fields.items() for x in kv]
-        with _errors(rec.sequence_id):
-            created = self._create(keys=self.keys(rec.sequence_id)[:1], args=argv)
+        created = self._call(rec.sequence_id, self._create, keys=self.keys(rec.sequence_id)[:1], args=argv)
         if not created:
             raise SequenceExists(f"sequence {rec.sequence_id!r} already exists")
 
     def commit(self, seq_id: str, round_index: int, tokens: list[int], finish_reason: str | None) -> CommitResult:
         """Append one round's tokens (and its finish) atomically; a round already committed is a no-op."""
-        with _errors(seq_id):
-            applied, cancel = self._commit(keys=self.keys(seq_id),
-                                           args=[round_index, finish_reason or "", self.ttl_s, *tokens])
+        ttl = self.finished_ttl_s if finish_reason else self.ttl_s
+        applied, cancel = self._call(seq_id, self._commit, keys=self.keys(seq_id),
+                                     args=[round_index, finish_reason or "", ttl, *tokens])
         return CommitResult(bool(applied), bool(cancel))
 
     def finish(self, seq_id: str, status: Status, finish_reason: str = "", error: str = "") -> str:
         """End a running sequence (cancelled / failed); returns the final status."""
-        with _errors(seq_id):
-            return self._finish(keys=self.keys(seq_id), args=[status, finish_reason, error[:2000], self.ttl_s])
+        return self._call(seq_id, self._finish, keys=self.keys(seq_id),
+                          args=[status, finish_reason, error[:2000], self.finished_ttl_s])
 
     def set_placement(self, seq_id: str, drafter: str, verifier: str) -> None:
         """Record where the sequence runs now (after a fail-over)."""
-        key, _ = self.keys(seq_id)
-        with _errors(seq_id):
-            self.redis.hset(key, mapping={"drafter": drafter, "verifier": verifier})
+        self._call(seq_id, self.redis.hset, self.keys(seq_id)[0], mapping={"drafter": drafter, "verifier": verifier})
 
     def request_cancel(self, seq_id: str) -> Status:
         """Flag a running sequence for cancellation; returns its status."""

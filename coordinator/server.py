@@ -43,7 +43,8 @@ class Coordinator:
 
 
 def build(config: CoordinatorConfig) -> Coordinator:
-    store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s)
+    store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s, config.finished_ttl_s,
+                                   config.redis_retry_s)
     store.ping()
     limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
     probe = config.probe_interval_s
