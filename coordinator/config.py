@@ -4,7 +4,7 @@
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
-    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), and the common ones in
+    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -47,6 +47,7 @@ class CoordinatorConfig:
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
     finished_ttl_s: int = 3600  # the record of a finished / cancelled / failed sequence expires after this
     redis_retry_s: float = 30.0  # an unreachable Redis is retried with backoff this long, then UNAVAILABLE
+    lease_ttl_s: float = 10.0  # a running sequence whose coordinator stops renewing is taken over after this
     discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
     discover_interval_s: float = 1.0  # re-read the registry this often
 
@@ -65,7 +66,7 @@ class CoordinatorConfig:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
-        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s"):
+        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
 
@@ -99,6 +100,8 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="lifetime of a finished sequence's Redis record (AERIE_FINISHED_TTL_S, 3600)")
     g.add_argument("--redis-retry-s", type=float, default=env("AERIE_REDIS_RETRY_S", 30.0),
                    help="retry an unreachable Redis with backoff this long (AERIE_REDIS_RETRY_S, 30)")
+    g.add_argument("--lease-ttl-s", type=float, default=env("AERIE_LEASE_TTL_S", 10.0),
+                   help="another coordinator takes over a sequence whose lease is this old (AERIE_LEASE_TTL_S, 10)")
     g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
                    help="also use drafters and verifiers registered in Redis (AERIE_DISCOVER, 1; 0 = only the "
                         "static lists)")
@@ -124,5 +127,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
         resolve_interval_s=args.resolve_interval_s, verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
-        redis_retry_s=args.redis_retry_s, discover=_on_off(args.discover),
+        redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
         discover_interval_s=args.discover_interval_s)

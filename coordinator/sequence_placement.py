@@ -103,12 +103,33 @@ class SequencePlacement:
         self._draft_rows = 0
         self._draft_sampling = False
         self._drafter_started = False
+        self._resume: tuple[list[int], list[int]] | None = None  # (prompt, committed) of a take-over
+        self.round_base = 0
+        self._abandoned = False
         self.verifier = _VerifierSide(self)
         self.drafter = _DrafterSide(self) if drafters is not None else None
 
     # ---- the verifier side -------------------------------------------------------------------------
 
+    def resume_from(self, prompt: list[int], committed: list[int], round_base: int) -> None:
+        """A take-over: the engine is given prompt + committed[:-1] as its prompt; its prefill becomes
+        a rebuild whose first token is committed[-1], and its round k is round round_base + k."""
+        self._resume = (list(prompt), list(committed))
+        self.round_base = round_base
+
+    def abandon(self) -> None:
+        """Another coordinator took the sequence over: release nothing (it may use the same replicas)."""
+        self._abandoned = True
+
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int) -> PrefillResult:
+        if self._resume is not None:
+            (self.prompt, self.committed), self._resume = self._resume, None
+            self._sampling, self._capacity = sampling, capacity
+            # the previous coordinator's KV may still be there under the same id: drop it first
+            if self._rd is not None:
+                self.drafter_client.release(seq_id)
+            pre = self._reprefill()
+            return PrefillResult(self.committed[-1], pre.features)
         self.prompt, self._sampling, self._capacity = prompt.tolist(), sampling, capacity
         while True:
             try:
@@ -120,11 +141,13 @@ class SequencePlacement:
         return pre
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+        round_index += self.round_base
         res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
         self.committed += res.acceptance.new_tokens
         return res
 
     def decode(self, seq_id: str, token: int, round_index: int) -> int:
+        round_index += self.round_base
         out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index))
         self.committed.append(out)
         return out
@@ -248,6 +271,13 @@ class SequencePlacement:
     def release(self) -> None:
         """Free the KV on both replicas and their pool slots (the engine's `finally`)."""
         with self._lock:
+            if self._abandoned:
+                if self.verifier_client is not None:
+                    self.verifiers.release(self.verifier_client)
+                if self.drafter_client is not None:
+                    self.drafters.release(self.drafter_client)
+                self.verifier_client, self.drafter_client, self._rd = None, None, None  # type: ignore[assignment]
+                return
             if self.verifier_client is not None:
                 if self.prompt:  # prefilled (or tried to)
                     self._rv.release(self.seq_id)

@@ -10,14 +10,15 @@ It does not speak gRPC to clients (servicer.py) or hold tokens (Redis does).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest
+from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
 from services.rpc.errors import SequenceExists
@@ -48,6 +49,7 @@ class Sequences:
         self.drafters = drafters
         self._runs: dict[str, SequenceRun] = {}
         self._lock = threading.Lock()
+        self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -55,7 +57,8 @@ class Sequences:
     def admit(self, request: GenerationRequest, seq_id: str | None,
               emit: Callable[[Committed | BaseException], None], request_span: Any = None) -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop."""
-        seq_id = seq_id or uuid.uuid4().hex
+        # 128 random bits: the id is the capability to read, resume or cancel the sequence
+        seq_id = seq_id or secrets.token_hex(16)
         with self._lock:
             if len(self._runs) >= self.config.max_sequences:
                 raise CapacityExceeded(f"coordinator runs its maximum of {self.config.max_sequences} sequences "
@@ -80,7 +83,7 @@ class Sequences:
                 params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                         "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
                         "ignore_eos": request.ignore_eos},
-                drafter=drafter_address, verifier=verifier_address))
+                drafter=drafter_address, verifier=verifier_address, owner=self.owner))
         except BaseException:
             with self._lock:
                 self._runs.pop(seq_id, None)
@@ -99,12 +102,85 @@ class Sequences:
                 metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
             placement.close()  # after the engine's own release: frees nothing twice
 
-        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit)
+        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit, owner=self.owner,
+                          on_lease_lost=placement.abandon)
         with self._lock:
             self._runs[seq_id] = run
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
         run.start()
         return Admitted(run, info)
+
+    def adopt(self, seq_id: str) -> bool:
+        """Take over a running sequence whose coordinator is gone (its lease expired): rebuild it on
+        this coordinator's replicas from Redis (prompt + committed tokens) and continue at the next
+        round. Clients follow it with Resume. False when another coordinator claimed it first."""
+        with self._lock:
+            if seq_id in self._runs or len(self._runs) >= self.config.max_sequences:
+                return False
+            self._runs[seq_id] = None  # type: ignore[assignment]
+        placement = None
+        try:
+            if not self.store.claim(seq_id, self.owner):
+                with self._lock:
+                    self._runs.pop(seq_id, None)
+                return False
+            state = self.store.get(seq_id)
+            p = state.params
+            resumed = bool(state.tokens)  # else it died before its prefill was committed: start over
+            request = GenerationRequest(
+                tuple(state.prompt_ids) + tuple(state.tokens[:-1]), p["max_new_tokens"] - max(len(state.tokens) - 1, 0),
+                SamplingParams(p["temperature"], p["top_p"], p["top_k"], state.seed),
+                tuple(p["stop_token_ids"]), p["ignore_eos"])
+            spans = RoundSpans(seq_id, None)
+            placement = SequencePlacement(
+                seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+            if resumed:
+                placement.resume_from(state.prompt_ids, state.tokens, state.round)
+            vinfo = placement.verifier_client.info()
+            engine = Engine(placement.verifier, placement.drafter, int(vinfo.max_context),
+                            int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids))
+            self.store.set_placement(seq_id, *placement.addresses())
+        except Exception as e:  # noqa: BLE001 - another coordinator may try again after the lease
+            log.warning("cannot take over sequence %s: %s", seq_id, e)
+            with self._lock:
+                self._runs.pop(seq_id, None)
+            if placement is not None:
+                placement.close()
+            return False
+        log.info("took over sequence %s at round %d (%d tokens committed)", seq_id, state.round, len(state.tokens))
+
+        def on_exit(run: SequenceRun) -> None:
+            with self._lock:
+                self._runs.pop(run.seq_id, None)
+                metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
+            placement.close()
+
+        run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, on_exit, owner=self.owner,
+                          round_base=state.round if resumed else None, on_lease_lost=placement.abandon)
+        with self._lock:
+            self._runs[seq_id] = run
+            metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
+        run.start()
+        return True
+
+    def keep_leases(self) -> None:
+        """Renew the lease of every sequence running here (a long round must not look like a dead
+        coordinator) and stop those another coordinator took over; then adopt expired ones."""
+        with self._lock:
+            runs = [r for r in self._runs.values() if r is not None]
+        for run in runs:
+            try:
+                self.store.renew(run.seq_id, self.owner)  # lost: the run's next commit stops it (fenced)
+            except Exception as e:  # noqa: BLE001 - Redis down: the commit path reports it
+                log.warning("cannot renew the lease of %s: %s", run.seq_id, e)
+        try:
+            expired = self.store.expired_leases()
+        except Exception as e:  # noqa: BLE001
+            log.warning("cannot list expired leases: %s", e)
+            return
+        for seq_id in expired:
+            self.adopt(seq_id)
 
     def cancel(self, seq_id: str) -> Status:
         """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""

@@ -17,6 +17,7 @@ from services.rpc.clients import DrafterClient, VerifierClient
 from services.rpc.registry import Registry
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
+from coordinator.leases import LeaseKeeper
 from coordinator.placement import Pool, Refresher
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
@@ -33,9 +34,12 @@ class Coordinator:
     store: SequenceStore
     pools: list[Pool]
     refresher: Refresher
+    leases: LeaseKeeper | None = None
 
     def close(self, drain_s: float = 10.0) -> None:
         """Stop every sequence after its round in flight, then close channels."""
+        if self.leases is not None:
+            self.leases.stop()
         self.sequences.drain(drain_s)
         self.refresher.stop()
         for pool in self.pools:
@@ -44,7 +48,7 @@ class Coordinator:
 
 def build(config: CoordinatorConfig) -> Coordinator:
     store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s, config.finished_ttl_s,
-                                   config.redis_retry_s)
+                                   config.redis_retry_s, config.lease_ttl_s)
     store.ping()
     limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
     probe = config.probe_interval_s
@@ -61,8 +65,9 @@ def build(config: CoordinatorConfig) -> Coordinator:
     pools = [p for p in (verifiers, drafters) if p is not None]
     sequences = Sequences(config, store, verifiers, drafters)
     servicer = CoordinatorServicer(config, sequences, store)
-    return Coordinator(servicer, sequences, store, pools, Refresher(pools, config.resolve_interval_s,
-                                                                            config.discover_interval_s))
+    return Coordinator(servicer, sequences, store, pools,
+                       Refresher(pools, config.resolve_interval_s, config.discover_interval_s),
+                       LeaseKeeper(sequences, config.lease_ttl_s))
 
 
 async def create_server(address: str, config: CoordinatorConfig, coordinator: Coordinator
