@@ -272,6 +272,21 @@ class SequenceStore:
         with _errors(seq_id):
             return self._cancel(keys=self.keys(seq_id)[:1])
 
+    def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
+        """(tokens[start:], status, finish_reason, round, error, number of tokens) in one round trip."""
+        key, tokens_key = self.keys(seq_id)
+
+        def read():
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hmget(key, "status", "finish_reason", "round", "error")
+                pipe.lrange(tokens_key, start, -1)
+                pipe.llen(tokens_key)
+                return pipe.execute()
+        (status, reason, rnd, error), tokens, total = self._call(seq_id, read)
+        if status is None:
+            raise SequenceNotFound(f"unknown sequence {seq_id!r}")
+        return [int(t) for t in tokens], status, reason or "", int(rnd), error or "", int(total)
+
     def get(self, seq_id: str) -> SequenceState:
         key, tokens_key = self.keys(seq_id)
         with _errors(seq_id), self.redis.pipeline(transaction=True) as pipe:

@@ -89,7 +89,10 @@ class Pipeline:
     channels: list = field(default_factory=list)
 
     def channel(self, role: str):
-        ch = open_channel(self.addresses[role], self.service.max_message_bytes)
+        return self.channel_to(self.addresses[role])
+
+    def channel_to(self, address: str):
+        ch = open_channel(address, self.service.max_message_bytes)
         self.channels.append(ch)
         return ch
 
