@@ -75,20 +75,20 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     if with_service:
         add_service_flags(p, "AERIE_COORDINATOR_PORT", DEFAULT_PORT)
     g = p.add_argument_group("coordinator")
-    g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list (AERIE_VERIFIERS)")
+    g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list; may be empty when verifiers register in Redis (AERIE_VERIFIERS)")
     g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
                    help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
-    g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="AERIE_REDIS_URL")
+    g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
-                   help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS, 4096)")
+                   help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS)")
     g.add_argument("--sequence-ttl-s", type=int, default=env("AERIE_SEQUENCE_TTL_S", 86400),
                    help="lifetime of a sequence's Redis record after its last update (AERIE_SEQUENCE_TTL_S)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 256),
-                   help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES, 256)")
+                   help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
-                   help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S, 60)")
+                   help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
-                   help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S, 10)")
+                   help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S)")
 
     g.add_argument("--verifier-wait-s", type=float, default=env("AERIE_VERIFIER_WAIT_S", 30.0),
                    help="with no verifier answering, a sequence waits this long before UNAVAILABLE "

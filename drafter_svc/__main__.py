@@ -1,5 +1,5 @@
 import sys
 
-from services.cli import main
+from aerie_cli.main import main
 
 sys.exit(main(["drafter", *sys.argv[1:]]))

@@ -8,13 +8,15 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from services.engine.local import DTYPES
 from services.errors import InvalidRequest
 from services.rpc import registry
-from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
-from services.spec.tree import TreeParams
+from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
+
+if TYPE_CHECKING:  # the module builds `aerie drafter --help`: no torch at import
+    from services.spec.tree import TreeParams
 
 DEFAULT_PORT = 50053
 
@@ -25,7 +27,7 @@ class DrafterConfig:
     draft: str | None = None  # EAGLE head directory; None = the shipped head of the default model
     target: str | None = None  # the target the head belongs to (its embedding and lm_head)
     dtype: str = "fp32"
-    tree: TreeParams = field(default_factory=TreeParams)
+    tree: TreeParams | None = None  # None = TreeParams()
     max_sequences: int = 64
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
@@ -33,8 +35,12 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        if self.tree is None:
+            from services.spec.tree import TreeParams
+
+            object.__setattr__(self, "tree", TreeParams())
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
 
@@ -45,17 +51,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="release the KV of a sequence untouched this long (AERIE_IDLE_TTL_S, 600; 0 = never)")
     add_service_flags(p, "AERIE_DRAFTER_PORT", DEFAULT_PORT)
     g = p.add_argument_group("drafter")
-    g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT)")
-    g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=env("AERIE_DTYPE", "fp32"), help="AERIE_DTYPE (fp32)")
-    g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="AERIE_TREE_TOP_K (10)")
-    g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="AERIE_TREE_DEPTH (5)")
-    g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="AERIE_TREE_TOKENS (60)")
+    g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT; default: the shipped head of the default model)")
+    g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
+                   help="weights and activations (AERIE_DTYPE)")
+    g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="children per node and beam width (AERIE_TREE_TOP_K)")
+    g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="draft expansion steps (AERIE_TREE_DEPTH)")
+    g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="tree nodes verified, root included (AERIE_TREE_TOKENS)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
-                   help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES, 64)")
+                   help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
 
 
 def from_args(args: argparse.Namespace) -> DrafterConfig:
+    from services.spec.tree import TreeParams
+
     try:
         tree = TreeParams(args.tree_top_k, args.tree_depth, args.tree_tokens)
     except InvalidRequest as e:

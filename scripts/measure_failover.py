@@ -33,7 +33,7 @@ TREE = ["--tree-top-k", "8", "--tree-depth", "4", "--tree-tokens", "24"]
 def start_up(state: Path, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "AERIE_LOG_LEVEL": "ERROR", "AERIE_PROBE_INTERVAL_S": "1", "AERIE_LEASE_TTL_S": "3",
            "AERIE_HEARTBEAT_S": "1", "AERIE_HEARTBEAT_TTL_S": "3"}
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--verifiers", "2",
+    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", "--port", "0", "--verifiers", "2",
                            "--drafters", "2", "--coordinators", "2", "--state-file", str(state), *TREE, *extra],
                           stdout=subprocess.PIPE, text=True, env=env)
     while True:

@@ -604,7 +604,7 @@ def _aerie_cli(greedy: dict) -> list[dict]:
     runs = []
     for (t, d, k) in case["shapes"]:
         for prompt in greedy["prompts"]:
-            cmd = [str(exe) if exe.is_file() else sys.executable, *([] if exe.is_file() else ["-m", "services.cli"]),
+            cmd = [str(exe) if exe.is_file() else sys.executable, *([] if exe.is_file() else ["-m", "aerie_cli"]),
                    "generate", "--target", greedy["target_dir"], "--draft", greedy["head_dir"],
                    "--prompt-ids", ",".join(map(str, prompt)), "--dtype", "fp32", "--ignore-eos", "--json",
                    "--max-new-tokens", str(case["max_new_tokens"]), "--tree-tokens", str(t),

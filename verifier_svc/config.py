@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.engine.local import DTYPES
 from services.rpc import registry
-from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
+from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
 
@@ -29,8 +28,8 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
         if self.max_prompt_tokens < 1:
@@ -44,12 +43,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_service_flags(p, "AERIE_VERIFIER_PORT", DEFAULT_PORT)
     g = p.add_argument_group("verifier")
     g.add_argument("--target", default=env("AERIE_TARGET"),
-                   help="target model: HF directory or .gguf (AERIE_TARGET; default SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=env("AERIE_DTYPE", "fp32"), help="AERIE_DTYPE (fp32)")
+                   help="target model: HF directory or .gguf (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
+                   help="weights and activations (AERIE_DTYPE)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
-                   help="sequences holding KV at once (AERIE_MAX_SEQUENCES, 64)")
+                   help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
-                   help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS, 8192)")
+                   help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
 
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:

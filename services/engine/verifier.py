@@ -28,7 +28,8 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     acceptance: Acceptance
-    features: torch.Tensor  # [m + 1, F] target features of the root and the accepted nodes
+    features: torch.Tensor  # [m + 1, F] target features of the root and the accepted nodes ([0, H]
+    #                         for a sequence prefilled with feature kind "none": no head consumes them)
 
 
 @dataclass
@@ -69,7 +70,8 @@ class Verifier:
         gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index)
         acc = accept(tree, out.logits, seq.sampling, gen)
         seq.cache.keep(prefix, prefix + acc.nodes.to(self.target.device))
-        return VerifyResult(acc, self._features(out)[acc.nodes])
+        features = self._features(out)
+        return VerifyResult(acc, features[acc.nodes] if features.shape[0] else features)
 
     def decode(self, seq_id: str, token: int, round_index: int) -> int:
         """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one."""

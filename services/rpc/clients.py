@@ -140,7 +140,7 @@ class RemoteVerifier:
         request = vpb.VerifyRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree))
         with self.phases.phase(round_index, "verify"):
             response = self.client.call(self.client.stub.Verify, request)
-        return codec.decode_verify_result(response)
+        return codec.decode_verify_result(response, self.feature_kind != "none")
 
     def decode(self, seq_id: str, token: int, round_index: int) -> int:
         request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token)

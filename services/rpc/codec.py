@@ -111,13 +111,26 @@ def _check_meta(field: str, msg: pb.Tensor, dtype: torch.dtype | None,
 
 
 def decode_tensor(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
-                  shape: Sequence[int | None] | None = None, max_bytes: int | None = None) -> torch.Tensor:
-    """A tensor from one message. `shape` entries of None match any size."""
+                  shape: Sequence[int | None] | None = None, max_bytes: int | None = None,
+                  allow_inf: bool = False) -> torch.Tensor:
+    """A tensor from one message. `shape` entries of None match any size. Floating tensors must be
+    finite (NaN never; +-inf only with `allow_inf`)."""
     dt, dims, size = _check_meta(field, msg, dtype, shape, max_bytes)
     if len(msg.data) != size:
         raise InvalidRequest(f"{field} has {len(msg.data)} bytes; dtype {dtype_name(dt)} and shape "
                              f"{list(dims)} need {size}")
-    return _from_raw(msg.data, dt, dims)
+    return finite(_from_raw(msg.data, dt, dims), field, allow_inf)
+
+
+def finite(t: torch.Tensor, field: str, allow_inf: bool = False) -> torch.Tensor:
+    """Refuse NaN (and inf unless allowed) before a tensor reaches any KV: features that poison a
+    draft KV would keep poisoning every later tree of that sequence."""
+    if t.is_floating_point():
+        bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
+        if bool(bad.any()):
+            raise InvalidRequest(f"{field} holds {int(bad.sum())} non-finite value(s) "
+                                 f"({'NaN' if allow_inf else 'NaN or inf'})")
+    return t
 
 
 def tensor_chunks(t: torch.Tensor, chunk_bytes: int, first_chunk_bytes: int | None = None) -> Iterator[pb.Tensor]:
@@ -157,7 +170,7 @@ class TensorAssembler:
         if len(self._data) != size:
             raise InvalidRequest(f"{self.field} has {len(self._data)} bytes; dtype {dtype_name(dt)} and "
                                  f"shape {list(dims)} need {size}")
-        return _from_raw(self._data, dt, dims)
+        return finite(_from_raw(self._data, dt, dims), self.field)
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -205,7 +218,7 @@ def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NO
         raise InvalidRequest(f"tree must have 1 to {max_nodes} nodes; got {n}")
     token_ids(tokens.tolist(), vocab_size, "tree")
     parents = decode_tensor(msg.parents, "tree.parents", dtype=torch.int64, shape=(n,))
-    scores = decode_tensor(msg.scores, "tree.scores", dtype=torch.float32, shape=(n,))
+    scores = decode_tensor(msg.scores, "tree.scores", dtype=torch.float32, shape=(n,), allow_inf=True)
     plist = parents.tolist()
     if plist[0] != -1:
         raise InvalidRequest(f"tree.parents[0] must be -1 (node 0 is the root); got {plist[0]}")
@@ -262,14 +275,15 @@ def encode_verify_result(res: VerifyResult) -> vpb.VerifyResponse:
                               tokens=acc.tokens.tolist(), bonus=acc.bonus, features=encode_tensor(res.features))
 
 
-def decode_verify_result(msg: vpb.VerifyResponse) -> VerifyResult:
+def decode_verify_result(msg: vpb.VerifyResponse, with_features: bool = True) -> VerifyResult:
+    """`with_features` False for a sequence whose drafter consumes none (feature kind "none")."""
     m = msg.accept_length
     if len(msg.nodes) != m + 1 or len(msg.tokens) != m + 1:
         raise InvalidRequest(f"verify result has {len(msg.nodes)} nodes and {len(msg.tokens)} tokens for "
                              f"accept_length {m}")
     acc = Acceptance(path=msg.path, accept_length=m, nodes=torch.tensor(list(msg.nodes), dtype=torch.long),
                      tokens=torch.tensor(list(msg.tokens), dtype=torch.long), bonus=msg.bonus)
-    return VerifyResult(acc, decode_tensor(msg.features, "features", shape=(m + 1, None)))
+    return VerifyResult(acc, decode_tensor(msg.features, "features", shape=(m + 1 if with_features else 0, None)))
 
 
 # ---- the public API ------------------------------------------------------------------------------

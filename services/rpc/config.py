@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from services.errors import AerieError
 
+DTYPE_NAMES = ("bf16", "fp32")  # the keys of services.engine.local.DTYPES, named without importing torch
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default
 MESSAGE_OVERHEAD = 16 * 1024  # room for the non-tensor fields of a message carrying a tensor chunk
 
@@ -67,15 +68,15 @@ def add_service_flags(p: argparse.ArgumentParser, port_env: str, default_port: i
     g = p.add_argument_group("service")
     g.add_argument("--host", default=env("AERIE_HOST", "0.0.0.0"), help="listen address (AERIE_HOST)")
     g.add_argument("--port", type=int, default=env(port_env, default_port),
-                   help=f"gRPC port, 0 = any free port ({port_env}, default {default_port})")
+                   help=f"gRPC port, 0 = any free port ({port_env})")
     g.add_argument("--metrics-port", type=int, default=env("AERIE_METRICS_PORT"),
-                   help="Prometheus endpoint port, 0 = any free port (AERIE_METRICS_PORT; default off)")
+                   help="Prometheus /metrics port, 0 = any free port (AERIE_METRICS_PORT; default: off)")
     g.add_argument("--max-message-bytes", type=int,
                    default=env("AERIE_MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES),
-                   help="largest gRPC message (AERIE_MAX_MESSAGE_BYTES, default 4 MiB)")
-    g.add_argument("--log-level", default=env("AERIE_LOG_LEVEL", "INFO"), help="AERIE_LOG_LEVEL (INFO)")
+                   help="largest gRPC message in bytes (AERIE_MAX_MESSAGE_BYTES)")
+    g.add_argument("--log-level", default=env("AERIE_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR (AERIE_LOG_LEVEL)")
     g.add_argument("--drain-s", type=float, default=env("AERIE_DRAIN_S", 20.0),
-                   help="seconds in-flight calls get after SIGTERM (AERIE_DRAIN_S, 20)")
+                   help="seconds in-flight calls get after SIGTERM (AERIE_DRAIN_S)")
     g.add_argument("--port-file", default=None, help=argparse.SUPPRESS)
 
 

@@ -97,3 +97,70 @@ def _traced(handler: grpc.RpcMethodHandler, new_span) -> grpc.RpcMethodHandler:
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream, des, ser)
     return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message of the method's type."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class ServerDecoding(grpc.aio.ServerInterceptor):
+    """Undecodable request bytes get INVALID_ARGUMENT naming the method, not grpc's UNKNOWN
+    "Unexpected DecodeError": the deserializer no longer raises; the handler aborts instead."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        des, ser = handler.request_deserializer, handler.response_serializer
+
+        def lenient(data: bytes):
+            try:
+                return des(data)
+            except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
+                return _Undecodable(e)
+
+        async def refuse(context, bad: _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request to {method} is not a valid message: {bad.error}")
+
+        async def checked(requests, context):
+            async for r in requests:
+                if isinstance(r, _Undecodable):
+                    await refuse(context, r)
+                yield r
+
+        if handler.unary_unary or handler.unary_stream:
+            inner = handler.unary_unary or handler.unary_stream
+
+            async def unary_in(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                return await inner(request, context)
+
+            async def unary_in_stream_out(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                async for item in inner(request, context):
+                    yield item
+
+            if handler.unary_unary:
+                return grpc.unary_unary_rpc_method_handler(unary_in, lenient, ser)
+            return grpc.unary_stream_rpc_method_handler(unary_in_stream_out, lenient, ser)
+        inner = handler.stream_unary or handler.stream_stream
+
+        async def stream_in(requests, context):
+            return await inner(checked(requests, context), context)
+
+        async def stream_in_stream_out(requests, context):
+            async for item in inner(checked(requests, context), context):
+                yield item
+
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(stream_in, lenient, ser)
+        return grpc.stream_stream_rpc_method_handler(stream_in_stream_out, lenient, ser)

@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
-
 from services.rpc.config import ConfigError, env
 
 log = logging.getLogger("aerie.registry")
@@ -72,6 +70,12 @@ def from_args(args: argparse.Namespace) -> RegistrationConfig | None:
     return RegistrationConfig(args.redis_url, args.advertise_address, args.heartbeat_s, args.heartbeat_ttl_s)
 
 
+def _redis_error() -> type[Exception]:
+    import redis
+
+    return redis.RedisError
+
+
 def key(role: str, address: str) -> str:
     return f"{PREFIX}{role}:{address}"
 
@@ -87,14 +91,16 @@ def advertised_address(host: str, port: int, advertise: str = "") -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str):
+    import redis  # not at import time: the flags above build `aerie verifier --help`
+
     return redis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
 
 
 class Registration:
     """The service side: heartbeats on a daemon thread until `stop`."""
 
-    def __init__(self, client: redis.Redis, role: str, address: str, describe: Callable[[], dict],
+    def __init__(self, client, role: str, address: str, describe: Callable[[], dict],
                  heartbeat_s: float = 2.0, ttl_s: float = 6.0) -> None:
         self.redis = client
         self.role = role
@@ -118,7 +124,7 @@ class Registration:
                 pipe.hset(key(self.role, self.address), mapping={k: str(v) for k, v in fields.items()})
                 pipe.pexpire(key(self.role, self.address), int(self.ttl_s * 1000))
                 pipe.execute()
-        except redis.RedisError as e:
+        except _redis_error() as e:
             if self._ok is not False:
                 log.warning("%s %s cannot register in Redis (retrying every %g s): %s", self.role, self.address,
                             self.heartbeat_s, e)
@@ -140,14 +146,14 @@ class Registration:
         self._thread.join(timeout=5)
         try:
             self.redis.delete(key(self.role, self.address))
-        except redis.RedisError as e:
+        except _redis_error() as e:
             log.warning("cannot unregister %s %s: %s", self.role, self.address, e)
 
 
 class Registry:
     """The coordinator side: the replicas whose heartbeat has not expired."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client) -> None:
         self.redis = client
 
     def instances(self, role: str) -> dict[str, Instance]:

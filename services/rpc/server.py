@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services import telemetry
 from services.metrics import serve_metrics
 from services.rpc.config import ServiceConfig
-from services.rpc.interceptors import ServerTracing
+from services.rpc.interceptors import ServerDecoding, ServerTracing
 
 log = logging.getLogger("aerie.rpc")
 _HEALTH: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()
@@ -41,7 +41,7 @@ async def create_server(address: str, config: ServiceConfig, service: str,
                         register: Callable[[grpc.aio.Server], Sequence[str]]) -> tuple[grpc.aio.Server, int]:
     """A started server on `address` (port 0 = any free port). `register` adds the servicers and
     returns their full service names (for the health service)."""
-    server = grpc.aio.server(interceptors=[ServerTracing(service)], options=message_options(config.max_message_bytes))
+    server = grpc.aio.server(interceptors=[ServerDecoding(), ServerTracing(service)], options=message_options(config.max_message_bytes))
     names = register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

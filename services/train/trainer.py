@@ -1,7 +1,7 @@
 """The draft-head training loop: AdamW with warmup + cosine decay, value clipping (as the reference),
 a progress bar with loss and top-1 agreement, resumable checkpoints, and held-out evaluation.
 
-It trains the head it is given on the samples it is given; `aerie train-draft` (services/train/cli.py)
+It trains the head it is given on the samples it is given; `aerie train-draft` (aerie_cli/train_draft.py)
 builds both. Checkpoints (`checkpoint.pt` in the output directory) hold the head, the optimiser, the
 scheduler and the step, so an interrupted run continues where it stopped with `--resume`.
 """

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from services.cli import main
+from aerie_cli.main import main
 from services.model.head_checkpoint import save_head
 from tests.helpers import save_tiny_tokenizer, tiny_text
 from tests.pipeline import redis_url  # noqa: F401  (a real Redis for the pipeline method)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from services.cli import main
+from aerie_cli.main import main
 from services.model.head_checkpoint import save_head
 from tests.helpers import hf_greedy
 
@@ -104,7 +104,7 @@ def test_missing_checkpoints(dirs, capsys, tmp_path):
 
 def test_console_script_exit_code(dirs):
     target, _, _ = dirs
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--target", str(target),
+    proc = subprocess.run([sys.executable, "-m", "aerie_cli", "generate", "--target", str(target),
                            "--draft", "none", "--prompt-ids", "1,999"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -18,7 +18,7 @@ PROMPT = (5, 17, 99, 3, 42, 8)
 
 
 def register(url, role, address, servicer, heartbeat_s=0.2, ttl_s=0.6):
-    from coordinator.cli import describe_replica
+    from aerie_cli.serve import describe_replica
     return registry.Registration(registry.connect(url), role, address, lambda: describe_replica(servicer),
                                  heartbeat_s, ttl_s).start()
 

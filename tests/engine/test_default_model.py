@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from services.cli import main
+from aerie_cli.main import main
 from services.engine.engine import GenerationRequest
 from services.engine.local import DEFAULT_HEAD, build_local_engine
 from services.spec.tree import TreeParams

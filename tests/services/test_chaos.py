@@ -36,7 +36,7 @@ def start_up(model_dirs, tmp_path):
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
             "--port", "0", "--verifiers", "2", "--drafters", "2", "--coordinators", "2", "--state-file", str(state)]
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *argv], stdout=subprocess.PIPE, text=True,
+    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
                           env=env)
     deadline = time.monotonic() + 240
     lines = []

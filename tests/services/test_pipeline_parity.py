@@ -8,7 +8,7 @@ import threading
 import pytest
 from prometheus_client import REGISTRY
 
-from services.cli import main
+from aerie_cli.main import main
 from services.engine.engine import GenerationRequest
 from services.rpc.coordinator_client import RemoteSession
 from services.spec.sampling import SamplingParams

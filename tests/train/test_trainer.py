@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from services.cli import main
+from aerie_cli.main import main
 from services.model.eagle_head import HeadConfig, build_head
 from services.model.head_checkpoint import load_head
 from services.model import draft_vocab

@@ -16,14 +16,13 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
+from aerie_cli.flags import add_command
 from services.errors import InvalidRequest
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train-draft", help="train an EAGLE head on the target's own responses")
-    p.add_argument("--out", required=True, help="output head directory")
+    p = add_command(sub, "train-draft", "train an EAGLE head on the target's own responses", __doc__)
+    p.add_argument("--out", required=True, help="output head directory (required)")
     p.add_argument("--target", default=None, help="target model (default: the default model)")
     p.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle", help="head type (eagle = EAGLE-1/2)")
     p.add_argument("--draft-vocab", type=int, default=0, help="EAGLE-3 reduced draft vocabulary (0 = full)")
@@ -34,21 +33,23 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=192, help="response length cap")
     p.add_argument("--data-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the target when generating data and features (the serving dtype)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=4, help="samples per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--ttt-steps", type=int, default=2, help="unrolled draft steps per sample")
     p.add_argument("--bf16-train", action="store_true",
                    help="train under bf16 autocast (as the reference; faster on GPUs, slower on this CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt order, initialisation and batches")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt and DIR/data.pt")
     p.add_argument("--eval-tree", default="16/4/4", help="tree tokens/depth/top_k for the held-out tau")
-    p.add_argument("--eval-max-new-tokens", type=int, default=96)
+    p.add_argument("--eval-max-new-tokens", type=int, default=96, help="response length of the held-out tau")
     p.set_defaults(func=cmd_train_draft)
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
+    import torch
+
     from services.engine.drafter import Drafter
     from services.engine.engine import Engine, GenerationRequest
     from services.engine.local import DTYPES

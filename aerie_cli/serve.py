@@ -1,13 +1,11 @@
-"""The distributed commands of `aerie`, registered by `services.cli.build_parser` through
-`register(sub)`:
+"""The service commands of `aerie`: each one process serving one gRPC API.
 
     aerie verifier ...      serve the target (verifier_svc)
     aerie drafter ...       serve the EAGLE head (drafter_svc)
     aerie coordinator ...   serve the public API (coordinator)
-    aerie up ...            all of it on one machine (coordinator/up.py)
-    aerie generate --coordinator HOST:PORT ...   stream from a running pipeline
 
 Each command: argparse -> validated config -> serve. Configuration errors exit with code 2.
+The flags live in each service's config module (light imports only: they build `--help`).
 """
 
 from __future__ import annotations
@@ -15,32 +13,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.rpc.config import ConfigError, configure_logging, env
+from aerie_cli.flags import add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from coordinator import config as coordinator_config
-    from coordinator import up
     from drafter_svc import config as drafter_config
     from verifier_svc import config as verifier_config
 
-    generate = sub.choices.get("generate")
-    if generate is not None:
-        generate.add_argument("--coordinator", default=env("AERIE_COORDINATOR"), metavar="HOST:PORT",
-                              help="stream from a running pipeline (aerie up / a cluster) instead of loading "
-                                   "the models here; --target only supplies the tokenizer (AERIE_COORDINATOR)")
-    p = sub.add_parser("verifier", help="serve the target model (aerie.v1.Verifier)")
+    p = add_command(sub, "verifier", "serve the target model (aerie.v1.Verifier)")
     verifier_config.add_flags(p)
     p.set_defaults(func=cmd_verifier)
-    p = sub.add_parser("drafter", help="serve an EAGLE draft head (aerie.v1.Drafter)")
+    p = add_command(sub, "drafter", "serve an EAGLE draft head (aerie.v1.Drafter)")
     drafter_config.add_flags(p)
     p.set_defaults(func=cmd_drafter)
-    p = sub.add_parser("coordinator", help="serve the public API (aerie.v1.Coordinator)")
+    p = add_command(sub, "coordinator", "serve the public API (aerie.v1.Coordinator)")
     coordinator_config.add_flags(p)
     p.set_defaults(func=cmd_coordinator)
-    p = sub.add_parser("up", help="start Redis, a verifier, a drafter and a coordinator on this machine")
-    up.add_flags(p)
-    p.set_defaults(func=up.cmd_up)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
@@ -61,6 +50,7 @@ def _serve_model_service(args: argparse.Namespace, role: str, config_mod, server
     """Load the role's models, serve until SIGTERM/Ctrl-C (registered in Redis when given a URL),
     then unregister and close its worker thread."""
     from services.rpc import registry
+    from services.rpc.config import configure_logging
     from services.rpc.server import serve_forever
 
     config = config_mod.from_args(args)
@@ -101,6 +91,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     from coordinator.config import from_args
     from coordinator.server import build, create_server
+    from services.rpc.config import ConfigError, configure_logging
     from services.rpc.server import serve_forever
 
     config = from_args(args)

@@ -10,6 +10,7 @@ import argparse
 import json
 import time
 
+from aerie_cli.flags import add_command, add_model_flags, dtype, tree_params
 from services.errors import InvalidRequest
 
 SWEEP = [(8, 7, 1), (6, 4, 2), (10, 4, 2), (12, 3, 3), (16, 4, 4), (16, 5, 3), (24, 5, 4), (32, 5, 6),
@@ -17,19 +18,18 @@ SWEEP = [(8, 7, 1), (6, 4, 2), (10, 4, 2), (12, 3, 3), (16, 4, 4), (16, 5, 3), (
 
 
 def register(sub) -> None:
-    from services.cli import add_model_flags
-
-    p = sub.add_parser("bench", help="measure speed-ups on a prompt set (prints a table, writes JSON)")
+    p = add_command(sub, "bench", "measure speed-ups on a prompt set (prints a table, writes JSON)", __doc__)
     add_model_flags(p)
-    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (question_id, category, turns)")
+    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (question_id, category, turns); required")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--methods", default="hf,native,eagle", help="comma list of hf,native,eagle,pipeline")
-    p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline')")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline'; default: none)")
     p.add_argument("--sweep", action="store_true", help="grid of tree shapes for EAGLE-2")
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--chart", default=None, help="PNG chart path")
+    p.add_argument("--json-out", default=None, help="write the results as JSON here (default: not written)")
+    p.add_argument("--chart", default=None,
+                   help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -45,14 +45,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--methods must include hf and only hf,native,eagle,pipeline; got {args.methods!r}")
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
-    tree = TreeParams(args.tree_top_k, args.tree_depth, args.tree_tokens)
-    local = build_local_engine(args.target, args.draft, args.dtype, tree)
+    tree = tree_params(args)
+    local = build_local_engine(args.target, args.draft, dtype(args), tree)
     if local.engine.drafter is None and ("eagle" in methods or args.sweep):
         raise InvalidRequest("method 'eagle' needs a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
     engine = local.engine
     plain = type(engine)(engine.verifier, None, engine.max_context, engine.vocab_size, engine.eos_token_ids)
-    hf = HFBaseline(local.model_dir, DTYPES[args.dtype], engine.eos_token_ids)
+    hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids)
     # warm up every path once (first-call allocations and kernel selection)
     hf.run(prompts[0], 4)
     run_engine(plain, prompts[0], 4)
@@ -77,7 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             runs["pipeline"].append(_pipeline_run(args, prompt))
         print(f"[{i + 1}/{len(prompts)}] {prompt.category} {time.perf_counter() - t0:.0f}s", flush=True)
     result = summarize(runs, prompts)
-    result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": args.dtype,
+    result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": dtype(args),
                         "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                         "limit": args.limit, "per_category": args.per_category, "torch_threads": __import__("torch").get_num_threads()}
     if args.sweep:
@@ -91,7 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
     if args.chart:
-        chart(result, args.chart, f"aerie bench ({args.dtype}, {len(prompts)} prompts)")
+        chart(result, args.chart, f"aerie bench ({dtype(args)}, {len(prompts)} prompts)")
     return 0
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from aerie_cli.main import main
+
+sys.exit(main())

