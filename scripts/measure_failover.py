@@ -96,20 +96,31 @@ def faults(args) -> dict:
         for t in threads:
             t.join()
         threads, results = run_streams(coordinators, prompts, args.new_tokens)
+        kills = {}
         for role in ("drafter", "verifier", "coordinator", "redis"):
             time.sleep(args.gap_s)
             if not any(t.is_alive() for t in threads):
                 report["faults"][role] = "streams ended before this fault"
                 continue
             victim = procs(state, role)[0]
-            t_kill = time.monotonic()
+            kills[role] = time.monotonic()
             os.kill(victim["pid"], signal.SIGKILL)
-            time.sleep(args.gap_s)
-            nxt = [min((t for t in r["times"] if t > t_kill), default=None) for r in results]
-            waits = [round(t - t_kill, 3) for t in nxt if t is not None]
-            report["faults"][role] = {"kill_to_next_token_s": waits}
         for t in threads:
             t.join()
+        for role, t_kill in kills.items():
+            # per stream: the wait from the kill to its next committed token, and the message interval
+            # that contains the kill against the median interval (the added latency)
+            waits, added = [], []
+            for r in results:
+                times = sorted(set(r["times"]))
+                after = [t for t in times if t > t_kill]
+                before = [t for t in times if t <= t_kill]
+                if after:
+                    waits.append(round(after[0] - t_kill, 3))
+                if after and before:
+                    added.append(after[0] - before[-1])
+            report["faults"][role] = {"kill_to_next_token_s": waits,
+                                      "interval_containing_kill_s": [round(a, 3) for a in added]}
         intervals = [b - a for r in results for a, b in zip(r["times"], r["times"][1:]) if b > a]
         report["median_round_interval_s"] = round(statistics.median(intervals), 3)
         report["streams_equal_undisturbed"] = [r.get("tokens") == u.get("tokens") for r, u in zip(results, undisturbed)]
