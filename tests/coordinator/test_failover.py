@@ -5,6 +5,8 @@ drafter left the sequence continues with plain decoding rounds and drafts again 
 with no verifier left it fails with UNAVAILABLE after AERIE_VERIFIER_WAIT_S and keeps what it
 committed."""
 
+import threading
+
 import grpc
 import pytest
 
@@ -94,10 +96,21 @@ def test_no_drafter_left_plain_rounds_then_drafting_resumes(model_dirs, redis_ur
                 p.stop_server(p.servers[1][0])
                 events["down"] = i
             if "down" in events and "up" not in events and i >= events["down"] + 2:
-                # the same address answers again: a restarted drafter
-                config = p.drafter_config
-                server, _ = p.loop.run(create_drafter(d_address, config, p.drafter))
+                # hold the verifier (the sequence pauses between rounds), restart the drafter at the
+                # same address, wait until the coordinator can place on it again, then let it go on
+                gate = threading.Event()
+                p.verifier._call._pool.submit(gate.wait, 30)
+                server, _ = p.loop.run(create_drafter(d_address, p.drafter_config, p.drafter))
                 p.servers.append((server, p.drafter))
+                pool = p.coordinator.sequences.drafters
+
+                def placeable():
+                    client = pool.try_acquire()
+                    if client is not None:
+                        pool.release(client)
+                    return client is not None
+                wait_until(placeable, timeout=20)
+                gate.set()
                 events["up"] = i
 
         p.drafter_config = _drafter_config(p, model_dirs)
