@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--coordinators", type=int, default=1,
                    help="coordinator processes; the first listens on --port, the others on free ports")
     f.add_argument("--state-file", default=None,
-                   help='write {"processes": [{"role", "pid", "address"}]} here (rewritten after each restart)')
+                   help='write {"processes": [{"role", "pid", "address"}]} here, rewritten after each restart (default: none)')
     f.add_argument("--no-restart", action="store_true",
                    help="stop everything when a process dies (default: restart it on the same port)")
     f.add_argument("--redis-dir", default=None,

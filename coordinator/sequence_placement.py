@@ -165,10 +165,10 @@ class SequencePlacement:
         if not is_failover(e):
             raise e
         old = self.verifier_client
-        if not e.lost_sequence:
+        if not e.lost_sequence:  # (a replica that lost the sequence holds nothing to release)
             self.verifiers.mark_failed(old.address, str(e))
+            _release_later(old, self.seq_id)
         self.verifiers.release(old)
-        _release_later(old, self.seq_id)
         try:
             self.verifier_client = self.verifiers.acquire(wait_s=self.verifier_wait_s)
         except DownstreamError as none:
@@ -221,17 +221,18 @@ class SequencePlacement:
                     raise
                 if not e.lost_sequence:
                     self.drafters.mark_failed(self.drafter_client.address, str(e))
-                if not self._place_drafter(str(e)):
+                if not self._place_drafter(str(e), release_old=not e.lost_sequence):
                     return root_tree(self.committed[-1])  # degraded: a plain decoding round
                 tokens, features = self._refill(tokens, features)
 
-    def _place_drafter(self, reason: str) -> bool:
+    def _place_drafter(self, reason: str, release_old: bool = True) -> bool:
         """Leave the current drafter (if any) and try another (not the one that just failed); True
         when one was placed. The verifier's feature kind follows the drafter's."""
         old = self.drafter_client
         if old is not None:
             self.drafters.release(old)
-            _release_later(old, self.seq_id)
+            if release_old:
+                _release_later(old, self.seq_id)
         self.drafter_client, self._rd = None, None
         client = self.drafters.try_acquire([old.address] if old is not None else [])
         if client is not None:
@@ -261,6 +262,9 @@ class SequencePlacement:
             self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
             features = self._reprefill().features
             tokens = torch.tensor(full[1:], dtype=torch.long)
+        # a replica that was only unreachable (or a restart racing our old release) may still hold
+        # the sequence's draft KV under this id: drop it first
+        self.drafter_client.release(self.seq_id)
         self._rd.start(self.seq_id, self._draft_rows, self._draft_sampling)
         m = self.moves[move]
         self.moves[move] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(tokens))
