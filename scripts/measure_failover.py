@@ -146,17 +146,19 @@ def rebuild_cost(lengths: list[int], repeats: int) -> dict:
         times = []
         for r in range(repeats):
             prompt = torch.tensor([(31 * k) % 40000 + 200 for k in range(n)])
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             pre = engine.verifier.prefill(f"r{n}-{r}", prompt, SamplingParams(), n + 100)
-            t1 = time.perf_counter()
+            c1, t1 = time.thread_time(), time.perf_counter()
             engine.drafter.start(f"r{n}-{r}", n + 100, False)
             engine.drafter.draft(f"r{n}-{r}", torch.cat([prompt[1:], torch.tensor([pre.first_token])]), pre.features)
-            t2 = time.perf_counter()
+            c2, t2 = time.thread_time(), time.perf_counter()
             engine.verifier.release(f"r{n}-{r}")
             engine.drafter.release(f"r{n}-{r}")
-            times.append((t1 - t0, t2 - t1))
-        out[n] = {"verifier_prefill_s": round(statistics.median(t[0] for t in times), 3),
-                  "drafter_refill_s": round(statistics.median(t[1] for t in times), 3)}
+            times.append((t1 - t0, t2 - t1, c1 - c0, c2 - c1))
+        med = [round(statistics.median(t[i] for t in times), 3) for i in range(4)]
+        out[n] = {"verifier_prefill_wall_s": med[0], "drafter_refill_wall_s": med[1],
+                  "verifier_prefill_cpu_s": med[2], "drafter_refill_cpu_s": med[3]}
+        print(n, out[n], flush=True)
     return out
 
 
