@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 
@@ -43,6 +44,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = set(methods) - {"hf", "native", "eagle", "pipeline"}
     if unknown or "hf" not in methods:
         raise InvalidRequest(f"--methods must include hf and only hf,native,eagle,pipeline; got {args.methods!r}")
+    if args.chart and importlib.util.find_spec("matplotlib") is None:  # before the long run, not after
+        raise InvalidRequest("--chart needs matplotlib: pip install 'aerie[bench]'")
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)

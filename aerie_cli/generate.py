@@ -45,22 +45,49 @@ def encode_prompt(args: argparse.Namespace, tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.encode(args.prompt))
 
 
+# flags that a running pipeline fixed when it started: -> where they are set instead
+SET_BY_THE_PIPELINE = {
+    "draft": "the drafter's head is set where it starts (aerie drafter --draft / AERIE_DRAFT, or aerie up --draft)",
+    "dtype": "the services' dtype is set where they start (aerie verifier/drafter --dtype / AERIE_DTYPE, "
+             "or aerie up --dtype)",
+    "tree_top_k": "the drafter's tree is set where it starts (aerie drafter --tree-top-k / AERIE_TREE_TOP_K, "
+                  "or aerie up --tree-top-k)",
+    "tree_depth": "the drafter's tree is set where it starts (aerie drafter --tree-depth / AERIE_TREE_DEPTH, "
+                  "or aerie up --tree-depth)",
+    "tree_tokens": "the drafter's tree is set where it starts (aerie drafter --tree-tokens / AERIE_TREE_TOKENS, "
+                   "or aerie up --tree-tokens)",
+}
+
+
+def refuse_pipeline_fixed_flags(args: argparse.Namespace) -> None:
+    for name, where in SET_BY_THE_PIPELINE.items():
+        if getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidRequest(f"{flag} does not apply with --coordinator: {where}")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine.engine import GenerationRequest
-    from services.engine.local import build_local_engine
     from services.spec.sampling import SamplingParams
+    from services.text import IncrementalDetokenizer
 
+    if args.coordinator:
+        refuse_pipeline_fixed_flags(args)
     tree = tree_params(args)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.prompt_ids is not None:
         parse_ids(args.prompt_ids, "--prompt-ids")  # fail before the slow model load
     t_load = time.perf_counter()
-    if getattr(args, "coordinator", None):  # stream from a running pipeline 
+    if args.coordinator:  # stream from a running pipeline
         from services.rpc.coordinator_client import connect
         local = connect(args.coordinator, args.target, timeout_s=3600)
     else:
+        from services.engine.local import build_local_engine
         local = build_local_engine(args.target, args.draft, dtype(args), tree)
     load_s = time.perf_counter() - t_load
+    if args.coordinator and local.tokenizer is None and args.prompt_ids is None:
+        raise InvalidRequest(f"the pipeline serves {local.target_path}, and there is no tokenizer for it on this "
+                             f"machine: pass --target with a local copy of that model, or --prompt-ids")
     request = GenerationRequest(prompt_ids=encode_prompt(args, local.tokenizer),
                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
                                 stop_token_ids=parse_ids(args.stop_token_ids, "--stop-token-ids"),
@@ -69,6 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     accepts: list[int] = []
     draft_s = verify_s = prefill_s = 0.0
     reason = None
+    detok = IncrementalDetokenizer(local.tokenizer) if local.tokenizer is not None and not args.json else None
     t0 = time.perf_counter()
     for step in local.engine.generate(request):
         tokens += step.tokens
@@ -79,8 +107,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             accepts.append(step.stats.accept_length)
             draft_s += step.stats.draft_s
             verify_s += step.stats.verify_s
-        if not args.json and local.tokenizer is not None:
-            print(local.tokenizer.decode(step.tokens), end="", flush=True)
+        if detok is not None:  # special tokens never printed, multi-byte characters only once complete
+            print(detok.push(step.tokens), end="", flush=True)
+    if detok is not None:
+        print(detok.flush(), end="")
     total_s = time.perf_counter() - t0
     text = local.tokenizer.decode(tokens, skip_special_tokens=True) if local.tokenizer else None
     decode_s = total_s - prefill_s
@@ -95,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "prompt_tokens": len(request.prompt_ids),
         "target": local.target_path,
         "draft": local.draft_path,
-        "dtype": dtype(args),
+        "dtype": getattr(local, "dtype", None) or dtype(args),  # a pipeline reports what it serves
         "tree": None if local.draft_path is None else
         {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens},
         "timings": {

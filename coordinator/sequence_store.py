@@ -315,10 +315,16 @@ def _errors(seq_id: str) -> Iterator[None]:
         raise _store_error(seq_id, e) from None
 
 
+SCRIPT_ERRORS = ("GAP", "ENDED")  # raised by the scripts above for a request that does not fit the sequence
+
+
 def _store_error(seq_id: str, e: redis.ResponseError) -> Exception:
     text = str(e)
     if "NOTFOUND" in text:
         return SequenceNotFound(f"unknown sequence {seq_id!r}")
     if "LEASE" in text:
         return LeaseLost(f"sequence {seq_id!r}: {text}")
-    return InvalidRequest(f"sequence {seq_id!r}: {text}")
+    if text.startswith(SCRIPT_ERRORS):
+        return InvalidRequest(f"sequence {seq_id!r}: {text}")
+    # Redis itself refused (read-only replica, NOREPLICAS, OOM, MISCONF, LOADING...): not the client's fault
+    return DownstreamError(grpc.StatusCode.UNAVAILABLE, f"Redis refused the command for sequence {seq_id!r}: {text}")

@@ -182,6 +182,24 @@ class Sequences:
         for seq_id in expired:
             self.adopt(seq_id)
 
+    def info(self) -> cpb.CoordinatorInfo:
+        """What the pools serve: one verifier's target and one drafter's head and tree."""
+        verifier = self.verifiers.acquire()
+        try:
+            vinfo = verifier.info()
+        finally:
+            self.verifiers.release(verifier)
+        info = cpb.CoordinatorInfo(target=vinfo.target, dtype=vinfo.dtype, vocab_size=vinfo.vocab_size)
+        drafter = self.drafters.try_acquire() if self.drafters else None  # none answering: plain rounds
+        if drafter is not None:
+            try:
+                dinfo = drafter.info()
+            finally:
+                self.drafters.release(drafter)
+            info.draft = dinfo.draft
+            info.tree.CopyFrom(dinfo.tree)
+        return info
+
     def cancel(self, seq_id: str) -> Status:
         """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""
         status = self.store.request_cancel(seq_id)

@@ -87,6 +87,10 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         return cpb.CancelResponse(status=STATUS[status])
 
     @rpc_errors
+    async def GetInfo(self, request, context) -> cpb.CoordinatorInfo:
+        return await asyncio.to_thread(self.sequences.info)
+
+    @rpc_errors
     async def GetSequence(self, request: cpb.GetSequenceRequest, context) -> cpb.Sequence:
         s = await asyncio.to_thread(self.store.get, codec.sequence_id(request.sequence_id))
         return cpb.Sequence(sequence_id=s.sequence_id, prompt_ids=s.prompt_ids, tokens=s.tokens,

@@ -16,7 +16,10 @@ registry (tests running all three in one process) stay distinguishable. Latencie
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -35,9 +38,31 @@ SEQUENCES_IN_FLIGHT = Gauge("aerie_sequences_in_flight", "Sequences running or h
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
 
 
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics: the Prometheus text format; any other path: 404 (prometheus_client's own server
+    answers every path with the metrics, so `curl :port/health` looked like a health check)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?", 1)[0] == "/metrics":
+            status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
+        else:
+            status, ctype, body = 404, "text/plain; charset=utf-8", b"not found: metrics are served on /metrics\n"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # scrapes are not log lines
+        pass
+
+
 def serve_metrics(port: int | None, host: str = "0.0.0.0") -> int | None:
-    """Start the /metrics HTTP endpoint; port 0 picks a free one. Returns the port (None = off)."""
+    """Start the /metrics HTTP endpoint on a daemon thread; port 0 picks a free one. Returns the port
+    (None = off)."""
     if port is None:
         return None
-    server, _thread = start_http_server(port, addr=host)
+    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_port)

@@ -72,7 +72,10 @@ class Summary:
         base = baseline.tokens / baseline.seconds if baseline and baseline.seconds else None
         # tau: tokens per target forward after the prefill (the prefill makes the first token)
         tau = (self.tokens - self.prompts) / self.rounds if self.rounds else None
-        per_round = (lambda x: round(1000 * x / self.rounds, 3)) if self.rounds else (lambda x: None)
+        # a time that sums to exactly 0 s was not measured: transformers' generate exposes no rounds (hf),
+        # plain decoding drafts nothing (native): None, which the table prints as "-"
+        per_round = (lambda x: round(1000 * x / self.rounds, 3) if x > 0 else None) if self.rounds \
+            else (lambda x: None)
         return {
             "prompts": self.prompts, "tokens": self.tokens, "seconds": round(self.seconds, 3),
             "tokens_per_s": round(tps, 3),
@@ -80,7 +83,7 @@ class Summary:
             "tau": round(tau, 4) if tau is not None else None,
             "round_ms": per_round(self.round_s), "draft_ms": per_round(self.draft_s),
             "verify_ms": per_round(self.verify_s),
-            "other_ms": per_round(self.round_s - self.draft_s - self.verify_s),
+            "other_ms": per_round(self.round_s - self.draft_s - self.verify_s) if self.round_s > 0 else None,
             "exact_match": round(self.exact / self.prompts, 4) if self.prompts else None,
         }
 

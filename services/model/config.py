@@ -96,8 +96,10 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_from_hf(d)
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            sliding = d.get("sliding_window") if arch == "mistral" else None
-            if arch == "qwen2" and not d.get("use_sliding_window", False):
+            sliding = d.get("sliding_window") if arch in ("mistral", "qwen2") else None
+            # Qwen2 slides only with use_sliding_window, and only in layers >= max_window_layers
+            if arch == "qwen2" and (not d.get("use_sliding_window", False)
+                                    or int(d.get("max_window_layers") or 0) >= int(d["num_hidden_layers"])):
                 sliding = None
             return cls(
                 architecture=arch,

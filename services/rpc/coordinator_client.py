@@ -5,8 +5,9 @@ same output either way:
     for step in session.engine.generate(GenerationRequest(...)):   # StepOutput per committed round
         ...
 
-The tokenizer comes from --target locally (the services hold the models; the client only needs to
-encode the prompt and decode the text). `draft_path` and `tree` are filled from the first message,
+The tokenizer is the served target's (GetInfo names it; `connect` refuses a --target that names
+another model), loaded locally without the weights (services/text.py): the services hold the
+models, the client only encodes the prompt and decodes the text. `draft_path` and `tree` are filled from the first message,
 which says where the sequence runs. Call failures raise `RemoteError` with the server's message and
 status code.
 """
@@ -20,10 +21,11 @@ from typing import Any
 import grpc
 
 from services.engine.engine import GenerationRequest, StepOutput
-from services.errors import AerieError
+from services.errors import AerieError, InvalidRequest
 from services.rpc import codec
 from services.rpc.channel import open_channel
 from services.rpc.config import DEFAULT_MAX_MESSAGE_BYTES
+from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from services.spec.tree import TreeParams
@@ -68,11 +70,18 @@ class RemoteSession:
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
         self.target_path = target_path
+        self.dtype: str | None = None  # as the verifiers report it (GetInfo)
         self.draft_path: str | None = None
         self.tree: TreeParams | None = None
         self.sequence_id: str | None = None
         self.placement: tuple[str, str] | None = None
         self.engine = RemoteEngine(self)
+
+    def get_info(self) -> cpb.CoordinatorInfo:
+        try:
+            return self.stub.GetInfo(pb.InfoRequest(), timeout=30)
+        except grpc.RpcError as e:
+            raise RemoteError(e.code(), e.details() or str(e)) from None
 
     def get_sequence(self, seq_id: str) -> cpb.Sequence:
         try:
@@ -90,19 +99,47 @@ class RemoteSession:
         self.channel.close()
 
 
-def local_tokenizer(target: str | None) -> tuple[Any | None, str]:
-    """(tokenizer or None, the target path) without loading the model's weights."""
-    from services.model.loading import converted_gguf_dir, find_default_gguf, load_tokenizer
+def same_model(a: str, b: str) -> bool:
+    """Whether two target names (paths on possibly different machines) name the same model: the same
+    resolved path, else the same file or directory name."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve() or pa.name == pb.name
+    return pa.name == pb.name
 
-    source = target or find_default_gguf()
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        path = converted_gguf_dir(path)
-    elif not path.is_dir():
-        return None, source
-    return load_tokenizer(path), source
+
+def served_tokenizer_source(target: str | None, served: str, address: str) -> str | None:
+    """Where to load the served target's tokenizer from on this machine (None: nowhere). Raises
+    InvalidRequest when --target names another model than the one the pipeline serves."""
+    from services.model.loading import find_default_gguf
+
+    if target is not None:
+        if not same_model(target, served):
+            raise InvalidRequest(f"--target {target} is not the target the pipeline at {address} serves "
+                                 f"({served}, from its GetInfo): leave --target out or name that model")
+        return target
+    if Path(served).expanduser().exists():  # `aerie up`, or a cluster sharing the file system
+        return served
+    try:
+        default = find_default_gguf()
+    except AerieError:
+        return None
+    return default if same_model(default, served) else None
 
 
 def connect(address: str, target: str | None, timeout_s: float | None = None) -> RemoteSession:
-    tokenizer, target_path = local_tokenizer(target)
-    return RemoteSession(address, tokenizer, target_path, timeout_s)
+    """A session whose tokenizer is the served target's (checked with the coordinator's GetInfo), or
+    None when this machine has no copy of it (then only --prompt-ids work)."""
+    from services.text import load_tokenizer
+
+    session = RemoteSession(address, None, "", timeout_s)
+    try:
+        served = session.get_info()
+        session.target_path = served.target
+        session.dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(served.dtype, served.dtype)
+        source = served_tokenizer_source(target, served.target, address)
+        session.tokenizer = load_tokenizer(source) if source is not None else None
+    except BaseException:
+        session.close()
+        raise
+    return session

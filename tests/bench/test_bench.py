@@ -40,6 +40,12 @@ def test_bench_fp32_exact_and_reports(setup, capsys):
         assert row["tokens_per_s"] > 0 and row["speedup"] > 0
     assert res["methods"]["eagle"]["tau"] > 1.0
     assert res["methods"]["native"]["tau"] == pytest.approx(1.0)
+    # what does not apply is None in JSON and "-" in the table, never 0.0
+    hf, native, eagle = (res["methods"][m] for m in ("hf", "native", "eagle"))
+    assert [hf[k] for k in ("round_ms", "draft_ms", "verify_ms", "other_ms")] == [None] * 4
+    assert native["draft_ms"] is None and native["verify_ms"] > 0 and eagle["draft_ms"] > 0
+    cells = {line.split()[1]: line.split()[2:] for line in table.splitlines() if line.startswith("ALL")}
+    assert cells["hf"][3:7] == ["-"] * 4 and cells["native"][4] == "-" and cells["eagle"][4] != "-"
     assert set(res["categories"]) == {"writing", "math"}
     assert res["categories"]["math"]["eagle"]["prompts"] == 2
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

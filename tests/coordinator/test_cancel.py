@@ -2,8 +2,8 @@
 after its round in flight and free its KV on both services; SIGTERM-style drain lets in-flight
 streams finish while refusing new ones."""
 
+import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -70,9 +70,24 @@ def test_drain_finishes_in_flight_streams_and_refuses_new_ones(pipeline, redis_u
     stub = coordinator_grpc.CoordinatorStub(ch)
     stream = stub.Generate(codec.encode_generation_request(GenerationRequest((4, 5), 120)), timeout=60)
     messages = [next(stream)]
+    # an event set once server.stop has begun (its first step refuses new calls), instead of a sleep
+    refusing = threading.Event()
+    stop = server.stop
+
+    async def stop_and_signal(grace):
+        task = asyncio.ensure_future(stop(grace))
+        await asyncio.sleep(0)  # the task ran its first step: shutdown has begun
+        refusing.set()
+        await task
+
+    server.stop = stop_and_signal
+    # and the client's side of it: the server's GOAWAY takes this channel out of READY (the stream in
+    # flight goes on; a new call needs a new connection, which the stopped listener refuses)
+    goaway = threading.Event()
+    ch.subscribe(lambda state: refusing.is_set() and state != grpc.ChannelConnectivity.READY and goaway.set())
     drained = threading.Thread(target=lambda: pipeline.loop.run(rpc_server.drain(server, 30.0)))
     drained.start()
-    time.sleep(0.2)
+    assert refusing.wait(10) and goaway.wait(10)
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(LONG, timeout=10).next()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,12 +1,15 @@
 """Placement: least loaded, sticky until release, re-resolved host names, dead replicas skipped."""
 
+import threading
+
 import grpc
 import pytest
 
 from coordinator.config import parse_endpoints
-from coordinator.placement import Pool, resolve_entry
+from coordinator.placement import Pool, Refresher, resolve_entry
 from services.rpc.config import ConfigError
 from services.rpc.errors import DownstreamError
+from tests.pipeline import wait_until
 
 
 class FakeClient:
@@ -65,7 +68,33 @@ def test_endpoint_parsing_and_resolution():
     assert parse_endpoints(" a:1, b:2 ,", "x") == ("a:1", "b:2")
     assert resolve_entry("127.0.0.1:50052") == {"127.0.0.1:50052"}
     assert resolve_entry("[::1]:50052") == {"[::1]:50052"}
-    assert resolve_entry("localhost:50052") <= {"127.0.0.1:50052", "[::1]:50052"}
+    local = resolve_entry("localhost:50052")
+    assert local and local <= {"127.0.0.1:50052", "[::1]:50052"}  # non-empty: `<=` alone passes for set()
     for bad in ("a", "a:b", ":1", "a:70000"):
         with pytest.raises(ConfigError, match="x entries must be host:port"):
             parse_endpoints(bad, "x")
+
+
+def test_refresher_re_resolves_on_its_own_and_stops():
+    dns = {"v:1": {"10.0.0.1:1"}}
+    resolved = threading.Event()
+
+    def resolve(entry):
+        resolved.set()
+        return set(dns[entry])
+
+    pool = Pool("verifier", ["v:1"], FakeClient, resolve=resolve)
+    before = set(threading.enumerate())
+    refresher = Refresher([pool], 0.01)
+    (thread,) = set(threading.enumerate()) - before
+    try:
+        dns["v:1"] = {"10.0.0.1:1", "10.0.0.2:1"}  # a pod joins; nobody calls refresh()
+        wait_until(lambda: set(pool.loads()) == {"10.0.0.1:1", "10.0.0.2:1"})
+        dns["v:1"] = {"10.0.0.2:1"}  # and one leaves
+        wait_until(lambda: set(pool.loads()) == {"10.0.0.2:1"})
+    finally:
+        refresher.stop()
+    assert thread.name == "pool-refresh" and not thread.is_alive()
+    resolved.clear()
+    dns["v:1"] = {"10.0.0.3:1"}
+    assert not resolved.wait(0.1) and set(pool.loads()) == {"10.0.0.2:1"}  # stopped: no more resolving

@@ -44,3 +44,36 @@ def test_generate_with_no_model_flags(capsys):
     res = json.loads(capsys.readouterr().out)
     assert "Paris" in res["text"]
     assert res["draft"] == str(DEFAULT_HEAD) and res["prompt_tokens"] > 10  # chat template applied
+
+
+def run_generate(capsys, monkeypatch, local, *argv):
+    """`aerie generate` on the module's already-loaded default model; (exit code, stdout, stderr)."""
+    import services.engine.local
+
+    monkeypatch.setattr(services.engine.local, "build_local_engine", lambda *a, **k: local)
+    code = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_printed_text_has_no_special_tokens(capsys, monkeypatch, local):
+    code, out, err = run_generate(capsys, monkeypatch, local, "--prompt", "What is the capital of France?",
+                                  "--max-new-tokens", "48")
+    assert code == 0 and "finish: stop" in err  # it generated <|im_end|> and stopped there
+    assert "Paris" in out and "<|im_end|>" not in out and "<|" not in out
+
+
+def test_streamed_multibyte_text_equals_the_json_text(capsys, monkeypatch, local):
+    from services.text import REPLACEMENT
+
+    argv = ["--prompt", "日本の首都はどこですか？日本語で答えてください。", "--max-new-tokens", "20"]
+    code, out, _ = run_generate(capsys, monkeypatch, local, *argv, "--json")
+    res = json.loads(out)
+    tokens, rounds = res["tokens"], [res["tokens"][:1]]
+    for n in res["accept_lengths"]:
+        rounds.append(tokens[sum(map(len, rounds)):sum(map(len, rounds)) + n])
+    # the output really splits multi-byte characters across rounds (decoding round by round breaks them)
+    assert sum(REPLACEMENT in local.tokenizer.decode(r) for r in rounds) > 3
+    code, streamed, _ = run_generate(capsys, monkeypatch, local, *argv)
+    assert code == 0 and streamed == res["text"] + "\n"
+    assert streamed.count(REPLACEMENT) <= res["text"].count(REPLACEMENT) <= 1  # at most a cut-off last character

@@ -108,5 +108,19 @@ def test_build_context_is_limited_by_dockerignore():
     lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
              if l.strip() and not l.startswith("#")]
     assert lines[0] == "*"
-    for needed in ("pyproject.toml", "services", "coordinator", "drafter_svc", "verifier_svc", "proto"):
-        assert f"!{needed}" in lines
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "proto", *(p.rstrip("*") for p in packages)):
+        assert f"!{needed}" in lines, needed  # every installed package, or the image lacks it
+    missing = [l for l in lines if l.startswith("!") and not (ROOT / l[1:]).exists()]
+    assert missing == []  # each file it lets in exists (LICENSE was named but absent)
+
+
+def test_license_is_the_declared_one():
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]["text"]
+    text = (ROOT / "LICENSE").read_text()
+    assert declared == "Apache-2.0" and "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

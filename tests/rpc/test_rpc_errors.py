@@ -2,6 +2,7 @@
 large prompt features stream in chunks under a small message limit; downstream failures reach the
 client as UNAVAILABLE / DEADLINE_EXCEEDED naming the service; a failing sequence disturbs no other."""
 
+import asyncio
 import threading
 
 import grpc
@@ -13,7 +14,8 @@ from coordinator.redis_server import free_port
 from services.engine.engine import GenerationRequest
 from services.rpc import codec
 from services.rpc.channel import open_channel
-from services.rpc.coordinator_client import RemoteSession
+from services.rpc import server as rpc_server
+from services.rpc.coordinator_client import RemoteError, RemoteSession
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import drafter as dpb
@@ -21,6 +23,7 @@ from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.sampling import SamplingParams
 from tests.pipeline import local_engine, local_run, start_pipeline, wait_until
+from verifier_svc.server import create_server as create_verifier
 
 LIMIT = 64 * 1024  # a small message limit, so 300 prompt rows of 64 fp32 features need chunks
 INVALID, NOT_FOUND, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -187,31 +190,53 @@ def test_long_prompt_features_stream_in_chunks(pipeline, model_dirs):
     assert tokens == local_run(local_engine(model_dirs), req)[0]
 
 
-def test_downstream_failures_are_mapped(pipeline, redis_url):
+class SlowDecodeVerifier:
+    """The pipeline's real verifier behind a second server whose Decode never answers (a verifier
+    stuck in a long forward): every other RPC is the real one."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def Decode(self, request, context):
+        await asyncio.sleep(60)  # cancelled when the caller's deadline passes
+
+
+def test_unreachable_verifier_is_unavailable(pipeline, redis_url):
     _, dead = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{free_port()}",), verifier_wait_s=0.3)
     session = RemoteSession(dead, None, "", timeout_s=30)
-    with pytest.raises(Exception) as e:
+    with pytest.raises(RemoteError) as e:
         list(session.engine.generate(GenerationRequest((1, 2), 5)))
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert str(e.value).startswith("no verifier available: verifier at 127.0.0.1:") and "is unavailable" in str(e.value)
     session.close()
-    # a verifier that does not answer within the deadline: dropped from placement; with no other
-    # verifier answering within AERIE_VERIFIER_WAIT_S the sequence fails UNAVAILABLE, naming why
-    slow, address = pipeline.add_coordinator(redis_url, verifier_wait_s=0.3)
-    session = RemoteSession(address, None, "", timeout_s=30)
-    list(session.engine.generate(GenerationRequest((1, 2), 3)))  # placement info is cached now
-    for pool in slow.pools:
-        for client in pool._clients.values():
-            client.timeout_s = 1e-4
-    with pytest.raises(Exception) as e:
-        list(session.engine.generate(GenerationRequest((1, 2), 5), seq_id="slow-1"))
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "verifier at 127.0.0.1:" in str(e.value) and "did not answer in time" in str(e.value)
-    assert "lost its verifier" in str(e.value)
-    session.close()
-    state = slow.store.get("slow-1")
-    assert (state.status, state.finish_reason) == ("failed", "error") and "did not answer in time" in state.error
-    wait_until(lambda: pipeline.verifier.num_sequences == 0)  # the release got a deadline of its own
+
+
+def test_verifier_past_its_deadline_fails_over_then_unavailable(pipeline, redis_url):
+    """A verifier that misses its deadline leaves placement; with no other verifier answering within
+    AERIE_VERIFIER_WAIT_S the sequence fails UNAVAILABLE, naming the missed deadline."""
+    config = pipeline.verifier.config
+    server, port = pipeline.loop.run(create_verifier("127.0.0.1:0", config, SlowDecodeVerifier(pipeline.verifier)))
+    try:
+        # plain decoding (no drafter), so the only call that can run out of time is the verifier's Decode
+        slow, address = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{port}",), drafters=(),
+                                                 rpc_timeout_s=1.0, verifier_wait_s=0.3, discover=False)
+        session = RemoteSession(address, None, "", timeout_s=30)
+        with pytest.raises(RemoteError) as e:
+            list(session.engine.generate(GenerationRequest((1, 2), 5), seq_id="slow-1"))
+        session.close()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert str(e.value).startswith("sequence 'slow-1' lost its verifier (verifier at "
+                                       f"127.0.0.1:{port} did not answer in time"), str(e.value)
+        assert "no verifier available" in str(e.value)
+        state = slow.store.get("slow-1")
+        assert (state.status, state.finish_reason) == ("failed", "error") and "did not answer in time" in state.error
+        assert state.tokens and state.round == 0  # the prefill's token committed, no round after it
+        wait_until(lambda: pipeline.verifier.num_sequences == 0)  # the release got a deadline of its own
+    finally:
+        pipeline.loop.run(rpc_server.drain(server, 0.5))
 
 
 def test_a_failing_sequence_does_not_disturb_others(pipeline, model_dirs):

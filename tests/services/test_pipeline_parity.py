@@ -98,14 +98,16 @@ def test_plain_decoding_and_any_coordinator_reads_any_sequence(session, pipeline
 
 
 def test_generate_cli_json_is_the_same_both_ways(pipeline, model_dirs, capsys):
-    argv = ["generate", "--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
-            "--tree-top-k", "4", "--tree-depth", "3", "--tree-tokens", "16", "--prompt-ids", "5,17,99,3",
+    argv = ["generate", "--target", str(model_dirs.target), "--prompt-ids", "5,17,99,3",
             "--max-new-tokens", "24", "--temperature", "0.5", "--seed", "9", "--json"]
-    assert main(argv) == 0
+    model = ["--draft", str(model_dirs.head), "--dtype", "fp32", "--tree-top-k", "4", "--tree-depth", "3",
+             "--tree-tokens", "16"]
+    assert main([*argv, *model]) == 0
     local = json.loads(capsys.readouterr().out)
     assert main([*argv, "--coordinator", pipeline.addresses["coordinator"]]) == 0
     remote = json.loads(capsys.readouterr().out)
-    for key in ("tokens", "text", "accept_lengths", "tau", "rounds", "finish_reason", "prompt_tokens", "tree"):
+    for key in ("tokens", "text", "accept_lengths", "tau", "rounds", "finish_reason", "prompt_tokens", "tree",
+                "dtype"):
         assert remote[key] == local[key], key
     assert set(remote["timings"]) == set(local["timings"])
     assert main(["generate", "--coordinator", pipeline.addresses["coordinator"], "--target",
@@ -115,13 +117,51 @@ def test_generate_cli_json_is_the_same_both_ways(pipeline, model_dirs, capsys):
 
 
 def test_metrics_are_recorded(session):
-    remote_run(session, GenerationRequest(PROMPT, 10))
-
+    """Measured as deltas: the registry is process-wide and earlier tests already filled it."""
     def value(name, service):
         return REGISTRY.get_sample_value(name, {"service": service}) or 0
-    assert value("aerie_round_seconds_count", "coordinator") > 0
-    assert value("aerie_accept_length_sum", "coordinator") > 0
-    assert value("aerie_tokens_generated_total", "coordinator") >= 10
-    assert value("aerie_draft_seconds_count", "drafter") > 0
-    assert value("aerie_verify_seconds_count", "verifier") > 0
+
+    names = [("aerie_round_seconds_count", "coordinator"), ("aerie_accept_length_sum", "coordinator"),
+             ("aerie_accept_length_count", "coordinator"), ("aerie_tokens_generated_total", "coordinator"),
+             ("aerie_draft_seconds_count", "drafter"), ("aerie_verify_seconds_count", "verifier")]
+    before = {n: value(*n) for n in names}
+    tokens, _, accepts, steps = remote_run(session, GenerationRequest(PROMPT, 10))
+    delta = {n[0]: value(*n) - before[n] for n in names}
+    rounds = len(steps) - 1  # decode rounds (the prefill is round 0)
+    assert delta["aerie_tokens_generated_total"] == len(tokens) == 10
+    assert delta["aerie_accept_length_count"] == rounds and delta["aerie_accept_length_sum"] == sum(accepts)
+    assert delta["aerie_round_seconds_count"] >= rounds
+    assert delta["aerie_draft_seconds_count"] >= rounds and delta["aerie_verify_seconds_count"] >= rounds
     wait_until(lambda: value("aerie_sequences_in_flight", "coordinator") == 0)
+
+
+def test_get_info_names_what_the_pipeline_serves(session, model_dirs):
+    info = session.get_info()
+    assert info.target == str(model_dirs.target) and info.draft == str(model_dirs.head)
+    assert (info.tree.top_k, info.tree.depth, info.tree.total_tokens) == (TREE.top_k, TREE.depth, TREE.total_tokens)
+    assert info.dtype == "float32" and info.vocab_size == 128
+
+
+@pytest.mark.parametrize("flag,value,where", [
+    ("--tree-tokens", "60", "aerie drafter --tree-tokens / AERIE_TREE_TOKENS"),
+    ("--tree-top-k", "4", "aerie drafter --tree-top-k / AERIE_TREE_TOP_K"),
+    ("--tree-depth", "3", "aerie drafter --tree-depth / AERIE_TREE_DEPTH"),
+    ("--draft", "none", "aerie drafter --draft / AERIE_DRAFT"),
+    ("--dtype", "fp32", "AERIE_DTYPE"),
+])
+def test_generate_coordinator_refuses_flags_it_cannot_apply(pipeline, capsys, flag, value, where):
+    code = main(["generate", "--coordinator", pipeline.addresses["coordinator"], "--prompt-ids", "1,2",
+                 flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"aerie: error: {flag} does not apply with --coordinator: ") and where in err
+
+
+def test_generate_coordinator_refuses_another_target(pipeline, model_dirs, capsys, tmp_path):
+    other = tmp_path / "other-model"
+    other.mkdir()
+    code = main(["generate", "--coordinator", pipeline.addresses["coordinator"], "--target", str(other),
+                 "--prompt-ids", "1,2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"--target {other} is not the target the pipeline at" in err and str(model_dirs.target) in err

@@ -42,10 +42,11 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
         assert len(pids) == 4 and all(alive(p) for p in pids)
         assert all("metrics http://127.0.0.1:" in roles[r] for r in ("verifier", "drafter", "coordinator"))
 
-        gen = ["generate", *argv, "--prompt-ids", "5,17,99,3,42", "--max-new-tokens", "30", "--json"]
-        assert main([*gen, "--coordinator", address]) == 0
+        gen = ["generate", "--target", str(model_dirs.target), "--prompt-ids", "5,17,99,3,42",
+               "--max-new-tokens", "30", "--json"]
+        assert main([*gen, "--coordinator", address]) == 0  # the model flags were given to `aerie up`
         remote = json.loads(capsys.readouterr().out)
-        assert main(gen) == 0
+        assert main([*gen, *argv[2:]]) == 0
         local = json.loads(capsys.readouterr().out)
         assert remote["tokens"] == local["tokens"] and remote["accept_lengths"] == local["accept_lengths"]
         assert remote["tree"] == local["tree"] and remote["draft"] == str(model_dirs.head)

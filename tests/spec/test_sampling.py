@@ -155,3 +155,22 @@ def test_processor_matches_transformers_warpers():
 def test_bad_sampling_parameters(kw, word):
     with pytest.raises(InvalidRequest, match=word):
         SamplingParams(**kw)
+
+
+def accept_new_tokens(tree: DraftTree, params: SamplingParams, draw: int) -> list[int]:
+    logits = torch.stack([mock_logits(node_prefix(tree, i)) for i in range(tree.size)])
+    return accept_sampling(tree, logits, params, round_generator(params.seed, draw)).new_tokens
+
+
+def test_duplicate_siblings_are_tried_once():
+    """Sibling de-duplication: a token already rejected at this level is skipped without a draw, so a
+    tree with a duplicated sibling accepts exactly what the tree without it accepts, draw for draw
+    (re-testing it would consume a uniform draw and shift every later decision)."""
+    a, b = ranked((0,), 0), ranked((0,), 1)
+    c = ranked((0, a), 0)
+    with_dup = make_tree([0, a, a, b, c], [-1, 0, 0, 0, 1])
+    without = make_tree([0, a, b, c], [-1, 0, 0, 1])
+    params = SamplingParams(1.0, seed=5)
+    results = [(accept_new_tokens(with_dup, params, i), accept_new_tokens(without, params, i)) for i in range(300)]
+    assert all(x == y for x, y in results)
+    assert sum(x[0] != a for x, _ in results) > 20  # `a` was often rejected: then the duplicate is met

@@ -21,6 +21,20 @@ SEQUENCE_STATUS_FINISHED: SequenceStatus
 SEQUENCE_STATUS_CANCELLED: SequenceStatus
 SEQUENCE_STATUS_FAILED: SequenceStatus
 
+class CoordinatorInfo(_message.Message):
+    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    dtype: str
+    vocab_size: int
+    draft: str
+    tree: _common_pb2.TreeParams
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]

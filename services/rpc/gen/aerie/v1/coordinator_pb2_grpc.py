@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from aerie.v1 import common_pb2 as aerie_dot_v1_dot_common__pb2
 from aerie.v1 import coordinator_pb2 as aerie_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,11 @@ class CoordinatorStub:
                 request_serializer=aerie_dot_v1_dot_coordinator__pb2.GetSequenceRequest.SerializeToString,
                 response_deserializer=aerie_dot_v1_dot_coordinator__pb2.Sequence.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/aerie.v1.Coordinator/GetInfo',
+                request_serializer=aerie_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_coordinator__pb2.CoordinatorInfo.FromString,
+                _registered_method=True)
         self.Resume = channel.unary_stream(
                 '/aerie.v1.Coordinator/Resume',
                 request_serializer=aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
@@ -82,6 +88,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """What this coordinator serves (asked of one verifier and one drafter of its pools), so a client
+        can check it holds the served target's tokenizer before it sends token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Resume(self, request, context):
         """Reconnect to a sequence (after a dropped stream or a dead coordinator) through any coordinator:
         streams its committed tokens from `from_token_index` on (no gap, no duplicate) and follows it
@@ -109,6 +123,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetSequence,
                     request_deserializer=aerie_dot_v1_dot_coordinator__pb2.GetSequenceRequest.FromString,
                     response_serializer=aerie_dot_v1_dot_coordinator__pb2.Sequence.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=aerie_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_coordinator__pb2.CoordinatorInfo.SerializeToString,
             ),
             'Resume': grpc.unary_stream_rpc_method_handler(
                     servicer.Resume,
@@ -197,6 +216,33 @@ class Coordinator:
             '/aerie.v1.Coordinator/GetSequence',
             aerie_dot_v1_dot_coordinator__pb2.GetSequenceRequest.SerializeToString,
             aerie_dot_v1_dot_coordinator__pb2.Sequence.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aerie.v1.Coordinator/GetInfo',
+            aerie_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            aerie_dot_v1_dot_coordinator__pb2.CoordinatorInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,67 @@
+"""Redis failing in the middle of a sequence: the stream ends with a precise status naming Redis, the
+KV is freed on both services, and Redis holds exactly the rounds that were streamed (nothing twice,
+nothing streamed that is not committed)."""
+
+import grpc
+import pytest
+import redis
+
+from coordinator.redis_server import start_redis, stop_process
+from services.engine.engine import GenerationRequest
+from services.rpc import codec
+from services.rpc.channel import open_channel
+from services.rpc.stubs import coordinator_grpc
+from tests.pipeline import start_pipeline, wait_until
+
+
+@pytest.fixture(scope="module")
+def pipeline(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    proc, url = start_redis(tmp_path / "redis")
+    yield proc, url
+    stop_process(proc)
+
+
+def kv_free(p) -> bool:
+    return p.verifier.num_sequences == 0 and p.drafter.drafter.num_sequences == 0
+
+
+def stream_until_redis_fails(pipeline, url, break_redis):
+    coordinator, address = pipeline.add_coordinator(url)
+    with open_channel(address, 1 << 22) as ch:
+        stream = coordinator_grpc.CoordinatorStub(ch).Generate(
+            codec.encode_generation_request(GenerationRequest((1, 2, 3), 400), "redis-dies"), timeout=60)
+        messages = [next(stream), next(stream), next(stream)]
+        break_redis()
+        with pytest.raises(grpc.RpcError) as e:
+            for m in stream:
+                messages.append(m)
+    return coordinator, messages, e.value
+
+
+def test_redis_refusing_writes_mid_sequence(pipeline, own_redis):
+    _, url = own_redis
+    admin = redis.Redis.from_url(url)
+    coordinator, messages, error = stream_until_redis_fails(
+        pipeline, url, lambda: admin.config_set("min-replicas-to-write", 1))  # every write now fails
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Redis refused the command for sequence 'redis-dies'" in error.details() and "NOREPLICAS" in error.details()
+    wait_until(lambda: kv_free(pipeline))
+    admin.config_set("min-replicas-to-write", 0)
+    state = coordinator.store.get("redis-dies")
+    assert state.tokens == [t for m in messages for t in m.tokens]  # exactly what was streamed, once
+    assert state.round == len(messages) - 1 and all(m.finish_reason == "" for m in messages)
+
+
+def test_redis_gone_mid_sequence(pipeline, own_redis):
+    proc, url = own_redis
+    _, messages, error = stream_until_redis_fails(pipeline, url, lambda: stop_process(proc))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details().startswith("Redis is unavailable")
+    assert len(messages) >= 3 and all(m.finish_reason == "" for m in messages)
+    wait_until(lambda: kv_free(pipeline))
