@@ -26,7 +26,7 @@ from services.spec.sampling import SamplingParams
 from tests.pipeline import TREE, local_engine, local_run
 
 FAULTS = ("drafter", "verifier", "coordinator", "redis")
-NEW_TOKENS = 240
+NEW_TOKENS = 400  # long enough that four faults land mid-stream on a fast machine too
 
 
 def start_up(model_dirs, tmp_path):
