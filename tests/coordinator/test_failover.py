@@ -155,3 +155,23 @@ def test_no_verifier_left_fails_unavailable_and_keeps_the_committed_tokens(model
         assert failed and failed[0].tokens == seen  # nothing committed is lost, nothing unstreamed stored
     finally:
         p.close()
+
+
+def test_new_requests_avoid_a_dead_replica_whatever_getinfo_cached(pool, reference):
+    """Two drafters, one goes away: new requests never fail and, once a call has failed there, are
+    placed only on the live one (GetInfo's cached answer no longer keeps the dead one in placement)."""
+    req = GenerationRequest(PROMPT, 12)
+    stream(pool, req)  # GetInfo of both drafters is cached from here on
+    dead = sorted(a for a in pool.replicas if a in pool.coordinator.sequences.drafters.loads())[0]
+    pool.stop_server(pool.replicas[dead][1])
+    drafters = pool.coordinator.sequences.drafters
+    placed = []
+    for _ in range(4):
+        wait_until(lambda: not any(drafters.loads().values()))  # the previous sequence has let go
+        tokens, messages = stream(pool, req)
+        assert tokens == local_run(reference, req)[0]
+        placed.append(messages[0].info.placement.drafter)
+    live = [a for a in drafters.loads() if a != dead]
+    # all loads equal: the first goes to the lowest address, the dead one (its GetInfo is cached);
+    # its call fails, it fails over, and the dead replica is never chosen again
+    assert placed == [dead] + live * 3 and dead in drafters.failed(), (dead, live, placed)
