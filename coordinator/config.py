@@ -2,7 +2,8 @@
 
     AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
-    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_VERIFIER_WAIT_S (30),
+    AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_TOKENIZER (the verifier's target),
+    AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10), and the common ones in
     services/rpc/config.py.
@@ -43,6 +44,9 @@ class CoordinatorConfig:
     max_sequences: int = 256  # sequences running on this coordinator at once
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
+    tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
+    served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
     verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
     finished_ttl_s: int = 3600  # the record of a finished / cancelled / failed sequence expires after this
@@ -64,6 +68,8 @@ class CoordinatorConfig:
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
         for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s"):
@@ -89,6 +95,14 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
                    help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S)")
+    g.add_argument("--tokenizer", default=env("AERIE_TOKENIZER"),
+                   help="the target's tokenizer for text requests (a directory or .gguf; only the tokenizer is "
+                        "read); default: the target the verifier serves; 'none' = token ids only (AERIE_TOKENIZER)")
+    g.add_argument("--served-model-name", default=env("AERIE_SERVED_MODEL_NAME"),
+                   help="the model's name in the APIs (AERIE_SERVED_MODEL_NAME; default: the target's file name)")
+    g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT"),
+                   help="serve the OpenAI-compatible HTTP API on this port, 0 = any free port; default: off "
+                        "(AERIE_HTTP_PORT)")
 
     g.add_argument("--verifier-wait-s", type=float, default=env("AERIE_VERIFIER_WAIT_S", 30.0),
                    help="with no verifier answering, a sequence waits this long before UNAVAILABLE "
@@ -125,7 +139,8 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
-        resolve_interval_s=args.resolve_interval_s, verifier_wait_s=args.verifier_wait_s,
+        resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name, http_port=args.http_port, verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
         discover_interval_s=args.discover_interval_s)

@@ -165,6 +165,11 @@ class Pool(Generic[C]):
         with self._lock:
             return {a: self._load[a] for a in sorted(self._active)}
 
+    def clients(self) -> list[C]:
+        """The replicas new sequences may go to (GetInfo asks each whether it answers)."""
+        with self._lock:
+            return [self._clients[a] for a in sorted(self._active)]
+
     def close(self) -> None:
         with self._lock:
             for client in self._clients.values():

@@ -55,8 +55,10 @@ class Sequences:
         return len(self._runs)
 
     def admit(self, request: GenerationRequest, seq_id: str | None,
-              emit: Callable[[Committed | BaseException], None], request_span: Any = None) -> Admitted:
-        """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop."""
+              emit: Callable[[Committed | BaseException], None], request_span: Any = None,
+              wrap_engine: Callable[[Engine], Any] | None = None) -> Admitted:
+        """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
+        `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine."""
         # 128 random bits: the id is the capability to read, resume or cancel the sequence
         seq_id = seq_id or secrets.token_hex(16)
         with self._lock:
@@ -76,6 +78,8 @@ class Sequences:
             engine = Engine(placement.verifier, placement.drafter, int(vinfo.max_context),
                             int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids))
             engine.validate(request)
+            if wrap_engine is not None:
+                engine = wrap_engine(engine)
             s = request.sampling
             drafter_address, verifier_address = placement.addresses()
             self.store.create(SequenceRecord(
@@ -181,24 +185,6 @@ class Sequences:
             return
         for seq_id in expired:
             self.adopt(seq_id)
-
-    def info(self) -> cpb.CoordinatorInfo:
-        """What the pools serve: one verifier's target and one drafter's head and tree."""
-        verifier = self.verifiers.acquire()
-        try:
-            vinfo = verifier.info()
-        finally:
-            self.verifiers.release(verifier)
-        info = cpb.CoordinatorInfo(target=vinfo.target, dtype=vinfo.dtype, vocab_size=vinfo.vocab_size)
-        drafter = self.drafters.try_acquire() if self.drafters else None  # none answering: plain rounds
-        if drafter is not None:
-            try:
-                dinfo = drafter.info()
-            finally:
-                self.drafters.release(drafter)
-            info.draft = dinfo.draft
-            info.tree.CopyFrom(dinfo.tree)
-        return info
 
     def cancel(self, seq_id: str) -> Status:
         """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""

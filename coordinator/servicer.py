@@ -2,12 +2,17 @@
 
 Generate streams what the sequence's run commits: each message is sent only after its round is in
 Redis. When the client goes away (or the stream fails) the run is cancelled and stops after the
-round in flight, releasing the KV on both services.
+round in flight, releasing the KV on both services. Text (prompts, chat messages, stop strings, text
+deltas) is coordinator/text.py; the vLLM-style request metrics are coordinator/request_metrics.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
+
+import grpc
 
 import grpc
 
@@ -15,12 +20,15 @@ from services import telemetry
 from services.rpc import codec
 from services.errors import InvalidRequest
 from services.rpc.errors import DownstreamError, rpc_errors
+from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence_run import Committed
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
+from coordinator.request_metrics import RequestMetrics
+from coordinator.text import Text, served_name
 
 RESUME_POLL_S = 0.02  # Resume follows Redis at this interval (backing off to 0.25 s while idle)
 STATUS = {"running": cpb.SEQUENCE_STATUS_RUNNING, "finished": cpb.SEQUENCE_STATUS_FINISHED,
@@ -34,10 +42,45 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self.config = config
         self.sequences = sequences
         self.store = store
+        self._text: Text | None = None
+        self._text_lock = threading.Lock()
+        self._target = ""  # the verifier's target, once one has answered
+
+    def text(self) -> Text:
+        """The target's tokenizer, loaded once (blocking: run it off the event loop). Without
+        --tokenizer it is the target a verifier serves, so the first call needs a verifier."""
+        with self._text_lock:
+            if not self._target:
+                try:
+                    self._verifier_target()
+                except DownstreamError as e:
+                    if self.config.tokenizer is None:  # not cached: token-id requests go on to admission
+                        return Text(None, "", unavailable=str(e))
+            if self._text is None:
+                self._text = Text.load(self.config.tokenizer or self._target)
+            return self._text
+
+    def _verifier_target(self) -> str:
+        for client in self.sequences.verifiers.clients():
+            try:
+                self._target = client.info().target
+                return self._target
+            except DownstreamError:
+                continue
+        raise DownstreamError(grpc.StatusCode.UNAVAILABLE, "no verifier answers: the coordinator cannot name "
+                                                           "the target or load its tokenizer yet")
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or served_name(self._target or self.config.tokenizer or "unknown")
 
     @rpc_errors
     async def Generate(self, request: cpb.GenerateRequest, context):
-        req = codec.decode_generation_request(request, self.config.max_new_tokens)
+        text = await asyncio.to_thread(self.text)
+        prompt_ids = text.prompt_ids(request)
+        stream = text.stream(request)  # validates the stop strings
+        req = dataclasses.replace(codec.decode_generation_request(request, self.config.max_new_tokens),
+                                  prompt_ids=tuple(prompt_ids))
         seq_id = codec.sequence_id(request.sequence_id) if request.sequence_id else None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Committed | BaseException] = asyncio.Queue()
@@ -51,8 +94,11 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         admitted = None
         finished = False
         produced = 0
+        request_metrics = RequestMetrics(self.model_name)
         try:
-            admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span)
+            admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
+                                               text.stop_engine(request))
+            request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)
             first = True
@@ -63,19 +109,26 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                 step = item.step
                 produced += len(step.tokens)
                 finished = step.finish_reason is not None
+                delta, _ = stream.push(step.tokens)
+                if finished:
+                    delta += stream.finish()
+                request_metrics.round(step.stats, len(step.tokens))
                 response = cpb.GenerateResponse(sequence_id=admitted.run.seq_id, tokens=step.tokens,
                                                 stats=codec.encode_stats(step.stats, item.commit_s),
-                                                finish_reason=step.finish_reason or "")
+                                                finish_reason=step.finish_reason or "", text=delta)
                 if first:
                     response.info.CopyFrom(admitted.info)
+                    response.info.prompt_tokens = len(req.prompt_ids)
                     first = False
                 yield response
+            request_metrics.finished(step.finish_reason)
             if span is not None:
                 span.set_attributes({telemetry.OUTPUT_TOKENS: produced, telemetry.FINISH_REASON: [step.finish_reason]})
         except Exception as e:
             telemetry.record_error(span, e)
             raise
         finally:
+            request_metrics.close()
             if admitted is not None and not finished:
                 admitted.run.cancel()  # the client went away or the stream failed
             if span is not None:
@@ -85,10 +138,6 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
     async def Cancel(self, request: cpb.CancelRequest, context) -> cpb.CancelResponse:
         status = await asyncio.to_thread(self.sequences.cancel, codec.sequence_id(request.sequence_id))
         return cpb.CancelResponse(status=STATUS[status])
-
-    @rpc_errors
-    async def GetInfo(self, request, context) -> cpb.CoordinatorInfo:
-        return await asyncio.to_thread(self.sequences.info)
 
     @rpc_errors
     async def GetSequence(self, request: cpb.GetSequenceRequest, context) -> cpb.Sequence:
@@ -124,3 +173,39 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                 return
             await asyncio.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 0.25)
+
+    @rpc_errors
+    async def GetInfo(self, request: pb.InfoRequest, context) -> cpb.CoordinatorInfo:
+        return await asyncio.to_thread(self._info)
+
+    def _info(self) -> cpb.CoordinatorInfo:
+        """Asks every verifier and drafter now (a short deadline each), so it doubles as readiness;
+        UNAVAILABLE when no verifier answers (a drafter that does not answer is counted, not fatal)."""
+        verifiers = _answering(self.sequences.verifiers)
+        if not verifiers:
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                                  f"no verifier available: none of {list(self.config.verifiers)} answers")
+        drafters = _answering(self.sequences.drafters) if self.sequences.drafters else []
+        v = verifiers[0]
+        self._target = v.target
+        text = self.text()
+        info = cpb.CoordinatorInfo(target=v.target, dtype=v.dtype, vocab_size=v.vocab_size, model=self.model_name,
+                                   max_context=v.max_context, text=text.tokenizer is not None,
+                                   chat_template=text.has_chat_template, max_new_tokens=self.config.max_new_tokens,
+                                   verifiers_ready=len(verifiers), drafters_ready=len(drafters),
+                                   drafters_configured=len(self.config.drafters))
+        if drafters:
+            info.draft = drafters[0].draft
+            info.tree.CopyFrom(drafters[0].tree)
+        return info
+
+
+def _answering(pool, timeout_s: float = 2.0) -> list:
+    """The GetInfo answers of the pool's replicas that answer within `timeout_s`."""
+    out = []
+    for client in pool.clients():
+        try:
+            out.append(client.call(client.stub.GetInfo, pb.InfoRequest(), timeout_s))
+        except DownstreamError:
+            continue
+    return out

@@ -163,7 +163,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             s.wait_ready(deadline)
         pools = ["--verifiers", ",".join(v.address for v in verifiers),
                  "--drafters", ",".join(d.address for d in drafters), "--redis-url", redis_url]
-        coordinators = [Service("coordinator", [*common, *pools], workdir, args.host, i, args.port if i == 0 else 0)
+        coordinators = [Service("coordinator", [*common, *pools, "--http-port", str(args.http_port if i == 0 else 0)],
+                                workdir, args.host, i, args.port if i == 0 else 0)
                         for i in range(args.coordinators)]
         services += coordinators
         for c in coordinators:
@@ -174,6 +175,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               flush=True)
         for s in services:
             print(s.describe(), flush=True)
+        print(f"http         http://{args.host}:{json.loads(coordinators[0].port_file.read_text())['http_port']}/v1 "
+              f"(OpenAI-compatible; docs/clients.md)", flush=True)
         if not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinators[0].address} --prompt 'Hello'   (Ctrl-C stops)",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from services.errors import InvalidRequest
 from services.rpc import registry
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
+from services.spec.tree_flags import add_tree_aliases
 
 if TYPE_CHECKING:  # the module builds `aerie drafter --help`: no torch at import
     from services.spec.tree import TreeParams
@@ -58,6 +59,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="children per node and beam width (AERIE_TREE_TOP_K)")
     g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="draft expansion steps (AERIE_TREE_DEPTH)")
     g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="tree nodes verified, root included (AERIE_TREE_TOKENS)")
+    add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
 

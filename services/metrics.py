@@ -12,6 +12,21 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_tokens_generated_total{service}   committed tokens (coordinator)
     aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
     aerie_requests_failed_total{service,code}  calls that ended with an error status
+
+vLLM-style request and speculative-decoding metrics (coordinator; docs/metrics.md has a PromQL
+example for each). The names are vLLM's with the `aerie:` prefix instead of `vllm:`, every one
+labelled with `model_name`:
+
+    aerie:spec_decode_num_drafts_total                 rounds that verified a draft tree
+    aerie:spec_decode_num_draft_tokens_total           draft positions offered (the tree's depth per round)
+    aerie:spec_decode_num_accepted_tokens_total        draft tokens accepted
+    aerie:spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at depth position (0 = first)
+    aerie:time_to_first_token_seconds                  request arrival -> first committed token
+    aerie:inter_token_latency_seconds                  between consecutive streamed rounds with tokens
+    aerie:request_time_per_output_token_seconds        (e2e - ttft) / (output tokens - 1), per request
+    aerie:e2e_request_latency_seconds                  request arrival -> last message
+    aerie:num_requests_running / _waiting              admitted and streaming / arrived, not yet admitted
+    aerie:prompt_tokens_total, aerie:generation_tokens_total, aerie:request_success_total{finished_reason}
 """
 
 from __future__ import annotations
@@ -36,6 +51,33 @@ COMMIT_SECONDS = Histogram("aerie_commit_seconds", "Latency of committing a roun
 TOKENS_GENERATED = Counter("aerie_tokens_generated", "Committed output tokens", ["service"])
 SEQUENCES_IN_FLIGHT = Gauge("aerie_sequences_in_flight", "Sequences running or holding KV", ["service"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
+
+# ---- vLLM-style names (the coordinator's requests) -----------------------------------------------
+_MODEL = ["model_name"]
+_REQUEST_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+SPEC_NUM_DRAFTS = Counter("aerie:spec_decode_num_drafts", "Rounds that verified a draft tree", _MODEL)
+SPEC_NUM_DRAFT_TOKENS = Counter("aerie:spec_decode_num_draft_tokens",
+                                "Draft positions offered: the verified tree's depth, per round", _MODEL)
+SPEC_NUM_ACCEPTED_TOKENS = Counter("aerie:spec_decode_num_accepted_tokens", "Draft tokens accepted", _MODEL)
+SPEC_ACCEPTED_PER_POS = Counter("aerie:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each depth position (0 = first)", _MODEL + ["position"])
+TIME_TO_FIRST_TOKEN = Histogram("aerie:time_to_first_token_seconds", "Request arrival to the first committed token",
+                                _MODEL, buckets=_TOKEN_LATENCY + (10, 20, 40, 80, 160))
+INTER_TOKEN_LATENCY = Histogram("aerie:inter_token_latency_seconds",
+                                "Time between consecutive streamed rounds that carry tokens", _MODEL,
+                                buckets=_TOKEN_LATENCY)
+TIME_PER_OUTPUT_TOKEN = Histogram("aerie:request_time_per_output_token_seconds",
+                                  "Per request: (e2e - time to first token) / (output tokens - 1)", _MODEL,
+                                  buckets=_TOKEN_LATENCY)
+E2E_REQUEST_LATENCY = Histogram("aerie:e2e_request_latency_seconds", "Request arrival to its last message", _MODEL,
+                                buckets=_REQUEST_LATENCY)
+REQUESTS_RUNNING = Gauge("aerie:num_requests_running", "Requests admitted and streaming", _MODEL)
+REQUESTS_WAITING = Gauge("aerie:num_requests_waiting", "Requests arrived and not yet admitted (placement, Redis)",
+                         _MODEL)
+PROMPT_TOKENS = Counter("aerie:prompt_tokens", "Prompt tokens of admitted requests", _MODEL)
+GENERATION_TOKENS = Counter("aerie:generation_tokens", "Output tokens streamed", _MODEL)
+REQUEST_SUCCESS = Counter("aerie:request_success", "Requests that finished, by finish reason", _MODEL + ["finished_reason"])
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):

@@ -9,6 +9,7 @@ Test modules import the fixtures they use: `from tests.pipeline import model_dir
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,28 @@ def model_dirs(llama_pair, tmp_path_factory) -> ModelDirs:
     hf.save_pretrained(root / "target")
     save_head(head, root / "head")
     return ModelDirs(root / "target", root / "head")
+
+
+# A chat template in the tiny word-level vocabulary: "t3 <content> t3 <content> t4" (t4 = assistant's turn).
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} {% endfor %}"
+                      "{% if add_generation_prompt %}t4{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def text_model_dirs(model_dirs, tmp_path_factory) -> ModelDirs:
+    """model_dirs plus the tiny word-level tokenizer ("t0" .. "t127", tests/helpers.py) with a chat
+    template next to the target, so the coordinator speaks text."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("text-models")
+    shutil.copytree(model_dirs.target, root / "target")
+    save_tiny_tokenizer(root / "target")
+    tok = AutoTokenizer.from_pretrained(str(root / "target"))
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(str(root / "target"))
+    return ModelDirs(root / "target", model_dirs.head)
 
 
 @pytest.fixture(scope="module")

@@ -1,31 +1,40 @@
 #!/usr/bin/env node
 'use strict';
 /**
- * Stream a generation from an aerie coordinator and print tokens as they arrive.
+ * Stream a generation from an aerie coordinator and print it as it arrives.
  *
- *   node clients/node/generate.js --coordinator localhost:50051 --prompt-ids 1,2,3 --max-new-tokens 20
+ *   node clients/node/generate.js --coordinator localhost:50051 --prompt 'Hello' --max-new-tokens 20
+ *   node clients/node/generate.js --coordinator localhost:50051 --prompt 'Hi!' --chat --stop '\n'
  *   node clients/node/generate.js --coordinator localhost:50051 --prompt-ids 1,2,3 --temperature 0.7 --json
  *
- * Without --json, token ids go to stdout space-separated as each committed round arrives, and a
+ * The prompt is text (--prompt; tokenized on the coordinator, --chat sends it as one user message
+ * through the model's chat template) or token ids (--prompt-ids). Without --json the new text goes to
+ * stdout as each committed round arrives (token ids, space-separated, for --prompt-ids or --ids), and a
  * summary line goes to stderr. With --json, one JSON object is printed at the end:
- *   {"sequence_id", "tokens", "finish_reason", "accept_lengths", "rounds", "tau", "info"}
- * (tokens, finish_reason, accept_lengths, rounds and tau mean what they mean in `aerie generate --json`).
- * Ctrl-C cancels the sequence on the coordinator. Exit codes: 0 done, 1 RPC error, 2 bad arguments,
- * 130 interrupted. This client knows no tokenizer: it sends and prints token ids.
+ *   {"sequence_id", "tokens", "text", "finish_reason", "accept_lengths", "rounds", "tau", "info"}
+ * (tokens, text, finish_reason, accept_lengths, rounds and tau mean what they mean in `aerie generate
+ * --json`). --stop (repeatable) ends the text before a stop string. Ctrl-C cancels the sequence on the
+ * coordinator. Exit codes: 0 done, 1 RPC error, 2 bad arguments, 130 interrupted. This client needs no
+ * tokenizer: the coordinator tokenizes and detokenizes.
  */
 
 const { connect, deadlineIn, statusName, grpc } = require('./aerie');
 
-const USAGE = `usage: generate.js --coordinator HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens N]
-                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop-token-ids 5,6]
-                   [--ignore-eos] [--sequence-id ID] [--timeout SECONDS] [--tls] [--json]`;
+const USAGE = `usage: generate.js --coordinator HOST:PORT (--prompt TEXT [--chat] | --prompt-ids 1,2,3)
+                   [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
+                   [--stop STRING]... [--stop-token-ids 5,6] [--ignore-eos] [--sequence-id ID]
+                   [--ids] [--timeout SECONDS] [--tls] [--json]`;
 
 class UsageError extends Error {}
 
-// flag -> [kind, default]; kinds: string, int, float, ids, bool
+// flag -> [kind, default]; kinds: string, strings (repeatable), int, float, ids, bool
 const FLAGS = {
   '--coordinator': ['string', undefined],
+  '--prompt': ['string', undefined],
+  '--chat': ['bool', false],
   '--prompt-ids': ['ids', undefined],
+  '--stop': ['strings', []],
+  '--ids': ['bool', false],
   '--max-new-tokens': ['int', undefined],
   '--temperature': ['float', 0],
   '--top-p': ['float', undefined],
@@ -73,10 +82,14 @@ function parseArgs(argv) {
     }
     const text = inline !== undefined ? inline : argv[++i];
     if (text === undefined) throw new UsageError(`${arg} needs a value`);
-    opts[arg] = parseValue(arg, kind, text);
+    if (kind === 'strings') opts[arg] = [...opts[arg], text];
+    else opts[arg] = parseValue(arg, kind, text);
   }
   if (!opts['--coordinator']) throw new UsageError('--coordinator is required');
-  if (!opts['--prompt-ids'] || opts['--prompt-ids'].length === 0) throw new UsageError('--prompt-ids is required');
+  const hasIds = opts['--prompt-ids'] !== undefined && opts['--prompt-ids'].length > 0;
+  if (opts['--prompt'] !== undefined && hasIds) throw new UsageError('give --prompt or --prompt-ids, not both');
+  if (opts['--prompt'] === undefined && !hasIds) throw new UsageError('--prompt or --prompt-ids is required');
+  if (opts['--chat'] && opts['--prompt'] === undefined) throw new UsageError('--chat needs --prompt');
   return opts;
 }
 
@@ -84,13 +97,16 @@ function buildRequest(opts) {
   const sampling = { temperature: opts['--temperature'], top_k: opts['--top-k'], seed: opts['--seed'] };
   if (opts['--top-p'] !== undefined) sampling.top_p = opts['--top-p'];
   const request = {
-    prompt_ids: opts['--prompt-ids'],
     sampling,
+    stop: opts['--stop'],
     stop_token_ids: opts['--stop-token-ids'],
     ignore_eos: opts['--ignore-eos'],
     sequence_id: opts['--sequence-id'],
   };
   if (opts['--max-new-tokens'] !== undefined) request.max_new_tokens = opts['--max-new-tokens'];
+  if (opts['--prompt'] === undefined) request.prompt_ids = opts['--prompt-ids'];
+  else if (opts['--chat']) request.messages = [{ role: 'user', content: opts['--prompt'] }];
+  else request.prompt = opts['--prompt'];
   return request;
 }
 
@@ -104,10 +120,12 @@ async function main(argv) {
     return 2;
   }
   const json = opts['--json'];
+  const printIds = opts['--ids'] || opts['--prompt'] === undefined;
   const coordinator = connect(opts['--coordinator'], { tls: opts['--tls'] });
   const call = coordinator.Generate(buildRequest(opts), { deadline: deadlineIn(opts['--timeout']) });
 
-  const result = { sequence_id: '', tokens: [], finish_reason: null, accept_lengths: [], rounds: 0, tau: null, info: null };
+  const result = { sequence_id: '', tokens: [], text: '', finish_reason: null, accept_lengths: [], rounds: 0, tau: null,
+    info: null };
   let interrupted = false;
   process.once('SIGINT', () => {
     interrupted = true;
@@ -126,8 +144,10 @@ async function main(argv) {
       if (msg.info && !result.info) result.info = msg.info;
       if (msg.stats && msg.stats.index > 0) result.accept_lengths.push(msg.stats.accept_length);
       result.tokens.push(...msg.tokens);
+      result.text += msg.text;
       if (msg.finish_reason) result.finish_reason = msg.finish_reason;
-      if (!json && msg.tokens.length) process.stdout.write(msg.tokens.join(' ') + ' ');
+      if (!json && printIds && msg.tokens.length) process.stdout.write(msg.tokens.join(' ') + ' ');
+      if (!json && !printIds && msg.text) process.stdout.write(msg.text);
     }
     if (interrupted) {
       // Ctrl-C raced the end of the stream (the last round arrived before the cancel took effect):

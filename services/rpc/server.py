@@ -68,15 +68,18 @@ def write_port_file(path: str, **ports: int | None) -> None:
 
 
 async def serve_forever(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int]]], config: ServiceConfig,
-                        service: str, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Start, serve until SIGTERM or SIGINT, drain, stop."""
+                        service: str, on_stop: Callable[[], Awaitable[None]] | None = None,
+                        extra_ports: dict[str, int] | None = None) -> None:
+    """Start, serve until SIGTERM or SIGINT, drain, stop. `extra_ports` (filled by `start`, e.g. the
+    coordinator's HTTP API) go into the port file too."""
     telemetry.setup(f"aerie-{service}")
     server, port = await start()
     metrics_port = serve_metrics(config.metrics_port, config.host)
-    log.info("%s listening on %s:%d (metrics: %s)", service, config.host, port,
-             f"port {metrics_port}" if metrics_port is not None else "off")
+    log.info("%s listening on %s:%d (metrics: %s)%s", service, config.host, port,
+             f"port {metrics_port}" if metrics_port is not None else "off",
+             "".join(f", {k} {v}" for k, v in (extra_ports or {}).items()))
     if config.port_file:
-        write_port_file(config.port_file, port=port, metrics_port=metrics_port)
+        write_port_file(config.port_file, port=port, metrics_port=metrics_port, **(extra_ports or {}))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

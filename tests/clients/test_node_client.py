@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "clients" / "node"
 GENERATE_JS = CLIENT_DIR / "generate.js"
 AERIE = Path(sys.executable).with_name("aerie")
+HTTP_URL: list[str] = []  # the OpenAI-compatible API's base URL, as `aerie up` printed it
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +74,17 @@ class FakeCoordinator(coordinator_grpc.CoordinatorServicer):
             context.abort(*self.abort)
         info = cpb.SequenceInfo(placement=cpb.Placement(drafter="d:1", verifier="v:1"), target="t", draft="h",
                                 tree=common_pb.TreeParams(top_k=4, depth=3, total_tokens=16))
-        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[11], stats=cpb.RoundStats(index=0), info=info)
+        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[11], stats=cpb.RoundStats(index=0), info=info,
+                                   text="Hé")
         if self.gate is not None:
             # Hold until released or cancelled (the Ctrl-C test never releases it).
             while context.is_active() and not self.gate.wait(0.05):
                 pass
             if not context.is_active():
                 return
-        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[12, 13, 14],
+        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[12, 13, 14], text="llo 🦀",
                                    stats=cpb.RoundStats(index=1, accept_length=3, tree_size=16, tree_depth=3))
-        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[2**40 + 5], finish_reason="length",
+        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[2**40 + 5], finish_reason="length", text="!",
                                    stats=cpb.RoundStats(index=2, accept_length=1, tree_size=16, tree_depth=3))
 
     def Cancel(self, request, context):
@@ -131,6 +133,19 @@ def test_optional_fields_stay_unset(node, fake):
     assert not req.HasField("max_new_tokens")  # the coordinator's default applies
     assert req.sampling.HasField("top_p") and req.sampling.top_p == pytest.approx(0.9)
     assert req.sampling.temperature == 0 and not req.ignore_eos and req.sequence_id == ""
+
+
+def test_text_request_and_text_output(node, fake):
+    servicer, address = fake
+    proc = run_node(node, "--coordinator", address, "--prompt", "Hi there", "--stop", "\n", "--stop", "END")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "Hé" + "llo 🦀" + "!" + "\n"  # the text deltas, printed as they arrive
+    proc = run_node(node, "--coordinator", address, "--prompt", "Hi", "--chat", "--json")
+    assert json.loads(proc.stdout)["text"] == "Héllo 🦀!"
+    plain, chat = servicer.requests
+    assert plain.HasField("prompt") and plain.prompt == "Hi there" and list(plain.stop) == ["\n", "END"]
+    assert not plain.prompt_ids and not plain.messages
+    assert not chat.HasField("prompt") and [(m.role, m.content) for m in chat.messages] == [("user", "Hi")]
 
 
 def test_tokens_are_printed_as_they_arrive(node, fake):
@@ -184,7 +199,8 @@ def test_rpc_errors_are_reported(node, fake):
 
 @pytest.mark.parametrize("args,message", [
     ([], "--coordinator is required"),
-    (["--coordinator", "h:1"], "--prompt-ids is required"),
+    (["--coordinator", "h:1"], "--prompt or --prompt-ids is required"),
+    (["--coordinator", "h:1", "--prompt", "x", "--prompt-ids", "1"], "give --prompt or --prompt-ids, not both"),
     (["--coordinator", "h:1", "--prompt-ids", "1,a"], "--prompt-ids must be comma-separated integers"),
     (["--coordinator", "h:1", "--prompt-ids", "1", "--max-new-tokens", "2.5"], "--max-new-tokens must be an integer"),
     (["--coordinator", "h:1", "--prompt-ids", "1", "--bogus"], "unknown argument --bogus"),
@@ -203,10 +219,18 @@ def save_tiny_models(root: Path) -> tuple[Path, Path]:
 
     from services.model.eagle_head import HeadConfig, build_head
     from services.model.head_checkpoint import save_head
-    from tests.helpers import HIDDEN, VOCAB, tiny_hf, to_native
+    from tests.helpers import HIDDEN, VOCAB, save_tiny_tokenizer, tiny_hf, to_native
 
     hf = tiny_hf("llama", layers=2, seed=3)
     hf.save_pretrained(root / "target")
+    save_tiny_tokenizer(root / "target")  # the coordinator speaks text ("t0" .. "t127"), chat included
+    from transformers import AutoTokenizer
+
+    from tests.pipeline import TINY_CHAT_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(str(root / "target"))
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(str(root / "target"))
     target = to_native(hf)
     torch.manual_seed(3)
     head = build_head(HeadConfig("eagle", HIDDEN, 128, 4, 2, 1e-6, VOCAB), target.lm_head)
@@ -216,14 +240,19 @@ def save_tiny_models(root: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def tiny_models(tmp_path_factory) -> tuple[Path, Path]:
+    return save_tiny_models(tmp_path_factory.mktemp("node-client"))
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_models):
     """`aerie up` on loopback with the tiny models; yields the coordinator's host:port."""
-    root = tmp_path_factory.mktemp("node-client")
-    target, head = save_tiny_models(root)
+    target, head = tiny_models
+    root = target.parent
     log = open(root / "up.log", "w")
     proc = subprocess.Popen([str(AERIE), "up", "--target", str(target), "--draft", str(head), "--dtype", "fp32",
                              "--tree-top-k", "4", "--tree-depth", "3", "--tree-tokens", "16",
-                             "--host", "127.0.0.1", "--port", "0"],
+                             "--host", "127.0.0.1", "--port", "0", "--http-port", "0"],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=root)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -236,7 +265,7 @@ def pipeline(tmp_path_factory):
     address = None
     deadline = time.monotonic() + 300
     try:
-        while address is None:
+        while address is None or not HTTP_URL:
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -246,6 +275,8 @@ def pipeline(tmp_path_factory):
                 pytest.fail(f"aerie up did not become ready:\n{(root / 'up.log').read_text()[-3000:]}")
             if line.startswith("coordinator"):
                 address = line.split()[1]
+            if line.startswith("http"):
+                HTTP_URL.append(line.split()[1])
         yield address
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -257,11 +288,15 @@ def pipeline(tmp_path_factory):
         log.close()
 
 
-def python_tokens(address: str, *args: str) -> list[int]:
+def python_generate(address: str, *args: str) -> dict:
     proc = subprocess.run([str(AERIE), "generate", "--coordinator", address, "--json", *args],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)["tokens"]
+    return json.loads(proc.stdout)
+
+
+def python_tokens(address: str, *args: str) -> list[int]:
+    return python_generate(address, *args)["tokens"]
 
 
 @pytest.mark.slow
@@ -281,3 +316,40 @@ def test_node_client_matches_python_client(node, pipeline, sampling):
     proc = run_node(node, "--coordinator", pipeline, *args, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert [int(t) for t in proc.stdout.split()] == expected
+
+
+@pytest.mark.slow
+def test_node_text_matches_python_client(node, pipeline, tiny_models):
+    """Node sends text and prints the coordinator's text deltas; the Python client tokenizes and
+    decodes locally (--target supplies its tokenizer): same tokens, same text."""
+    args = ["--prompt", "t1 t5 t9 t33", "--max-new-tokens", "20", "--ignore-eos"]
+    expected = python_generate(pipeline, "--target", str(tiny_models[0]), *args)  # applies the chat template
+    assert len(expected["tokens"]) == 20 and expected["text"]
+    args.append("--chat")  # Node: the chat template on the coordinator
+    proc = run_node(node, "--coordinator", pipeline, *args, "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["tokens"] == expected["tokens"] and out["text"] == expected["text"]
+    proc = run_node(node, "--coordinator", pipeline, *args, timeout=300)  # streamed to stdout as text
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected["text"] + "\n"
+
+
+@pytest.mark.slow
+def test_node_http_chat_matches_the_openai_python_client(node, pipeline):
+    """clients/node/chat.js (fetch + server-sent events) against the HTTP API that `aerie up` started:
+    the same text as the official openai Python client."""
+    import openai
+
+    assert HTTP_URL, "aerie up printed no http line"
+    url = HTTP_URL[-1]
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    expected = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "t7 t8"}],
+                                              max_tokens=16, temperature=0)
+    proc = subprocess.run([node, str(CLIENT_DIR / "chat.js"), "--url", url, "--prompt", "t7 t8", "--max-tokens", "16",
+                           "--temperature", "0", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] == expected.choices[0].message.content and out["text"]
+    assert out["finish_reason"] == expected.choices[0].finish_reason
+    assert out["usage"] == expected.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})

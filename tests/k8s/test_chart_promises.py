@@ -39,6 +39,11 @@ NOT_SET_BY_CHART = {
     "AERIE_HEARTBEAT_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
     "AERIE_HEARTBEAT_TTL_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
     "AERIE_DISCOVER_INTERVAL_S": "only read with AERIE_DISCOVER=1, which the chart leaves off by default",
+    # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
+    # token ids only there, and its HTTP API has no container/Service port.
+    "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",
+    "AERIE_SERVED_MODEL_NAME": "not in the chart yet (the name defaults to the target's file name)",
+    "AERIE_HTTP_PORT": "not in the chart yet: the HTTP API has no container or Service port there",
 }
 
 

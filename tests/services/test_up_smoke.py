@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import httpx
+
 from aerie_cli.main import main
 from tests.pipeline import TREE
 
@@ -25,7 +27,7 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
     env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING"}
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens)]
-    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv, "--port", "0"],
+    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv, "--port", "0", "--http-port", "0"],
                           stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     try:
@@ -36,7 +38,7 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
             assert time.monotonic() < deadline, lines
             lines.append(line.strip())
         roles = {line.split()[0]: line for line in lines[:-1]}
-        assert set(roles) == {"redis", "verifier", "drafter", "coordinator"}, lines
+        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "http"}, lines
         address = re.search(r"--coordinator (\S+)", lines[-1]).group(1)
         pids = [int(p) for p in re.findall(r"pid (\d+)", "\n".join(lines))]
         assert len(pids) == 4 and all(alive(p) for p in pids)
@@ -50,6 +52,13 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
         local = json.loads(capsys.readouterr().out)
         assert remote["tokens"] == local["tokens"] and remote["accept_lengths"] == local["accept_lengths"]
         assert remote["tree"] == local["tree"] and remote["draft"] == str(model_dirs.head)
+        # the OpenAI-compatible HTTP API `aerie up` prints (no tokenizer here: token-id prompts)
+        http = re.search(r"(http://\S+/v1)", roles["http"]).group(1)
+        r = httpx.post(f"{http}/completions", json={"model": "target", "prompt": [5, 17, 99, 3, 42],
+                                                   "max_tokens": 30, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35}
+        assert httpx.get(http.removesuffix("/v1") + "/health", timeout=30).status_code == 200
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(60)

@@ -22,34 +22,68 @@ SEQUENCE_STATUS_CANCELLED: SequenceStatus
 SEQUENCE_STATUS_FAILED: SequenceStatus
 
 class CoordinatorInfo(_message.Message):
-    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree")
+    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree", "model", "max_context", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIERS_READY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_READY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     target: str
     dtype: str
     vocab_size: int
     draft: str
     tree: _common_pb2.TreeParams
-    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    model: str
+    max_context: int
+    text: bool
+    chat_template: bool
+    max_new_tokens: int
+    verifiers_ready: int
+    drafters_ready: int
+    drafters_configured: int
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id")
+    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id", "prompt", "messages", "skip_chat_template", "stop", "skip_special_tokens")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     sampling: _common_pb2.SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     sequence_id: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sequence_id: _Optional[str] = ...) -> None: ...
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    skip_chat_template: bool
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    skip_special_tokens: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sequence_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., skip_chat_template: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("index", "accept_length", "tree_size", "tree_depth", "draft_s", "verify_s", "commit_s")
@@ -78,30 +112,34 @@ class Placement(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., verifier: _Optional[str] = ...) -> None: ...
 
 class SequenceInfo(_message.Message):
-    __slots__ = ("placement", "target", "draft", "tree")
+    __slots__ = ("placement", "target", "draft", "tree", "prompt_tokens")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
     target: str
     draft: str
     tree: _common_pb2.TreeParams
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info")
+    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info", "text")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     stats: RoundStats
     finish_reason: str
     info: SequenceInfo
-    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ...) -> None: ...
+    text: str
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -89,8 +89,9 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
-        """What this coordinator serves (asked of one verifier and one drafter of its pools), so a client
-        can check it holds the served target's tokenizer before it sends token ids.
+        """What this coordinator serves (asked of its verifiers and drafters now), so a client can check
+        it holds the served target's tokenizer before it sends token ids, and the HTTP API can name the
+        model and answer /health. UNAVAILABLE when no verifier answers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

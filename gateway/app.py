@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP API (Starlette), a client of the Coordinator's gRPC contract:
+
+    POST /v1/completions         prompt (text or token ids) -> text; stream=true as SSE ending "data: [DONE]"
+    POST /v1/chat/completions    messages (chat template on the coordinator) -> an assistant message
+    GET  /v1/models              the served model
+    GET  /health                 200 when a verifier (and, unless plain decoding, a drafter) answers
+    GET  /metrics                Prometheus text of this process (the coordinator's metrics)
+
+Each request is one Coordinator.Generate call. The first message (the prefill's) is read before the
+HTTP answer starts, so a refused request gets its real status (gateway/errors.py) and nothing is
+committed. A client that disconnects cancels the call, which cancels the sequence after its round in
+flight (its KV is released on both services).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.errors import error_body, from_rpc
+from gateway.openai_request import BadParameter, Parsed, parse_chat, parse_completion
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import coordinator as cpb
+from services.rpc.stubs import coordinator_grpc
+
+log = logging.getLogger("aerie.http")
+FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancel": "cancel"}
+INFO_TIMEOUT_S = 10.0
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(body["error"]["message"])
+        self.status = status
+        self.body = body
+
+
+def _error(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
+
+def _closed() -> JSONResponse:
+    return _error(499, error_body("the client closed the request: its sequence was cancelled", "client_closed_request"))
+
+
+class Gateway:
+    def __init__(self, coordinator_address: str, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        self.address = coordinator_address
+        self.max_message_bytes = max_message_bytes
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: coordinator_grpc.CoordinatorStub | None = None
+        self._info: cpb.CoordinatorInfo | None = None  # kept once a verifier has named the model
+
+    async def open(self) -> None:
+        """Open the channel on the running loop (grpc.aio channels belong to one loop)."""
+        opts = [("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes)]
+        self.channel = grpc.aio.insecure_channel(self.address, options=opts)
+        self.stub = coordinator_grpc.CoordinatorStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ])
+
+    # ---- coordinator info ----------------------------------------------------------------------
+
+    async def info(self, fresh: bool = False) -> cpb.CoordinatorInfo:
+        if self._info is not None and not fresh:
+            return self._info
+        try:
+            info = await self.stub.GetInfo(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise HttpError(*from_rpc(e)) from None
+        if info.verifiers_ready > 0:
+            self._info = info
+        return info
+
+    async def _served(self, model: str | None) -> cpb.CoordinatorInfo:
+        info = self._info or await self.info()
+        if not info.model:
+            raise HttpError(503, error_body("no verifier answers yet: the served model is unknown",
+                                            "service_unavailable"))
+        if model is not None and model not in (info.model, info.target):
+            raise HttpError(404, error_body(f"the model {model!r} does not exist; this server serves {info.model!r}",
+                                            "not_found_error", "model", "model_not_found"))
+        return info
+
+    # ---- routes --------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            info = await self.info(fresh=True)
+        except HttpError as e:
+            return _error(503, e.body)
+        ok = info.verifiers_ready > 0 and (info.drafters_configured == 0 or info.drafters_ready > 0)
+        body = {"status": "ok" if ok else "unavailable", "verifiers_ready": info.verifiers_ready,
+                "drafters_ready": info.drafters_ready, "drafters_configured": info.drafters_configured}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            info = await self._served(None)
+        except HttpError as e:
+            return _error(e.status, e.body)
+        return JSONResponse({"object": "list", "data": [{
+            "id": info.model, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
+            "max_model_len": info.max_context}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat, chat=True)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, parse: Callable[[object], Parsed], chat: bool) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return _error(400, error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"))
+        try:
+            parsed = parse(body)
+            info = await self._served(parsed.model)
+        except BadParameter as e:
+            return _error(400, error_body(str(e), "invalid_request_error", e.param))
+        except HttpError as e:
+            return _error(e.status, e.body)
+        call = self.stub.Generate(parsed.request)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            watcher.cancel()
+            return _error(*from_rpc(e))
+        except asyncio.CancelledError:
+            watcher.cancel()
+            if watcher.done() and call.cancelled():
+                return _closed()
+            raise
+        if first is grpc.aio.EOF:
+            watcher.cancel()
+            return _error(500, error_body("the coordinator ended the stream without a message", "internal_error"))
+        reply = _Reply(chat, info.model, first)
+        if parsed.stream:
+            return StreamingResponse(self._sse(call, first, reply, parsed.include_usage, watcher),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            msg = first
+            while msg is not grpc.aio.EOF:
+                reply.add(msg)
+                msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            return _error(*from_rpc(e))
+        except asyncio.CancelledError:
+            if call.cancelled():
+                return _closed()  # the client went away
+            raise
+        finally:
+            watcher.cancel()
+        return JSONResponse(reply.whole())
+
+    async def _sse(self, call, first: cpb.GenerateResponse, reply: _Reply, include_usage: bool,
+                   watcher: asyncio.Task) -> AsyncIterator[str]:
+        try:
+            if reply.chat:
+                yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
+            msg = first
+            while msg is not grpc.aio.EOF:
+                reply.add(msg)
+                reason = FINISH.get(msg.finish_reason) if msg.finish_reason else None
+                if msg.text or reason:
+                    yield _event(reply.chunk({"content": msg.text} if msg.text else {}, reason))
+                msg = await call.read()
+            if include_usage:
+                yield _event(reply.usage_chunk())
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return  # the client went away: nobody reads further
+            yield _event(from_rpc(e)[1])
+        except asyncio.CancelledError:
+            if call.cancelled():
+                return
+            raise
+        finally:
+            watcher.cancel()
+            call.cancel()
+        yield "data: [DONE]\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, call) -> None:
+    """Cancel the Generate call (and so the sequence) when the HTTP client disconnects."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            log.info("client disconnected: cancelling its sequence")
+            call.cancel()
+            return
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Reply:
+    """Accumulates one request's answer in OpenAI's shapes (completion or chat)."""
+
+    def __init__(self, chat: bool, model: str, first: cpb.GenerateResponse) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + first.sequence_id
+        self.created = int(time.time())
+        self.prompt_tokens = int(first.info.prompt_tokens)
+        self.completion_tokens = 0
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+
+    def add(self, msg: cpb.GenerateResponse) -> None:
+        self.completion_tokens += len(msg.tokens)
+        self.text.append(msg.text)
+        if msg.finish_reason:
+            self.finish_reason = FINISH.get(msg.finish_reason, msg.finish_reason)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: dict, finish_reason: str | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
+        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+
+    def usage_chunk(self) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage()}
+
+    def whole(self) -> dict:
+        text = "".join(self.text)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}

@@ -1,0 +1,221 @@
+"""OpenAI request bodies -> a Coordinator GenerateRequest, checked field by field.
+
+Every field is either used or refused: an unknown field, or a known one aerie does not support
+(n > 1, logprobs, penalties, tools, ...), is a `BadParameter` naming the field and its value, which
+the app answers with HTTP 400 in OpenAI's error shape. Nothing here talks to the coordinator.
+
+    parsed = parse_completion(body)      # POST /v1/completions
+    parsed = parse_chat(body)            # POST /v1/chat/completions
+    parsed.request                       # cpb.GenerateRequest (text, stop strings, sampling)
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import coordinator as cpb
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_UNSET = object()
+
+
+class BadParameter(ValueError):
+    """An invalid or unsupported request field (HTTP 400, `param` names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    request: cpb.GenerateRequest
+    model: str | None  # as asked (None = the served model)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+
+
+# Fields accepted by both endpoints; the value checks are below.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+           "stream_options", "logprobs", "user", "ignore_eos", "skip_special_tokens",
+           "presence_penalty", "frequency_penalty", "logit_bias", "best_of"}
+_COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                   "response_format", "parallel_tool_calls", "add_generation_prompt", "skip_chat_template"}
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise BadParameter(name, f"{name} must be a number; got {_show(v)}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise BadParameter(name, f"{name} must be in {bound}; got {_show(v)}")
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int = 2**63 - 1) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadParameter(name, f"{name} must be an integer; got {_show(v)}")
+    if not lo <= v <= hi:
+        raise BadParameter(name, f"{name} must be >= {lo}" + (f" and <= {hi}" if hi < 2**63 - 1 else "")
+                           + f"; got {v}")
+    return v
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise BadParameter(name, f"{name} must be true or false; got {_show(v)}")
+    return v
+
+
+def _refuse_unless(body: dict, name: str, allowed: tuple, why: str) -> None:
+    v = body.get(name, None)
+    if v is not None and not any(v is a or (v == a and type(v) is type(a)) for a in allowed):
+        raise BadParameter(name, f"{name}={_show(v)} is not supported: {why}")
+
+
+def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | None, bool, bool]:
+    if not isinstance(body, dict):
+        raise BadParameter("body", f"the request body must be a JSON object; got {type(body).__name__}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise BadParameter(unknown[0], f"unrecognized request argument: {unknown[0]}={_show(body[unknown[0]])}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadParameter("model", f"model must be a string; got {_show(model)}")
+    _refuse_unless(body, "n", (1,), "aerie returns one choice per request (n=1)")
+    _refuse_unless(body, "best_of", (1,), "aerie returns one choice per request (best_of=1)")
+    _refuse_unless(body, "logprobs", (False,), "aerie does not return log-probabilities")
+    _refuse_unless(body, "presence_penalty", (0, 0.0), "aerie samples without penalties (use 0)")
+    _refuse_unless(body, "frequency_penalty", (0, 0.0), "aerie samples without penalties (use 0)")
+    if body.get("logit_bias"):
+        raise BadParameter("logit_bias", f"logit_bias={_show(body['logit_bias'])} is not supported")
+    stream = _bool(body, "stream") or False
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise BadParameter("stream_options", "stream_options is only allowed with stream=true")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise BadParameter("stream_options", f"stream_options supports include_usage only; got {_show(opts)}")
+        if opts.get("continuous_usage_stats"):
+            raise BadParameter("stream_options.continuous_usage_stats",
+                               "stream_options.continuous_usage_stats is not supported")
+        include_usage = _bool(opts, "include_usage") or False
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", -1, 2**31 - 1)
+    seed = _int(body, "seed", 0, 2**64 - 1)
+    sampling = pb.SamplingParams(temperature=1.0 if temperature is None else temperature,
+                                 top_k=0 if top_k in (None, -1) else top_k,
+                                 seed=secrets.randbits(63) if seed is None else seed)
+    if top_p is not None:
+        sampling.top_p = top_p
+    req = cpb.GenerateRequest(sampling=sampling)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadParameter("stop", f"stop must be a string or a list of strings; got {_show(body['stop'])}")
+        for i, s in enumerate(stop):
+            if not s:
+                raise BadParameter("stop", f"stop[{i}] is an empty string; a stop string needs at least one character")
+        req.stop.extend(stop)
+    if (v := _bool(body, "ignore_eos")) is not None:
+        req.ignore_eos = v
+    if (v := _bool(body, "skip_special_tokens")) is not None:
+        req.skip_special_tokens = v
+    return req, model, stream, include_usage
+
+
+def _max_tokens(body: dict, req: cpb.GenerateRequest, names: tuple[str, ...], default: int | None) -> None:
+    given = {n: _int(body, n, 1) for n in names if body.get(n) is not None}
+    if len(set(given.values())) > 1:
+        raise BadParameter(names[-1], f"{' and '.join(f'{k}={v}' for k, v in given.items())} disagree: give one")
+    value = next(iter(given.values()), default)
+    if value is not None:
+        req.max_new_tokens = value
+
+
+def parse_completion(body: Any) -> Parsed:
+    req, model, stream, include_usage = _common(body, _COMPLETION)
+    _refuse_unless(body, "echo", (False,), "aerie does not echo the prompt")
+    _refuse_unless(body, "suffix", ("",), "aerie does not support suffix (insertion)")
+    prompt = body.get("prompt", _UNSET)
+    if prompt is _UNSET or prompt is None:
+        raise BadParameter("prompt", "prompt is required")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadParameter("prompt", "prompt is an empty string: give at least one character")
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise BadParameter("prompt", f"prompt token ids must be >= 0; got {_show(prompt)}")
+        req.prompt_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadParameter("prompt", f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")
+    else:
+        raise BadParameter("prompt", f"prompt must be a string or a list of token ids; got {_show(prompt)}")
+    _max_tokens(body, req, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return Parsed(req, model, stream, include_usage)
+
+
+def _content(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadParameter(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}] must be a text part "
+                                   f"({{'type': 'text', 'text': ...}}); got {_show(part)}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadParameter(f"messages[{i}].content",
+                       f"messages[{i}].content must be a string or a list of text parts; got {_show(content)}")
+
+
+def parse_chat(body: Any) -> Parsed:
+    req, model, stream, include_usage = _common(body, _CHAT)
+    for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise BadParameter(name, f"{name}={_show(body[name])} is not supported: aerie generates plain text")
+    _refuse_unless(body, "top_logprobs", (0,), "aerie does not return log-probabilities")
+    _refuse_unless(body, "add_generation_prompt", (True,), "the chat template always ends with the assistant's turn")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadParameter("messages", f"messages must be a non-empty list; got {_show(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadParameter(f"messages[{i}]", f"messages[{i}] must be an object; got {_show(m)}")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise BadParameter(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]} is not supported")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise BadParameter(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string; got {_show(role)}")
+        req.messages.append(cpb.ChatMessage(role=role, content=_content(i, m.get("content", ""))))
+    if (v := _bool(body, "skip_chat_template")) is not None:
+        req.skip_chat_template = v
+    _max_tokens(body, req, ("max_tokens", "max_completion_tokens"), None)
+    return Parsed(req, model, stream, include_usage)
