@@ -49,7 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "pipeline" in methods and not args.coordinator:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)
-    local = build_local_engine(args.target, args.draft, dtype(args), tree)
+    local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype)
     if local.engine.drafter is None and ("eagle" in methods or args.sweep):
         raise InvalidRequest("method 'eagle' needs a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)

@@ -53,8 +53,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="EAGLE head directory, or 'none' for plain decoding "
                         "(default: the shipped head when --target is the default model, else none)")
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                   help=f"weights and activations (default: {DTYPE_DEFAULT}: token-exact, and on CPU faster "
-                        "than bf16 in torch's CPU build, whose bf16 matmuls are ~8x slower for >1 row)")
+                   help=f"target weights and activations (default: {DTYPE_DEFAULT}: token-exact against "
+                        "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
+                        "dynamic int8 linears, opt-in, lossless only against aerie's own int8 plain decoding)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft only the K most frequent target tokens (the head's token_counts.safetensors); "
+                        "0 = the full vocabulary (default: 8192 when the head has counts, else full)")
+    g.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=None,
+                   help="the draft head's precision, which never changes the output (default: int8, "
+                        "dynamic int8 linears: the cheapest draft step on CPU at the same acceptance)")
     g.add_argument("--tree-top-k", type=int, default=None,
                    help=f"children per node and beam width (default: {TREE_DEFAULTS['tree_top_k']} on CPU)")
     g.add_argument("--tree-depth", type=int, default=None,

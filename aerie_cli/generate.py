@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         local = connect(args.coordinator, args.target, timeout_s=3600)
     else:
         from services.engine.local import build_local_engine
-        local = build_local_engine(args.target, args.draft, dtype(args), tree)
+        local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype)
     load_s = time.perf_counter() - t_load
     if args.coordinator and local.tokenizer is None and args.prompt_ids is None:
         raise InvalidRequest(f"the pipeline serves {local.target_path}, and there is no tokenizer for it on this "

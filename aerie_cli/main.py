@@ -5,6 +5,7 @@
     aerie verifier | drafter | coordinator one service
     aerie bench --prompts FILE             speed-ups on a prompt set
     aerie train-draft --out DIR            train an EAGLE head
+    aerie draft-vocab --from FILES --out F token counts for --draft-vocab
 
 Every aerie error (bad input, bad checkpoint, bad configuration) ends the process with exit code 2
 and one line on stderr naming the offending value.
@@ -16,7 +17,7 @@ import argparse
 import os
 import sys
 
-from aerie_cli import bench, generate, serve, train_draft, up
+from aerie_cli import bench, draft_vocab, generate, serve, train_draft, up
 from aerie_cli.flags import HelpFormatter, set_torch_threads
 from services.errors import AerieError
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)  # verifier, drafter, coordinator
     train_draft.register(sub)
     bench.register(sub)
+    draft_vocab.register(sub)
     return parser
 
 

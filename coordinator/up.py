@@ -131,6 +131,16 @@ def write_state(path: str | None, processes: list) -> None:
     os.replace(tmp, path)
 
 
+def draft_flags(args: argparse.Namespace) -> list[str]:
+    """--draft-vocab / --draft-dtype forwarded to the drafter when given."""
+    out = []
+    if getattr(args, "draft_vocab", None) is not None:
+        out += ["--draft-vocab", str(args.draft_vocab)]
+    if getattr(args, "draft_dtype", None) is not None:
+        out += ["--draft-dtype", args.draft_dtype]
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     for name in ("verifiers", "drafters", "coordinators"):
         if getattr(args, name) < (0 if name == "drafters" else 1):
@@ -156,7 +166,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      for i in range(args.verifiers)]
         drafters = [] if draft is None else [
             Service("drafter", [*common, *model, *register, "--draft", draft, "--tree-top-k", str(args.tree_top_k),
-                                "--tree-depth", str(args.tree_depth), "--tree-tokens", str(args.tree_tokens)],
+                                "--tree-depth", str(args.tree_depth), "--tree-tokens", str(args.tree_tokens),
+                                *draft_flags(args)],
                     workdir, args.host, i) for i in range(args.drafters)]
         services += verifiers + drafters
         for s in services:

@@ -28,6 +28,8 @@ class DrafterConfig:
     draft: str | None = None  # EAGLE head directory; None = the shipped head of the default model
     target: str | None = None  # the target the head belongs to (its embedding and lm_head)
     dtype: str = "fp32"
+    draft_vocab: int | None = None  # None = the head's default (8192 with token counts), 0 = full
+    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.engine.local.DEFAULT_DRAFT_DTYPE
     tree: TreeParams | None = None  # None = TreeParams()
     max_sequences: int = 64
 
@@ -56,6 +58,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
                    help="weights and activations (AERIE_DTYPE)")
+    g.add_argument("--draft-vocab", type=int, default=env("AERIE_DRAFT_VOCAB", None),
+                   help="draft only the K most frequent tokens, 0 = full (AERIE_DRAFT_VOCAB; default: 8192 "
+                        "when the head has token counts)")
+    g.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=env("AERIE_DRAFT_DTYPE", None),
+                   help="the draft head's precision (AERIE_DRAFT_DTYPE; default: int8)")
     g.add_argument("--tree-top-k", type=int, default=env("AERIE_TREE_TOP_K", 10), help="children per node and beam width (AERIE_TREE_TOP_K)")
     g.add_argument("--tree-depth", type=int, default=env("AERIE_TREE_DEPTH", 5), help="draft expansion steps (AERIE_TREE_DEPTH)")
     g.add_argument("--tree-tokens", type=int, default=env("AERIE_TREE_TOKENS", 60), help="tree nodes verified, root included (AERIE_TREE_TOKENS)")
@@ -72,4 +79,5 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
-                         tree=tree, max_sequences=args.max_sequences, idle_ttl_s=args.idle_ttl_s)
+                         draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
+                         idle_ttl_s=args.idle_ttl_s)

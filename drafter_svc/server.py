@@ -25,7 +25,8 @@ def load_servicer(config: DrafterConfig) -> DrafterServicer:
     just those two tensors would save memory on large targets."""
     if resolve_draft(config.draft, config.target) is None:
         raise CheckpointError("the drafter needs an EAGLE head: pass --draft DIR (AERIE_DRAFT)")
-    local = build_local_engine(config.target, config.draft, config.dtype, config.tree)
+    local = build_local_engine(config.target, config.draft, config.dtype, config.tree,
+                               config.draft_vocab, config.draft_dtype)
     assert local.engine.drafter is not None
     drafter = Drafter(local.engine.drafter.head, config.tree, config.max_sequences)
     return DrafterServicer(drafter, config, local.draft_path or "", local.engine.max_context)

@@ -35,7 +35,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         head = drafter.head.config
         self.vocab_size = head.vocab_size
         self.feature_size = head.feature_size
-        self.dtype = drafter.head.embed_tokens.weight.dtype
+        self.dtype = drafter.head.feature_dtype  # the target's features (the draft may run in bf16/int8)
         self.max_rows = max_context + codec.MAX_TREE_NODES
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
         self._call = ModelWorker("drafter")  # every model call runs on this one thread

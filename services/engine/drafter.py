@@ -16,9 +16,9 @@ from services.spec.tree import DraftTree, TreeParams, grow_tree
 
 class Drafter:
     def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64) -> None:
-        if tree.top_k > head.config.draft_vocab:
+        if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
-                f"tree_top_k={tree.top_k} exceeds the draft vocabulary ({head.config.draft_vocab})")
+                f"tree_top_k={tree.top_k} exceeds the draft vocabulary ({head.draft_vocab_size})")
         self.head = head
         self.tree = tree
         self.max_sequences = max_sequences

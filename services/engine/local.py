@@ -17,7 +17,13 @@ from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
 from services.spec.tree import TreeParams
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Target dtypes. int8 = fp32 weights quantized to dynamic int8 linears after loading (opt-in: lossless
+# only against aerie's own int8 plain decoding; never the default).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+DRAFT_DTYPES = ("fp32", "bf16", "int8")
+# The draft's precision when none is asked for (README "Cheaper rounds": int8 dynamic linears make a
+# draft step ~4x cheaper on this CPU at the same agreement; torch's int8 kernels are CPU-only).
+DEFAULT_DRAFT_DTYPE = "int8"
 # The trained head for the default model, shipped in the repository (issue: default model).
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
 
@@ -43,9 +49,14 @@ def resolve_draft(draft: str | None, target: str | None) -> str | None:
 
 
 def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
-                       tree: TreeParams | None = None) -> LocalEngine:
+                       tree: TreeParams | None = None, draft_vocab: int | None = None,
+                       draft_dtype: str | None = None) -> LocalEngine:
+    """draft_vocab: None = the head's default (load_head), 0 = full, K = the K most frequent tokens;
+    draft_dtype: fp32 | bf16 | int8, None = DEFAULT_DRAFT_DTYPE."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
+        raise CheckpointError(f"draft dtype must be one of {list(DRAFT_DTYPES)}; got {draft_dtype!r}")
     target_path = target or find_default_gguf()
     loaded = load_target(target_path, DTYPES[dtype])
     model = loaded.model
@@ -53,9 +64,14 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     drafter = None
     feature_kind = "none"
     if draft_path:
-        head = load_head(draft_path, model)
+        if draft_dtype is None:
+            draft_dtype = DEFAULT_DRAFT_DTYPE
+        head = load_head(draft_path, model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)
         drafter = Drafter(head, tree or TreeParams())
         feature_kind = head.feature_kind
+    if dtype == "int8":  # after the head took what it needs from the fp32 lm_head
+        from services.model.quant import quantize_linears
+        quantize_linears(model)
     verifier = Verifier(model, feature_kind)
     eos = model.config.eos_token_ids
     tok = loaded.tokenizer

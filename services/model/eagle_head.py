@@ -4,7 +4,13 @@ Two heads share one interface (`DraftHead`), which the tree builder drives:
 
     head.forward(features [T, F], ids [T], cache, positions, tree_mask) -> out [T, H]
     head.log_probs(out [N, H]) -> [N, V_draft]   fp32 log-softmax over the draft vocabulary
-    head.to_target(draft_ids) -> target ids       (identity unless EAGLE-3 d2t is present)
+    head.to_target(draft_ids) -> target ids       (identity unless a d2t map is present)
+
+Reduced draft vocabulary (FR-Spec, one code path for both kinds): `restrict_vocab(counts, K)` keeps
+the K most frequent tokens of the head's own projection (the target's lm_head rows for EAGLE-1/2,
+the head's lm_head rows for EAGLE-3) in a small owned projection `vocab_proj` [K, H] and maps draft
+ids back with the EAGLE-3 convention `target = draft + vocab_d2t[draft]`. `set_draft_dtype` runs the
+head in bf16 or with int8 linears. Neither changes the state dict (checkpoints stay as published).
 
 * `Eagle2Head` (EAGLE-1/2): x = fc([embed(ids), feature]) -> one decoder layer with no input norm;
   logits come from the *target's* lm_head, no final norm. Feature = the target's post-norm hidden.
@@ -30,6 +36,7 @@ from torch import nn
 from services.model.config import rope_inv_freq
 from services.model.kv_cache import KVCache
 from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
+from services.model.linear import Linear
 
 HeadKind = Literal["eagle", "eagle3"]
 
@@ -79,10 +86,72 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # frozen copy of the target's embedding
         self.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.vocab_proj: nn.Module | None = None  # owned [K, H] projection once restricted / recast
+        self.register_buffer("vocab_d2t", None, persistent=False)  # [K] int64, target = i + d2t[i]
+        self.token_counts: torch.Tensor | None = None  # [V] int64 frequency ranking (draft_vocab.py)
+        self.draft_dtype = "fp32"
+        self.register_state_dict_post_hook(_drop_derived)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """The dtype the target's features arrive in (the head's load dtype, before
+        set_draft_dtype); forward casts them to the head's own."""
+        return getattr(self, "_feature_dtype", None) or self.dtype
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Rows of the distribution `log_probs` returns (K once restricted)."""
+        if self.vocab_d2t is not None:
+            return int(self.vocab_d2t.shape[0])
+        return self.config.draft_vocab
+
+    @abstractmethod
+    def _projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full draft projection: (weight [Vd, H], target id of each row [Vd] ascending)."""
+
+    def restrict_vocab(self, counts: torch.Tensor, k: int) -> None:
+        """Project only onto the K rows of the current projection whose target tokens are the most
+        frequent in `counts` [V] (ties: lower id). K >= the current size leaves the head unchanged.
+        Call after loading and before `set_draft_dtype`."""
+        weight, target_ids = self._projection()
+        if not 1 <= k:
+            raise ValueError(f"draft vocabulary size must be >= 1; got {k}")
+        if k >= weight.shape[0]:
+            return
+        rank = torch.sort(-counts.long()[target_ids.cpu()], stable=True).indices  # ties: lower id
+        keep = torch.sort(rank[:k]).values.to(weight.device)
+        used = target_ids[keep]
+        proj = Linear(weight.shape[1], k, bias=False).to(device=weight.device, dtype=weight.dtype)
+        proj.weight = nn.Parameter(weight.detach()[keep].clone(), requires_grad=False)
+        self.vocab_proj = proj
+        self.vocab_d2t = used.long() - torch.arange(k, device=used.device)
+
+    def set_draft_dtype(self, draft_dtype: str) -> None:
+        """"fp32" | "bf16" | "int8" (dynamic int8 linears, fp32 activations). Inference only; an
+        EAGLE-1/2 head gets its own copy of the target's projection when its dtype would differ."""
+        if draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft dtype must be one of {sorted(DRAFT_DTYPES)}; got {draft_dtype!r}")
+        if draft_dtype == "fp32" and self.dtype == torch.float32:
+            return
+        self._feature_dtype = self.feature_dtype
+        if self.vocab_proj is None and isinstance(self, Eagle2Head):
+            weight, _ = self._projection()
+            proj = Linear(weight.shape[1], weight.shape[0], bias=False)
+            proj.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+            self.vocab_proj = proj.to(weight.device)
+        if draft_dtype == "int8":
+            from services.model.quant import quantize_linears
+            self.float()
+            for name, child in list(self.named_children()):
+                if name != "embed_tokens":
+                    setattr(self, name, quantize_linears(child))
+        else:
+            self.to(DRAFT_DTYPES[draft_dtype])
+        self.draft_dtype = draft_dtype
 
     @property
     def device(self) -> torch.device:
@@ -121,6 +190,8 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         return F.log_softmax(self.logits(out).float(), dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_d2t is not None:
+            return draft_ids + self.vocab_d2t[draft_ids]
         return draft_ids
 
 
@@ -132,7 +203,7 @@ class Eagle2Head(DraftHead):
     def __init__(self, cfg: HeadConfig, target_lm_head: nn.Module) -> None:
         super().__init__(cfg)
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+        self.fc = Linear(2 * h, h, bias=cfg.fc_bias)
         self.layers = nn.ModuleList([_Eagle2Layer(cfg)])
         self._target_head = (target_lm_head,)  # a tuple keeps it out of parameters/state_dict
 
@@ -143,7 +214,15 @@ class Eagle2Head(DraftHead):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self._target_head[0](out)  # no final norm
+        if self.vocab_proj is not None:
+            return self.vocab_proj(out)  # no final norm
+        return self._target_head[0](out)
+
+    def _projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.vocab_proj is not None:
+            return self.vocab_proj.weight, self.to_target(torch.arange(self.draft_vocab_size, device=self.device))
+        w = self._target_head[0].weight
+        return w, torch.arange(w.shape[0], device=w.device)
 
 
 class _Eagle2Layer(nn.Module):
@@ -161,10 +240,10 @@ class Eagle3Head(DraftHead):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg)
         h = cfg.hidden_size
-        self.fc = nn.Linear(cfg.feature_size, h, bias=False)
+        self.fc = Linear(cfg.feature_size, h, bias=False)
         self.midlayer = _Eagle3Layer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab, bias=False)
+        self.lm_head = Linear(h, cfg.draft_vocab, bias=False)
         if cfg.draft_vocab != cfg.vocab_size:
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
@@ -180,12 +259,18 @@ class Eagle3Head(DraftHead):
         return x + m.mlp(m.post_attention_layernorm(x))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out))
+        return (self.vocab_proj if self.vocab_proj is not None else self.lm_head)(self.norm(out))
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_d2t is not None:
+            return draft_ids + self.vocab_d2t[draft_ids]
         if self.d2t is None:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
+
+    def _projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        proj = self.vocab_proj if self.vocab_proj is not None else self.lm_head
+        return proj.weight, self.to_target(torch.arange(proj.weight.shape[0], device=self.device))
 
 
 class _Eagle3Layer(nn.Module):
@@ -197,6 +282,15 @@ class _Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+
+DRAFT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+
+
+def _drop_derived(module, state, prefix, local_metadata) -> None:
+    """The reduced / recast projection is derived at load time: never part of a checkpoint."""
+    for key in [k for k in state if k.startswith(prefix + "vocab_proj.")]:
+        del state[key]
 
 
 def build_head(cfg: HeadConfig, target_lm_head: nn.Module | None = None) -> DraftHead:

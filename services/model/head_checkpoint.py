@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from services.errors import CheckpointError, IncompatibleHead
+from services.errors import CheckpointError, IncompatibleHead, InvalidRequest
+from services.model.draft_vocab import COUNTS_FILE, load_counts, save_counts
 from services.model.eagle_head import DraftHead, HeadConfig, build_head
 from services.model.loading import read_weights
 from services.model.target import TargetModel
@@ -73,8 +74,18 @@ def check_compatible(cfg: HeadConfig, target: TargetModel) -> None:
                 f"this one has {t.num_layers}")
 
 
-def load_head(path: str | Path, target: TargetModel, dtype: torch.dtype | None = None) -> DraftHead:
-    """Load a head directory for `target` (device and dtype follow the target unless given)."""
+# Draft vocabulary when the head directory has token counts and none is asked for (README
+# "Cheaper rounds": draft cost and acceptance at 4k/8k/16k/full on the dev prompts).
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def load_head(path: str | Path, target: TargetModel, dtype: torch.dtype | None = None,
+              draft_vocab: int | None = None, draft_dtype: str | None = None) -> DraftHead:
+    """Load a head directory for `target` (device and dtype follow the target unless given).
+
+    draft_vocab: K most frequent tokens to draft from (the directory's `token_counts.safetensors`);
+    None = DEFAULT_DRAFT_VOCAB when the directory has counts, else the full vocabulary; 0 = full.
+    draft_dtype: "fp32" | "bf16" | "int8" (eagle_head.set_draft_dtype); None = as `dtype`."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"draft-head directory {root} does not exist")
@@ -99,7 +110,21 @@ def load_head(path: str | Path, target: TargetModel, dtype: torch.dtype | None =
                                   f"width differs ({target.config.hidden_size} vs {cfg.hidden_size})")
         state["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().float()
     _load_exact(head, state, weights)
-    return head.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+    head = head.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+    head.token_counts = load_counts(root, cfg.vocab_size)
+    k = draft_vocab
+    if k is None:
+        k = DEFAULT_DRAFT_VOCAB if head.token_counts is not None else 0
+    if k < 0:
+        raise InvalidRequest(f"draft_vocab must be >= 0 (0 = the full vocabulary); got {k}")
+    if k:
+        if head.token_counts is None:
+            raise CheckpointError(f"draft_vocab={k} needs token counts, but {root} has no {COUNTS_FILE}; "
+                                  f"build one with `aerie draft-vocab --from FILES --out {root / COUNTS_FILE}`")
+        head.restrict_vocab(head.token_counts, k)
+    if draft_dtype is not None:
+        head.set_draft_dtype(draft_dtype)
+    return head
 
 
 def _normalise_keys(state: dict[str, torch.Tensor], cfg: HeadConfig) -> dict[str, torch.Tensor]:
@@ -174,6 +199,8 @@ def save_head(head: DraftHead, path: str | Path, fmt: str = "safetensors",
     (root / "config.json").write_text(json.dumps(head_config_dict(head.config), indent=2) + "\n")
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous().cpu()
              for k, v in head.state_dict().items() if k not in skip}
+    if head.token_counts is not None:
+        save_counts(root, head.token_counts)
     if fmt == "safetensors":
         from safetensors.torch import save_file
         save_file(state, str(root / "model.safetensors"))

@@ -1,8 +1,10 @@
 """Building blocks shared by the target model and the EAGLE heads: RMSNorm, RoPE, attention over a
 KVCache with an explicit boolean mask, and the gated MLP.
 
-Parameter names follow Hugging Face Llama (`q_proj`, `gate_proj`, ...) so checkpoints load by name and
-a tensor-parallel transform can find the column- and row-parallel linears. Numerics follow
+State-dict names follow Hugging Face Llama (`q_proj`, `gate_proj`, ...) so checkpoints load by name,
+but q/k/v and gate/up run as one GEMM each: `qkv_proj` and `gate_up_proj` are `PackedLinear`s that
+keep their split sizes and part names (linear.py), so a tensor-parallel transform can still slice
+each projection (column-parallel: qkv_proj, gate_up_proj; row-parallel: o_proj, down_proj). Numerics follow
 transformers: RMSNorm in fp32 then cast back, RoPE cos/sin computed in fp32 and cast to the
 activation dtype.
 """
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model.kv_cache import KVCache
+from services.model.linear import Linear, PackedLinear, keep_part_names
 
 
 class RMSNorm(nn.Module):
@@ -30,17 +33,37 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin for absolute positions from fixed inverse frequencies [head_dim/2]."""
+    """cos/sin for absolute positions from fixed inverse frequencies [head_dim/2].
+
+    The tables for positions [0, n) are computed once per dtype and grown by doubling, then indexed
+    (values identical to computing them per call: the same fp32 products, cos and sin)."""
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T] -> cos, sin [T, head_dim]
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T] -> cos, sin [T, head_dim]
+        if torch.is_grad_enabled() or positions.numel() == 0 or self.inv_freq.is_meta:
+            return self.table(positions, dtype)
+        need = int(positions.max()) + 1
+        cached = self._tables.get(dtype)
+        if cached is None or cached[0].shape[0] < need or cached[0].device != positions.device:
+            n = max(need, 2 * cached[0].shape[0] if cached is not None else 512)
+            cached = self.table(torch.arange(n, device=self.inv_freq.device), dtype)
+            self._tables[dtype] = cached
+        return cached[0][positions], cached[1][positions]
+
+    def _apply(self, fn, recurse=True):  # .to()/.float() move inv_freq: drop the tables
+        self._tables = {}
+        return super()._apply(fn, recurse)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,45 +85,60 @@ class Attention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = PackedLinear(in_dim, (q, kv, kv), ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
+        self.o_proj = Linear(q, hidden, bias=o_bias)
+        keep_part_names(self, "qkv_proj")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, mask: torch.Tensor) -> torch.Tensor:
-        """x [T, in_dim]; mask [T, cache.length + T] bool (True = may attend) -> [T, hidden]."""
+                layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, in_dim]; mask [T, cache.length + T] bool (True = may attend), or None when every
+        new row sees every cached row and the new rows are causal among themselves (T == 1, or a
+        prefill into an empty cache) -> [T, hidden]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        prefix = cache.length
         k_all, v_all = cache.write(layer, k, v)  # [nKV, S, hd], S = length + T
-        out = F.scaled_dot_product_attention(
-            q[None], k_all[None], v_all[None], attn_mask=mask[None, None],
-            enable_gqa=self.num_heads != self.num_kv_heads)
+        gqa = self.num_heads != self.num_kv_heads
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=mask[None, None],
+                                                 enable_gqa=gqa)
+        else:
+            assert t == 1 or prefix == 0, "a maskless forward needs T == 1 or an empty cache"
+            out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], is_causal=t > 1,
+                                                 enable_gqa=gqa)
         return self.o_proj(out[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden, (intermediate, intermediate), ("gate_proj", "up_proj"), bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        keep_part_names(self, "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def attention_mask(prefix_len: int, num_new: int, tree_mask: torch.Tensor | None,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
+                   device: torch.device | str = "cpu", allow_none: bool = False) -> torch.Tensor | None:
     """Boolean mask [T, prefix_len + T]: every new row sees the whole cached prefix, and among the
     new rows either the causal triangle (tree_mask None) or `tree_mask` [T, T'] applied to the
     last T' key columns (T' >= T: the draft's tree levels see earlier levels' rows).
 
     Example: prefix 2, tree rows root r, children a, b of r:
-        tree_mask = [[1,0,0],[1,1,0],[1,0,1]] -> rows r: 11 100, a: 11 110, b: 11 101."""
+        tree_mask = [[1,0,0],[1,1,0],[1,0,1]] -> rows r: 11 100, a: 11 110, b: 11 101.
+
+    allow_none: return None instead of a dense mask when none is needed: causal (no tree mask) and
+    either one new row (plain decode) or an empty prefix (prefill; SDPA's `is_causal`)."""
+    if allow_none and tree_mask is None and (num_new == 1 or prefix_len == 0):
+        return None
     mask = torch.ones(num_new, prefix_len + num_new, dtype=torch.bool, device=device)
     if tree_mask is None:
         mask[:, prefix_len:] = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()

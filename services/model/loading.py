@@ -63,8 +63,21 @@ class LoadedTarget:
     path: str  # the directory actually loaded (the converted cache directory for GGUF)
 
 
-def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
-    """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use)."""
+# Inference weight layout of the linears (linear.py `parse_layout`; measured in README "Cheaper
+# rounds"): "both:2" keeps [in, out] for 1-2 rows (decode, short chains) and [out, in] for F.linear
+# from 3 rows, at twice the linears' memory; "transposed/both:2" keeps one copy of the body
+# (+ the lm_head's second copy only) for large models. AERIE_WEIGHT_LAYOUT overrides.
+DEFAULT_LAYOUT = "both:2"
+
+
+def default_layout() -> str:
+    return os.environ.get("AERIE_WEIGHT_LAYOUT") or DEFAULT_LAYOUT
+
+
+def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                layout: str | None = None) -> LoadedTarget:
+    """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
+    `layout`: the linears' inference weight layout (default `default_layout()`)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist")
@@ -75,6 +88,7 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
                 f"(config.json + weights) or a .gguf file")
         path = converted_gguf_dir(path)
     model = load_model_dir(path, dtype, device)
+    model.freeze_layout(layout or default_layout())
     return LoadedTarget(model=model, tokenizer=load_tokenizer(path), path=str(path))
 
 

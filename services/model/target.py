@@ -24,6 +24,7 @@ from torch import nn
 from services.model.config import ModelConfig, rope_inv_freq
 from services.model.kv_cache import KVCache
 from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
+from services.model.linear import Linear, freeze_linears, parse_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +57,21 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+
+    def freeze_layout(self, layout: str = "transposed") -> None:
+        """Inference weight layout of the linears (linear.py `parse_layout`): "BODY" for all, or
+        "BODY/HEAD" with the lm_head's own, e.g. "transposed/both:2". A tied lm_head in a layout
+        other than "hf" stops sharing the embedding's tensor (the embedding keeps [V, H])."""
+        body, _, head = layout.partition("/")
+        head = head or body
+        if self.config.tie_word_embeddings and parse_layout(head)[0] != "hf":
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach(), requires_grad=False)
+        freeze_linears(self.model, body)
+        freeze_linears(self.lm_head, head)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,7 +97,7 @@ class TargetModel(nn.Module):
         prefix = cache.length
         if positions is None:
             positions = torch.arange(prefix, prefix + t, device=input_ids.device)
-        mask = attention_mask(prefix, t, tree_mask, self.device)
+        mask = attention_mask(prefix, t, tree_mask, self.device, allow_none=True)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         taps: list[torch.Tensor] = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from services.errors import AerieError
 
-DTYPE_NAMES = ("bf16", "fp32")  # the keys of services.engine.local.DTYPES, named without importing torch
+DTYPE_NAMES = ("bf16", "fp32", "int8")  # the keys of services.engine.local.DTYPES, named without importing torch
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default
 MESSAGE_OVERHEAD = 16 * 1024  # room for the non-tensor fields of a message carrying a tensor chunk
 

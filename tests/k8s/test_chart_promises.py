@@ -39,6 +39,10 @@ NOT_SET_BY_CHART = {
     "AERIE_HEARTBEAT_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
     "AERIE_HEARTBEAT_TTL_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
     "AERIE_DISCOVER_INTERVAL_S": "only read with AERIE_DISCOVER=1, which the chart leaves off by default",
+    # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
+    "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
+    "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
+    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default both:2 (README, Cheaper rounds)",
     # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
     # token ids only there, and its HTTP API has no container/Service port.
     "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",

@@ -161,3 +161,49 @@ def test_missing_and_malformed_head_checkpoints(tmp_path, target2):
     (tmp_path / "w" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="neither pytorch_model.bin nor model.safetensors"):
         load_head(tmp_path / "w", target2)
+
+
+def test_token_counts_round_trip_and_restrict_at_load(tmp_path, target2, target8):
+    """The frequency map travels with the head directory: save_head writes it, load_head reads it
+    and (draft_vocab=K) projects onto the K most frequent tokens, mapped back with d2t."""
+    from services.model.draft_vocab import COUNTS_FILE
+
+    counts = torch.randint(0, 1000, (VOCAB,), generator=torch.Generator().manual_seed(2))
+    head = eagle2(target2)
+    head.token_counts = counts
+    save_head(head, tmp_path / "h2")
+    assert (tmp_path / "h2" / COUNTS_FILE).is_file()
+    full = load_head(tmp_path / "h2", target2, draft_vocab=0)
+    assert torch.equal(full.token_counts, counts) and full.draft_vocab_size == VOCAB
+    small = load_head(tmp_path / "h2", target2, draft_vocab=16)
+    top16 = sorted(torch.sort(-counts, stable=True).indices[:16].tolist())
+    assert small.draft_vocab_size == 16
+    assert small.to_target(torch.arange(16)).tolist() == top16
+    out = torch.randn(3, HIDDEN)
+    torch.testing.assert_close(small.log_probs(out).exp().sum(-1), torch.ones(3))
+    torch.testing.assert_close(small.logits(out), target2.lm_head(out)[:, top16])
+    # the reduced projection is derived: saving the loaded head writes the original checkpoint
+    save_head(small, tmp_path / "again")
+    again = load_head(tmp_path / "again", target2, draft_vocab=0)
+    assert same_outputs(full, again, HIDDEN)
+    assert torch.equal(again.token_counts, counts)
+    # default: a head with counts drafts from DEFAULT_DRAFT_VOCAB (>= V here: the full vocabulary)
+    assert load_head(tmp_path / "h2", target2).draft_vocab_size == VOCAB
+    # EAGLE-3 with its own 96-token vocabulary: K restricts within it
+    h3 = eagle3(96)
+    h3.token_counts = counts
+    save_head(h3, tmp_path / "h3")
+    r3 = load_head(tmp_path / "h3", target8, draft_vocab=10)
+    own = set(h3.to_target(torch.arange(96)).tolist())
+    kept = r3.to_target(torch.arange(10)).tolist()
+    assert set(kept) <= own and len(kept) == 10
+    assert kept == sorted(sorted(own, key=lambda t: (-int(counts[t]), t))[:10])
+
+
+def test_draft_vocab_without_counts_names_the_command(tmp_path, target2):
+    save_head(eagle2(target2), tmp_path)
+    with pytest.raises(CheckpointError, match="aerie draft-vocab"):
+        load_head(tmp_path, target2, draft_vocab=8)
+    from services.errors import InvalidRequest
+    with pytest.raises(InvalidRequest, match="got -1"):
+        load_head(tmp_path, target2, draft_vocab=-1)

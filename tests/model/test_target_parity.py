@@ -52,7 +52,7 @@ def test_qwen2_biases_are_loaded(tiny, tmp_path) -> None:
     attn = model.model.layers[1].self_attn
     assert model.config.architecture == "qwen2" and model.config.qkv_bias and not model.config.o_bias
     for name in ("q_proj", "k_proj", "v_proj"):
-        ours, theirs = getattr(attn, name).bias, getattr(hf.model.layers[1].self_attn, name).bias
+        ours, theirs = attn.qkv_proj.part_bias(name), getattr(hf.model.layers[1].self_attn, name).bias
         assert ours.abs().sum() > 0
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
     assert attn.o_proj.bias is None
@@ -63,8 +63,13 @@ def test_tied_embeddings_share_one_tensor(tiny, tmp_path) -> None:
     path = tiny.save_hf_model(hf, tmp_path)
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" not in set(f.keys())  # the loader really took the tied path
-    model = load_target(str(path)).model
+    model = load_target(str(path), layout="hf").model
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight, atol=0, rtol=0)
+    # the transposed inference layout keeps one [in, out] copy for the head, same values
+    model = load_target(str(path), layout="transposed").model
+    assert model.lm_head.weight_t is not None and model.lm_head.weight_t.is_contiguous()
+    assert model.lm_head.weight.data_ptr() == model.lm_head.weight_t.data_ptr()
     torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight, atol=0, rtol=0)
 
 
@@ -160,3 +165,46 @@ def test_rotary_inv_freq_key_in_checkpoint_is_ignored(tiny, tmp_path) -> None:
     ids = tiny.random_ids(10)
     torch.testing.assert_close(tiny.native_forward(load_target(str(path)).model, ids).logits,
                                tiny.hf_forward(hf, ids)[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["hf", "transposed", "both"])
+@pytest.mark.parametrize("spec", ["llama_gqa", "qwen2_bias", "tied_smollm2"])
+def test_fused_layouts_match_transformers_on_every_path(tiny, spec: str, layout: str, tmp_path) -> None:
+    """Fused q/k/v + gate/up in every weight layout, through the three attention paths: maskless
+    causal prefill, maskless one-row decode, and a dense-masked chunk after a prefix."""
+    hf = tiny.make_hf_model(tiny.make_config(spec))
+    model = load_target(str(tiny.save_hf_model(hf, tmp_path)), layout=layout).model
+    ids = tiny.random_ids(20)
+    ref_logits, ref_hidden = tiny.hf_forward(hf, ids)
+    cache = model.new_cache(20)
+    pre = model(ids[:12], cache)  # empty cache: no mask (is_causal)
+    torch.testing.assert_close(pre.logits, ref_logits[:12], atol=ATOL, rtol=0)
+    for i in range(12, 16):  # T == 1: no mask
+        step = model(ids[i:i + 1], cache, logits_for="last")
+        torch.testing.assert_close(step.logits[0], ref_logits[i], atol=ATOL, rtol=0)
+    chunk = model(ids[16:20], cache)  # prefix 16, 4 causal rows: dense mask
+    torch.testing.assert_close(chunk.logits, ref_logits[16:20], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chunk.hidden, ref_hidden[-1][16:20], atol=ATOL, rtol=0)
+
+
+def test_packed_weights_keep_hugging_face_names(tiny, tmp_path) -> None:
+    """state_dict shows q/k/v and gate/up under their own names (the checkpoint's), and the packed
+    module knows each part's rows, so a tensor-parallel transform can slice per projection."""
+    hf = tiny.make_hf_model(tiny.make_config("qwen2_bias"))
+    model = load_target(str(tiny.save_hf_model(hf, tmp_path)), layout="hf").model
+    ours, theirs = model.state_dict(), hf.state_dict()
+    assert set(ours) - {"lm_head.weight"} == set(theirs) - {"lm_head.weight"}
+    for k, v in theirs.items():
+        torch.testing.assert_close(ours[k], v, atol=0, rtol=0)
+    attn = model.model.layers[0].self_attn
+    c = model.config
+    assert attn.qkv_proj.splits == (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                     c.num_kv_heads * c.head_dim)
+    assert attn.qkv_proj.parts()["v_proj"] == (attn.qkv_proj.splits[0] + attn.qkv_proj.splits[1],
+                                               attn.qkv_proj.splits[2])
+    torch.testing.assert_close(attn.qkv_proj.part_weight("k_proj"), hf.model.layers[0].self_attn.k_proj.weight,
+                               atol=0, rtol=0)
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_up_proj.names == ("gate_proj", "up_proj")
+    torch.testing.assert_close(mlp.gate_up_proj.part_weight("up_proj"), hf.model.layers[0].mlp.up_proj.weight,
+                               atol=0, rtol=0)
