@@ -140,7 +140,7 @@ class Pipeline:
         return coordinator, f"{HOST}:{port}"
 
     def add_service(self, role: str, dirs: ModelDirs, tree: TreeParams = TREE, max_sequences: int = 8,
-                    max_prompt_tokens: int = 256):
+                    max_prompt_tokens: int = 256, draft_dtype: str | None = None):
         """Another verifier or drafter replica on the same checkpoints: (servicer, server, address)."""
         if role == "verifier":
             config = VerifierConfig(self.service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
@@ -149,7 +149,7 @@ class Pipeline:
             server, port = self.loop.run(create_verifier(f"{HOST}:0", config, servicer))
         else:
             config = DrafterConfig(self.service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32",
-                                   tree=tree, max_sequences=max_sequences)
+                                   tree=tree, max_sequences=max_sequences, draft_dtype=draft_dtype)
             servicer = load_drafter(config)
             server, port = self.loop.run(create_drafter(f"{HOST}:0", config, servicer))
         self.servers.append((server, servicer))
@@ -173,7 +173,7 @@ class Pipeline:
 
 def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
                    max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
-                   idle_ttl_s: float = 600.0, **coordinator_overrides) -> Pipeline:
+                   idle_ttl_s: float = 600.0, draft_dtype: str | None = None, **coordinator_overrides) -> Pipeline:
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes)
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
@@ -184,7 +184,7 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
     p.servers.append((vserver, verifier))
     if with_drafter:
         dconfig = DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
-                                max_sequences=max_sequences, idle_ttl_s=idle_ttl_s)
+                                max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, draft_dtype=draft_dtype)
         p.drafter = load_drafter(dconfig)
         dserver, dport = loop.run(create_drafter(f"{HOST}:0", dconfig, p.drafter))
         p.servers.append((dserver, p.drafter))
@@ -201,9 +201,11 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def local_engine(dirs: ModelDirs, tree: TreeParams = TREE, with_drafter: bool = True) -> Engine:
+def local_engine(dirs: ModelDirs, tree: TreeParams = TREE, with_drafter: bool = True,
+                 draft_dtype: str | None = None) -> Engine:
     """The in-process engine on the same checkpoints, loaded the same way (the reference)."""
-    return build_local_engine(str(dirs.target), str(dirs.head) if with_drafter else "none", "fp32", tree).engine
+    return build_local_engine(str(dirs.target), str(dirs.head) if with_drafter else "none", "fp32", tree,
+                              draft_dtype=draft_dtype).engine
 
 
 def local_run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str | None, list[int]]:

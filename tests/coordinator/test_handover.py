@@ -23,7 +23,7 @@ PROMPT = (5, 17, 99, 3, 42, 8)
 
 @pytest.fixture(scope="module")
 def pipeline(model_dirs, redis_url):
-    p = start_pipeline(model_dirs, redis_url, lease_ttl_s=0.6)
+    p = start_pipeline(model_dirs, redis_url, lease_ttl_s=0.6, draft_dtype="fp32")  # see test_failover.DRAFT_DTYPE
     yield p
     p.close()
 
@@ -41,7 +41,7 @@ def resume(p, seq_id, start, address=None):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 7)], ids=["greedy", "seeded"])
 def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_dirs, sampling):
     req = GenerationRequest(PROMPT, 60, sampling, ignore_eos=True)
-    steps = list(local_engine(model_dirs).generate(req))
+    steps = list(local_engine(model_dirs, draft_dtype="fp32").generate(req))
     expected = [t for s in steps for t in s.tokens]
     # what a coordinator that died after round 4 leaves behind
     store = pipeline.coordinator.store
@@ -82,7 +82,7 @@ def test_resume_through_another_coordinator_while_it_runs(pipeline, model_dirs, 
     steps = session.engine.generate(req)
     got = list(next(steps).tokens) + list(next(steps).tokens)
     tokens, reason = resume(pipeline, session.sequence_id, len(got), other)
-    assert got + tokens == local_run(local_engine(model_dirs), req)[0] and reason == "length"
+    assert got + tokens == local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0] and reason == "length"
     steps.close()
     session.close()
 

@@ -35,7 +35,7 @@ def start_up(model_dirs, tmp_path):
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
-            "--port", "0", "--verifiers", "2", "--drafters", "2", "--coordinators", "2", "--state-file", str(state)]
+            "--draft-dtype", "fp32", "--port", "0", "--verifiers", "2", "--drafters", "2", "--coordinators", "2", "--state-file", str(state)]
     up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
                           env=env)
     deadline = time.monotonic() + 240
@@ -102,7 +102,7 @@ def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tm
     reqs = [GenerationRequest((5 + i, 17, 99, 3, 42, 8 + i), NEW_TOKENS,
                               SamplingParams() if i % 2 == 0 else SamplingParams(0.8, 0.95, 0, 100 + i),
                               ignore_eos=True) for i in range(8)]
-    reference = local_engine(model_dirs)
+    reference = local_engine(model_dirs, draft_dtype="fp32")  # fp32 drafts: see test_failover.DRAFT_DTYPE
     expected = [local_run(reference, r)[0] for r in reqs]
     up, state = start_up(model_dirs, tmp_path)
     report = {}
