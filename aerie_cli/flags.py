@@ -55,7 +55,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help=f"target weights and activations (default: {DTYPE_DEFAULT}: token-exact against "
                         "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
-                        "dynamic int8 linears, opt-in, lossless only against aerie's own int8 plain decoding)")
+                        "int8 linears, opt-in and NOT token-exact: speculative output may differ from int8 plain "
+                        "decoding, see README)")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only the K most frequent target tokens (the head's token_counts.safetensors); "
                         "0 = the full vocabulary (default: 8192 when the head has counts, else full)")

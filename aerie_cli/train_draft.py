@@ -44,10 +44,28 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt and DIR/data.pt")
     p.add_argument("--eval-tree", default="16/4/4", help="tree tokens/depth/top_k for the held-out tau")
     p.add_argument("--eval-max-new-tokens", type=int, default=96, help="response length of the held-out tau")
+    g = p.add_argument_group("training on datagen shards (python -m services.train.datagen)")
+    g.add_argument("--data", default=None, help="shard directory: train on it instead of --prompts/--text")
+    g.add_argument("--dev-data", default=None, help="shards of the Spec-Bench dev answers (evaluation only)")
+    g.add_argument("--init", default=None, help="start from this head directory")
+    g.add_argument("--compare", default=None, help="also evaluate this head directory (default: --init)")
+    g.add_argument("--max-shards", type=int, default=0, help="use the first N shards (0 = all)")
+    g.add_argument("--noise", type=float, default=0.0, help="uniform feature noise width")
+    g.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps")
+    g.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (resumable)")
+    g.add_argument("--patience", type=int, default=4, help="stop after N evaluations without improvement")
+    g.add_argument("--heldout-samples", type=int, default=64, help="held-out samples evaluated during training")
+    g.add_argument("--heldout-every", type=int, default=50, help="1 prompt in N (by hash) is held out")
+    g.add_argument("--eval-depth", type=int, default=4, help="draft positions in the report")
     p.set_defaults(func=cmd_train_draft)
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
+    if args.data:
+        from services.train import pipeline
+
+        pipeline.run(args)
+        return 0
     import torch
 
     from services.engine.drafter import Drafter

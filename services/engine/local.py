@@ -17,8 +17,8 @@ from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
 from services.spec.tree import TreeParams
 
-# Target dtypes. int8 = fp32 weights quantized to dynamic int8 linears after loading (opt-in: lossless
-# only against aerie's own int8 plain decoding; never the default).
+# Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
+# NOT lossless on the default model: README "Cheaper rounds").
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 DRAFT_DTYPES = ("fp32", "bf16", "int8")
 # The draft's precision when none is asked for (README "Cheaper rounds": int8 dynamic linears make a

@@ -1,5 +1,6 @@
-"""Dynamic int8 linears (weights int8 per output channel, activations quantized per call by fbgemm
-/ onednn), for the opt-in int8 target (`--dtype int8`) and the int8 draft (`--draft-dtype int8`).
+"""Dynamic int8 linears (weights int8 per output channel, activations quantized per row at each call,
+int8 x int8 -> int32 products by `torch._int_mm`), for the opt-in int8 target (`--dtype int8`) and the
+int8 draft (`--draft-dtype int8`).
 
     quantize_linears(module)   every `Linear` / `PackedLinear` under `module` -> `QuantLinear`
                                (packed ones keep `splits`, `names` and `split()`)
@@ -11,8 +12,6 @@ numerics never affect losslessness. Uses torch's quantized CPU kernels; CPU only
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -20,34 +19,39 @@ from services.model.linear import Linear, PackedLinear
 
 
 class QuantLinear(nn.Module):
-    """y [T, out] = dynamic_int8(x [T, in]) @ int8(W)^T + b (fp32 in and out)."""
+    """y [T, out] = int8(x) [T, in] @ int8(W)^T [in, out] (int32, exact) * per-row x scale * per-channel
+    W scale + b. Activations are quantized PER ROW, so a row's result never depends on the other rows
+    of the call: a T-row verification gives each row exactly what a 1-row decode gives (an int8 target
+    is then lossless against its own plain decoding). Per-tensor dynamic quantization (torch's
+    `quantize_dynamic`) breaks that: its activation scale is taken over the whole batch."""
 
     def __init__(self, source: Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
         if isinstance(source, PackedLinear):
             self.splits, self.names = source.splits, source.names
-        w = source.weight.detach().float().contiguous()
-        bias = None if source.bias is None else source.bias.detach().float().contiguous()
-        scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).double()
-        zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch marks quantized tensor creation as deprecated
-            qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qw, bias)
-        # keep the dequantized weight's size for reporting only
-        self.weight_bytes = w.numel()  # int8: one byte per weight
+        w = source.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+        self.register_buffer("w_scale", scale)
+        self.register_buffer("wq_t", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).t().contiguous())
+        bias = None if source.bias is None else source.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic(x.float().reshape(-1, shape[-1]).contiguous(), self._packed)
+        x2 = x.float().reshape(-1, shape[-1])
+        sx = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0  # [T, 1]
+        xq = torch.round(x2 / sx).clamp(-127, 127).to(torch.int8)
+        y = torch._int_mm(xq, self.wq_t).float() * sx * self.w_scale
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.splits, dim=-1)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 per-channel dynamic"
+        return f"in={self.in_features}, out={self.out_features}, int8 weights per channel, activations per row"
 
 
 def quantize_linears(module: nn.Module) -> nn.Module:

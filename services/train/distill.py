@@ -49,13 +49,41 @@ def collect(target: TargetModel, prompt: list[int], max_new_tokens: int, want_ta
     return Sample(tokens, feats.float(), full.hidden.float(), full.logits.argmax(-1), mask)
 
 
+@dataclass(frozen=True, slots=True)
+class VocabSubset:
+    """A reduced draft vocabulary for the loss: `used` [K] ascending target ids (draft_vocab.select)
+    and `index` [V] long, the draft id of each target id or -1. For an EAGLE-1/2 head the logits are
+    the target lm_head rows `used`; for an EAGLE-3 head the head's own K-row lm_head (its d2t)."""
+    used: torch.Tensor  # [K]
+    index: torch.Tensor  # [V]
+
+    @staticmethod
+    def of(used: torch.Tensor, vocab_size: int) -> "VocabSubset":
+        index = torch.full((vocab_size,), -1, dtype=torch.long)
+        index[used] = torch.arange(used.shape[0])
+        return VocabSubset(used.long(), index)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Per unrolled step (draft position s + 1): [steps] counts over the trained rows."""
+    rows: torch.Tensor  # rows scored
+    top1: torch.Tensor  # rows whose top-1 draft equals the target's token
+    topk: torch.Tensor  # rows whose target token is in the draft's top-k
+
+
 def head_loss(head: DraftHead, s: Sample, steps: int = 3, noise_std: float = 0.0,
-              vloss_weight: float = 1.0, ploss_weight: float = 0.1
+              vloss_weight: float = 1.0, ploss_weight: float = 0.1, vocab: VocabSubset | None = None,
+              topk: int = 4, step_decay: float = 0.8, stats: list | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unrolled training loss over rows 0..T-2; returns (loss, step-0 top-1 agreement)."""
+    """Unrolled training loss over rows 0..T-2; returns (loss, step-0 top-1 agreement).
+
+    `vocab` restricts the cross-entropy to a reduced vocabulary (rows whose target token is outside
+    it keep only the feature regression); None = the head's own vocabulary (d2t for EAGLE-3).
+    `stats`, if a list, receives one StepStats (top-1 / top-k hits per step)."""
     t = s.tokens.shape[0] - 1  # rows: (token r+1, feature r)
-    ids = s.tokens[1:]  # [t]
-    feats = s.features[:t]
+    ids = s.tokens[1:].long()  # [t]
+    feats = s.features[:t].float()
     if noise_std > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * noise_std
     cache = head.new_cache(t * steps)
@@ -65,29 +93,46 @@ def head_loss(head: DraftHead, s: Sample, steps: int = 3, noise_std: float = 0.0
     total = torch.zeros(())
     acc = torch.zeros(())
     is_eagle2 = head.feature_kind == "hidden"
+    if vocab is not None and not is_eagle2 and getattr(head, "d2t", None) is None:
+        raise ValueError("a reduced vocabulary for an EAGLE-3 head comes from its d2t")
+    weight = head._target_head[0].weight if (is_eagle2 and vocab is not None) else None
+    w_sub = weight[vocab.used].float() if weight is not None else None
+    rows_n, hit1, hitk = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     for step in range(steps):
         n = t - step  # rows whose step-`step` input token exists
         if n < 2:
             break
         tree_mask = torch.cat(mask_blocks, dim=1)
         out = head(x, ids_shift(ids, step), cache, pos + step, tree_mask)  # [t, H]
-        target_tok = s.next_tokens[1 + step: 1 + step + n]  # token after ids[r + step]
-        draft_target = _draft_ids(head, target_tok)
-        rows = torch.nonzero((s.loss_mask[1 + step: 1 + step + n] > 0) & (draft_target >= 0)).flatten()
-        if rows.numel() == 0:
-            break
-        picked = out[rows]  # only trained rows go through the (large) vocabulary projection
-        logits = head.logits(picked).float()
-        labels = draft_target[rows]
-        step_loss = F.cross_entropy(logits, labels)
-        if is_eagle2:
-            reg = F.smooth_l1_loss(picked.float(), s.hidden[1 + step + rows].float())
+        target_tok = s.next_tokens[1 + step: 1 + step + n].long().clamp(min=0)  # token after ids[r + step]
+        if w_sub is not None:
+            draft_target = vocab.index[target_tok]
+        else:
+            draft_target = _draft_ids(head, target_tok)
+        trained = s.loss_mask[1 + step: 1 + step + n] > 0
+        rows = torch.nonzero(trained & (draft_target >= 0)).flatten()
+        step_loss = torch.zeros(())
+        if rows.numel():
+            picked = out[rows]  # only trained rows go through the vocabulary projection
+            logits = picked.float() @ w_sub.T if w_sub is not None else head.logits(picked).float()
+            labels = draft_target[rows]
+            step_loss = F.cross_entropy(logits, labels)
+            with torch.no_grad():
+                top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices
+                hit1[step] = (top[:, 0] == labels).sum()
+                hitk[step] = (top == labels[:, None]).any(-1).sum()
+            if step == 0:
+                acc = (top[:, 0] == labels).float().mean()
+        all_rows = torch.nonzero(trained).flatten()
+        rows_n[step] = all_rows.numel()  # out-of-vocabulary targets count as misses
+        if is_eagle2 and all_rows.numel():
+            reg = F.smooth_l1_loss(out[all_rows].float(), s.hidden[1 + step + all_rows].float())
             step_loss = ploss_weight * step_loss + vloss_weight * reg
-        total = total + (0.8 ** step) * step_loss
-        if step == 0:
-            acc = (logits.argmax(-1) == labels).float().mean()
+        total = total + (step_decay ** step) * step_loss
         x = out  # the next step consumes the head's own output at the same row
         mask_blocks.append(eye)
+    if stats is not None:
+        stats.append(StepStats(rows_n, hit1, hitk))
     return total, acc.detach()
 
 

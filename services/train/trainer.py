@@ -8,7 +8,9 @@ scheduler and the step, so an interrupted run continues where it stopped with `-
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from services.model.eagle_head import DraftHead
-from services.train.distill import Sample, head_loss
+from services.train.distill import Sample, StepStats, VocabSubset, head_loss
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,9 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100
     bf16_autocast: bool = False  # the reference trains under bf16 autocast; torch's CPU bf16 matmul is slow
+    eval_every: int = 0  # held-out evaluation every N steps (0 = never)
+    patience: int = 0  # stop after this many evaluations without a better held-out top-1 (0 = never)
+    max_seconds: float = 0.0  # stop (checkpointed, resumable) after this much training time (0 = never)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "ttt_steps", "checkpoint_every"):
@@ -49,9 +54,15 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir: Path,
-               resume: bool = False, stop_at: int | None = None) -> list[float]:
+               resume: bool = False, stop_at: int | None = None, vocab: VocabSubset | None = None,
+               heldout: list[Sample] | None = None, log=None) -> list[float]:
     """Train in place; returns the per-step mean top-1 agreement. `stop_at` ends the run early
-    (as an interruption would) after checkpointing. WARNING: mutates `head`."""
+    (as an interruption would) after checkpointing. `vocab` restricts the loss to a reduced draft
+    vocabulary. With `heldout` and cfg.eval_every, held-out top-1 agreement (draft position 1) is
+    measured every eval_every steps, the best head is kept (DIR/best.pt) and restored at the end,
+    and training stops early after cfg.patience evaluations without improvement; the evaluations
+    go to DIR/evals.jsonl. Sample order is a fixed function of (seed, step), so a resumed run sees
+    exactly the samples the uninterrupted one would. WARNING: mutates `head`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in params:
@@ -66,19 +77,29 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         start = state["step"]
-    gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(samples), generator=gen).tolist()
+    best, best_step, bad_evals = -1.0, 0, 0
+    if resume and ckpt.is_file():
+        best, best_step, bad_evals = state.get("best", (-1.0, 0, 0))
+    orders: dict[int, list[int]] = {}
+
+    def sample_at(i: int) -> Sample:  # epoch e uses permutation seed + e
+        e = i // len(samples)
+        if e not in orders:
+            orders[e] = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + e)).tolist()
+        return samples[orders[e][i % len(samples)]]
+
     head.train()
     history: list[float] = []
     end = min(cfg.steps, stop_at) if stop_at else cfg.steps
     bar = tqdm(range(start, end), desc="training", unit="step", initial=start, total=cfg.steps)
+    t_start = time.monotonic()
     for step in bar:
         opt.zero_grad()
         losses, accs = [], []
         for j in range(cfg.batch_size):
-            s = samples[order[(step * cfg.batch_size + j) % len(samples)]]
+            s = sample_at(step * cfg.batch_size + j)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-                loss, acc = head_loss(head, s, cfg.ttt_steps, cfg.noise_std)
+                loss, acc = head_loss(head, s, cfg.ttt_steps, cfg.noise_std, vocab=vocab)
             (loss / cfg.batch_size).backward()
             losses.append(float(loss.detach()))
             accs.append(float(acc))
@@ -88,9 +109,31 @@ def train_head(head: DraftHead, samples: list[Sample], cfg: TrainConfig, out_dir
         history.append(sum(accs) / len(accs))
         window = history[-50:]
         bar.set_postfix(loss=f"{sum(losses) / len(losses):.3f}", acc=f"{sum(window) / len(window):.3f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+        stop = bool(cfg.max_seconds) and time.monotonic() - t_start > cfg.max_seconds
+        if heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            ev = evaluate(head, heldout, depth=cfg.ttt_steps)
+            head.train()
+            top1 = ev["top1"][0]
+            if top1 > best:
+                best, best_step, bad_evals = top1, step + 1, 0
+                torch.save(head.state_dict(), out_dir / "best.pt")
+            else:
+                bad_evals += 1
+                stop = stop or (bool(cfg.patience) and bad_evals >= cfg.patience)
+            line = {"step": step + 1, "train_top1": round(sum(window) / len(window), 4),
+                    "heldout": ev, "best_step": best_step}
+            with open(out_dir / "evals.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+            if log:
+                print(json.dumps(line), file=log, flush=True)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end or stop:
             torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "step": step + 1}, ckpt)
+                        "scheduler": sched.state_dict(), "step": step + 1,
+                        "best": (best, best_step, bad_evals)}, ckpt)
+        if stop:
+            break
+    if heldout and cfg.eval_every and (out_dir / "best.pt").is_file():
+        head.load_state_dict(torch.load(out_dir / "best.pt", map_location="cpu"))
     head.eval().requires_grad_(False)
     return history
 
@@ -108,3 +151,24 @@ def agreement(head: DraftHead, samples: list[Sample]) -> float:
         total += n
     head.train(was_training)
     return hits / max(total, 1.0)
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, samples: list[Sample], depth: int = 4, topk: int = 4,
+             vocab: VocabSubset | None = None) -> dict:
+    """Teacher-forced agreement per draft position 1..depth on answer tokens: position k feeds the
+    head its own outputs for k-1 steps with the target's tokens (an accepted chain), as inference
+    does. Returns {"top1": [depth], f"top{topk}": [depth], "tokens": answer tokens scored}."""
+    was_training = head.training
+    head.eval()
+    stats: list[StepStats] = []
+    for s in samples:
+        head_loss(head, s, steps=depth, vocab=vocab, topk=topk, stats=stats)
+    head.train(was_training)
+    if not stats:
+        return {"top1": [0.0] * depth, f"top{topk}": [0.0] * depth, "tokens": 0}
+    rows = sum(st.rows for st in stats)
+    top1 = sum(st.top1 for st in stats) / rows.clamp(min=1)
+    topk_ = sum(st.topk for st in stats) / rows.clamp(min=1)
+    return {"top1": [round(float(x), 4) for x in top1], f"top{topk}": [round(float(x), 4) for x in topk_],
+            "tokens": int(rows[0]) if len(stats) else 0}

@@ -12,7 +12,10 @@ from services.spec.tree import TreeParams
 
 REQUEST = GenerationRequest((5, 17, 99, 3, 42, 8), 24, SamplingParams(0.8, 0.95, 0, 1234))
 PLAIN = [97, 22, 60, 23, 13, 17, 3, 101, 84, 33, 69, 26, 93, 100, 96, 110, 119, 45, 124, 0, 99, 26, 93, 59]
-SPECULATIVE = [97, 81, 80, 32, 16, 7, 30, 97, 81, 80, 44, 84, 92, 2, 82, 43, 114, 53, 120, 51, 43, 54, 112, 17]
+# Re-pinned when the fused q/k/v and gate/up linears landed (issue 9): the fixture's head is distilled in
+# the test, so new kernel numerics train a (slightly) different head whose trees differ; plain sampling
+# above did not change.
+SPECULATIVE = [97, 81, 80, 32, 9, 25, 40, 58, 57, 41, 72, 81, 17, 2, 82, 43, 114, 53, 120, 51, 43, 54, 112, 17]
 
 
 def tokens(engine: Engine) -> list[int]:
