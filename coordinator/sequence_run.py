@@ -18,12 +18,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import grpc
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest, StepOutput
 from coordinator.round_spans import RoundSpans
-from coordinator.sequence_store import SequenceStore
+from coordinator.sequence_store import LeaseLost, SequenceStore
+from services.rpc.errors import DownstreamError
 
 log = logging.getLogger("aerie.coordinator")
 SERVICE = "coordinator"
@@ -39,7 +42,12 @@ class Committed:
 class SequenceRun:
     def __init__(self, seq_id: str, request: GenerationRequest, engine: Engine, store: SequenceStore,
                  spans: RoundSpans, emit: Callable[[Committed | BaseException], None],
-                 on_exit: Callable[[SequenceRun], None]) -> None:
+                 on_exit: Callable[[SequenceRun], None], owner: str = "", round_base: int | None = None,
+                 on_lease_lost: Callable[[], None] | None = None) -> None:
+        """`owner`: this coordinator's id (commits are fenced by the sequence's lease). `round_base`
+        (None for a new sequence): for a sequence taken over from another coordinator, its last committed round; the engine
+        then runs from a rebuilt state and its step k is round round_base + k (its step 0, the token
+        already committed, is skipped)."""
         self.seq_id = seq_id
         self.request = request
         self.engine = engine
@@ -47,6 +55,9 @@ class SequenceRun:
         self.spans = spans
         self.emit = emit
         self.on_exit = on_exit
+        self.owner = owner
+        self.round_base = round_base
+        self.on_lease_lost = on_lease_lost  # keep the KV: the new owner may use the same replicas
         self.cancelled = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"seq-{seq_id[:12]}", daemon=True)
 
@@ -61,9 +72,15 @@ class SequenceRun:
         steps = self.engine.generate(self.request, self.seq_id)
         try:
             for step in steps:
+                if self.round_base is not None:
+                    if step.stats.index == 0:
+                        continue  # a take-over: the rebuilt state's first token is committed already
+                    step = StepOutput(step.tokens, replace(step.stats, index=step.stats.index + self.round_base),
+                                      step.finish_reason)
                 t0 = time.perf_counter()
                 with self.spans.phase(step.stats.index, "commit"):
-                    result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason)
+                    result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason,
+                                               self.owner)
                 commit_s = time.perf_counter() - t0
                 self.spans.end_round(step.stats, commit_s)
                 _observe(step, commit_s)
@@ -73,6 +90,12 @@ class SequenceRun:
                 self.emit(Committed(step, commit_s))
                 if step.finish_reason is not None:
                     return
+        except LeaseLost as e:  # another coordinator drives it now: leave Redis alone
+            log.warning("sequence %s: %s; stopping here", self.seq_id, e)
+            if self.on_lease_lost is not None:
+                self.on_lease_lost()
+            self.emit(DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                                      f"sequence {self.seq_id!r} moved to another coordinator: Resume it there ({e})"))
         except Exception as e:  # noqa: BLE001 - the sequence fails alone; the stream maps the error
             log.info("sequence %s failed: %s: %s", self.seq_id, type(e).__name__, e)
             try:

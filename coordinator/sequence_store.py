@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ from services.rpc.errors import DownstreamError, SequenceExists
 
 Status = Literal["running", "finished", "cancelled", "failed"]
 PREFIX = "aerie:seq:"
+LEASES = "aerie:leases"  # sorted set: running sequence id -> lease expiry (ms); a hint for take-overs
+log = logging.getLogger("aerie.coordinator")
+
+
+class LeaseLost(Exception):
+    """Another coordinator took this sequence over (its lease had expired): stop driving it."""
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -38,11 +45,22 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 return 1
 """
 
-# KEYS: hash, tokens. ARGV: round, finish_reason ('' = still running), ttl_s, tokens...
-# Returns {applied (0|1), cancel requested (0|1)}.
+# KEYS: hash, tokens. ARGV: round, finish_reason ('' = still running), ttl_s, owner ('' = no lease),
+# lease_ms, tokens... Returns {applied (0|1), cancel requested (0|1)}. With an owner, the commit is
+# fenced: it fails with LEASE when another coordinator holds an unexpired lease, and renews the
+# caller's lease otherwise.
 _COMMIT = """
 local cur = redis.call('HGET', KEYS[1], 'round')
 if not cur then return redis.error_reply('NOTFOUND') end
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if ARGV[4] ~= '' then
+  local owner = redis.call('HGET', KEYS[1], 'owner')
+  local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
+  if owner and owner ~= '' and owner ~= ARGV[4] and lease > now then
+    return redis.error_reply('LEASE held by coordinator ' .. owner)
+  end
+end
 local cancel = 0
 if redis.call('HGET', KEYS[1], 'cancel') == '1' then cancel = 1 end
 local r = tonumber(ARGV[1])
@@ -51,13 +69,28 @@ if r <= cur then return {0, cancel} end
 if r ~= cur + 1 then return redis.error_reply('GAP round ' .. r .. ' after round ' .. cur) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'running' then return redis.error_reply('ENDED sequence is ' .. status) end
-if #ARGV > 3 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 4)) end
+if #ARGV > 5 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 6)) end
 redis.call('HSET', KEYS[1], 'round', r)
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'lease_until', now + tonumber(ARGV[5])) end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[2]) end
 local ttl = tonumber(ARGV[3])
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 return {1, cancel}
+"""
+
+# KEYS: hash. ARGV: owner, lease_ms, mode ('renew': only the owner; 'claim': only once expired).
+# Returns 1 when the caller holds the lease afterwards.
+_LEASE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local owner = redis.call('HGET', KEYS[1], 'owner') or ''
+local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
+if ARGV[3] == 'renew' and owner ~= ARGV[1] then return 0 end
+if ARGV[3] == 'claim' and lease > now then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))
+return 1
 """
 
 # KEYS: hash, tokens. ARGV: status, finish_reason, error, ttl_s. Only a running sequence changes.
@@ -89,6 +122,7 @@ class SequenceRecord:
     seed: int
     drafter: str  # host:port, "" for plain decoding
     verifier: str
+    owner: str = ""  # the coordinator holding the lease ("" = no lease)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +138,8 @@ class SequenceState:
     verifier: str
     error: str = ""
     params: dict = field(default_factory=dict)
+    seed: int = 0
+    owner: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,18 +149,44 @@ class CommitResult:
 
 
 class SequenceStore:
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+    """`ttl_s`: a running sequence's keys expire this long after its last update; `finished_ttl_s`:
+    those of a finished, cancelled or failed one. `retry_s`: an unreachable Redis (restarting) is
+    retried with backoff for this long before the call fails UNAVAILABLE; every write is idempotent
+    (create checks existence, commit is keyed by round), so a retried write never applies twice."""
+
+    def __init__(self, client: redis.Redis, ttl_s: int, finished_ttl_s: int | None = None,
+                 retry_s: float = 0.0, lease_ttl_s: float = 10.0) -> None:
         self.redis = client
+        self.lease_ms = int(lease_ttl_s * 1000)
         self.ttl_s = ttl_s
+        self.finished_ttl_s = finished_ttl_s or ttl_s
+        self.retry_s = retry_s
         self._create = client.register_script(_CREATE)
         self._commit = client.register_script(_COMMIT)
+        self._lease = client.register_script(_LEASE)
         self._finish = client.register_script(_FINISH)
         self._cancel = client.register_script(_CANCEL)
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int) -> SequenceStore:
+    def from_url(cls, url: str, ttl_s: int, finished_ttl_s: int | None = None, retry_s: float = 0.0,
+                 lease_ttl_s: float = 10.0) -> SequenceStore:
         return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10,
-                                        socket_connect_timeout=5, health_check_interval=30), ttl_s)
+                                        socket_connect_timeout=5, health_check_interval=30),
+                   ttl_s, finished_ttl_s, retry_s, lease_ttl_s)
+
+    def _call(self, seq_id: str, fn, *args, **kwargs):
+        """fn(*args) with domain errors; connection failures retried with backoff for retry_s."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                with _errors(seq_id):
+                    return fn(*args, **kwargs)
+            except DownstreamError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     @staticmethod
     def keys(seq_id: str) -> tuple[str, str]:
@@ -137,29 +199,93 @@ class SequenceStore:
     def create(self, rec: SequenceRecord) -> None:
         fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": json.dumps(rec.params),
                   "seed": rec.seed, "round": -1, "status": "running", "finish_reason": "", "error": "",
-                  "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}"}
+                  "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}",
+                  "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
         argv = [self.ttl_s] + [x for kv in fields.items() for x in kv]
-        with _errors(rec.sequence_id):
-            created = self._create(keys=self.keys(rec.sequence_id)[:1], args=argv)
+        created = self._call(rec.sequence_id, self._create, keys=self.keys(rec.sequence_id)[:1], args=argv)
         if not created:
             raise SequenceExists(f"sequence {rec.sequence_id!r} already exists")
+        if rec.owner:
+            self._index_lease(rec.sequence_id, self.lease_ms)
 
-    def commit(self, seq_id: str, round_index: int, tokens: list[int], finish_reason: str | None) -> CommitResult:
-        """Append one round's tokens (and its finish) atomically; a round already committed is a no-op."""
-        with _errors(seq_id):
-            applied, cancel = self._commit(keys=self.keys(seq_id),
-                                           args=[round_index, finish_reason or "", self.ttl_s, *tokens])
+    def commit(self, seq_id: str, round_index: int, tokens: list[int], finish_reason: str | None,
+               owner: str = "") -> CommitResult:
+        """Append one round's tokens (and its finish) atomically; a round already committed is a no-op.
+        With `owner`, fenced by the sequence's lease (LeaseLost when another coordinator holds it)
+        and renewing it."""
+        ttl = self.finished_ttl_s if finish_reason else self.ttl_s
+        applied, cancel = self._call(seq_id, self._commit, keys=self.keys(seq_id),
+                                     args=[round_index, finish_reason or "", ttl, owner, self.lease_ms, *tokens])
+        if owner:
+            self._index_lease(seq_id, None if finish_reason else self.lease_ms)
         return CommitResult(bool(applied), bool(cancel))
 
     def finish(self, seq_id: str, status: Status, finish_reason: str = "", error: str = "") -> str:
         """End a running sequence (cancelled / failed); returns the final status."""
-        with _errors(seq_id):
-            return self._finish(keys=self.keys(seq_id), args=[status, finish_reason, error[:2000], self.ttl_s])
+        final = self._call(seq_id, self._finish, keys=self.keys(seq_id),
+                           args=[status, finish_reason, error[:2000], self.finished_ttl_s])
+        self._index_lease(seq_id, None)
+        return final
+
+    # ---- leases (coordinator hand-over) ------------------------------------------------------------
+
+    def renew(self, seq_id: str, owner: str) -> bool:
+        """Extend `owner`'s lease; False when it lost it (another coordinator took the sequence over)."""
+        held = bool(self._call(seq_id, self._lease, keys=self.keys(seq_id)[:1], args=[owner, self.lease_ms, "renew"]))
+        if held:
+            self._index_lease(seq_id, self.lease_ms)
+        return held
+
+    def claim(self, seq_id: str, owner: str) -> bool:
+        """Take over a running sequence whose lease expired; True when `owner` holds it now."""
+        held = bool(self._call(seq_id, self._lease, keys=self.keys(seq_id)[:1], args=[owner, self.lease_ms, "claim"]))
+        if held:
+            self._index_lease(seq_id, self.lease_ms)
+        return held
+
+    def expired_leases(self, limit: int = 100) -> list[str]:
+        """Running sequences whose lease ran out (their coordinator is gone): candidates for `claim`.
+        The index (one sorted set, score = lease expiry in ms) is a hint; `claim` decides."""
+        now_ms = int(time.time() * 1000)
+        with _errors(""):
+            ids = self.redis.zrangebyscore(LEASES, "-inf", now_ms, start=0, num=limit)
+            gone = [i for i in ids if not self.redis.exists(self.keys(i)[0])]
+            if gone:
+                self.redis.zrem(LEASES, *gone)
+        return [i for i in ids if i not in gone]
+
+    def _index_lease(self, seq_id: str, lease_ms: int | None) -> None:
+        try:
+            if lease_ms is None:
+                self.redis.zrem(LEASES, seq_id)
+            else:
+                self.redis.zadd(LEASES, {seq_id: int(time.time() * 1000) + lease_ms})
+        except redis.RedisError as e:  # the index is a hint; the lease itself is in the hash
+            log.warning("cannot index the lease of %s: %s", seq_id, e)
+
+    def set_placement(self, seq_id: str, drafter: str, verifier: str) -> None:
+        """Record where the sequence runs now (after a fail-over)."""
+        self._call(seq_id, self.redis.hset, self.keys(seq_id)[0], mapping={"drafter": drafter, "verifier": verifier})
 
     def request_cancel(self, seq_id: str) -> Status:
         """Flag a running sequence for cancellation; returns its status."""
         with _errors(seq_id):
             return self._cancel(keys=self.keys(seq_id)[:1])
+
+    def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
+        """(tokens[start:], status, finish_reason, round, error, number of tokens) in one round trip."""
+        key, tokens_key = self.keys(seq_id)
+
+        def read():
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hmget(key, "status", "finish_reason", "round", "error")
+                pipe.lrange(tokens_key, start, -1)
+                pipe.llen(tokens_key)
+                return pipe.execute()
+        (status, reason, rnd, error), tokens, total = self._call(seq_id, read)
+        if status is None:
+            raise SequenceNotFound(f"unknown sequence {seq_id!r}")
+        return [int(t) for t in tokens], status, reason or "", int(rnd), error or "", int(total)
 
     def get(self, seq_id: str) -> SequenceState:
         key, tokens_key = self.keys(seq_id)
@@ -174,7 +300,8 @@ class SequenceStore:
             sequence_id=seq_id, prompt_ids=[int(x) for x in prompt.split(",")] if prompt else [],
             tokens=[int(t) for t in tokens], status=h["status"], finish_reason=h.get("finish_reason", ""),
             round=int(h["round"]), drafter=h.get("drafter", ""), verifier=h.get("verifier", ""),
-            error=h.get("error", ""), params=json.loads(h.get("params") or "{}"))
+            error=h.get("error", ""), params=json.loads(h.get("params") or "{}"), seed=int(h.get("seed") or 0),
+            owner=h.get("owner", ""))
 
 
 @contextlib.contextmanager
@@ -195,6 +322,8 @@ def _store_error(seq_id: str, e: redis.ResponseError) -> Exception:
     text = str(e)
     if "NOTFOUND" in text:
         return SequenceNotFound(f"unknown sequence {seq_id!r}")
+    if "LEASE" in text:
+        return LeaseLost(f"sequence {seq_id!r}: {text}")
     if text.startswith(SCRIPT_ERRORS):
         return InvalidRequest(f"sequence {seq_id!r}: {text}")
     # Redis itself refused (read-only replica, NOREPLICAS, OOM, MISCONF, LOADING...): not the client's fault

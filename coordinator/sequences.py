@@ -10,14 +10,15 @@ It does not speak gRPC to clients (servicer.py) or hold tokens (Redis does).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest
+from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
 from services.rpc.errors import SequenceExists
@@ -26,6 +27,7 @@ from services.rpc.stubs import coordinator as cpb
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Pool
 from coordinator.round_spans import RoundSpans
+from coordinator.sequence_placement import SequencePlacement
 from coordinator.sequence_run import Committed, SequenceRun
 from coordinator.sequence_store import SequenceRecord, SequenceStore, Status
 
@@ -47,6 +49,7 @@ class Sequences:
         self.drafters = drafters
         self._runs: dict[str, SequenceRun] = {}
         self._lock = threading.Lock()
+        self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -56,7 +59,8 @@ class Sequences:
               wrap_engine: Callable[[Engine], Any] | None = None) -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
         `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine."""
-        seq_id = seq_id or uuid.uuid4().hex
+        # 128 random bits: the id is the capability to read, resume or cancel the sequence
+        seq_id = seq_id or secrets.token_hex(16)
         with self._lock:
             if len(self._runs) >= self.config.max_sequences:
                 raise CapacityExceeded(f"coordinator runs its maximum of {self.config.max_sequences} sequences "
@@ -64,56 +68,129 @@ class Sequences:
             if seq_id in self._runs:
                 raise SequenceExists(f"sequence {seq_id!r} already exists")
             self._runs[seq_id] = None  # type: ignore[assignment]  # reserved while admitting
-        verifier = drafter = None
+        placement = None
         try:
             spans = RoundSpans(seq_id, request_span)
-            verifier = self.verifiers.acquire()
-            drafter = self.drafters.acquire() if self.drafters else None
-            remote_drafter = drafter.for_sequence(spans) if drafter else None
-            kind = remote_drafter.feature_kind if remote_drafter else "none"
-            vinfo = verifier.info()
-            retrieval = self.config.retrieval
-            budget = codec.decode_budget(vinfo, drafter.info() if drafter else None, retrieval)
-            engine = Engine(verifier.for_sequence(kind, spans), remote_drafter, int(vinfo.max_context),
-                            int(vinfo.vocab_size), tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
+            placement = SequencePlacement(
+                seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+            vinfo, engine = self._engine(placement)
             engine.validate(request)
             if wrap_engine is not None:
                 engine = wrap_engine(engine)
             s = request.sampling
+            drafter_address, verifier_address = placement.addresses()
             self.store.create(SequenceRecord(
                 sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
                 params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                         "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
                         "ignore_eos": request.ignore_eos},
-                drafter=drafter.address if drafter else "", verifier=verifier.address))
+                drafter=drafter_address, verifier=verifier_address, owner=self.owner))
         except BaseException:
             with self._lock:
                 self._runs.pop(seq_id, None)
-            if verifier is not None:
-                self.verifiers.release(verifier)
-            if drafter is not None:
-                self.drafters.release(drafter)
+            if placement is not None:
+                placement.close()
             raise
-        info = cpb.SequenceInfo(placement=cpb.Placement(drafter=drafter.address if drafter else "",
-                                                        verifier=verifier.address), target=vinfo.target)
-        if remote_drafter is not None:
-            info.draft = drafter.info().draft
-            info.tree.CopyFrom(codec.encode_tree_params(remote_drafter.tree))
+        info = cpb.SequenceInfo(placement=cpb.Placement(drafter=drafter_address, verifier=verifier_address),
+                                target=vinfo.target)
+        if placement.drafter_client is not None:
+            info.draft = placement.drafter_client.info().draft
+            info.tree.CopyFrom(codec.encode_tree_params(placement.tree))
 
         def on_exit(run: SequenceRun) -> None:
             with self._lock:
                 self._runs.pop(run.seq_id, None)
                 metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
-            self.verifiers.release(verifier)
-            if drafter is not None:
-                self.drafters.release(drafter)
+            placement.close()  # after the engine's own release: frees nothing twice
 
-        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit)
+        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit, owner=self.owner,
+                          on_lease_lost=placement.abandon)
         with self._lock:
             self._runs[seq_id] = run
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
         run.start()
         return Admitted(run, info)
+
+    def _engine(self, placement: SequencePlacement) -> tuple[Any, Engine]:
+        """The round loop over a sequence's placement, with the draft budget built from the cost
+        curves its verifier and drafter report (GetInfo) -> (the verifier's info, the engine)."""
+        vinfo = placement.verifier_client.info()
+        retrieval = self.config.retrieval
+        dclient = placement.drafter_client
+        budget = codec.decode_budget(vinfo, dclient.info() if dclient else None, retrieval)
+        return vinfo, Engine(placement.verifier, placement.drafter, int(vinfo.max_context), int(vinfo.vocab_size),
+                             tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
+
+    def adopt(self, seq_id: str) -> bool:
+        """Take over a running sequence whose coordinator is gone (its lease expired): rebuild it on
+        this coordinator's replicas from Redis (prompt + committed tokens) and continue at the next
+        round. Clients follow it with Resume. False when another coordinator claimed it first."""
+        with self._lock:
+            if seq_id in self._runs or len(self._runs) >= self.config.max_sequences:
+                return False
+            self._runs[seq_id] = None  # type: ignore[assignment]
+        placement = None
+        try:
+            if not self.store.claim(seq_id, self.owner):
+                with self._lock:
+                    self._runs.pop(seq_id, None)
+                return False
+            state = self.store.get(seq_id)
+            p = state.params
+            resumed = bool(state.tokens)  # else it died before its prefill was committed: start over
+            request = GenerationRequest(
+                tuple(state.prompt_ids) + tuple(state.tokens[:-1]), p["max_new_tokens"] - max(len(state.tokens) - 1, 0),
+                SamplingParams(p["temperature"], p["top_p"], p["top_k"], state.seed),
+                tuple(p["stop_token_ids"]), p["ignore_eos"])
+            spans = RoundSpans(seq_id, None)
+            placement = SequencePlacement(
+                seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+            if resumed:
+                placement.resume_from(state.prompt_ids, state.tokens, state.round)
+            _, engine = self._engine(placement)
+            self.store.set_placement(seq_id, *placement.addresses())
+        except Exception as e:  # noqa: BLE001 - another coordinator may try again after the lease
+            log.warning("cannot take over sequence %s: %s", seq_id, e)
+            with self._lock:
+                self._runs.pop(seq_id, None)
+            if placement is not None:
+                placement.close()
+            return False
+        log.info("took over sequence %s at round %d (%d tokens committed)", seq_id, state.round, len(state.tokens))
+
+        def on_exit(run: SequenceRun) -> None:
+            with self._lock:
+                self._runs.pop(run.seq_id, None)
+                metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
+            placement.close()
+
+        run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, on_exit, owner=self.owner,
+                          round_base=state.round if resumed else None, on_lease_lost=placement.abandon)
+        with self._lock:
+            self._runs[seq_id] = run
+            metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
+        run.start()
+        return True
+
+    def keep_leases(self) -> None:
+        """Renew the lease of every sequence running here (a long round must not look like a dead
+        coordinator) and stop those another coordinator took over; then adopt expired ones."""
+        with self._lock:
+            runs = [r for r in self._runs.values() if r is not None]
+        for run in runs:
+            try:
+                self.store.renew(run.seq_id, self.owner)  # lost: the run's next commit stops it (fenced)
+            except Exception as e:  # noqa: BLE001 - Redis down: the commit path reports it
+                log.warning("cannot renew the lease of %s: %s", run.seq_id, e)
+        try:
+            expired = self.store.expired_leases()
+        except Exception as e:  # noqa: BLE001
+            log.warning("cannot list expired leases: %s", e)
+            return
+        for seq_id in expired:
+            self.adopt(seq_id)
 
     def cancel(self, seq_id: str) -> Status:
         """Request cancellation; returns the sequence's status (raises SequenceNotFound)."""

@@ -14,8 +14,10 @@ import grpc
 
 from services.rpc import server as rpc_server
 from services.rpc.clients import DrafterClient, VerifierClient
+from services.rpc.registry import Registry
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
+from coordinator.leases import LeaseKeeper
 from coordinator.placement import Pool, Refresher
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
@@ -32,9 +34,12 @@ class Coordinator:
     store: SequenceStore
     pools: list[Pool]
     refresher: Refresher
+    leases: LeaseKeeper | None = None
 
     def close(self, drain_s: float = 10.0) -> None:
         """Stop every sequence after its round in flight, then close channels."""
+        if self.leases is not None:
+            self.leases.stop()
         self.sequences.drain(drain_s)
         self.refresher.stop()
         for pool in self.pools:
@@ -42,15 +47,27 @@ class Coordinator:
 
 
 def build(config: CoordinatorConfig) -> Coordinator:
-    store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s)
+    store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s, config.finished_ttl_s,
+                                   config.redis_retry_s, config.lease_ttl_s)
     store.ping()
     limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
-    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout))
-    drafters = Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout)) if config.drafters else None
+    probe = config.probe_interval_s
+    registry = Registry(store.redis) if config.discover else None
+
+    def discover(role: str):
+        return (lambda: registry.instances(role)) if registry is not None else None
+
+    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout), probe_interval_s=probe,
+                     discover=discover("verifier"))
+    drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout), probe_interval_s=probe,
+                     discover=discover("drafter"))
+                if config.drafters or config.discover else None)
     pools = [p for p in (verifiers, drafters) if p is not None]
     sequences = Sequences(config, store, verifiers, drafters)
     servicer = CoordinatorServicer(config, sequences, store)
-    return Coordinator(servicer, sequences, store, pools, Refresher(pools, config.resolve_interval_s))
+    return Coordinator(servicer, sequences, store, pools,
+                       Refresher(pools, config.resolve_interval_s, config.discover_interval_s),
+                       LeaseKeeper(sequences, config.lease_ttl_s))
 
 
 async def create_server(address: str, config: CoordinatorConfig, coordinator: Coordinator

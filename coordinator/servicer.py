@@ -14,8 +14,11 @@ import threading
 
 import grpc
 
+import grpc
+
 from services import telemetry
 from services.rpc import codec
+from services.errors import InvalidRequest
 from services.rpc.errors import DownstreamError, rpc_errors
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
@@ -27,6 +30,7 @@ from coordinator.sequences import Sequences
 from coordinator.request_metrics import RequestMetrics
 from coordinator.text import Text, served_name
 
+RESUME_POLL_S = 0.02  # Resume follows Redis at this interval (backing off to 0.25 s while idle)
 STATUS = {"running": cpb.SEQUENCE_STATUS_RUNNING, "finished": cpb.SEQUENCE_STATUS_FINISHED,
           "cancelled": cpb.SEQUENCE_STATUS_CANCELLED, "failed": cpb.SEQUENCE_STATUS_FAILED}
 
@@ -141,6 +145,34 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         return cpb.Sequence(sequence_id=s.sequence_id, prompt_ids=s.prompt_ids, tokens=s.tokens,
                             status=STATUS[s.status], finish_reason=s.finish_reason, round=s.round,
                             placement=cpb.Placement(drafter=s.drafter, verifier=s.verifier), error=s.error)
+
+    @rpc_errors
+    async def Resume(self, request: cpb.ResumeRequest, context):
+        """Committed tokens from `from_token_index` on, then each new commit until the sequence ends
+        (it reads Redis, so any coordinator answers, whichever one drives the sequence)."""
+        seq_id = codec.sequence_id(request.sequence_id)
+        sent = request.from_token_index
+        if sent < 0:
+            raise InvalidRequest(f"from_token_index must be >= 0; got {sent}")
+        poll_s = RESUME_POLL_S
+        while True:
+            tokens, status, reason, round_index, error, total = await asyncio.to_thread(self.store.tail, seq_id, sent)
+            if sent > total:
+                raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
+            final = status != "running"
+            if status == "failed":
+                if tokens:
+                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index))
+                raise DownstreamError(grpc.StatusCode.ABORTED, f"sequence {seq_id!r} failed: {error}")
+            if tokens or final:
+                sent += len(tokens)
+                yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
+                                           finish_reason=("cancel" if status == "cancelled" else reason) if final else "")
+                poll_s = RESUME_POLL_S
+            if final:
+                return
+            await asyncio.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.25)
 
     @rpc_errors
     async def GetInfo(self, request: pb.InfoRequest, context) -> cpb.CoordinatorInfo:

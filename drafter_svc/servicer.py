@@ -17,6 +17,7 @@ from services.spec.tree import TreeParams
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
+from services.rpc.reaper import IdleSequences, Reaper
 from services.rpc.server import ModelWorker
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
@@ -44,8 +45,11 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.max_rows = max_context + codec.MAX_TREE_NODES
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
         self._call = ModelWorker("drafter")  # every model call runs on this one thread
+        self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
+        self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self._call.run(self._release, seq_id))
 
     def close(self) -> None:
+        self.reaper.stop()
         self._call.close()
 
     # ---- RPCs --------------------------------------------------------------------------------------
@@ -123,6 +127,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     def _prefill(self, seq_id: str, max_rows: int, sampling: bool, tokens: torch.Tensor,
                  features: torch.Tensor, params: TreeParams | None) -> dpb.DraftResponse:
         self.drafter.start(seq_id, max_rows, sampling)
+        self.idle.touch(seq_id)
         try:
             response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features, params)))
         except BaseException:
@@ -134,6 +139,8 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
 
     def _draft(self, seq_id: str, round_index: int, tokens: torch.Tensor, features: torch.Tensor,
                params: TreeParams | None) -> dpb.DraftResponse:
+        if seq_id in self._last:
+            self.idle.touch(seq_id)
         last = self._last.get(seq_id)
         if last is not None and round_index == last[0]:
             return last[1]
@@ -146,6 +153,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
 
     def _release(self, seq_id: str) -> bool:
         self._last.pop(seq_id, None)
+        self.idle.forget(seq_id)
         before = self.drafter.num_sequences
         self.drafter.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)

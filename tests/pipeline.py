@@ -112,7 +112,10 @@ class Pipeline:
     channels: list = field(default_factory=list)
 
     def channel(self, role: str):
-        ch = open_channel(self.addresses[role], self.service.max_message_bytes)
+        return self.channel_to(self.addresses[role])
+
+    def channel_to(self, address: str):
+        ch = open_channel(address, self.service.max_message_bytes)
         self.channels.append(ch)
         return ch
 
@@ -136,6 +139,26 @@ class Pipeline:
         self.servers.append((server, coordinator))
         return coordinator, f"{HOST}:{port}"
 
+    def add_service(self, role: str, dirs: ModelDirs, tree: TreeParams = TREE, max_sequences: int = 8,
+                    max_prompt_tokens: int = 256, draft_dtype: str | None = None):
+        """Another verifier or drafter replica on the same checkpoints: (servicer, server, address)."""
+        if role == "verifier":
+            config = VerifierConfig(self.service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
+                                    max_prompt_tokens=max_prompt_tokens)
+            servicer = load_verifier(config)
+            server, port = self.loop.run(create_verifier(f"{HOST}:0", config, servicer))
+        else:
+            config = DrafterConfig(self.service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32",
+                                   tree=tree, max_sequences=max_sequences, draft_dtype=draft_dtype)
+            servicer = load_drafter(config)
+            server, port = self.loop.run(create_drafter(f"{HOST}:0", config, servicer))
+        self.servers.append((server, servicer))
+        return servicer, server, f"{HOST}:{port}"
+
+    def stop_server(self, server) -> None:
+        """A replica that goes away at once (in-flight calls fail, new ones are refused)."""
+        self.loop.run(server.stop(None))
+
     def close(self) -> None:
         for ch in self.channels:
             ch.close()
@@ -150,18 +173,18 @@ class Pipeline:
 
 def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
                    max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
-                   **coordinator_overrides) -> Pipeline:
+                   idle_ttl_s: float = 600.0, draft_dtype: str | None = None, **coordinator_overrides) -> Pipeline:
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes)
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
-                             max_prompt_tokens=max_prompt_tokens)
+                             max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s)
     verifier = load_verifier(vconfig)
     vserver, vport = loop.run(create_verifier(f"{HOST}:0", vconfig, verifier))
     p = Pipeline(loop, verifier, None, None, {"verifier": f"{HOST}:{vport}"}, service)  # type: ignore[arg-type]
     p.servers.append((vserver, verifier))
     if with_drafter:
         dconfig = DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
-                                max_sequences=max_sequences)
+                                max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, draft_dtype=draft_dtype)
         p.drafter = load_drafter(dconfig)
         dserver, dport = loop.run(create_drafter(f"{HOST}:0", dconfig, p.drafter))
         p.servers.append((dserver, p.drafter))
@@ -178,9 +201,11 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def local_engine(dirs: ModelDirs, tree: TreeParams = TREE, with_drafter: bool = True) -> Engine:
+def local_engine(dirs: ModelDirs, tree: TreeParams = TREE, with_drafter: bool = True,
+                 draft_dtype: str | None = None) -> Engine:
     """The in-process engine on the same checkpoints, loaded the same way (the reference)."""
-    return build_local_engine(str(dirs.target), str(dirs.head) if with_drafter else "none", "fp32", tree).engine
+    return build_local_engine(str(dirs.target), str(dirs.head) if with_drafter else "none", "fp32", tree,
+                              draft_dtype=draft_dtype).engine
 
 
 def local_run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str | None, list[int]]:

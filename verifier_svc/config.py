@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.rpc import registry
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
@@ -22,7 +23,11 @@ class VerifierConfig:
     max_sequences: int = 64  # sequences holding KV at once
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
 
+    idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+
     def __post_init__(self) -> None:
+        if self.idle_ttl_s < 0:
+            raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
@@ -32,6 +37,9 @@ class VerifierConfig:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
+    registry.add_flags(p)  # optional: --redis-url registers this replica
+    p.add_argument("--idle-ttl-s", type=float, default=env("AERIE_IDLE_TTL_S", 600.0),
+                   help="release the KV of a sequence untouched this long (AERIE_IDLE_TTL_S, 600; 0 = never)")
     add_service_flags(p, "AERIE_VERIFIER_PORT", DEFAULT_PORT)
     g = p.add_argument_group("verifier")
     g.add_argument("--target", default=env("AERIE_TARGET"),
@@ -46,4 +54,5 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype,
-                          max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens)
+                          max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
+                          idle_ttl_s=args.idle_ttl_s)

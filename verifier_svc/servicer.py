@@ -20,6 +20,7 @@ from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECOND
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
+from services.rpc.reaper import IdleSequences, Reaper
 from services.rpc.server import ModelWorker
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
@@ -50,8 +51,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind (the Verifier holding it)
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self._call = ModelWorker("verifier")  # every model call runs on this one thread
+        self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
+        self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self._call.run(self._release, seq_id))
 
     def close(self) -> None:
+        self.reaper.stop()
         self._call.close()
 
     @property
@@ -66,7 +70,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidRequest("prompt is empty: give at least one token")
-        if n > self.config.max_prompt_tokens:
+        if n > self.config.max_prompt_tokens and not request.rebuild:
             raise CapacityExceeded(f"prompt has {n} tokens; this verifier accepts at most "
                                    f"{self.config.max_prompt_tokens} (AERIE_MAX_PROMPT_TOKENS)")
         prompt = torch.tensor(codec.token_ids(request.prompt_ids, self.vocab_size, "prompt"), dtype=torch.long)
@@ -125,6 +129,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                    f"(AERIE_MAX_SEQUENCES)")
         result = self._roles[kind].prefill(seq_id, prompt, sampling, capacity)
         self._kind[seq_id] = kind
+        self.idle.touch(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
         return result
 
@@ -147,6 +152,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     def _release(self, seq_id: str) -> bool:
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
+        self.idle.forget(seq_id)
         if kind is not None:
             self._roles[kind].release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
@@ -156,6 +162,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         kind = self._kind.get(seq_id)
         if kind is None:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier")
+        self.idle.touch(seq_id)
         return self._roles[kind]
 
     def _replay(self, seq_id: str, round_index: int):

@@ -116,10 +116,13 @@ class RemoteVerifier:
         self.phases = phases
         self.vocab_size = int(client.info().vocab_size)
 
-    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int) -> PrefillResult:
+    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
+                rebuild: bool = False) -> PrefillResult:
+        """`rebuild`: prompt + committed tokens of an admitted sequence (a fail-over), not bounded by
+        the verifier's max_prompt_tokens."""
         request = vpb.VerifierPrefillRequest(
             sequence_id=seq_id, prompt_ids=prompt.tolist(), sampling=codec.encode_sampling(sampling),
-            capacity=capacity, feature_kind=codec.WIRE_FEATURE_KINDS[self.feature_kind])
+            capacity=capacity, feature_kind=codec.WIRE_FEATURE_KINDS[self.feature_kind], rebuild=rebuild)
         rows = 0 if self.feature_kind == "none" else len(prompt)  # plain decoding gets no features
         features = codec.TensorAssembler("features", shape=(rows, None))
         first_token = None

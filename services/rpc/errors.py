@@ -35,9 +35,10 @@ class SequenceExists(InvalidRequest):
 class DownstreamError(AerieError):
     """A call from this service to another one failed; `code` is what that call ended with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, lost_sequence: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.lost_sequence = lost_sequence  # the peer answered but no longer holds the sequence
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError, role: str, address: str) -> DownstreamError:
@@ -45,7 +46,8 @@ class DownstreamError(AerieError):
         details = (e.details() if hasattr(e, "details") else None) or str(e)
         if code == grpc.StatusCode.NOT_FOUND:
             # the peer lost a sequence this coordinator placed there (restarted): retryable for the client
-            return cls(grpc.StatusCode.UNAVAILABLE, f"{role} at {address} lost the sequence: {details}")
+            return cls(grpc.StatusCode.UNAVAILABLE, f"{role} at {address} lost the sequence: {details}",
+                       lost_sequence=True)
         if code == grpc.StatusCode.UNAVAILABLE:
             return cls(code, f"{role} at {address} is unavailable: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:

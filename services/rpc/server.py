@@ -117,6 +117,10 @@ class ModelWorker:
         finally:
             histogram.observe(time.perf_counter() - t0)
 
+    def run(self, fn, *args):
+        """From another (non-asyncio) thread: run `fn` on the worker and wait for its result."""
+        return self._pool.submit(fn, *args).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -82,3 +82,41 @@ def test_unreachable_redis_is_unavailable():
     with pytest.raises(DownstreamError, match="Redis is unavailable") as e:
         store.get("s1")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_finished_records_expire_sooner(redis_url):
+    import redis as redis_lib
+    store = SequenceStore(redis_lib.Redis.from_url(redis_url, decode_responses=True), ttl_s=120, finished_ttl_s=5)
+    store.create(SequenceRecord("ttl-1", (1, 2), {}, 0, "", "v:1"))
+    store.commit("ttl-1", 0, [3], None)
+    assert store.redis.ttl(store.keys("ttl-1")[0]) > 100  # running: the long TTL
+    store.commit("ttl-1", 1, [4], "length")
+    assert 0 < store.redis.ttl(store.keys("ttl-1")[0]) <= 5 and 0 < store.redis.ttl(store.keys("ttl-1")[1]) <= 5
+
+
+def test_a_redis_restart_loses_nothing_and_writes_wait_for_it(tmp_path):
+    """kill -9 of an AOF (everysec) Redis between two commits: the next commit retries with backoff
+    until Redis is back on the same port and directory, and every committed token is still there."""
+    import signal
+    import threading
+    import redis as redis_lib
+    from coordinator.redis_server import start_redis, stop_process
+
+    proc, url = start_redis(tmp_path / "r", appendfsync="everysec")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    store = SequenceStore(redis_lib.Redis.from_url(url, decode_responses=True, socket_timeout=2,
+                                                   socket_connect_timeout=1), ttl_s=120, retry_s=20)
+    store.create(SequenceRecord("aof-1", (1, 2), {}, 0, "", "v:1"))
+    store.commit("aof-1", 0, [3], None)
+    store.commit("aof-1", 1, [4, 5], None)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    restarted = {}
+    t = threading.Timer(1.0, lambda: restarted.update(p=start_redis(tmp_path / "r", port, appendfsync="everysec")[0]))
+    t.start()
+    try:
+        assert store.commit("aof-1", 2, [6], None).applied  # waits for the restart
+        assert store.get("aof-1").tokens == [3, 4, 5, 6] and store.get("aof-1").round == 2
+    finally:
+        t.join()
+        stop_process(restarted["p"])

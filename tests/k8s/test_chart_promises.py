@@ -22,12 +22,13 @@ CONTRACT = {
     "common": {"AERIE_HOST", "AERIE_LOG_LEVEL", "AERIE_METRICS_PORT", "AERIE_MAX_MESSAGE_BYTES", "AERIE_DRAIN_S",
                "OTEL_EXPORTER_OTLP_ENDPOINT"},
     "verifier": {"AERIE_VERIFIER_PORT", "AERIE_TARGET", "AERIE_DTYPE", "AERIE_MAX_SEQUENCES",
-                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE"},
+                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE", "AERIE_IDLE_TTL_S"},
     "drafter": {"AERIE_DRAFTER_PORT", "AERIE_TARGET", "AERIE_DRAFT", "AERIE_DTYPE", "AERIE_TREE_TOP_K",
-                "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES"},
+                "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES", "AERIE_IDLE_TTL_S"},
     "coordinator": {"AERIE_COORDINATOR_PORT", "AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS",
                     "AERIE_MAX_NEW_TOKENS", "AERIE_SEQUENCE_TTL_S", "AERIE_MAX_SEQUENCES", "AERIE_RPC_TIMEOUT_S",
-                    "AERIE_RESOLVE_INTERVAL_S", "AERIE_RETRIEVAL"},
+                    "AERIE_RESOLVE_INTERVAL_S", "AERIE_RETRIEVAL", "AERIE_VERIFIER_WAIT_S", "AERIE_PROBE_INTERVAL_S",
+                    "AERIE_LEASE_TTL_S", "AERIE_FINISHED_TTL_S", "AERIE_REDIS_RETRY_S", "AERIE_DISCOVER"},
 }
 # AERIE_* names the services read that the chart deliberately leaves unset (a user can still add
 # them through <component>.extraEnv). Anything else the code reads must be mapped by the chart.
@@ -36,6 +37,10 @@ NOT_SET_BY_CHART = {
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
     "AERIE_COST_DIR": "where measured cost curves are cached; a fresh pod measures its device (seconds)",
     "AERIE_RECALIBRATE": "force a new cost measurement; a fresh pod measures anyway",
+    "AERIE_ADVERTISE_ADDRESS": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
+    "AERIE_HEARTBEAT_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
+    "AERIE_HEARTBEAT_TTL_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
+    "AERIE_DISCOVER_INTERVAL_S": "only read with AERIE_DISCOVER=1, which the chart leaves off by default",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
@@ -94,6 +99,12 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_RPC_TIMEOUT_S": str(c["rpcTimeoutSeconds"]),
             "AERIE_RESOLVE_INTERVAL_S": str(c["resolveIntervalSeconds"]),
             "AERIE_RETRIEVAL": "1" if c["retrieval"] else "0",
+            "AERIE_VERIFIER_WAIT_S": str(c["verifierWaitSeconds"]),
+            "AERIE_PROBE_INTERVAL_S": str(c["probeIntervalSeconds"]),
+            "AERIE_LEASE_TTL_S": str(c["leaseTtlSeconds"]),
+            "AERIE_FINISHED_TTL_S": str(c["finishedTtlSeconds"]),
+            "AERIE_REDIS_RETRY_S": str(c["redisRetrySeconds"]),
+            "AERIE_DISCOVER": str(c["discoverRegistered"]),
         },
         "drafter": common | model | {
             "AERIE_DRAFTER_PORT": str(d["port"]),
@@ -102,12 +113,14 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_TREE_TOP_K": str(d["tree"]["topK"]),
             "AERIE_TREE_DEPTH": str(d["tree"]["depth"]),
             "AERIE_TREE_TOKENS": str(d["tree"]["tokens"]),
+            "AERIE_IDLE_TTL_S": str(d["idleTtlSeconds"]),
         },
         "verifier": common | model | {
             "AERIE_VERIFIER_PORT": str(ver["port"]),
             "AERIE_MAX_SEQUENCES": str(ver["maxSequences"]),
             "AERIE_MAX_PROMPT_TOKENS": str(ver["maxPromptTokens"]),
             "AERIE_TP_SIZE": str(ver["tpSize"]),
+            "AERIE_IDLE_TTL_S": str(ver["idleTtlSeconds"]),
         },
     }
 

@@ -206,7 +206,7 @@ class SlowDecodeVerifier:
 
 
 def test_unreachable_verifier_is_unavailable(pipeline, redis_url):
-    _, dead = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{free_port()}",))
+    _, dead = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{free_port()}",), verifier_wait_s=0.3)
     session = RemoteSession(dead, None, "", timeout_s=30)
     with pytest.raises(RemoteError) as e:
         list(session.engine.generate(GenerationRequest((1, 2), 5)))
@@ -215,19 +215,23 @@ def test_unreachable_verifier_is_unavailable(pipeline, redis_url):
     session.close()
 
 
-def test_verifier_past_its_deadline_is_deadline_exceeded(pipeline, redis_url):
+def test_verifier_past_its_deadline_fails_over_then_unavailable(pipeline, redis_url):
+    """A verifier that misses its deadline leaves placement; with no other verifier answering within
+    AERIE_VERIFIER_WAIT_S the sequence fails UNAVAILABLE, naming the missed deadline."""
     config = pipeline.verifier.config
     server, port = pipeline.loop.run(create_verifier("127.0.0.1:0", config, SlowDecodeVerifier(pipeline.verifier)))
     try:
         # plain decoding (no drafter), so the only call that can run out of time is the verifier's Decode
         slow, address = pipeline.add_coordinator(redis_url, verifiers=(f"127.0.0.1:{port}",), drafters=(),
-                                                 rpc_timeout_s=1.0)
+                                                 rpc_timeout_s=1.0, verifier_wait_s=0.3, discover=False)
         session = RemoteSession(address, None, "", timeout_s=30)
         with pytest.raises(RemoteError) as e:
             list(session.engine.generate(GenerationRequest((1, 2), 5), seq_id="slow-1"))
         session.close()
-        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert str(e.value).startswith(f"verifier at 127.0.0.1:{port} did not answer in time"), str(e.value)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert str(e.value).startswith("sequence 'slow-1' lost its verifier (verifier at "
+                                       f"127.0.0.1:{port} did not answer in time"), str(e.value)
+        assert "no verifier available" in str(e.value)
         state = slow.store.get("slow-1")
         assert (state.status, state.finish_reason) == ("failed", "error") and "did not answer in time" in state.error
         assert state.tokens and state.round == 0  # the prefill's token committed, no round after it

@@ -178,3 +178,11 @@ class Sequence(_message.Message):
     placement: Placement
     error: str
     def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., finish_reason: _Optional[str] = ..., round: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("sequence_id", "from_token_index")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    from_token_index: int
+    def __init__(self, sequence_id: _Optional[str] = ..., from_token_index: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,11 @@ class CoordinatorStub:
                 request_serializer=aerie_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=aerie_dot_v1_dot_coordinator__pb2.CoordinatorInfo.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/aerie.v1.Coordinator/Resume',
+                request_serializer=aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -92,6 +97,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Reconnect to a sequence (after a dropped stream or a dead coordinator) through any coordinator:
+        streams its committed tokens from `from_token_index` on (no gap, no duplicate) and follows it
+        until it finishes. Messages carry sequence_id, tokens and, on the last, finish_reason; stats
+        carries only the round index. The sequence id is the capability (see docs/distributed.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +129,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=aerie_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=aerie_dot_v1_dot_coordinator__pb2.CoordinatorInfo.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_coordinator__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +244,33 @@ class Coordinator:
             '/aerie.v1.Coordinator/GetInfo',
             aerie_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             aerie_dot_v1_dot_coordinator__pb2.CoordinatorInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aerie.v1.Coordinator/Resume',
+            aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
+            aerie_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

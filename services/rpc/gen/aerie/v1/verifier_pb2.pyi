@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind")
+    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind", "rebuild")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FEATURE_KIND_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     capacity: int
     feature_kind: _common_pb2.FeatureKind
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ...) -> None: ...
+    rebuild: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., rebuild: _Optional[bool] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("first_token", "features")

@@ -1,0 +1,358 @@
+"""One sequence's placement and its fail-over: the only place a sequence moves between replicas.
+
+The engine's round loop drives `placement.verifier` and `placement.drafter`, which have the
+methods of the engine's roles (`services.engine.roles`), so `Engine` runs unchanged. Behind them:
+
+    call fails (UNAVAILABLE, deadline, or the replica lost the sequence)
+      -> mark_failed(replica) in its pool (placement skips it whatever GetInfo said before)
+      -> acquire another replica (verifier: wait up to `verifier_wait_s`; drafter: do not wait)
+      -> rebuild(): the verifier re-runs prompt + committed[:-1] (its KV invariant: every committed
+         token but the last, which is the next root); the token it samples is dropped, nothing new
+         is committed. The drafter refills its KV from the features that prefill returns, paired
+         with the tokens shifted by one (exactly what the engine's first draft sends).
+      -> on_move(drafter, verifier) records the new placement in Redis
+      -> the failed call is repeated with the same round index
+
+`committed` here is every token the verifier has produced (what Redis holds plus the round in
+flight, which the engine commits next): the same list a coordinator taking a sequence over would
+read from Redis. With no drafter available the drafter side returns a root-only tree: the verifier
+then samples the next token from the target alone (a plain decoding round, lossless by construction)
+and the next round tries to place a drafter again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from services.engine.verifier import PrefillResult, VerifyResult
+from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, RemoteVerifier, VerifierClient
+from services.rpc.errors import DownstreamError
+from services.spec.sampling import SamplingParams
+from services.spec.tree import DraftTree, TreeParams
+from coordinator.placement import Pool
+
+log = logging.getLogger("aerie.coordinator")
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def is_failover(e: BaseException) -> bool:
+    """A failure that moves the sequence to another replica (anything else fails the sequence)."""
+    return isinstance(e, DownstreamError) and e.code in FAILOVER_CODES
+
+
+def root_tree(root: int) -> DraftTree:
+    """A tree with only the root: verifying it is one plain decoding step (the bonus is sampled from
+    the target's distribution at the root)."""
+    return DraftTree(tokens=torch.tensor([root]), parents=torch.tensor([-1]), depths=torch.tensor([0]),
+                     mask=torch.ones(1, 1, dtype=torch.bool), paths=torch.tensor([[0]]),
+                     scores=torch.zeros(1))
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One fail-over, for logs and tests."""
+    role: str  # "verifier" | "drafter"
+    old: str  # address ("" = none)
+    new: str  # address ("" = none: plain decoding rounds until a drafter returns)
+    reason: str
+    rebuild_s: float  # re-prefill (and drafter refill) time
+    rows: int  # rows re-prefilled
+
+
+class SequencePlacement:
+    def __init__(self, seq_id: str, verifiers: Pool[VerifierClient], drafters: Pool[DrafterClient] | None,
+                 phases: Phases = NO_PHASES, verifier_wait_s: float = 30.0,
+                 on_move: Callable[[str, str], None] | None = None) -> None:
+        self.seq_id = seq_id
+        self.verifiers = verifiers
+        self.drafters = drafters
+        self.phases = phases
+        self.verifier_wait_s = verifier_wait_s
+        self.on_move = on_move
+        self.moves: list[Move] = []
+        self._lock = threading.Lock()
+        self.verifier_client: VerifierClient = verifiers.acquire(wait_s=verifier_wait_s)
+        self.drafter_client: DrafterClient | None = None
+        self._rd: RemoteDrafter | None = None
+        try:
+            if drafters is not None:
+                self.drafter_client = drafters.try_acquire()
+                if self.drafter_client is not None:
+                    self._rd = self.drafter_client.for_sequence(phases)
+        except BaseException:
+            self.close()
+            raise
+        # the tree shape the engine sizes the KV for; a replacement drafter must not need more
+        self.tree: TreeParams = self._rd.tree if self._rd else TreeParams()
+        # the verifier's features follow the drafter's kind; with a drafter pool but no drafter yet,
+        # "hidden" (rounds verify root-only trees, whose answer carries features)
+        self._kind = self._rd.feature_kind if self._rd else ("hidden" if drafters is not None else "none")
+        self._rv = self.verifier_client.for_sequence(self._kind, phases)
+        # what a rebuild needs, recorded from the engine's own calls
+        self.prompt: list[int] = []
+        self.committed: list[int] = []  # every token the verifier produced, in order
+        self._sampling = SamplingParams()
+        self._capacity = 0
+        self._draft_rows = 0
+        self._draft_sampling = False
+        self._drafter_started = False
+        self._resume: tuple[list[int], list[int]] | None = None  # (prompt, committed) of a take-over
+        self.round_base = 0
+        self._abandoned = False
+        self.verifier = _VerifierSide(self)
+        self.drafter = _DrafterSide(self) if drafters is not None else None
+
+    # ---- the verifier side -------------------------------------------------------------------------
+
+    def resume_from(self, prompt: list[int], committed: list[int], round_base: int) -> None:
+        """A take-over: the engine is given prompt + committed[:-1] as its prompt; its prefill becomes
+        a rebuild whose first token is committed[-1], and its round k is round round_base + k."""
+        self._resume = (list(prompt), list(committed))
+        self.round_base = round_base
+
+    def abandon(self) -> None:
+        """Another coordinator took the sequence over: release nothing (it may use the same replicas)."""
+        self._abandoned = True
+
+    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int) -> PrefillResult:
+        if self._resume is not None:
+            (self.prompt, self.committed), self._resume = self._resume, None
+            self._sampling, self._capacity = sampling, capacity
+            # the previous coordinator's KV may still be there under the same id: drop it first
+            if self._rd is not None:
+                self.drafter_client.release(seq_id)
+            pre = self._reprefill()
+            return PrefillResult(self.committed[-1], pre.features)
+        self.prompt, self._sampling, self._capacity = prompt.tolist(), sampling, capacity
+        while True:
+            try:
+                pre = self._rv.prefill(seq_id, prompt, sampling, capacity)
+                break
+            except Exception as e:  # noqa: BLE001 - is_failover decides
+                self._verifier_failed(e)  # nothing to rebuild yet: the prefill is simply repeated
+        self.committed = [pre.first_token]
+        return pre
+
+    def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+        round_index += self.round_base
+        res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
+        self.committed += res.acceptance.new_tokens
+        return res
+
+    def decode(self, seq_id: str, token: int, round_index: int) -> int:
+        round_index += self.round_base
+        out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index))
+        self.committed.append(out)
+        return out
+
+    def _on_verifier(self, call):
+        while True:
+            try:
+                return call(self._rv)
+            except Exception as e:  # noqa: BLE001 - is_failover decides
+                self._verifier_failed(e)
+                self._reprefill()
+
+    def _verifier_failed(self, e: Exception) -> None:
+        """Mark the verifier failed and acquire another (waiting up to verifier_wait_s), or raise."""
+        if not is_failover(e):
+            raise e
+        old = self.verifier_client
+        if not e.lost_sequence:  # (a replica that lost the sequence holds nothing to release)
+            self.verifiers.mark_failed(old.address, str(e))
+            _release_later(old, self.seq_id)
+        self.verifiers.release(old)
+        try:
+            self.verifier_client = self.verifiers.acquire(wait_s=self.verifier_wait_s)
+        except DownstreamError as none:
+            self.verifier_client = None  # type: ignore[assignment]
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                                  f"sequence {self.seq_id!r} lost its verifier ({e}) and {none}") from None
+        self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
+        self.moves.append(Move("verifier", old.address, self.verifier_client.address, str(e), 0.0, 0))
+        self._record()
+
+    def _reprefill(self) -> PrefillResult:
+        """Rebuild the verifier KV for prompt + committed[:-1] (on the current verifier, which may be
+        the same one: its old KV is released first). The sampled token is dropped: committed[-1] is
+        already the next root. Returns the features of those rows (for a drafter refill)."""
+        while True:
+            rows = torch.tensor(self.prompt + self.committed[:-1], dtype=torch.long)
+            t0 = time.perf_counter()
+            try:
+                self._rv.release(self.seq_id)
+                pre = self._rv.prefill(self.seq_id, rows, self._sampling, self._capacity, rebuild=True)
+            except Exception as e:  # noqa: BLE001 - is_failover decides
+                self._verifier_failed(e)
+                continue
+            if self.moves and self.moves[-1].role == "verifier" and self.moves[-1].rows == 0:
+                m = self.moves[-1]
+                self.moves[-1] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(rows))
+            log.info("sequence %s: verifier %s rebuilt %d rows in %.3f s", self.seq_id,
+                     self.verifier_client.address, len(rows), time.perf_counter() - t0)
+            return pre
+
+    # ---- the drafter side --------------------------------------------------------------------------
+
+    def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
+        self._draft_rows, self._draft_sampling = max_rows, sampling
+        self._drafter_started = True
+        if self._rd is not None:
+            self._rd.start(seq_id, max_rows, sampling)
+
+    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
+              params: TreeParams | None = None) -> DraftTree:
+        """tokens [n] the newly committed tokens shifted by one (last = root); features [n, F];
+        params: this round's shape from the budget (None = the drafter's largest)."""
+        if self._rd is None:
+            if not self._place_drafter(""):
+                return root_tree(self.committed[-1])  # still no drafter: a plain decoding round
+            tokens, features = self._refill(tokens, features)
+        while True:
+            try:
+                return self._rd.draft(seq_id, tokens, features, params)
+            except Exception as e:  # noqa: BLE001 - is_failover decides
+                if not is_failover(e):
+                    raise
+                if not e.lost_sequence:
+                    self.drafters.mark_failed(self.drafter_client.address, str(e))
+                if not self._place_drafter(str(e), release_old=not e.lost_sequence):
+                    return root_tree(self.committed[-1])  # degraded: a plain decoding round
+                tokens, features = self._refill(tokens, features)
+
+    def _place_drafter(self, reason: str, release_old: bool = True) -> bool:
+        """Leave the current drafter (if any) and try another (not the one that just failed); True
+        when one was placed. The verifier's feature kind follows the drafter's."""
+        old = self.drafter_client
+        if old is not None:
+            self.drafters.release(old)
+            if release_old:
+                _release_later(old, self.seq_id)
+        self.drafter_client, self._rd = None, None
+        client = self.drafters.try_acquire([old.address] if old is not None else [])
+        if client is not None:
+            rd = client.for_sequence(self.phases)
+            if rd.tree.total_tokens > self.tree.total_tokens:
+                log.warning("drafter %s grows %d-node trees; sequence %s was sized for %d", client.address,
+                            rd.tree.total_tokens, self.seq_id, self.tree.total_tokens)
+                self.drafters.release(client)
+                client = None
+            else:
+                self.drafter_client, self._rd = client, rd
+        if old is not None or client is not None:
+            self.moves.append(Move("drafter", old.address if old else "", client.address if client else "",
+                                   reason or "a drafter is available again", 0.0, 0))
+            self._record()
+        return client is not None
+
+    def _refill(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start the newly placed drafter and return what its first draft sends: every committed row
+        (tokens shifted by one) with the verifier's features for them. The caller's features already
+        cover every row only at the first draft after the prefill, with the same feature kind."""
+        move = len(self.moves) - 1
+        t0 = time.perf_counter()
+        full = self.prompt + self.committed
+        if self._rd.feature_kind != self._kind or len(tokens) != len(full) - 1:
+            self._kind = self._rd.feature_kind
+            self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
+            features = self._reprefill().features
+            tokens = torch.tensor(full[1:], dtype=torch.long)
+        # a replica that was only unreachable (or a restart racing our old release) may still hold
+        # the sequence's draft KV under this id: drop it first
+        self.drafter_client.release(self.seq_id)
+        self._rd.start(self.seq_id, self._draft_rows, self._draft_sampling)
+        m = self.moves[move]
+        self.moves[move] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(tokens))
+        return tokens, features
+
+    # ---- both ----------------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free the KV on both replicas and their pool slots (the engine's `finally`)."""
+        with self._lock:
+            if self._abandoned:
+                if self.verifier_client is not None:
+                    self.verifiers.release(self.verifier_client)
+                if self.drafter_client is not None:
+                    self.drafters.release(self.drafter_client)
+                self.verifier_client, self.drafter_client, self._rd = None, None, None  # type: ignore[assignment]
+                return
+            if self.verifier_client is not None:
+                if self.prompt:  # prefilled (or tried to)
+                    self._rv.release(self.seq_id)
+                self.verifiers.release(self.verifier_client)
+                self.verifier_client = None  # type: ignore[assignment]
+            if self.drafter_client is not None:
+                self._rd.release(self.seq_id)
+                self.drafters.release(self.drafter_client)
+                self.drafter_client, self._rd = None, None
+
+    close = release
+
+    def addresses(self) -> tuple[str, str]:
+        """(drafter, verifier) now; "" for none."""
+        return (self.drafter_client.address if self.drafter_client else "",
+                self.verifier_client.address if self.verifier_client else "")
+
+    def _record(self) -> None:
+        if self.on_move is not None:
+            drafter, verifier = self.addresses()
+            try:
+                self.on_move(drafter, verifier)
+            except Exception as e:  # noqa: BLE001 - the placement record is informational
+                log.warning("cannot record the placement of %s: %s", self.seq_id, e)
+
+
+def _release_later(client, seq_id: str) -> None:
+    """Best-effort release on a replica we left (it may be dead or hung: never wait for it)."""
+    threading.Thread(target=client.release, args=(seq_id,), name="release-old", daemon=True).start()
+
+
+class _VerifierSide:
+    """The verifier role for `Engine` (services.engine.roles.VerifierRole)."""
+
+    def __init__(self, p: SequencePlacement) -> None:
+        self._p = p
+
+    def prefill(self, seq_id, prompt, sampling, capacity):
+        return self._p.prefill(seq_id, prompt, sampling, capacity)
+
+    def verify(self, seq_id, tree, round_index):
+        return self._p.verify(seq_id, tree, round_index)
+
+    def decode(self, seq_id, token, round_index):
+        return self._p.decode(seq_id, token, round_index)
+
+    def release(self, seq_id):
+        self._p.release()
+
+
+class _DrafterSide:
+    """The drafter role for `Engine` (services.engine.roles.DrafterRole)."""
+
+    def __init__(self, p: SequencePlacement) -> None:
+        self._p = p
+
+    @property
+    def tree(self) -> TreeParams:
+        return self._p.tree
+
+    @property
+    def feature_kind(self) -> str:
+        return self._p._kind
+
+    def start(self, seq_id, max_rows, sampling):
+        self._p.start(seq_id, max_rows, sampling)
+
+    def draft(self, seq_id, tokens, features, params=None):
+        return self._p.draft(seq_id, tokens, features, params)
+
+    def release(self, seq_id):
+        self._p.release()

@@ -1,0 +1,187 @@
+"""Measure fail-over on a real model (default: SmolLM2-135M with its shipped head) under `aerie up`:
+(1) time from a kill -9 to the next committed token, per fault kind, with 4 greedy streams, and
+whether every stream still equals its undisturbed run; (2) the rebuild cost (verifier re-prefill +
+drafter refill, in process) against the sequence length.
+
+    AERIE_TORCH_THREADS=1 .venv/bin/python scripts/measure_failover.py --out /tmp/failover.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.rpc.channel import open_channel  # noqa: E402
+from services.rpc.stubs import coordinator as cpb  # noqa: E402
+from services.rpc.stubs import coordinator_grpc  # noqa: E402
+
+TREE = ["--tree-top-k", "8", "--tree-depth", "4", "--tree-tokens", "24"]
+
+
+def start_up(state: Path, extra: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "AERIE_LOG_LEVEL": "ERROR", "AERIE_PROBE_INTERVAL_S": "1", "AERIE_LEASE_TTL_S": "3",
+           "AERIE_HEARTBEAT_S": "1", "AERIE_HEARTBEAT_TTL_S": "3"}
+    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", "--port", "0", "--verifiers", "2",
+                           "--drafters", "2", "--coordinators", "2", "--state-file", str(state), *TREE, *extra],
+                          stdout=subprocess.PIPE, text=True, env=env)
+    while True:
+        line = up.stdout.readline()
+        if not line and up.poll() is not None:
+            raise SystemExit(f"aerie up exited with {up.returncode}")
+        if line.startswith("ready:"):
+            return up
+
+
+def procs(state: Path, role: str) -> list[dict]:
+    return [p for p in json.loads(state.read_text())["processes"] if p["role"] == role]
+
+
+def stream(coordinators: list[str], prompt: list[int], n: int, out: dict) -> None:
+    out.update(tokens=[], times=[], seq="", resumes=0)
+    attempt = 0
+    while attempt < 20:
+        ch = open_channel(coordinators[attempt % len(coordinators)], 4 * 1024 * 1024)
+        stub = coordinator_grpc.CoordinatorStub(ch)
+        try:
+            call = (stub.Generate(cpb.GenerateRequest(prompt_ids=prompt, max_new_tokens=n, ignore_eos=True), timeout=900)
+                    if not out["seq"] else
+                    stub.Resume(cpb.ResumeRequest(sequence_id=out["seq"], from_token_index=len(out["tokens"])),
+                                timeout=900))
+            for msg in call:
+                out["seq"] = msg.sequence_id or out["seq"]
+                out["tokens"] += msg.tokens
+                out["times"] += [time.monotonic()] * len(msg.tokens)
+                if msg.finish_reason:
+                    return
+        except grpc.RpcError as e:
+            if not out["seq"] or e.code() != grpc.StatusCode.UNAVAILABLE:
+                out["error"] = f"{e.code()}: {e.details()}"
+                return
+            attempt += 1
+            out["resumes"] += 1
+            time.sleep(0.2)
+        finally:
+            ch.close()
+
+
+def run_streams(coordinators, prompts, n):
+    results = [dict() for _ in prompts]
+    threads = [threading.Thread(target=stream, args=(coordinators, p, n, r), daemon=True)
+               for p, r in zip(prompts, results)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def faults(args) -> dict:
+    state = Path(args.workdir) / "state.json"
+    up = start_up(state, args.up_args)
+    report: dict = {"faults": {}}
+    try:
+        coordinators = [p["address"] for p in procs(state, "coordinator")]
+        prompts = [[(97 * i + 31 * k) % 40000 + 200 for k in range(48)] for i in range(args.streams)]
+        threads, undisturbed = run_streams(coordinators, prompts, args.new_tokens)
+        for t in threads:
+            t.join()
+        threads, results = run_streams(coordinators, prompts, args.new_tokens)
+        kills = {}
+        for role in ("drafter", "verifier", "coordinator", "redis"):
+            time.sleep(args.gap_s)
+            if not any(t.is_alive() for t in threads):
+                report["faults"][role] = "streams ended before this fault"
+                continue
+            victim = procs(state, role)[0]
+            kills[role] = time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join()
+        for role, t_kill in kills.items():
+            # per stream: the wait from the kill to its next committed token, and the message interval
+            # that contains the kill against the median interval (the added latency)
+            waits, added = [], []
+            for r in results:
+                times = sorted(set(r["times"]))
+                after = [t for t in times if t > t_kill]
+                before = [t for t in times if t <= t_kill]
+                if after:
+                    waits.append(round(after[0] - t_kill, 3))
+                if after and before:
+                    added.append(after[0] - before[-1])
+            report["faults"][role] = {"kill_to_next_token_s": waits,
+                                      "interval_containing_kill_s": [round(a, 3) for a in added]}
+        intervals = [b - a for r in results for a, b in zip(r["times"], r["times"][1:]) if b > a]
+        report["median_round_interval_s"] = round(statistics.median(intervals), 3)
+        report["streams_equal_undisturbed"] = [r.get("tokens") == u.get("tokens") for r, u in zip(results, undisturbed)]
+        report["errors"] = [r.get("error") for r in results if r.get("error")]
+        report["resumes"] = sum(r["resumes"] for r in results)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(120)
+    return report
+
+
+def rebuild_cost(lengths: list[int], repeats: int) -> dict:
+    """Verifier re-prefill + drafter refill of L committed rows, in process (the RPC adds the feature
+    transfer: L x hidden x 4 bytes)."""
+    import torch
+
+    from services.engine.local import build_local_engine
+    from services.spec.sampling import SamplingParams
+    local = build_local_engine(None, "auto", "fp32", None)
+    engine = local.engine
+    out = {}
+    for n in lengths:
+        times = []
+        for r in range(repeats):
+            prompt = torch.tensor([(31 * k) % 40000 + 200 for k in range(n)])
+            c0, t0 = time.thread_time(), time.perf_counter()
+            pre = engine.verifier.prefill(f"r{n}-{r}", prompt, SamplingParams(), n + 100)
+            c1, t1 = time.thread_time(), time.perf_counter()
+            engine.drafter.start(f"r{n}-{r}", n + 100, False)
+            engine.drafter.draft(f"r{n}-{r}", torch.cat([prompt[1:], torch.tensor([pre.first_token])]), pre.features)
+            c2, t2 = time.thread_time(), time.perf_counter()
+            engine.verifier.release(f"r{n}-{r}")
+            engine.drafter.release(f"r{n}-{r}")
+            times.append((t1 - t0, t2 - t1, c1 - c0, c2 - c1))
+        med = [round(statistics.median(t[i] for t in times), 3) for i in range(4)]
+        out[n] = {"verifier_prefill_wall_s": med[0], "drafter_refill_wall_s": med[1],
+                  "verifier_prefill_cpu_s": med[2], "drafter_refill_cpu_s": med[3]}
+        print(n, out[n], flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/failover.json")
+    p.add_argument("--workdir", default="/tmp")
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--gap-s", type=float, default=6.0)
+    p.add_argument("--lengths", default="64,256,1024,2048")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-faults", action="store_true")
+    p.add_argument("up_args", nargs="*", help="extra `aerie up` flags (after --)")
+    args = p.parse_args()
+    report = {}
+    if not args.skip_faults:
+        report["faults"] = faults(args)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    report["rebuild"] = rebuild_cost([int(x) for x in args.lengths.split(",")], args.repeats)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Coordinator hand-over and Resume over real gRPC and a real Redis.
+
+A dead coordinator leaves exactly this in Redis: a running sequence, its committed rounds and a lease
+that stops being renewed. Another coordinator takes it over once the lease expires, rebuilds it on
+its replicas and finishes it; a client that Resumes through any coordinator gets exactly the tokens
+it has not seen, equal to the undisturbed run's. A wrong id reads or resumes nothing."""
+
+import time
+
+import grpc
+import pytest
+
+from coordinator.sequence_store import LeaseLost, SequenceRecord
+from services.engine.engine import GenerationRequest
+from services.rpc.coordinator_client import RemoteSession
+from services.rpc.stubs import coordinator as cpb
+from services.rpc.stubs import coordinator_grpc
+from services.spec.sampling import SamplingParams
+from tests.pipeline import local_engine, local_run, start_pipeline
+
+PROMPT = (5, 17, 99, 3, 42, 8)
+
+
+@pytest.fixture(scope="module")
+def pipeline(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url, lease_ttl_s=0.6, draft_dtype="fp32")  # see test_failover.DRAFT_DTYPE
+    yield p
+    p.close()
+
+
+def resume(p, seq_id, start, address=None):
+    stub = coordinator_grpc.CoordinatorStub(p.channel_to(address or p.addresses["coordinator"]))
+    tokens, last = [], None
+    for msg in stub.Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=start), timeout=60):
+        assert msg.sequence_id == seq_id
+        tokens += msg.tokens
+        last = msg
+    return tokens, last.finish_reason
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 7)], ids=["greedy", "seeded"])
+def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_dirs, sampling):
+    req = GenerationRequest(PROMPT, 60, sampling, ignore_eos=True)
+    steps = list(local_engine(model_dirs, draft_dtype="fp32").generate(req))
+    expected = [t for s in steps for t in s.tokens]
+    # what a coordinator that died after round 4 leaves behind
+    store = pipeline.coordinator.store
+    seq_id = f"dead-{sampling.seed}-{int(sampling.greedy)}"
+    store.create(SequenceRecord(seq_id, PROMPT, {"max_new_tokens": 60, "temperature": sampling.temperature,
+                                                 "top_p": sampling.top_p, "top_k": sampling.top_k,
+                                                 "stop_token_ids": [], "ignore_eos": True},
+                                sampling.seed, "gone:1", "gone:2", owner="dead-coordinator"))
+    for s in steps[:5]:
+        store.commit(seq_id, s.stats.index, s.tokens, None, owner="dead-coordinator")
+    seen = [t for s in steps[:3] for t in s.tokens]  # the client had received rounds 0-2 only
+    t0 = time.monotonic()
+    tokens, reason = resume(pipeline, seq_id, len(seen))
+    assert seen + tokens == expected and reason == "length"
+    assert time.monotonic() - t0 < 30
+    state = store.get(seq_id)
+    assert state.owner == pipeline.coordinator.sequences.owner and state.tokens == expected
+    assert state.verifier == pipeline.addresses["verifier"]  # the new placement is recorded
+    # the dead coordinator cannot commit any more: its lease is gone (fencing)
+    with pytest.raises(Exception):
+        store.commit(seq_id, 99, [1], None, owner="dead-coordinator")
+
+
+def test_commits_are_fenced_by_the_lease(pipeline):
+    store = pipeline.coordinator.store
+    store.create(SequenceRecord("fenced-1", PROMPT, {"max_new_tokens": 9}, 0, "", "v:1", owner="a"))
+    store.commit("fenced-1", 0, [1], None, owner="a")
+    with pytest.raises(LeaseLost):
+        store.commit("fenced-1", 1, [2], None, owner="b")  # a's lease is live
+    assert not store.claim("fenced-1", "b")
+    store.finish("fenced-1", "cancelled", "cancel")
+
+
+def test_resume_through_another_coordinator_while_it_runs(pipeline, model_dirs, redis_url):
+    _, other = pipeline.add_coordinator(redis_url)
+    req = GenerationRequest(PROMPT, 50, SamplingParams(0.7, 1.0, 0, 3), ignore_eos=True)
+    session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=60)
+    steps = session.engine.generate(req)
+    got = list(next(steps).tokens) + list(next(steps).tokens)
+    tokens, reason = resume(pipeline, session.sequence_id, len(got), other)
+    assert got + tokens == local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0] and reason == "length"
+    steps.close()
+    session.close()
+
+
+def test_a_wrong_id_reads_and_resumes_nothing(pipeline):
+    session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=60)
+    list(session.engine.generate(GenerationRequest(PROMPT, 5)))
+    seq_id = session.sequence_id
+    assert len(seq_id) == 32 and int(seq_id, 16) >= 0  # 128 random bits, made by the coordinator
+    stub = pipeline.coordinator_stub()
+    for wrong in (seq_id[:-1] + ("0" if seq_id[-1] != "0" else "1"), seq_id[:16], seq_id.upper()):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Resume(cpb.ResumeRequest(sequence_id=wrong), timeout=10))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and repr(wrong) in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetSequence(cpb.GetSequenceRequest(sequence_id=wrong), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(stub.GetSequence(cpb.GetSequenceRequest(sequence_id=seq_id), timeout=10).tokens) == 5
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=6), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "from_token_index 6" in e.value.details()
+    session.close()

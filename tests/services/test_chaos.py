@@ -1,0 +1,148 @@
+"""Chaos: `aerie up --verifiers 2 --drafters 2 --coordinators 2` as real processes on loopback, 8
+concurrent streams (greedy and seeded sampling) on the tiny test models, and mid-stream: kill -9 of
+a drafter, then of a verifier, then of a coordinator (its clients resume on the other one), then of
+Redis. Every stream completes with exactly the tokens of the undisturbed in-process run: nothing
+lost, nothing duplicated. The added latency per fault is printed (pytest -s) and written to
+$AERIE_CHAOS_REPORT when set."""
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.engine.engine import GenerationRequest
+from services.rpc.channel import open_channel
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import coordinator as cpb
+from services.rpc.stubs import coordinator_grpc
+from services.spec.sampling import SamplingParams
+from tests.pipeline import TREE, local_engine, local_run
+
+FAULTS = ("drafter", "verifier", "coordinator", "redis")
+NEW_TOKENS = 400  # long enough that four faults land mid-stream on a fast machine too
+
+
+def start_up(model_dirs, tmp_path):
+    env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_PROBE_INTERVAL_S": "0.5",
+           "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_LEASE_TTL_S": "2"}
+    state = tmp_path / "state.json"
+    argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
+            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
+            "--draft-dtype", "fp32", "--port", "0", "--verifiers", "2", "--drafters", "2", "--coordinators", "2", "--state-file", str(state)]
+    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
+                          env=env)
+    deadline = time.monotonic() + 240
+    lines = []
+    while not (lines and lines[-1].startswith("ready:")):
+        line = up.stdout.readline()
+        assert line or up.poll() is None, f"aerie up exited with {up.poll()}: {lines}"
+        assert time.monotonic() < deadline, lines
+        lines.append(line.strip())
+    return up, state
+
+
+def processes(state, role):
+    return [p for p in json.loads(state.read_text())["processes"] if p["role"] == role]
+
+
+class Stream:
+    """One client stream; reconnects with Resume to another coordinator when its coordinator dies."""
+
+    def __init__(self, req: GenerationRequest, coordinators: list[str]) -> None:
+        self.req = req
+        self.coordinators = coordinators
+        self.tokens: list[int] = []
+        self.times: list[float] = []  # arrival time of each message
+        self.finish = ""
+        self.sequence_id = ""
+        self.resumes = 0
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        s = self.req.sampling
+        attempt = 0
+        while not self.finish and attempt < 10:
+            channel = open_channel(self.coordinators[attempt % len(self.coordinators)], 4 * 1024 * 1024)
+            stub = coordinator_grpc.CoordinatorStub(channel)
+            try:
+                if not self.sequence_id:
+                    call = stub.Generate(cpb.GenerateRequest(
+                        prompt_ids=list(self.req.prompt_ids), max_new_tokens=self.req.max_new_tokens, ignore_eos=True,
+                        sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                                   seed=s.seed)), timeout=120)
+                else:
+                    self.resumes += 1
+                    call = stub.Resume(cpb.ResumeRequest(sequence_id=self.sequence_id,
+                                                         from_token_index=len(self.tokens)), timeout=120)
+                for msg in call:
+                    self.sequence_id = msg.sequence_id or self.sequence_id
+                    self.tokens += msg.tokens
+                    self.times.append(time.monotonic())
+                    self.finish = msg.finish_reason
+            except grpc.RpcError as e:
+                if not self.sequence_id or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    self.error = e
+                    return
+                attempt += 1
+                time.sleep(0.2)
+            finally:
+                channel.close()
+
+
+@pytest.mark.slow
+def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tmp_path):
+    reqs = [GenerationRequest((5 + i, 17, 99, 3, 42, 8 + i), NEW_TOKENS,
+                              SamplingParams() if i % 2 == 0 else SamplingParams(0.8, 0.95, 0, 100 + i),
+                              ignore_eos=True) for i in range(8)]
+    reference = local_engine(model_dirs, draft_dtype="fp32")  # fp32 drafts: see test_failover.DRAFT_DTYPE
+    expected = [local_run(reference, r)[0] for r in reqs]
+    up, state = start_up(model_dirs, tmp_path)
+    report = {}
+    try:
+        coordinators = [p["address"] for p in processes(state, "coordinator")]
+        streams = [Stream(r, coordinators[:1] + coordinators[1:]) for r in reqs]
+        for s in streams:
+            s.thread.start()
+        total = NEW_TOKENS * len(reqs)
+        for k, role in enumerate(FAULTS):
+            # each fault when the streams are ~(k+1)/6 of the way through
+            while sum(len(s.tokens) for s in streams) < total * (k + 1) / 6:
+                assert any(s.thread.is_alive() for s in streams), "the streams ended before the faults"
+                time.sleep(0.01)
+            victim = processes(state, role)[0]
+            t_kill = time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+            report[role] = {"t": t_kill}
+            time.sleep(0.3)
+        for s in streams:
+            s.thread.join(180)
+        for i, s in enumerate(streams):
+            assert s.error is None, f"stream {i}: {s.error}"
+            assert s.finish == "length", f"stream {i} did not finish"
+            assert s.tokens == expected[i], f"stream {i} differs from the undisturbed run"
+        assert sum(s.resumes for s in streams) >= 1  # the coordinator kill really cut streams
+        # added latency: after each kill, the longest wait of any stream for its next message,
+        # minus the median message interval
+        gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:])]
+        median = statistics.median(gaps)
+        for role, r in report.items():
+            waits = [min((t for t in s.times if t > r["t"]), default=r["t"]) - r["t"] for s in streams]
+            r["next_message_s"] = round(max(waits), 3)
+            r["added_s"] = round(max(waits) - median, 3)
+            del r["t"]
+        report["median_message_interval_s"] = round(median, 4)
+        print("chaos report:", json.dumps(report))
+        if os.environ.get("AERIE_CHAOS_REPORT"):
+            with open(os.environ["AERIE_CHAOS_REPORT"], "w") as f:
+                json.dump(report, f, indent=1)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
