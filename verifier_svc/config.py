@@ -1,7 +1,8 @@
 """Verifier configuration: flags and AERIE_* variables -> VerifierConfig.
 
     AERIE_VERIFIER_PORT (50052), AERIE_TARGET, AERIE_DTYPE (fp32), AERIE_MAX_SEQUENCES (64),
-    AERIE_MAX_PROMPT_TOKENS (8192), and the common ones in services/rpc/config.py.
+    AERIE_MAX_PROMPT_TOKENS (8192), the batching ones in services/rpc/batch_config.py and the
+    common ones in services/rpc/config.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.engine.batcher import BatchLimits
 from services.rpc import registry
+from services.rpc.batch_config import add_batch_flags, batch_limits
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
@@ -24,6 +27,7 @@ class VerifierConfig:
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+    batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
 
     def __post_init__(self) -> None:
         if self.idle_ttl_s < 0:
@@ -50,9 +54,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
+    add_batch_flags(p)
 
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype,
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
-                          idle_ttl_s=args.idle_ttl_s)
+                          idle_ttl_s=args.idle_ttl_s, batch=batch_limits(args))
