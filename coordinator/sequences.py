@@ -149,6 +149,9 @@ class Sequences:
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens, state.round)
+                placement.release_elsewhere(state.drafter, state.verifier)
+            else:
+                placement.restart(state.drafter, state.verifier)
             _, engine = self._engine(placement)
             self.store.set_placement(seq_id, *placement.addresses())
         except Exception as e:  # noqa: BLE001 - another coordinator may try again after the lease

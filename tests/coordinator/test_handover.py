@@ -105,3 +105,28 @@ def test_a_wrong_id_reads_and_resumes_nothing(pipeline):
         list(stub.Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=6), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "from_token_index 6" in e.value.details()
     session.close()
+
+
+def test_a_take_over_before_the_prefill_commit_reuses_a_verifier_that_holds_the_old_kv(pipeline, model_dirs):
+    """A coordinator that died between its Prefill and the commit of its first token leaves a record
+    with no tokens and, on the verifier, KV under the sequence's id. The coordinator that takes it
+    over starts it again on that verifier: it releases the old KV first instead of failing with
+    'already exists', and the output is the undisturbed run's."""
+    import torch
+
+    req = GenerationRequest(PROMPT, 30, SamplingParams(), ignore_eos=True)
+    expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
+    store = pipeline.coordinator.store
+    seq_id = "died-before-its-first-commit"
+    address = pipeline.addresses["verifier"]
+    store.create(SequenceRecord(seq_id, PROMPT, {"max_new_tokens": 30, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                                 "stop_token_ids": [], "ignore_eos": True},
+                                0, "", address, owner="dead-coordinator"))
+    client = next(c for c in pipeline.coordinator.sequences.verifiers.clients() if c.address == address)
+    client.for_sequence("hidden").prefill(seq_id, torch.tensor(PROMPT), SamplingParams(), 64)  # the old KV
+    with pytest.raises(Exception, match="already exists"):  # what the take-over used to hit
+        client.for_sequence("hidden").prefill(seq_id, torch.tensor(PROMPT), SamplingParams(), 64)
+    tokens, reason = resume(pipeline, seq_id, 0)
+    assert tokens == expected and reason == "length"
+    state = store.get(seq_id)
+    assert state.owner == pipeline.coordinator.sequences.owner and state.status == "finished"
