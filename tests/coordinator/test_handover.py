@@ -13,6 +13,7 @@ import pytest
 from coordinator.sequence_store import LeaseLost, SequenceRecord
 from services.engine.engine import GenerationRequest
 from services.rpc.coordinator_client import RemoteSession
+from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from services.spec.sampling import SamplingParams
@@ -130,3 +131,47 @@ def test_a_take_over_before_the_prefill_commit_reuses_a_verifier_that_holds_the_
     assert tokens == expected and reason == "length"
     state = store.get(seq_id)
     assert state.owner == pipeline.coordinator.sequences.owner and state.status == "finished"
+
+
+def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, redis_url):
+    """What SIGTERM does after AERIE_DRAIN_S (tests/services/test_chaos.py sends a real SIGTERM): the
+    round in flight is committed and streamed, then the stream ends UNAVAILABLE naming the Resume
+    index (also in the trailing metadata); the lease goes at once, another coordinator takes the
+    sequence over and Resume there gives exactly the rest of the undisturbed run. The draining
+    coordinator refuses new sequences."""
+    import threading
+
+    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=0.6)
+    req = GenerationRequest(PROMPT, 80, SamplingParams(0.8, 0.95, 0, 11), ignore_eos=True)
+    expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
+    stub = coordinator_grpc.CoordinatorStub(pipeline.channel_to(address))
+    call = stub.Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=80, ignore_eos=True,
+                                             sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+                         timeout=60)
+    got, seq_id = [], ""
+    for msg in call:
+        got += msg.tokens
+        seq_id = seq_id or msg.sequence_id
+        if len(got) >= 10:
+            break
+    handed = []
+    drain = threading.Thread(target=lambda: handed.append(draining.sequences.hand_over_all(0.0, 30.0)))
+    drain.start()
+    with pytest.raises(grpc.RpcError) as e:
+        for msg in call:
+            got += msg.tokens
+            assert not msg.finish_reason  # handed over long before its end
+    drain.join(30)
+    assert handed == [1]
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"from_token_index={len(got)}" in e.value.details() and "draining" in e.value.details()
+    assert dict(e.value.trailing_metadata())["aerie-resume-from"] == str(len(got))
+    state = pipeline.coordinator.store.get(seq_id)
+    assert state.tokens[:len(got)] == got  # every committed token was streamed before the end ...
+    assert len(state.tokens) == len(got) or state.owner != draining.sequences.owner  # ... none held back
+    with pytest.raises(grpc.RpcError) as refused:  # no new sequences while draining
+        list(stub.Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=4), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+    tokens, reason = resume(pipeline, seq_id, len(got))  # on the other coordinator
+    assert got + tokens == expected and reason == "length"
+    assert pipeline.coordinator.store.get(seq_id).owner == pipeline.coordinator.sequences.owner
