@@ -12,6 +12,10 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_tokens_generated_total{service}   committed tokens (coordinator)
     aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
     aerie_requests_failed_total{service,code}  calls that ended with an error status
+    aerie_failovers_total{service,role,reason}  sequences moved (coordinator): role drafter | verifier |
+        coordinator; reason unavailable | deadline_exceeded | not_found (the replica lost the sequence)
+        | no_drafter (plain rounds from here) | drafter_returned | takeover (a dead coordinator's
+        lease expired) | drain (handed over by a draining coordinator)
 
 vLLM-style request and speculative-decoding metrics (coordinator; docs/metrics.md has a PromQL
 example for each). The names are vLLM's with the `aerie:` prefix instead of `vllm:`, every one
@@ -50,6 +54,8 @@ COMMIT_SECONDS = Histogram("aerie_commit_seconds", "Latency of committing a roun
                            buckets=_LATENCY)
 TOKENS_GENERATED = Counter("aerie_tokens_generated", "Committed output tokens", ["service"])
 SEQUENCES_IN_FLIGHT = Gauge("aerie_sequences_in_flight", "Sequences running or holding KV", ["service"])
+FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
+                    ["service", "role", "reason"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
 
 # ---- vLLM-style names (the coordinator's requests) -----------------------------------------------
