@@ -16,6 +16,10 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_batch_size{service}               calls gathered into one forward (drafter, verifier)
     aerie_batch_rows{service}               rows of one forward (drafter, verifier)
     aerie_batch_queue{service}              calls still waiting when a batch started (drafter, verifier)
+    aerie_failovers_total{service,role,reason}  sequences moved (coordinator): role drafter | verifier |
+        coordinator; reason unavailable | deadline_exceeded | not_found (the replica lost the sequence)
+        | no_drafter (plain rounds from here) | drafter_returned | takeover (a dead coordinator's
+        lease expired) | drain (handed over by a draining coordinator)
 
 vLLM-style request and speculative-decoding metrics (coordinator; docs/metrics.md has a PromQL
 example for each). The names are vLLM's with the `aerie:` prefix instead of `vllm:`, every one
@@ -62,6 +66,8 @@ BUDGET_NODES = Histogram("aerie_budget_nodes", "Nodes the draft budget chose to 
                          "decode step; with batching: sized for the whole batch)", ["service"],
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
+FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
+                    ["service", "role", "reason"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
 
 # ---- vLLM-style names (the coordinator's requests) -----------------------------------------------

@@ -50,8 +50,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.target_path = target_path
         self.eos_token_ids = eos_token_ids
         self.vocab_size = target.config.vocab_size
-        # capacity = prompt + max_new_tokens (<= max_context) + one tree
-        self.max_capacity = target.config.max_context + codec.MAX_TREE_NODES
+        # capacity = prompt + max_new_tokens (<= max_context) + one tree, capped by this server's config
+        # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
+        self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
         self.runner = runner if runner is not None else ModelRunner(target)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
@@ -86,8 +87,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         sampling = codec.decode_sampling(request.sampling)
         kind = codec.feature_kind(request.feature_kind)
         if not n < request.capacity <= self.max_capacity:
-            raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt; "
-                                 f"got {request.capacity}")
+            raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
+                                 f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
         result = await _timed(PREFILL_SECONDS.labels(SERVICE), self.batcher.call_async(
             PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
@@ -97,7 +98,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     async def Verify(self, request: vpb.VerifyRequest, context) -> vpb.VerifyResponse:
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
-        tree = codec.decode_tree(request.tree, self.vocab_size)
+        tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
         return await _timed(VERIFY_SECONDS.labels(SERVICE),
                             self.batcher.call_async(VerifyCall(seq_id, tree, request.round_index)))
 
