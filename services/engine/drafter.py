@@ -93,6 +93,11 @@ class Drafter:
                 if n < 1 or call.features.ndim != 2 or call.features.shape != (n, f):
                     raise InvalidRequest(
                         f"features must have shape [{n}, {f}]; got {list(call.features.shape)}")
+                cache = self._caches[call.seq_id]
+                if cache.length + n + params.draft_rows > cache.capacity:  # checked here: fails alone
+                    raise CapacityExceeded(
+                        f"draft KV of sequence {call.seq_id!r} holds {cache.capacity} rows; {cache.length} used, "
+                        f"{n} committed rows and {params.draft_rows} tree rows requested")
             except AerieError as e:
                 results[i] = e
                 continue

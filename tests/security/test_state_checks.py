@@ -71,14 +71,15 @@ def test_drafter_rows_beyond_the_reserved_kv_mutate_nothing(pipeline):
     stub.Prefill(iter([first]), timeout=30)
     cache = pipeline.drafter.drafter._caches["dtight"]
     rows = cache.length
-    many = dpb.DraftRequest(sequence_id="dtight", round_index=1, tokens=list(range(1, 11)),
+    # round 2: round 1's tree is the Prefill's (a Draft of round 1 is answered as its replay)
+    many = dpb.DraftRequest(sequence_id="dtight", round_index=2, tokens=list(range(1, 11)),
                             features=codec.encode_tensor(torch.zeros(10, f)))
     code, details = status_of(lambda: stub.Draft(many, timeout=30))
     assert code in (INVALID, grpc.StatusCode.RESOURCE_EXHAUSTED), details
     assert pipeline.drafter.drafter._caches["dtight"].length == rows
     assert status_of(lambda: stub.Prefill(iter([first]), timeout=30)) == \
         (INVALID, "sequence 'dtight' already exists on this drafter")
-    fits = dpb.DraftRequest(sequence_id="dtight", round_index=1, tokens=[3],
+    fits = dpb.DraftRequest(sequence_id="dtight", round_index=2, tokens=[3],
                             features=codec.encode_tensor(torch.zeros(1, f)))
     assert stub.Draft(fits, timeout=30).tree.tokens.data
     stub.Release(pb.ReleaseRequest(sequence_id="dtight"), timeout=10)
