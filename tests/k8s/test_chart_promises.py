@@ -41,6 +41,7 @@ NOT_SET_BY_CHART = {
     "AERIE_MAX_BATCH_ROWS": "continuous batching: rows per forward; the default fits",
     "AERIE_BATCH_QUEUE": "continuous batching: calls waiting for a forward; the default fits",
     "AERIE_BATCH_QUEUE_TIMEOUT_S": "continuous batching: wait for a queue place; the default fits",
+    "AERIE_BATCH_WAIT_MS": "continuous batching: gathering wait; the default fits",
     "AERIE_ADVERTISE_ADDRESS": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
     "AERIE_HEARTBEAT_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
     "AERIE_HEARTBEAT_TTL_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
