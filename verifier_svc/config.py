@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass
 
 from services.rpc import registry
+from services.errors import InvalidRequest
+from services.device import DEVICE_HELP, check_device
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
@@ -19,7 +21,8 @@ DEFAULT_PORT = 50052
 class VerifierConfig:
     service: ServiceConfig
     target: str | None = None  # HF directory or .gguf; None = the default SmolLM2 GGUF
-    dtype: str = "fp32"
+    dtype: str | None = None  # None = the device's default (bf16 on a GPU, fp32 on the CPU)
+    device: str | None = None  # cpu | cuda | cuda:N; None = AERIE_DEVICE, else cuda when available, else cpu
     max_sequences: int = 64  # sequences holding KV at once
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
 
@@ -28,7 +31,12 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
-        if self.dtype not in DTYPE_NAMES:
+        if self.device is not None:
+            try:
+                check_device(self.device)
+            except InvalidRequest as e:
+                raise ConfigError(str(e)) from None
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
@@ -44,8 +52,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("verifier")
     g.add_argument("--target", default=env("AERIE_TARGET"),
                    help="target model: HF directory or .gguf (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
-                   help="weights and activations (AERIE_DTYPE)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE"),
+                   help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
+    g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
@@ -53,6 +62,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:
-    return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype,
+    return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype, device=args.device,
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
                           idle_ttl_s=args.idle_ttl_s)

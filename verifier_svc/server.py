@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from services.device import default_dtype, resolve_device
 from services.engine.local import build_local_engine
 from services.spec.budget import target_costs
 from services.rpc import server as rpc_server
@@ -20,11 +21,13 @@ SERVICE_NAME = "aerie.v1.Verifier"
 
 def load_servicer(config: VerifierConfig) -> VerifierServicer:
     """Load the target exactly as the in-process engine does (same loader, dtype and EOS ids)."""
-    local = build_local_engine(config.target, "none", config.dtype)
+    device = resolve_device(config.device)
+    dtype = config.dtype or default_dtype(device)
+    local = build_local_engine(config.target, "none", dtype, device=device)
     engine = local.engine
     target = engine.verifier.target
     # t_verify for the coordinator's budget: measured once per device/model/dtype/threads, cached
-    costs = target_costs(target, f"{local.model_dir}|{config.dtype}")
+    costs = target_costs(target, f"{local.model_dir}|{dtype}")
     return VerifierServicer(target, config, local.target_path, engine.eos_token_ids, costs)
 
 

@@ -57,27 +57,28 @@ class Verifier:
         out = self.target(prompt.to(self.target.device), seq.cache, logits_for="last",
                           want_taps=self.feature_kind == "taps")
         self._seqs[seq_id] = seq
-        gen = None if sampling.greedy else round_generator(sampling.seed, 0)
+        gen = None if sampling.greedy else round_generator(sampling.seed, 0, out.logits.device)
         return PrefillResult(next_token(out.logits[-1], sampling, gen), self._features(out))
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
         """Run the tree in one forward, accept, keep the accepted path's KV."""
         seq = self._get(seq_id)
         prefix = seq.cache.length
-        out = self.target(tree.tokens.to(self.target.device), seq.cache,
-                          positions=prefix + tree.depths.to(self.target.device),
-                          tree_mask=tree.mask, want_taps=self.feature_kind == "taps")
-        gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index)
-        acc = accept(tree, out.logits, seq.sampling, gen)
-        seq.cache.keep(prefix, prefix + acc.nodes.to(self.target.device))
+        tree = tree.to(self.target.device)  # tokens, depths, mask and paths live with the model
+        out = self.target(tree.tokens, seq.cache, positions=prefix + tree.depths, tree_mask=tree.mask,
+                          want_taps=self.feature_kind == "taps")
+        gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index, out.logits.device)
+        acc = accept(tree, out.logits, seq.sampling, gen)  # the round's one host copy: the accepted path
+        nodes = acc.nodes.to(self.target.device)
+        seq.cache.keep(prefix, prefix + nodes)
         features = self._features(out)
-        return VerifyResult(acc, features[acc.nodes] if features.shape[0] else features)
+        return VerifyResult(acc, features[nodes] if features.shape[0] else features)
 
     def decode(self, seq_id: str, token: int, round_index: int) -> int:
         """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one."""
         seq = self._get(seq_id)
         out = self.target(torch.tensor([token], device=self.target.device), seq.cache, logits_for="last")
-        gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index)
+        gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index, out.logits.device)
         return next_token(out.logits[-1], seq.sampling, gen)
 
     def release(self, seq_id: str) -> None:
