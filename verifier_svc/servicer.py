@@ -17,6 +17,7 @@ import torch
 from services.engine.verifier import PrefillResult, Verifier
 from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
+from services.model.runner import ModelRunner
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
@@ -47,7 +48,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.vocab_size = target.config.vocab_size
         # capacity = prompt + max_new_tokens (<= max_context) + one tree
         self.max_capacity = target.config.max_context + codec.MAX_TREE_NODES
-        self._roles = {kind: Verifier(target, kind, config.max_sequences) for kind in ("hidden", "taps", "none")}
+        # one runner (one KV pool) for every sequence, whatever features its drafter needs
+        self.runner = ModelRunner(target)
+        self._roles = {kind: Verifier(target, kind, config.max_sequences, self.runner)
+                       for kind in ("hidden", "taps", "none")}
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind (the Verifier holding it)
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self._call = ModelWorker("verifier")  # every model call runs on this one thread

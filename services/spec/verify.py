@@ -51,11 +51,16 @@ def _path_tokens(tree: DraftTree) -> torch.Tensor:
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """logits [N, V]: the target's logits at every tree node, on any device. Everything runs on
-    the logits' device (the tree is moved there when it is not); the result comes back to the host
-    in ONE copy: m, the chosen path's index, its nodes, tokens and argmax row."""
-    tree = tree.to(logits.device)
-    argmax = torch.argmax(logits, dim=-1)  # [N]; equal to argmax(logits[paths]) and much cheaper
+    """logits [N, V]: the target's logits at every tree node, on any device."""
+    return accept_greedy_argmax(tree, torch.argmax(logits, dim=-1))
+
+
+def accept_greedy_argmax(tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
+    """argmax [N]: the target's argmax at every tree node (a batch computes it once for the rows of
+    all its trees, then splits it); equal to argmax(logits[paths]) and much cheaper. Everything
+    runs on the argmax's device (the tree is moved there when it is not); the result comes back to
+    the host in ONE copy: m, the chosen path's index, its nodes, tokens and argmax row."""
+    tree = tree.to(argmax.device)
     cand = _path_tokens(tree)  # [P, W]
     pred = argmax[tree.paths]  # [P, W]; pads read the last node, never compared with a real token
     match = (cand[:, 1:] == pred[:, :-1]).int()
