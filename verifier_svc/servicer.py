@@ -38,8 +38,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     SERVICE = SERVICE
 
     def __init__(self, target: TargetModel, config: VerifierConfig, target_path: str,
-                 eos_token_ids: tuple[int, ...], verify_cost: CostCurve | None = None) -> None:
-        """`verify_cost`: t_verify(rows) measured on this device, served by GetInfo for the budget."""
+                 eos_token_ids: tuple[int, ...], verify_cost: CostCurve | None = None, runner=None) -> None:
+        """`verify_cost`: t_verify(rows) measured on this device, served by GetInfo for the budget;
+        `runner`: a tensor-parallel group's proxy (services/dist/proxy.py), None = a local ModelRunner."""
         self.verify_cost = verify_cost
         self.target = target
         self.config = config
@@ -49,7 +50,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # capacity = prompt + max_new_tokens (<= max_context) + one tree
         self.max_capacity = target.config.max_context + codec.MAX_TREE_NODES
         # one runner (one KV pool) for every sequence, whatever features its drafter needs
-        self.runner = ModelRunner(target)
+        self.runner = runner if runner is not None else ModelRunner(target)
+        self.group = runner  # None at TP=1; its `alive` drives health (verifier_svc/server.py)
         self._roles = {kind: Verifier(target, kind, config.max_sequences, self.runner)
                        for kind in ("hidden", "taps", "none")}
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind (the Verifier holding it)
@@ -61,6 +63,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     def close(self) -> None:
         self.reaper.stop()
         self._call.close()
+        if self.group is not None:
+            self.group.close()
 
     @property
     def num_sequences(self) -> int:

@@ -6,6 +6,7 @@
     SequenceExists      -> ALREADY_EXISTS      a client-chosen sequence id already in use
     CapacityExceeded    -> RESOURCE_EXHAUSTED  over a configured capacity (sequences, prompt length, KV)
     CheckpointError     -> FAILED_PRECONDITION the service's own models are unusable
+    GroupError          -> UNAVAILABLE         a tensor-parallel rank is gone or missed its deadline
     DownstreamError     -> the downstream code (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...)
     anything else       -> INTERNAL            logged with its traceback
 
@@ -22,7 +23,8 @@ import logging
 
 import grpc
 
-from services.errors import AerieError, CapacityExceeded, CheckpointError, InvalidRequest, SequenceNotFound
+from services.errors import (AerieError, CapacityExceeded, CheckpointError, GroupError, InvalidRequest,
+                             SequenceNotFound)
 from services.metrics import REQUESTS_FAILED
 
 log = logging.getLogger("aerie.rpc")
@@ -72,6 +74,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, CheckpointError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, GroupError):  # a tensor-parallel rank is gone: retry on another replica
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 

@@ -53,6 +53,11 @@ async def create_server(address: str, config: ServiceConfig, service: str,
     return server, port
 
 
+def health_of(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """The health servicer `create_server` added to `server` (to report NOT_SERVING on a fault)."""
+    return _HEALTH[server]
+
+
 async def drain(server: grpc.aio.Server, grace_s: float) -> None:
     """Health NOT_SERVING, refuse new calls, let in-flight ones finish for up to `grace_s`."""
     health_servicer = _HEALTH.get(server)
