@@ -52,9 +52,8 @@ def load_group_servicer(config: VerifierConfig, device: str, dtype: str) -> Veri
     try:
         target = proxy.target
         eos = target.config.eos_token_ids
-        tok = executor.tokenizer
-        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
-            eos = tuple(sorted(set(eos) | {int(tok.eos_token_id)}))
+        if executor.eos_token_id is not None:  # the tokenizer's EOS, as build_local_engine adds it
+            eos = tuple(sorted(set(eos) | {int(executor.eos_token_id)}))
         costs = group_costs(proxy, f"{executor.model_dir}|{dtype}")  # through the group: broadcasts included
     except BaseException:
         proxy.close()

@@ -97,7 +97,9 @@ class LocalExecutor:
                 dead = [p.args[4] for p in self.procs if p.poll() is not None]
                 raise GroupError(f"{e} (worker ranks exited: {dead or 'none'})") from e
             raise
-        self.tokenizer, self.model_dir = loaded.tokenizer, loaded.path
+        self.model_dir = loaded.path
+        tok = loaded.tokenizer
+        self.eos_token_id = getattr(tok, "eos_token_id", None) if tok is not None else None
         return GroupRunner(runner, comm, on_close=self.stop)
 
     @property
