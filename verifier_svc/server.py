@@ -68,7 +68,8 @@ async def watch_group(servicer: VerifierServicer, health_servicer, period_s: flo
 
     while servicer.group.alive:
         await asyncio.sleep(period_s)
-    log.error("tensor-parallel group down: health NOT_SERVING (%s)", servicer.group.error)
+    if servicer.group.error is not None:  # else: closed on shutdown
+        log.error("tensor-parallel group down: health NOT_SERVING (%s)", servicer.group.error)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 

@@ -65,6 +65,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._call.close()
         if self.group is not None:
             self.group.close()
+            watcher = getattr(self, "watcher", None)  # verifier_svc/server.py watch_group
+            if watcher is not None and not watcher.done():
+                watcher.get_loop().call_soon_threadsafe(watcher.cancel)
 
     @property
     def num_sequences(self) -> int:

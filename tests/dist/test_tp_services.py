@@ -34,23 +34,22 @@ def remote(pipeline, req):
     return [t for s in steps for t in s.tokens], steps[-1].finish_reason, [s.stats.accept_length for s in steps[1:]]
 
 
-@pytest.fixture(scope="module")
-def pipeline(model_dirs, redis_url):
+def test_tp2_eagle2_equals_tp1(model_dirs, redis_url):
+    """One process holds one group (torch.distributed's default group): each test starts and closes its own."""
     p = start_pipeline(model_dirs, redis_url, verifier_overrides=TP)
-    yield p
-    p.close()
-
-
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
-def test_tp2_eagle2_equals_tp1(pipeline, model_dirs, sampling):
-    assert pipeline.verifier.group is not None and pipeline.verifier.group.world == 2
-    req = GenerationRequest(PROMPT, 32, sampling)
-    got = remote(pipeline, req)
-    assert got == local_run(local_engine(model_dirs), req)
-    if sampling.greedy:
-        assert max(got[2]) > 1  # speculation really happens through the group
-    assert remote(pipeline, req) == got  # and replays identically
-    wait_until(lambda: pipeline.verifier.num_sequences == 0)
+    try:
+        assert p.verifier.group is not None and p.verifier.group.world == 2
+        reference = local_engine(model_dirs)
+        for sampling in SAMPLINGS:
+            req = GenerationRequest(PROMPT, 32, sampling)
+            got = remote(p, req)
+            assert got == local_run(reference, req), sampling
+            if sampling.greedy:
+                assert max(got[2]) > 1  # speculation really happens through the group
+            assert remote(p, req) == got  # and replays identically
+        wait_until(lambda: p.verifier.num_sequences == 0)
+    finally:
+        p.close()
 
 
 @pytest.fixture(scope="module")
