@@ -33,6 +33,8 @@ def register(sub) -> None:
                    help="comma list of hf,native,eagle,sam,eagle+sam,pipeline")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline'; default: none)")
     p.add_argument("--sweep", action="store_true", help="grid of fixed tree shapes and auto for EAGLE-2, with the cost model's predicted tok/s")
+    p.add_argument("--tp-verify", type=int, default=0,
+                   help="also measure verify latency at TP=1 and TP=N (a local group of N ranks; 0 = off)")
     p.add_argument("--json-out", default=None, help="write the results as JSON here (default: not written)")
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
@@ -122,7 +124,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         eagle_rows = {m: r for m, r in result["methods"].items() if m.startswith("eagle")}
         best = max(eagle_rows, key=lambda m: eagle_rows[m]["tokens_per_s"])
         result["best_tree"] = best
+    if args.tp_verify > 1:
+        from services.bench.tp_verify import tp_table, tp_verify_latency
+
+        result["tp_verify"] = tp_verify_latency(local.model_dir, dtype(args), device(args), args.tp_verify)
     print(table(result))
+    if "tp_verify" in result:
+        print(tp_table(result["tp_verify"]))
     if args.sweep:
         print(f"best tree: {result['best_tree']}")
     if args.json_out:

@@ -64,8 +64,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE"),
                    help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
     g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
-    g.add_argument("--tp", type=int, default=env("AERIE_TP", 1),
-                   help="tensor-parallel group size: the target sharded over this many ranks (AERIE_TP)")
+    g.add_argument("--tp", type=int, default=env("AERIE_TP_SIZE", 1),
+                   help="tensor-parallel group size: the target sharded over this many ranks (AERIE_TP_SIZE)")
     g.add_argument("--executor", choices=("local", "ray"), default=env("AERIE_TP_EXECUTOR", "local"),
                    help="how the ranks start: local child processes, or Ray actors in a placement group "
                         "(AERIE_TP_EXECUTOR; ray joins the cluster at RAY_ADDRESS)")

@@ -22,8 +22,9 @@ CONTRACT = {
     "common": {"AERIE_HOST", "AERIE_LOG_LEVEL", "AERIE_METRICS_PORT", "AERIE_MAX_MESSAGE_BYTES", "AERIE_DRAIN_S",
                "OTEL_EXPORTER_OTLP_ENDPOINT"},
     "verifier": {"AERIE_VERIFIER_PORT", "AERIE_TARGET", "AERIE_DTYPE", "AERIE_MAX_SEQUENCES",
-                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE", "AERIE_IDLE_TTL_S"},
-    "drafter": {"AERIE_DRAFTER_PORT", "AERIE_TARGET", "AERIE_DRAFT", "AERIE_DTYPE", "AERIE_TREE_TOP_K",
+                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE", "AERIE_IDLE_TTL_S", "AERIE_DEVICE",
+                 "AERIE_TP_EXECUTOR", "AERIE_TP_TIMEOUT_S"},
+    "drafter": {"AERIE_DRAFTER_PORT", "AERIE_TARGET", "AERIE_DRAFT", "AERIE_DTYPE", "AERIE_DEVICE", "AERIE_TREE_TOP_K",
                 "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES", "AERIE_IDLE_TTL_S"},
     "coordinator": {"AERIE_COORDINATOR_PORT", "AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS",
                     "AERIE_MAX_NEW_TOKENS", "AERIE_SEQUENCE_TTL_S", "AERIE_MAX_SEQUENCES", "AERIE_RPC_TIMEOUT_S",
@@ -114,6 +115,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_TREE_DEPTH": str(d["tree"]["depth"]),
             "AERIE_TREE_TOKENS": str(d["tree"]["tokens"]),
             "AERIE_IDLE_TTL_S": str(d["idleTtlSeconds"]),
+            "AERIE_DEVICE": "cuda" if d["gpu"] > 0 else "cpu",
         },
         "verifier": common | model | {
             "AERIE_VERIFIER_PORT": str(ver["port"]),
@@ -121,6 +123,9 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_MAX_PROMPT_TOKENS": str(ver["maxPromptTokens"]),
             "AERIE_TP_SIZE": str(ver["tpSize"]),
             "AERIE_IDLE_TTL_S": str(ver["idleTtlSeconds"]),
+            "AERIE_DEVICE": "cuda" if ver["useGpu"] else "cpu",
+            "AERIE_TP_EXECUTOR": ver["executor"],
+            "AERIE_TP_TIMEOUT_S": str(ver["tpTimeoutSeconds"]),
         },
     }
 
@@ -193,12 +198,28 @@ def test_verifier_groups_are_a_statefulset_with_shared_memory(scale_render):
     assert shm == [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
 
 
-def test_tp_size_above_one_is_flagged_as_not_implemented(helm):
+def test_gpu_pools_run_on_the_gpu_and_say_it_is_untested(helm, scale_render):
+    """The GPU values drive real device use: a pod that requests GPUs gets AERIE_DEVICE=cuda, a CPU pod cpu;
+    the notes say cuda is untested on hardware."""
+    assert scale_render.env("verifier")["AERIE_DEVICE"] == "cuda" and scale_render.env("drafter")["AERIE_DEVICE"] == "cuda"
+    cpu = render(helm, [], ["--set", "drafter.gpu=0", "--set", "verifier.useGpu=false"])
+    assert cpu.env("verifier")["AERIE_DEVICE"] == "cpu" and cpu.env("drafter")["AERIE_DEVICE"] == "cpu"
     notes = helm_notes(helm, VALUE_SETS["scale"])
-    assert "NOT" in notes and "implemented" in notes and "verifier.tpSize=1" in notes
-    assert "WARNING" not in helm_notes(helm, [])
-    values = (ROOT / "k8s/charts/aerie/values.yaml").read_text()
-    assert "ONLY verifier.tpSize: 1 RUNS" in values
+    assert "tensor-parallel size 4 (4 GPU each, one pod)" in notes and "untested on GPU" in notes
+    assert "NOT" not in (ROOT / "k8s/charts/aerie/values.yaml").read_text().split("image:")[0]
+
+
+def test_groups_larger_than_a_node_use_the_ray_executor(helm):
+    """executor ray: the ranks are Ray actors in the KubeRay cluster at rayAddress (GPU bundles), so the
+    verifier pod requests no GPU; a missing address is a render error."""
+    ray = render(helm, [], ["--set", "verifier.tpSize=16", "--set", "verifier.executor=ray",
+                            "--set", "verifier.rayAddress=ray://aerie-raycluster-head-svc:10001"])
+    env = ray.env("verifier")
+    assert (env["AERIE_TP_SIZE"], env["AERIE_TP_EXECUTOR"], env["AERIE_DEVICE"]) == ("16", "ray", "cuda")
+    assert env["RAY_ADDRESS"] == "ray://aerie-raycluster-head-svc:10001"
+    assert gpus(ray.container("verifier")) == (None, None)
+    with pytest.raises(Exception, match="rayAddress"):
+        render(helm, [], ["--set", "verifier.executor=ray"])
 
 
 # --- Redis and its password --------------------------------------------------------------------
@@ -348,7 +369,9 @@ def test_scale_values_set_every_contract_variable(scale_render):
     for component in AERIE:
         for var in CONTRACT["common"] | CONTRACT[component]:
             assert scaled[component][var] is not None, (component, var)
-            if var not in ("AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS"):
+            # the scale set keeps GPUs and one-pod groups as the default does (its GPU counts are
+            # checked above); CPU and Ray renders are checked by their own tests
+            if var not in ("AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS", "AERIE_DEVICE", "AERIE_TP_EXECUTOR"):
                 assert scaled[component][var] != defaults[component][var], (component, var)
 
 
