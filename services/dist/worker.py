@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", required=True, help="GroupSpec as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    threads = os.environ.get("AERIE_TORCH_THREADS")  # as the rank-0 process (aerie_cli/flags.py)
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
     from services.dist.launch import GroupSpec, load_rank
     from services.dist.proxy import serve_worker
 
