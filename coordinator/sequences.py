@@ -177,7 +177,9 @@ class Sequences:
             if placement is not None:
                 placement.close()
             return False
-        log.info("took over sequence %s at round %d (%d tokens committed)", seq_id, state.round, len(state.tokens))
+        log.warning("took over sequence %s from coordinator %s at round %d (%d tokens committed)", seq_id,
+                    state.owner or "?", state.round, len(state.tokens))
+        metrics.FAILOVERS.labels("coordinator", "coordinator", "takeover").inc()
 
         def on_exit(run: SequenceRun) -> None:
             with self._lock:
