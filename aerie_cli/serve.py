@@ -93,7 +93,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     import redis
 
     from coordinator.config import from_args
-    from coordinator.server import build, create_server
+    from coordinator.server import build, create_server, with_gateway_token
     from services.rpc.config import ConfigError, configure_logging
     from services.rpc.server import serve_forever
 
@@ -107,6 +107,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     http = None
     ports: dict[str, int] = {}
 
+    own_token = None
+    if config.http_port is not None and coordinator.security.api_tokens:
+        own_token = with_gateway_token(coordinator)
+
     async def start():
         nonlocal http
         server, port = await create_server(config.service.address, config, coordinator)
@@ -115,7 +119,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
             host = config.service.host if config.service.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
             http = await start_http(f"{host}:{port}", config.service.host, config.http_port,
-                                    config.service.max_message_bytes)
+                                    config.service.max_message_bytes, coordinator.security, own_token)
             ports["http_port"] = http.port
         return server, port
 

@@ -128,6 +128,7 @@ class SequenceRecord:
     drafter: str  # host:port, "" for plain decoding
     verifier: str
     owner: str = ""  # the coordinator holding the lease ("" = no lease)
+    client: str = "anonymous"  # the identity that created it: only it may read, resume or cancel it
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +206,7 @@ class SequenceStore:
         fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": json.dumps(rec.params),
                   "seed": rec.seed, "round": -1, "status": "running", "finish_reason": "", "error": "",
                   "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}",
-                  "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
+                  "client": rec.client, "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
         argv = [self.ttl_s] + [x for kv in fields.items() for x in kv]
         created = self._call(rec.sequence_id, self._create, keys=self.keys(rec.sequence_id)[:1], args=argv)
         if not created:
@@ -279,6 +280,13 @@ class SequenceStore:
     def set_placement(self, seq_id: str, drafter: str, verifier: str) -> None:
         """Record where the sequence runs now (after a fail-over)."""
         self._call(seq_id, self.redis.hset, self.keys(seq_id)[0], mapping={"drafter": drafter, "verifier": verifier})
+
+    def client_of(self, seq_id: str) -> str:
+        """The identity that created the sequence ("anonymous" for records written before it was kept)."""
+        client, status = self._call(seq_id, self.redis.hmget, self.keys(seq_id)[0], "client", "status")
+        if status is None:
+            raise SequenceNotFound(f"unknown sequence {seq_id!r}")
+        return client or "anonymous"
 
     def request_cancel(self, seq_id: str) -> Status:
         """Flag a running sequence for cancellation; returns its status."""

@@ -65,10 +65,12 @@ class Sequences:
 
     def admit(self, request: GenerationRequest, seq_id: str | None,
               emit: Callable[[Committed | BaseException], None], request_span: Any = None,
-              wrap_engine: Callable[[Engine], Any] | None = None, text: dict | None = None) -> Admitted:
+              wrap_engine: Callable[[Engine], Any] | None = None, text: dict | None = None,
+              client: str = "anonymous") -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
         `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine; `text` (stop
-        strings, skip_special_tokens) is stored with the sequence for a take-over and Resume."""
+        strings, skip_special_tokens) is stored with the sequence for a take-over and Resume. `client`
+        is the caller's identity (services/rpc/security.py), stored as the sequence's creator."""
         # 128 random bits: the id is the capability to read, resume or cancel the sequence
         seq_id = seq_id or secrets.token_hex(16)
         if self.draining.is_set():
@@ -98,7 +100,7 @@ class Sequences:
                 params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                         "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
                         "ignore_eos": request.ignore_eos, **(text or {})},
-                drafter=drafter_address, verifier=verifier_address, owner=self.owner))
+                drafter=drafter_address, verifier=verifier_address, owner=self.owner, client=client))
         except BaseException:
             with self._lock:
                 self._runs.pop(seq_id, None)

@@ -16,6 +16,7 @@ import grpc
 from services.rpc import server as rpc_server
 from services.rpc.clients import DrafterClient, VerifierClient
 from services.rpc.registry import Registry
+from services.rpc.security import Security
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.leases import LeaseKeeper
@@ -38,6 +39,7 @@ class Coordinator:
     pools: list[Pool]
     refresher: Refresher
     leases: LeaseKeeper | None = None
+    security: Security | None = None  # TLS, tokens (services/rpc/security.py)
     redis_watch: RedisWatch | None = None  # health follows Redis (started with the server)
 
     def close(self, drain_s: float = 10.0) -> None:
@@ -56,6 +58,7 @@ def build(config: CoordinatorConfig) -> Coordinator:
     store = SequenceStore.from_url(config.redis_url, config.sequence_ttl_s, config.finished_ttl_s,
                                    config.redis_retry_s, config.lease_ttl_s)
     store.ping()
+    security = Security.load(config.service)
     limit, timeout = config.service.max_message_bytes, config.rpc_timeout_s
     probe = config.probe_interval_s
     registry = Registry(store.redis) if config.discover else None
@@ -63,17 +66,17 @@ def build(config: CoordinatorConfig) -> Coordinator:
     def discover(role: str):
         return (lambda: registry.instances(role)) if registry is not None else None
 
-    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout), probe_interval_s=probe,
+    verifiers = Pool("verifier", config.verifiers, lambda a: VerifierClient(a, limit, timeout, security), probe_interval_s=probe,
                      discover=discover("verifier"))
-    drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout), probe_interval_s=probe,
+    drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout, security), probe_interval_s=probe,
                      discover=discover("drafter"))
                 if config.drafters or config.discover else None)
     pools = [p for p in (verifiers, drafters) if p is not None]
     sequences = Sequences(config, store, verifiers, drafters)
-    servicer = CoordinatorServicer(config, sequences, store)
+    servicer = CoordinatorServicer(config, sequences, store, security)
     return Coordinator(servicer, sequences, store, pools,
                        Refresher(pools, config.resolve_interval_s, config.discover_interval_s),
-                       LeaseKeeper(sequences, config.lease_ttl_s))
+                       LeaseKeeper(sequences, config.lease_ttl_s), security)
 
 
 async def create_server(address: str, config: CoordinatorConfig, coordinator: Coordinator
@@ -82,7 +85,8 @@ async def create_server(address: str, config: CoordinatorConfig, coordinator: Co
         coordinator_grpc.add_CoordinatorServicer_to_server(coordinator.servicer, server)
         return [SERVICE_NAME]
 
-    server, port = await rpc_server.create_server(address, config.service, "coordinator", register)
+    server, port = await rpc_server.create_server(address, config.service, "coordinator", register,
+                                                  coordinator.security)
     loop = asyncio.get_running_loop()
 
     def on_redis(ok: bool) -> None:  # NOT_SERVING while Redis is unreachable
@@ -90,3 +94,16 @@ async def create_server(address: str, config: CoordinatorConfig, coordinator: Co
 
     coordinator.redis_watch = RedisWatch(coordinator.store, on_redis, REDIS_CHECK_S)
     return server, port
+
+
+def with_gateway_token(coordinator: Coordinator) -> str:
+    """A fresh API token for the in-process HTTP gateway's own calls (identity "gateway", known to
+    this process only), added to the coordinator's accepted tokens. Call it before create_server."""
+    import dataclasses
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    security = coordinator.security or Security()
+    coordinator.security = dataclasses.replace(security, api_tokens={**security.api_tokens, token: "gateway"})
+    coordinator.servicer.security = coordinator.security
+    return token

@@ -35,8 +35,11 @@ class DrafterConfig:
     max_sequences: int = 64
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+    max_tree_nodes: int = 512  # a Prefill's max_rows may reserve the target's context + this, never more
 
     def __post_init__(self) -> None:
+        if not 2 <= self.max_tree_nodes <= 4096:  # 4096: services.rpc.codec.MAX_TREE_NODES
+            raise ConfigError(f"max_tree_nodes must be in [2, 4096]; got {self.max_tree_nodes}")
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
         if self.dtype not in DTYPE_NAMES:
@@ -79,6 +82,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
+    g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
+                   help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES)")
 
 
 def from_args(args: argparse.Namespace) -> DrafterConfig:
@@ -90,4 +95,5 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
                          draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
+                         max_tree_nodes=args.max_tree_nodes,
                          idle_ttl_s=args.idle_ttl_s)

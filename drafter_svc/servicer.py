@@ -42,7 +42,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.vocab_size = head.vocab_size
         self.feature_size = head.feature_size
         self.dtype = drafter.head.feature_dtype  # the target's features (the draft may run in bf16/int8)
-        self.max_rows = max_context + codec.MAX_TREE_NODES
+        self.max_rows = max_context + config.max_tree_nodes  # the server's cap, never the caller's
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
         self._call = ModelWorker("drafter")  # every model call runs on this one thread
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
@@ -67,7 +67,8 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                 if n == 0:
                     raise InvalidRequest("prefill tokens must hold prompt[1:] and the first token; got none")
                 if not n <= msg.max_rows <= self.max_rows:
-                    raise InvalidRequest(f"max_rows must be in [{n}, {self.max_rows}]; got {msg.max_rows}")
+                    raise InvalidRequest(f"max_rows must be in [{n}, {self.max_rows}] (this drafter's limit: the "
+                                         f"target's context + AERIE_MAX_TREE_NODES); got {msg.max_rows}")
                 features = codec.TensorAssembler("features", dtype=self.dtype, shape=(n, self.feature_size))
                 params = self._params(msg)
             elif msg.sequence_id or msg.tokens or msg.max_rows:

@@ -1,7 +1,11 @@
 """Verifier configuration: flags and AERIE_* variables -> VerifierConfig.
 
     AERIE_VERIFIER_PORT (50052), AERIE_TARGET, AERIE_DTYPE (fp32), AERIE_MAX_SEQUENCES (64),
-    AERIE_MAX_PROMPT_TOKENS (8192), and the common ones in services/rpc/config.py.
+    AERIE_MAX_PROMPT_TOKENS (8192), AERIE_MAX_TREE_NODES (512), AERIE_MAX_SEQUENCE_ROWS (the target's
+    context + AERIE_MAX_TREE_NODES), and the common ones in services/rpc/config.py.
+
+The last two are the server's own caps on what a caller may make it allocate: a Prefill's `capacity`
+(KV rows of one sequence) and a Verify's tree size. A caller cannot raise them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import argparse
 from dataclasses import dataclass
 
 from services.rpc import registry
+
+MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's own bound (no torch import here)
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
@@ -24,8 +30,14 @@ class VerifierConfig:
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+    max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
+    max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
     def __post_init__(self) -> None:
+        if not 2 <= self.max_tree_nodes <= MAX_TREE_NODES:
+            raise ConfigError(f"max_tree_nodes must be in [2, {MAX_TREE_NODES}]; got {self.max_tree_nodes}")
+        if self.max_sequence_rows is not None and self.max_sequence_rows < 2:
+            raise ConfigError(f"max_sequence_rows must be >= 2; got {self.max_sequence_rows}")
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
         if self.dtype not in DTYPE_NAMES:
@@ -50,9 +62,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
+    g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
+                   help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES)")
+    g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
+                   help="most KV rows one sequence may reserve (AERIE_MAX_SEQUENCE_ROWS; default: the target's "
+                        "context + --max-tree-nodes)")
 
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype,
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
-                          idle_ttl_s=args.idle_ttl_s)
+                          idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
+                          max_sequence_rows=args.max_sequence_rows)

@@ -17,6 +17,7 @@ import torch
 from services.engine.verifier import PrefillResult, Verifier
 from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
+from services.model.runner import ModelRunner
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
@@ -45,9 +46,13 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.target_path = target_path
         self.eos_token_ids = eos_token_ids
         self.vocab_size = target.config.vocab_size
-        # capacity = prompt + max_new_tokens (<= max_context) + one tree
-        self.max_capacity = target.config.max_context + codec.MAX_TREE_NODES
-        self._roles = {kind: Verifier(target, kind, config.max_sequences) for kind in ("hidden", "taps", "none")}
+        # capacity = prompt + max_new_tokens (<= max_context) + one tree, capped by this server's config
+        # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
+        self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
+        # one runner (one KV pool) for every sequence, whatever features its drafter needs
+        self.runner = ModelRunner(target)
+        self._roles = {kind: Verifier(target, kind, config.max_sequences, self.runner)
+                       for kind in ("hidden", "taps", "none")}
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind (the Verifier holding it)
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self._call = ModelWorker("verifier")  # every model call runs on this one thread
@@ -77,8 +82,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         sampling = codec.decode_sampling(request.sampling)
         kind = codec.feature_kind(request.feature_kind)
         if not n < request.capacity <= self.max_capacity:
-            raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt; "
-                                 f"got {request.capacity}")
+            raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
+                                 f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
         result = await self._call.timed(PREFILL_SECONDS.labels(SERVICE),
                                               self._prefill, seq_id, kind, prompt, sampling, request.capacity)
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
@@ -88,7 +93,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     async def Verify(self, request: vpb.VerifyRequest, context) -> vpb.VerifyResponse:
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
-        tree = codec.decode_tree(request.tree, self.vocab_size)
+        tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
         response = await self._call.timed(VERIFY_SECONDS.labels(SERVICE),
                                               self._verify, seq_id, request.round_index, tree)
         return response

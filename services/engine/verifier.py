@@ -1,8 +1,23 @@
-"""Verifier: holds the target model and a KV per sequence; prefill, tree verification, plain decode.
+"""Verifier: the target's side of speculative decoding for many sequences; prefill, tree
+verification and plain decode, one target forward for a whole batch of calls.
+
+    v = Verifier(target, feature_kind)                 # or Verifier(None, kind, runner=shared_runner)
+    v.prefill(seq_id, prompt [L], sampling, capacity)  -> PrefillResult      (batch 1)
+    v.verify(seq_id, tree, round_index)                -> VerifyResult
+    v.decode(seq_id, token, round_index)               -> int
+    v.run([PrefillCall | VerifyCall | DecodeCall, ...]) -> [result | AerieError, ...]  (one forward)
 
 The in-process implementation of the verifier role; the verifier service wraps this class unchanged.
-Acceptance itself is `services.spec.verify`; this class runs the target forward around it, compacts
-the KV to the accepted path and returns the accepted nodes' features for the drafter.
+It talks to the model through a runner's four methods only (services/model/runner.py: allocate,
+release, keep, execute), so a tensor-parallel group proxy can stand in for the local ModelRunner.
+Several Verifiers (one per feature kind) may share one runner: their sequences then share its KV pool.
+
+`run` turns every valid call into one entry of one `Step` (one target forward), then accepts per
+sequence: greedy acceptance reads one argmax over all the batch's rows; sampling keeps each
+sequence's (seed, round) generator, so a sequence's tokens do not depend on its neighbours. A call
+that is invalid (unknown sequence, KV that does not fit, ...) gets its own error in its place and
+never fails the others. Acceptance itself is `services.spec.verify`; this class runs the forward
+around it, compacts the KV to the accepted path and returns the accepted nodes' features.
 """
 
 from __future__ import annotations
@@ -11,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
-from services.model.kv_cache import KVCache
+from services.errors import AerieError, CapacityExceeded, InvalidRequest, SequenceNotFound
+from services.model.runner import ModelRunner
+from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
 from services.spec.sampling import SamplingParams, next_token, round_generator
 from services.spec.tree import DraftTree
-from services.spec.verify import Acceptance, accept
+from services.spec.verify import Acceptance, accept, accept_greedy_argmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,56 +48,184 @@ class VerifyResult:
     #                         for a sequence prefilled with feature kind "none": no head consumes them)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillCall:
+    seq_id: str
+    prompt: torch.Tensor  # [L] long
+    sampling: SamplingParams
+    capacity: int  # KV rows: prompt + generated tokens + one tree
+
+    @property
+    def rows(self) -> int:
+        return int(self.prompt.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCall:
+    seq_id: str
+    tree: DraftTree
+    round_index: int
+
+    @property
+    def rows(self) -> int:
+        return self.tree.size
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    seq_id: str
+    token: int  # the last committed token (commit it, return the next)
+    round_index: int
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+
+Call = PrefillCall | VerifyCall | DecodeCall
+Result = PrefillResult | VerifyResult | int
+
+
 @dataclass
 class _Sequence:
-    cache: KVCache
+    slot: int  # KV slot in the runner's pool
+    length: int  # committed KV rows
+    capacity: int
     sampling: SamplingParams
 
 
 class Verifier:
-    def __init__(self, target: TargetModel, feature_kind: str = "hidden", max_sequences: int = 64) -> None:
+    def __init__(self, target: TargetModel | None, feature_kind: str = "hidden", max_sequences: int = 64,
+                 runner: ModelRunner | None = None) -> None:
+        """`runner`: a shared runner (or a tensor-parallel proxy with its four methods); None = a
+        ModelRunner of its own over `target` with an unbounded pool."""
         assert feature_kind in ("hidden", "taps", "none"), feature_kind
-        self.target = target
+        assert target is not None or runner is not None, "a Verifier needs a target or a runner"
+        self.runner = runner if runner is not None else ModelRunner(target)
+        self.target = target if target is not None else getattr(self.runner, "target", None)
         self.feature_kind = feature_kind
         self.max_sequences = max_sequences
         self._seqs: dict[str, _Sequence] = {}
 
+    # ---- batch 1 ---------------------------------------------------------------------------------
+
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int
                 ) -> PrefillResult:
         """prompt [L]; `capacity` KV rows (prompt + generated tokens + one tree)."""
-        if seq_id in self._seqs:
-            raise InvalidRequest(f"sequence {seq_id!r} already exists on this verifier")
-        if len(self._seqs) >= self.max_sequences:
-            raise CapacityExceeded(f"verifier holds its maximum of {self.max_sequences} sequences")
-        seq = _Sequence(self.target.new_cache(capacity), sampling)
-        out = self.target(prompt.to(self.target.device), seq.cache, logits_for="last",
-                          want_taps=self.feature_kind == "taps")
-        self._seqs[seq_id] = seq
-        gen = None if sampling.greedy else round_generator(sampling.seed, 0)
-        return PrefillResult(next_token(out.logits[-1], sampling, gen), self._features(out))
+        return self._one(PrefillCall(seq_id, prompt, sampling, capacity))
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
         """Run the tree in one forward, accept, keep the accepted path's KV."""
-        seq = self._get(seq_id)
-        prefix = seq.cache.length
-        out = self.target(tree.tokens.to(self.target.device), seq.cache,
-                          positions=prefix + tree.depths.to(self.target.device),
-                          tree_mask=tree.mask, want_taps=self.feature_kind == "taps")
-        gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index)
-        acc = accept(tree, out.logits, seq.sampling, gen)
-        seq.cache.keep(prefix, prefix + acc.nodes.to(self.target.device))
-        features = self._features(out)
-        return VerifyResult(acc, features[acc.nodes] if features.shape[0] else features)
+        return self._one(VerifyCall(seq_id, tree, round_index))
 
     def decode(self, seq_id: str, token: int, round_index: int) -> int:
         """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one."""
-        seq = self._get(seq_id)
-        out = self.target(torch.tensor([token], device=self.target.device), seq.cache, logits_for="last")
-        gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, round_index)
-        return next_token(out.logits[-1], seq.sampling, gen)
+        return self._one(DecodeCall(seq_id, token, round_index))
+
+    def _one(self, call: Call):
+        out = self.run([call])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    # ---- a batch: one target forward ---------------------------------------------------------------
+
+    def run(self, calls: list[Call]) -> list[Result | AerieError]:
+        """One target forward for every valid call, in order; an invalid call's error (an
+        AerieError) takes its place in the returned list and the others run without it."""
+        results: list[Result | AerieError | None] = [None] * len(calls)
+        entries: list[StepEntry] = []
+        index: list[int] = []  # call index of each entry
+        new_slots: dict[int, int] = {}  # call index -> slot allocated for a prefill
+        seen: set[str] = set()
+        for i, call in enumerate(calls):
+            try:
+                if call.seq_id in seen:
+                    raise InvalidRequest(f"sequence {call.seq_id!r} has two calls in one batch")
+                entry = self._entry(call, new_slots, i)
+            except AerieError as e:
+                results[i] = e
+                continue
+            seen.add(call.seq_id)
+            entries.append(entry)
+            index.append(i)
+        if entries:
+            try:
+                out = self.runner.execute(Step(tuple(entries), want_taps=self.feature_kind == "taps"))
+            except BaseException:
+                for slot in new_slots.values():
+                    self.runner.release(slot)
+                raise
+            for j, result in enumerate(self._finish([calls[i] for i in index], out, new_slots, index)):
+                results[index[j]] = result
+        return results  # type: ignore[return-value]
+
+    def _entry(self, call: Call, new_slots: dict[int, int], i: int) -> StepEntry:
+        if isinstance(call, PrefillCall):
+            if call.seq_id in self._seqs:
+                raise InvalidRequest(f"sequence {call.seq_id!r} already exists on this verifier")
+            if len(self._seqs) + len(new_slots) >= self.max_sequences:
+                raise CapacityExceeded(f"verifier holds its maximum of {self.max_sequences} sequences")
+            if call.rows < 1:
+                raise InvalidRequest("prompt is empty: give at least one token")
+            if call.capacity < call.rows:
+                raise CapacityExceeded(f"KV capacity {call.capacity} is smaller than the {call.rows}-token prompt")
+            slot = self.runner.allocate(call.capacity)  # CapacityExceeded: nothing admitted
+            new_slots[i] = slot
+            return StepEntry(slot, call.prompt.long(), logits="last")
+        seq = self._get(call.seq_id)
+        if seq.length + call.rows > seq.capacity:
+            raise CapacityExceeded(f"sequence {call.seq_id!r} holds {seq.capacity} KV rows; {seq.length} used, "
+                                   f"{call.rows} more requested")
+        if isinstance(call, VerifyCall):
+            tree = call.tree
+            return StepEntry(seq.slot, tree.tokens, seq.length + tree.depths.cpu(), tree.mask)
+        return StepEntry(seq.slot, torch.tensor([call.token]), logits="last")
+
+    def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int]
+                ) -> list[Result]:
+        # greedy: one argmax over every greedy entry's logits rows
+        greedy = [j for j, c in enumerate(calls) if self._sampling(c).greedy]
+        argmax: dict[int, torch.Tensor] = {}
+        if greedy:
+            rows = [out.logits[j] for j in greedy]
+            flat = torch.argmax(torch.cat(rows) if len(rows) > 1 else rows[0], dim=-1)
+            for j, a in zip(greedy, flat.split([r.shape[0] for r in rows])):
+                argmax[j] = a
+        results: list[Result] = []
+        for j, call in enumerate(calls):
+            features = self._features(out, j)
+            if isinstance(call, PrefillCall):
+                slot = new_slots[index[j]]
+                self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling)
+                first = (int(argmax[j][-1]) if j in argmax
+                         else next_token(out.logits[j][-1], call.sampling, round_generator(call.sampling.seed, 0)))
+                results.append(PrefillResult(first, features))
+                continue
+            seq = self._seqs[call.seq_id]
+            gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, call.round_index)
+            if isinstance(call, DecodeCall):
+                seq.length += 1
+                results.append(int(argmax[j][-1]) if j in argmax else next_token(out.logits[j][-1], seq.sampling, gen))
+                continue
+            tree = call.tree
+            acc = (accept_greedy_argmax(tree, argmax[j].to(tree.tokens.device)) if j in argmax
+                   else accept(tree, out.logits[j], seq.sampling, gen))
+            self.runner.keep(seq.slot, seq.length, seq.length + acc.nodes.cpu())
+            seq.length += int(acc.nodes.numel())
+            results.append(VerifyResult(acc, features[acc.nodes] if features.shape[0] else features))
+        return results
+
+    def _sampling(self, call: Call) -> SamplingParams:
+        return call.sampling if isinstance(call, PrefillCall) else self._seqs[call.seq_id].sampling
 
     def release(self, seq_id: str) -> None:
-        self._seqs.pop(seq_id, None)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.runner.release(seq.slot)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
 
     @property
     def num_sequences(self) -> int:
@@ -93,9 +237,8 @@ class Verifier:
         except KeyError:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier") from None
 
-    def _features(self, out) -> torch.Tensor:
+    def _features(self, out: StepOutput, j: int) -> torch.Tensor:
         if self.feature_kind == "taps":
-            return out.taps
-        if self.feature_kind == "hidden":
-            return out.hidden
-        return out.hidden[:0]
+            return out.taps_of(j)
+        hidden = out.hidden_of(j)
+        return hidden if self.feature_kind == "hidden" else hidden[:0]

@@ -95,8 +95,28 @@ class Attention(nn.Module):
         """x [T, in_dim]; mask [T, cache.length + T] bool (True = may attend), or None when every
         new row sees every cached row and the new rows are causal among themselves (T == 1, or a
         prefill into an empty cache) -> [T, hidden]."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, cache, layer, mask))
+
+    def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      caches: list[KVCache], layer: int, masks: list[torch.Tensor | None],
+                      offsets: list[int]) -> torch.Tensor:
+        """Many sequences in one pass: x [R, in_dim] holds entry i's rows at [offsets[i],
+        offsets[i+1]); the q/k/v and output projections run once over all R rows, attention runs per
+        entry against its own cache with its own mask (as `forward`) -> [R, hidden]."""
+        qkv = self.qkv_proj(x)
+        if len(caches) == 1:
+            out = self.attend(qkv, cos, sin, caches[0], layer, masks[0])
+        else:
+            out = torch.cat([self.attend(qkv[a:b], cos[a:b], sin[a:b], cache, layer, mask)
+                             for cache, mask, a, b in zip(caches, masks, offsets, offsets[1:])])
+        return self.o_proj(out)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """qkv [T, q+k+v] (the packed projection of T new rows) -> attention output [T, heads*hd];
+        writes the rows' K/V into `cache` at its next free rows (not advancing its length)."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)
         k = k.view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -111,7 +131,7 @@ class Attention(nn.Module):
             assert t == 1 or prefix == 0, "a maskless forward needs T == 1 or an empty cache"
             out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], is_causal=t > 1,
                                                  enable_gqa=gqa)
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+        return out[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):

@@ -25,6 +25,7 @@ from services.model.config import ModelConfig, rope_inv_freq
 from services.model.kv_cache import KVCache
 from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
 from services.model.linear import Linear, freeze_linears, parse_layout
+from services.model.step import Step, StepEntry, StepOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,24 +93,54 @@ class TargetModel(nn.Module):
         """input_ids [T]; positions [T] absolute (default: cache.length + arange(T));
         tree_mask [T, T] bool ancestors-or-self (None = causal).
         WARNING: mutates `cache` (writes T rows, advances its length)."""
-        t = input_ids.shape[0]
-        cache.reserve(t)
-        prefix = cache.length
-        if positions is None:
-            positions = torch.arange(prefix, prefix + t, device=input_ids.device)
-        mask = attention_mask(prefix, t, tree_mask, self.device, allow_none=True)
+        step = Step((StepEntry(0, input_ids, positions, tree_mask, logits_for),), want_taps)
+        out = self.forward_step(step, [cache])
+        return TargetOutput(logits=out.logits[0], hidden=out.hidden, taps=out.taps)
+
+    @torch.no_grad()
+    def forward_step(self, step: Step, caches: list[KVCache]) -> StepOutput:
+        """One forward over every entry of `step`; caches[i] is entry i's KV (its slot). All R rows
+        go through each linear layer as one GEMM; attention runs per entry against its own cache.
+        WARNING: mutates every cache (writes the entry's rows, advances its length). Reserve first:
+        a cache that cannot take its rows raises CapacityExceeded before anything is written."""
+        assert len(caches) == len(step.entries), (len(caches), len(step.entries))
+        for e, cache in zip(step.entries, caches):
+            cache.reserve(e.rows)
+        device = self.device
+        offsets = [0]
+        for e in step.entries:
+            offsets.append(offsets[-1] + e.rows)
+        ids, pos, masks = [], [], []
+        for e, cache in zip(step.entries, caches):
+            prefix = cache.length
+            ids.append(e.input_ids.to(device))
+            pos.append(e.positions.to(device) if e.positions is not None
+                       else torch.arange(prefix, prefix + e.rows, device=device))
+            masks.append(attention_mask(prefix, e.rows, e.tree_mask, device, allow_none=True))
+        input_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        positions = pos[0] if len(pos) == 1 else torch.cat(pos)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         taps: list[torch.Tensor] = []
-        tap_layers = self.config.eagle3_tap_layers if want_taps else ()
+        tap_layers = self.config.eagle3_tap_layers if step.want_taps else ()
         for i, layer in enumerate(self.model.layers):
             if i in tap_layers:
                 taps.append(x)
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, mask)
+            x = x + layer.self_attn.forward_batch(layer.input_layernorm(x), cos, sin, caches, i, masks, offsets)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.advance(t)
+        for e, cache in zip(step.entries, caches):
+            cache.advance(e.rows)
         hidden = self.model.norm(x)
-        rows = hidden if logits_for == "all" else hidden[-1:]
+        # one lm_head GEMM over the rows that want logits
+        if all(e.logits == "all" for e in step.entries):
+            rows = hidden
+            counts = [e.rows for e in step.entries]
+        else:
+            picks = [torch.arange(a, b, device=device) if e.logits == "all" else torch.tensor([b - 1], device=device)
+                     for e, a, b in zip(step.entries, offsets, offsets[1:])]
+            counts = [int(p.numel()) for p in picks]
+            rows = hidden[picks[0][0]:picks[0][-1] + 1] if len(picks) == 1 else hidden[torch.cat(picks)]
         logits = self.lm_head(rows).float()
-        return TargetOutput(logits=logits, hidden=hidden,
-                            taps=torch.cat(taps, dim=-1) if want_taps else None)
+        per_entry = logits.split(counts) if len(counts) > 1 else (logits,)
+        return StepOutput(logits=tuple(per_entry), hidden=hidden,
+                          taps=torch.cat(taps, dim=-1) if step.want_taps else None, offsets=tuple(offsets))

@@ -52,7 +52,12 @@ def _path_tokens(tree: DraftTree) -> torch.Tensor:
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     """logits [N, V]: the target's logits at every tree node."""
-    argmax = torch.argmax(logits, dim=-1)  # [N]; equal to argmax(logits[paths]) and much cheaper
+    return accept_greedy_argmax(tree, torch.argmax(logits, dim=-1))
+
+
+def accept_greedy_argmax(tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
+    """argmax [N]: the target's argmax at every tree node (a batch computes it once for the rows of
+    all its trees, then splits it); equal to argmax(logits[paths]) and much cheaper."""
     cand = _path_tokens(tree)  # [P, W]
     pred = argmax[tree.paths]  # [P, W]; pads read the last node, never compared with a real token
     match = (cand[:, 1:] == pred[:, :-1]).int()

@@ -1,0 +1,61 @@
+"""The model runner: a target model, a KV pool, and one forward per Step.
+
+    runner = ModelRunner(target, KVPool.for_model(target, max_rows))
+    slot = runner.allocate(rows)             # KV for one sequence (CapacityExceeded naming the budget)
+    out = runner.execute(Step(entries))      # one target forward for every entry -> StepOutput
+    runner.keep(slot, start, rows [n])       # compaction of an accepted path
+    runner.release(slot)
+
+It does the forward and the KV bookkeeping only: no acceptance, no sampling, no sequences ids, no
+RPC. The verifier (services/engine/verifier.py) calls it through these four methods only, so a
+tensor-parallel group proxy with the same four methods (every rank runs a ModelRunner over its
+shard and its own pool; arguments are picklable, tensors on the CPU are fine) can stand in for it.
+Calls are deterministic: the same calls in the same order give the same slots and rows on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.errors import CapacityExceeded
+from services.model.kv_pool import KVPool
+from services.model.step import Step, StepOutput
+from services.model.target import TargetModel
+
+
+class ModelRunner:
+    def __init__(self, target: TargetModel, pool: KVPool | None = None) -> None:
+        self.target = target
+        self.pool = pool if pool is not None else KVPool.for_model(target)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def allocate(self, rows: int) -> int:
+        """A KV slot of `rows` rows (length 0); CapacityExceeded when the pool's budget is full."""
+        return self.pool.allocate(rows)
+
+    def release(self, slot: int) -> None:
+        self.pool.release(slot)
+
+    def keep(self, slot: int, start: int, rows: torch.Tensor | list[int]) -> None:
+        """Keep the KV rows at absolute indices `rows` [n] (ascending, rows[i] >= start + i) at
+        [start, start + n) of `slot`; drop every later row (the rest of a verified tree)."""
+        self.pool.keep(slot, start, torch.as_tensor(rows, dtype=torch.long))
+
+    def execute(self, step: Step) -> StepOutput:
+        """One target forward over every entry (each entry's rows are appended to its slot).
+        Raises before writing anything when an entry's slot cannot take its rows, or when two
+        entries name the same slot."""
+        slots = [e.slot for e in step.entries]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a step names a KV slot twice: {slots}")
+        if not slots:
+            raise ValueError("a step needs at least one entry")
+        caches = [self.pool.cache(s) for s in slots]
+        for e, cache in zip(step.entries, caches):
+            if cache.length + e.rows > cache.capacity:
+                raise CapacityExceeded(f"KV slot {e.slot} holds {cache.capacity} rows; {cache.length} used, "
+                                       f"{e.rows} more requested")
+        return self.target.forward_step(step, caches)
