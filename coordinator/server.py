@@ -27,6 +27,7 @@ from coordinator.sequences import Sequences
 from coordinator.servicer import CoordinatorServicer
 
 SERVICE_NAME = "aerie.v1.Coordinator"
+LIVENESS = "liveness"  # a health name that stays SERVING while Redis is down (the chart's liveness probe)
 REDIS_CHECK_S = 1.0  # PING Redis this often (backing off from 0.1 s while it is down): health follows it
 log = logging.getLogger("aerie.coordinator")
 
@@ -87,6 +88,7 @@ async def create_server(address: str, config: CoordinatorConfig, coordinator: Co
 
     server, port = await rpc_server.create_server(address, config.service, "coordinator", register,
                                                   coordinator.security)
+    await rpc_server.set_serving(server, True, [LIVENESS])
     loop = asyncio.get_running_loop()
 
     def on_redis(ok: bool) -> None:  # NOT_SERVING while Redis is unreachable
