@@ -203,6 +203,8 @@ class Sequences:
         with self._lock:
             runs = [r for r in self._runs.values() if r is not None]
         for run in runs:
+            if run.handing_over.is_set():
+                continue  # its lease is being let go (SIGTERM)
             try:
                 self.store.renew(run.seq_id, self.owner)  # lost: the run's next commit stops it (fenced)
             except Exception as e:  # noqa: BLE001 - Redis down: the commit path reports it
