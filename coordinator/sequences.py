@@ -16,13 +16,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest
+from services.spec.budget import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
@@ -55,6 +56,9 @@ class Sequences:
         self._runs: dict[str, SequenceRun] = {}
         self._lock = threading.Lock()
         self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
+        # continuous batching: the sequences this coordinator runs on one verifier share its forwards;
+        # their budgets size each tree for that batch (services/spec/budget.py LoadBoard)
+        self._boards: dict[str, LoadBoard] = {}
         self.draining = threading.Event()  # SIGTERM: no new sequences, no take-overs
         # a taken-over sequence's text (stop strings): (stored params, tokens committed before) ->
         # a wrapper for its engine or None; set by the servicer, which holds the tokenizer
@@ -134,6 +138,10 @@ class Sequences:
         retrieval = self.config.retrieval
         dclient = placement.drafter_client
         budget = codec.decode_budget(vinfo, dclient.info() if dclient else None, retrieval)
+        if budget is not None and budget.fixed is None:
+            with self._lock:
+                board = self._boards.setdefault(placement.verifier_client.address, LoadBoard())
+            budget = replace(budget, load=board)
         return vinfo, Engine(placement.verifier, placement.drafter, int(vinfo.max_context), int(vinfo.vocab_size),
                              tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
 

@@ -45,14 +45,14 @@ def test_verifier_tree_larger_than_the_reserved_kv_mutates_nothing(pipeline):
     prefill = vpb.VerifierPrefillRequest(sequence_id="tight", prompt_ids=[1, 2, 3], capacity=6,
                                          feature_kind=pb.FEATURE_KIND_NONE)
     first = next(iter(stub.Prefill(prefill, timeout=30))).first_token
-    role = pipeline.verifier._roles["none"]
-    before = role._seqs["tight"].cache.length if hasattr(role, "_seqs") else None
+    verifier, pool = pipeline.verifier.verifier, pipeline.verifier.runner.pool
+    seq = verifier._seqs["tight"]
+    before = (seq.length, pool.length(seq.slot))
     code, details = status_of(lambda: stub.Verify(vpb.VerifyRequest(sequence_id="tight", round_index=1,
                                                                      tree=chain(8, first)), timeout=30))
     assert code in (INVALID, grpc.StatusCode.RESOURCE_EXHAUSTED), details
     assert "8" in details
-    if before is not None:
-        assert role._seqs["tight"].cache.length == before
+    assert (seq.length, pool.length(seq.slot)) == before
     # the same sequence still verifies a tree that fits, as if the refused call never happened
     ok = stub.Verify(vpb.VerifyRequest(sequence_id="tight", round_index=1, tree=chain(2, first)), timeout=30)
     assert ok.bonus >= 0
