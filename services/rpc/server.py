@@ -116,6 +116,17 @@ async def drain(server: grpc.aio.Server, grace_s: float,
     await server.stop(grace_s)
 
 
+async def set_serving(server: grpc.aio.Server, serving: bool, names: Sequence[str] = ()) -> None:
+    """Health of "" and `names`: SERVING or NOT_SERVING (e.g. the coordinator while Redis is down).
+    Ignored once the server drains (the health service stays NOT_SERVING)."""
+    health_servicer = _HEALTH.get(server)
+    if health_servicer is None:
+        return
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *names):
+        await health_servicer.set(name, status)
+
+
 def write_port_file(path: str, **ports: int | None) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(ports))
