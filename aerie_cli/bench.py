@@ -195,8 +195,10 @@ def _concurrency_chart(args: argparse.Namespace, result: dict) -> None:
     from services.bench.concurrency import chart as conc_chart
 
     path = args.chart if "methods" not in result else args.chart.removesuffix(".png") + "-concurrency.png"
+    steady = {(d["method"], d["concurrency"]): d["steady_tokens_per_s"] for d in result["concurrency_decode"]}
     conc_chart(result["concurrency"], path,
-               f"aerie bench --concurrency ({dtype(args)}, {result['concurrency_config']['max_new_tokens']} tokens/seq)")
+               f"aerie bench --concurrency ({dtype(args)}, {result['concurrency_config']['max_new_tokens']} tokens/seq)",
+               steady)
 
 
 def _eagle_name(shape, sweep: bool) -> str:

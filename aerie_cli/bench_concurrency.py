@@ -118,7 +118,8 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                     row = summarize_level(m, n, level)
                     rows.append(row)
                     detail.append({**row, "repeat": rep, **level_detail(level)})
-                    print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s, "
+                    print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
+                          f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
                           f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
     finally:
@@ -126,10 +127,15 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
             s.close()
         stack.close()
     merged = _median_rows(rows)
-    print(table(merged))
+    steady = _median_steady(detail)
+    print(table(merged, steady))
     cross = crossover(merged)
     print(f"crossover: the fixed tree {'stays below plain from N=' + str(cross) if cross else 'never falls below plain'}")
     return {"concurrency": merged, "concurrency_detail": detail, "concurrency_crossover": cross,
+            "concurrency_decode": [{"method": m, "concurrency": n, "steady_tokens_per_s": v}
+                                   for (m, n), v in steady.items()],
+            "concurrency_decode_crossover": crossover([{"method": m, "concurrency": n, "tokens_per_s": v}
+                                                       for (m, n), v in steady.items()]),
             "concurrency_config": {"levels": levels, "methods": methods, "repeats": args.repeats,
                                    "tree": [fixed.total_tokens, fixed.depth, fixed.top_k],
                                    "max_batch": args.max_batch, "max_batch_rows": args.max_batch_rows,
@@ -147,3 +153,12 @@ def _median_rows(rows: list[dict]) -> list[dict]:
         out.append({"method": m, "concurrency": n,
                     **{k: round(median(r[k] for r in rs), 3) for k in ("tokens_per_s", "itl_p50_ms", "itl_p99_ms")}})
     return out
+
+
+def _median_steady(detail: list[dict]) -> dict:
+    """(method, N) -> the median steady decode tok/s over repeats."""
+    from statistics import median
+
+    keys = list(dict.fromkeys((d["method"], d["concurrency"]) for d in detail))
+    return {k: round(median(d["steady_tokens_per_s"] for d in detail if (d["method"], d["concurrency"]) == k), 3)
+            for k in keys}

@@ -60,7 +60,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
-                                              on_batch=_observe_batch)
+                                              on_batch=_observe_batch, expect=lambda: len(self._kind))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 

@@ -105,6 +105,9 @@ def test_bench_concurrency_through_the_services(setup, capsys):
     detail = {(d["method"], d["concurrency"]): d for d in res["concurrency_detail"]}
     assert all(not d["errors"] and d["tokens"] == 8 * d["concurrency"] for d in detail.values())
     assert detail[("plain", 3)]["mean_nodes"] == 1.0 and detail[("tree", 3)]["mean_nodes"] > 1
+    assert all(d["steady_tokens_per_s"] >= 0 for d in detail.values())
+    assert {(d["method"], d["concurrency"]) for d in res["concurrency_decode"]} == set(detail)
+    assert "decode tok/s" in out
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
                  "--concurrency", "0,2"]) == 2

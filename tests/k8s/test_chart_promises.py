@@ -44,6 +44,7 @@ NOT_SET_BY_CHART = {
     "AERIE_MAX_BATCH_ROWS": "continuous batching: rows per forward; the default fits",
     "AERIE_BATCH_QUEUE": "continuous batching: calls waiting for a forward; the default fits",
     "AERIE_BATCH_QUEUE_TIMEOUT_S": "continuous batching: wait for a queue place; the default fits",
+    "AERIE_BATCH_WAIT_MS": "continuous batching: gathering wait; the default fits",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
