@@ -86,11 +86,14 @@ def describe_replica(servicer) -> dict:
             "load": servicer.num_sequences}
 
 
+HAND_OVER_ROUND_S = 30.0  # on SIGTERM, wait at most this long for a round in flight before a hand-over
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import redis
 
     from coordinator.config import from_args
-    from coordinator.server import build, create_server
+    from coordinator.server import build, create_server, with_gateway_token
     from services.rpc.config import ConfigError, configure_logging
     from services.rpc.server import serve_forever
 
@@ -104,6 +107,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     http = None
     ports: dict[str, int] = {}
 
+    own_token = None
+    if config.http_port is not None and coordinator.security.api_tokens:
+        own_token = with_gateway_token(coordinator)
+
     async def start():
         nonlocal http
         server, port = await create_server(config.service.address, config, coordinator)
@@ -112,7 +119,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
             host = config.service.host if config.service.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
             http = await start_http(f"{host}:{port}", config.service.host, config.http_port,
-                                    config.service.max_message_bytes)
+                                    config.service.max_message_bytes, coordinator.security, own_token)
             ports["http_port"] = http.port
         return server, port
 
@@ -121,5 +128,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             await http.stop()
         await asyncio.to_thread(coordinator.close, config.service.drain_s)
 
-    asyncio.run(serve_forever(start, config.service, "coordinator", on_stop, ports))
+    async def on_drain() -> None:  # SIGTERM: sequences still running after AERIE_DRAIN_S go to other coordinators
+        await asyncio.to_thread(coordinator.sequences.hand_over_all, config.service.drain_s,
+                                min(config.rpc_timeout_s, HAND_OVER_ROUND_S))
+
+    asyncio.run(serve_forever(start, config.service, "coordinator", on_stop, ports, on_drain))
     return 0

@@ -5,7 +5,8 @@
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_TOKENIZER (the verifier's target),
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
-    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10), and the common ones in
+    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10),
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -55,6 +56,8 @@ class CoordinatorConfig:
     lease_ttl_s: float = 10.0  # a running sequence whose coordinator stops renewing is taken over after this
     discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
     discover_interval_s: float = 1.0  # re-read the registry this often
+    # Generate streams one client may have open at once: by API identity, else by peer host; 0 = no limit
+    max_sequences_per_client: int = 64
 
     def __post_init__(self) -> None:
         if not self.verifiers and not self.discover:
@@ -71,6 +74,8 @@ class CoordinatorConfig:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
+        if self.max_sequences_per_client < 0:
+            raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
         for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s"):
@@ -95,6 +100,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="lifetime of a sequence's Redis record after its last update (AERIE_SEQUENCE_TTL_S)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 256),
                    help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES)")
+    g.add_argument("--max-sequences-per-client", type=int, default=env("AERIE_MAX_SEQUENCES_PER_CLIENT", 64),
+                   help="Generate streams one client may have open at once, by API identity, else by peer host; "
+                        "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
                    help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
@@ -149,4 +157,4 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
-        discover_interval_s=args.discover_interval_s)
+        discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client)

@@ -79,16 +79,21 @@ redis.call('EXPIRE', KEYS[2], ttl)
 return {1, cancel}
 """
 
-# KEYS: hash. ARGV: owner, lease_ms, mode ('renew': only the owner; 'claim': only once expired).
-# Returns 1 when the caller holds the lease afterwards.
+# KEYS: hash. ARGV: owner, lease_ms, mode ('renew': only the owner; 'claim': only once expired;
+# 'release': only the owner, the lease expires now and has no owner, so a late renew cannot revive it). Returns 1 when the caller held the lease (renew,
+# release) or holds it now (claim).
 _LEASE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local owner = redis.call('HGET', KEYS[1], 'owner') or ''
 local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
-if ARGV[3] == 'renew' and owner ~= ARGV[1] then return 0 end
+if ARGV[3] ~= 'claim' and owner ~= ARGV[1] then return 0 end
 if ARGV[3] == 'claim' and lease > now then return 0 end
+if ARGV[3] == 'release' then
+  redis.call('HSET', KEYS[1], 'owner', '', 'lease_until', 0)
+  return 1
+end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))
 return 1
 """
@@ -123,6 +128,7 @@ class SequenceRecord:
     drafter: str  # host:port, "" for plain decoding
     verifier: str
     owner: str = ""  # the coordinator holding the lease ("" = no lease)
+    client: str = "anonymous"  # the identity that created it: only it may read, resume or cancel it
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +206,7 @@ class SequenceStore:
         fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": json.dumps(rec.params),
                   "seed": rec.seed, "round": -1, "status": "running", "finish_reason": "", "error": "",
                   "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}",
-                  "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
+                  "client": rec.client, "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
         argv = [self.ttl_s] + [x for kv in fields.items() for x in kv]
         created = self._call(rec.sequence_id, self._create, keys=self.keys(rec.sequence_id)[:1], args=argv)
         if not created:
@@ -243,6 +249,14 @@ class SequenceStore:
             self._index_lease(seq_id, self.lease_ms)
         return held
 
+    def hand_over(self, seq_id: str, owner: str) -> bool:
+        """Let `owner`'s lease go now (a draining coordinator): any coordinator may claim the sequence
+        at its next scan. False when `owner` did not hold it (or the sequence ended)."""
+        released = bool(self._call(seq_id, self._lease, keys=self.keys(seq_id)[:1], args=[owner, 0, "release"]))
+        if released:
+            self._index_lease(seq_id, 0)
+        return released
+
     def expired_leases(self, limit: int = 100) -> list[str]:
         """Running sequences whose lease ran out (their coordinator is gone): candidates for `claim`.
         The index (one sorted set, score = lease expiry in ms) is a hint; `claim` decides."""
@@ -266,6 +280,13 @@ class SequenceStore:
     def set_placement(self, seq_id: str, drafter: str, verifier: str) -> None:
         """Record where the sequence runs now (after a fail-over)."""
         self._call(seq_id, self.redis.hset, self.keys(seq_id)[0], mapping={"drafter": drafter, "verifier": verifier})
+
+    def client_of(self, seq_id: str) -> str:
+        """The identity that created the sequence ("anonymous" for records written before it was kept)."""
+        client, status = self._call(seq_id, self.redis.hmget, self.keys(seq_id)[0], "client", "status")
+        if status is None:
+            raise SequenceNotFound(f"unknown sequence {seq_id!r}")
+        return client or "anonymous"
 
     def request_cancel(self, seq_id: str) -> Status:
         """Flag a running sequence for cancellation; returns its status."""

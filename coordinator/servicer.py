@@ -12,19 +12,20 @@ import asyncio
 import dataclasses
 import threading
 
-import grpc
+from pathlib import PurePath
 
 import grpc
 
 from services import telemetry
 from services.rpc import codec
-from services.errors import InvalidRequest
+from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
+from services.rpc.security import ANONYMOUS, NONE, Security, bearer, peer_host, token_identity
 from services.rpc.errors import DownstreamError, rpc_errors
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
-from coordinator.sequence_run import Committed
+from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
 from coordinator.request_metrics import RequestMetrics
@@ -38,13 +39,17 @@ STATUS = {"running": cpb.SEQUENCE_STATUS_RUNNING, "finished": cpb.SEQUENCE_STATU
 class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
     SERVICE = "coordinator"
 
-    def __init__(self, config: CoordinatorConfig, sequences: Sequences, store: SequenceStore) -> None:
+    def __init__(self, config: CoordinatorConfig, sequences: Sequences, store: SequenceStore,
+                 security: Security = NONE) -> None:
         self.config = config
         self.sequences = sequences
         self.store = store
+        self.security = security
+        self._per_client: dict[str, int] = {}  # open Generate streams per client (identity or peer host)
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
+        sequences.text_engine = lambda params, primer: self.text().stop_engine_for(params, primer)
 
     def text(self) -> Text:
         """The target's tokenizer, loaded once (blocking: run it off the event loop). Without
@@ -70,12 +75,57 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         raise DownstreamError(grpc.StatusCode.UNAVAILABLE, "no verifier answers: the coordinator cannot name "
                                                            "the target or load its tokenizer yet")
 
+    # ---- identity (docs/security.md) -----------------------------------------------------------------
+
+    def identity(self, context) -> str:
+        """The caller's identity: its API token's (the ServerAuth interceptor already refused unknown
+        ones), or ANONYMOUS when the coordinator has no API tokens (sequences are then shared)."""
+        if not self.security.api_tokens:
+            return ANONYMOUS
+        found = token_identity(bearer(context.invocation_metadata()), self.security.api_tokens)
+        return found or ANONYMOUS
+
+    def _client_key(self, identity: str, context) -> str:
+        """Who the per-client limit counts: the identity, else the peer's host."""
+        return f"identity {identity}" if self.security.api_tokens else f"peer {peer_host(context.peer() or '')}"
+
+    def _take_slot(self, key: str) -> None:
+        limit = self.config.max_sequences_per_client
+        held = self._per_client.get(key, 0)
+        if limit and held >= limit:
+            raise CapacityExceeded(f"{key} already has {held} sequences open on this coordinator, its limit "
+                                   f"(AERIE_MAX_SEQUENCES_PER_CLIENT={limit})")
+        self._per_client[key] = held + 1
+
+    def _give_slot(self, key: str) -> None:
+        held = self._per_client.get(key, 0) - 1
+        if held > 0:
+            self._per_client[key] = held
+        else:
+            self._per_client.pop(key, None)
+
+    def _check_owner(self, seq_id: str, identity: str) -> None:
+        """Another identity's sequence is NOT_FOUND, exactly as an unknown one: a caller learns nothing
+        about sequences it did not create (not even that the id exists)."""
+        if self.store.client_of(seq_id) != identity:
+            raise SequenceNotFound(f"unknown sequence {seq_id!r}")
+
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or served_name(self._target or self.config.tokenizer or "unknown")
 
     @rpc_errors
     async def Generate(self, request: cpb.GenerateRequest, context):
+        identity = self.identity(context)
+        key = self._client_key(identity, context)
+        self._take_slot(key)  # before any work: a client over its limit costs nothing
+        try:
+            async for response in self._generate(request, context, identity):
+                yield response
+        finally:
+            self._give_slot(key)
+
+    async def _generate(self, request: cpb.GenerateRequest, context, identity: str):
         text = await asyncio.to_thread(self.text)
         prompt_ids = text.prompt_ids(request)
         stream = text.stream(request)  # validates the stop strings
@@ -97,13 +147,15 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         request_metrics = RequestMetrics(self.model_name)
         try:
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
-                                               text.stop_engine(request))
+                                               text.stop_engine(request), text.params(request), identity)
             request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)
             first = True
             while not finished:
                 item = await queue.get()
+                if isinstance(item, HandedOver):  # draining: every committed token was streamed above
+                    raise _handed_over(context, admitted.run.seq_id, produced, item)
                 if isinstance(item, BaseException):
                     raise item
                 step = item.step
@@ -118,6 +170,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                                                 finish_reason=step.finish_reason or "", text=delta)
                 if first:
                     response.info.CopyFrom(admitted.info)
+                    response.info.target, response.info.draft = public_name(response.info.target), \
+                        public_name(response.info.draft)
                     response.info.prompt_tokens = len(req.prompt_ids)
                     first = False
                 yield response
@@ -136,12 +190,16 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
 
     @rpc_errors
     async def Cancel(self, request: cpb.CancelRequest, context) -> cpb.CancelResponse:
-        status = await asyncio.to_thread(self.sequences.cancel, codec.sequence_id(request.sequence_id))
+        seq_id = codec.sequence_id(request.sequence_id)
+        await asyncio.to_thread(self._check_owner, seq_id, self.identity(context))
+        status = await asyncio.to_thread(self.sequences.cancel, seq_id)
         return cpb.CancelResponse(status=STATUS[status])
 
     @rpc_errors
     async def GetSequence(self, request: cpb.GetSequenceRequest, context) -> cpb.Sequence:
-        s = await asyncio.to_thread(self.store.get, codec.sequence_id(request.sequence_id))
+        seq_id = codec.sequence_id(request.sequence_id)
+        await asyncio.to_thread(self._check_owner, seq_id, self.identity(context))
+        s = await asyncio.to_thread(self.store.get, seq_id)
         return cpb.Sequence(sequence_id=s.sequence_id, prompt_ids=s.prompt_ids, tokens=s.tokens,
                             status=STATUS[s.status], finish_reason=s.finish_reason, round=s.round,
                             placement=cpb.Placement(drafter=s.drafter, verifier=s.verifier), error=s.error)
@@ -154,23 +212,35 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         sent = request.from_token_index
         if sent < 0:
             raise InvalidRequest(f"from_token_index must be >= 0; got {sent}")
+        await asyncio.to_thread(self._check_owner, seq_id, self.identity(context))
+        state = await asyncio.to_thread(self.store.get, seq_id)
+        if sent > len(state.tokens):
+            raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
+        # the same text deltas as the Generate stream: the detokenizer replays the tokens before `sent`
+        stream = (await asyncio.to_thread(self.text)).stream_for(state.params)
+        stream.push(state.tokens[:sent])
         poll_s = RESUME_POLL_S
         while True:
             tokens, status, reason, round_index, error, total = await asyncio.to_thread(self.store.tail, seq_id, sent)
-            if sent > total:
-                raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
             final = status != "running"
             if status == "failed":
                 if tokens:
-                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index))
+                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
+                                               text=stream.push(tokens)[0])
                 raise DownstreamError(grpc.StatusCode.ABORTED, f"sequence {seq_id!r} failed: {error}")
             if tokens or final:
                 sent += len(tokens)
+                delta, _ = stream.push(tokens)
+                if final:
+                    delta += stream.finish()
                 yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
-                                           finish_reason=("cancel" if status == "cancelled" else reason) if final else "")
+                                           finish_reason=("cancel" if status == "cancelled" else reason) if final else "",
+                                           text=delta)
                 poll_s = RESUME_POLL_S
             if final:
                 return
+            if self.sequences.draining.is_set():
+                raise _handed_over(context, seq_id, sent, "this coordinator is draining")
             await asyncio.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 0.25)
 
@@ -189,15 +259,30 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         v = verifiers[0]
         self._target = v.target
         text = self.text()
-        info = cpb.CoordinatorInfo(target=v.target, dtype=v.dtype, vocab_size=v.vocab_size, model=self.model_name,
+        info = cpb.CoordinatorInfo(target=public_name(v.target), dtype=v.dtype, vocab_size=v.vocab_size, model=self.model_name,
                                    max_context=v.max_context, text=text.tokenizer is not None,
                                    chat_template=text.has_chat_template, max_new_tokens=self.config.max_new_tokens,
                                    verifiers_ready=len(verifiers), drafters_ready=len(drafters),
                                    drafters_configured=len(self.config.drafters))
         if drafters:
-            info.draft = drafters[0].draft
+            info.draft = public_name(drafters[0].draft)
             info.tree.CopyFrom(drafters[0].tree)
         return info
+
+
+def _handed_over(context, seq_id: str, sent: int, why) -> DownstreamError:
+    """The end of a stream on a draining coordinator: UNAVAILABLE, naming where to continue (also in
+    the trailing metadata `aerie-resume-from`: the number of tokens this stream delivered in all)."""
+    context.set_trailing_metadata((("aerie-resume-from", str(sent)),))
+    return DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                           f"coordinator draining: {why}; Resume(sequence_id={seq_id!r}, from_token_index={sent}) "
+                           f"on another coordinator")
+
+
+def public_name(path: str) -> str:
+    """A model's name without the directories it lives in: no filesystem path leaves the coordinator
+    (clients compare targets by this name, services/rpc/coordinator_client.same_model)."""
+    return PurePath(path).name if path else path
 
 
 def _answering(pool, timeout_s: float = 2.0) -> list:

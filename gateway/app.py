@@ -6,6 +6,11 @@
     GET  /health                 200 when a verifier (and, unless plain decoding, a drafter) answers
     GET  /metrics                Prometheus text of this process (the coordinator's metrics)
 
+With API tokens (services/rpc/security.py) every route but /health and /metrics needs
+`Authorization: Bearer <token>` (401 otherwise); the header travels on to the coordinator, which
+checks it again and makes its identity the owner of the sequence. The gateway's own calls (GetInfo
+for /health and the model name) use a token only this process knows (identity "gateway").
+
 Each request is one Coordinator.Generate call. The first message (the prefill's) is read before the
 HTTP answer starts, so a refused request gets its real status (gateway/errors.py) and nothing is
 committed. A client that disconnects cancels the call, which cancels the sequence after its round in
@@ -29,6 +34,7 @@ from starlette.routing import Route
 
 from gateway.errors import error_body, from_rpc
 from gateway.openai_request import BadParameter, Parsed, parse_chat, parse_completion
+from services.rpc.security import NONE, Security, token_identity
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
@@ -54,9 +60,14 @@ def _closed() -> JSONResponse:
 
 
 class Gateway:
-    def __init__(self, coordinator_address: str, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, coordinator_address: str, max_message_bytes: int = 64 * 1024 * 1024,
+                 security: Security = NONE, own_token: str | None = None) -> None:
+        """`security`: the coordinator's (its API tokens, its TLS certificate / CA to reach it);
+        `own_token`: the token of the gateway's own calls (one of the coordinator's API tokens)."""
         self.address = coordinator_address
         self.max_message_bytes = max_message_bytes
+        self.security = security
+        self._own = (("authorization", f"Bearer {own_token}"),) if own_token else None
         self.channel: grpc.aio.Channel | None = None
         self.stub: coordinator_grpc.CoordinatorStub | None = None
         self._info: cpb.CoordinatorInfo | None = None  # kept once a verifier has named the model
@@ -65,7 +76,12 @@ class Gateway:
         """Open the channel on the running loop (grpc.aio channels belong to one loop)."""
         opts = [("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes)]
-        self.channel = grpc.aio.insecure_channel(self.address, options=opts)
+        if self.security.tls:  # reach the coordinator's TLS port, checking its own certificate
+            creds = grpc.ssl_channel_credentials(root_certificates=self.security.ca or self.security.cert)
+            opts.append(("grpc.ssl_target_name_override", self.security.server_name or "localhost"))
+            self.channel = grpc.aio.secure_channel(self.address, creds, options=opts)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.address, options=opts)
         self.stub = coordinator_grpc.CoordinatorStub(self.channel)
 
     async def close(self) -> None:
@@ -87,7 +103,7 @@ class Gateway:
         if self._info is not None and not fresh:
             return self._info
         try:
-            info = await self.stub.GetInfo(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+            info = await self.stub.GetInfo(pb.InfoRequest(), timeout=INFO_TIMEOUT_S, metadata=self._own)
         except grpc.aio.AioRpcError as e:
             raise HttpError(*from_rpc(e)) from None
         if info.verifiers_ready > 0:
@@ -119,8 +135,21 @@ class Gateway:
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    def _caller(self, request: Request) -> tuple[tuple[str, str], ...] | None:
+        """The caller's Authorization header as gRPC metadata; HttpError 401 when the coordinator has
+        API tokens and the header holds none of them."""
+        header = request.headers.get("authorization")
+        if not self.security.api_tokens:
+            return (("authorization", header),) if header else None
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or token_identity(token.strip(), self.security.api_tokens) in (None, "gateway"):
+            raise HttpError(401, error_body("a valid API key is required: send 'Authorization: Bearer <token>'",
+                                            "authentication_error", code="invalid_api_key"))
+        return (("authorization", f"Bearer {token.strip()}"),)
+
     async def models(self, request: Request) -> Response:
         try:
+            self._caller(request)
             info = await self._served(None)
         except HttpError as e:
             return _error(e.status, e.body)
@@ -138,17 +167,22 @@ class Gateway:
 
     async def _generate(self, request: Request, parse: Callable[[object], Parsed], chat: bool) -> Response:
         try:
+            self._caller(request)
+        except HttpError as e:
+            return _error(e.status, e.body)
+        try:
             body = json.loads(await request.body())
         except ValueError as e:
             return _error(400, error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"))
         try:
+            metadata = self._caller(request)
             parsed = parse(body)
             info = await self._served(parsed.model)
         except BadParameter as e:
             return _error(400, error_body(str(e), "invalid_request_error", e.param))
         except HttpError as e:
             return _error(e.status, e.body)
-        call = self.stub.Generate(parsed.request)
+        call = self.stub.Generate(parsed.request, metadata=metadata)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
         try:
             first = await call.read()

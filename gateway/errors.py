@@ -3,6 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": null}}
 
     gRPC INVALID_ARGUMENT / OUT_OF_RANGE   -> 400 invalid_request_error  (a BadParameter too)
+    UNAUTHENTICATED                        -> 401 authentication_error   (no or an unknown API key)
+    PERMISSION_DENIED                      -> 403 permission_error
     NOT_FOUND                              -> 404 not_found_error        (unknown model or sequence)
     ALREADY_EXISTS                         -> 409 conflict_error
     RESOURCE_EXHAUSTED / UNAVAILABLE       -> 503 service_unavailable    (no capacity, no replica)
@@ -18,6 +20,8 @@ import grpc
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "service_unavailable"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from gateway.app import Gateway
+from services.rpc.security import NONE, Security
 
 KEEP_ALIVE_S = 75
 
@@ -33,8 +34,10 @@ class HttpServer:
 
 
 async def start_http(coordinator_address: str, host: str, port: int,
-                     max_message_bytes: int = 64 * 1024 * 1024) -> HttpServer:
-    gateway = Gateway(coordinator_address, max_message_bytes)
+                     max_message_bytes: int = 64 * 1024 * 1024, security: Security = NONE,
+                     own_token: str | None = None) -> HttpServer:
+    """`security`/`own_token`: see gateway.app.Gateway (the coordinator's TLS and API tokens)."""
+    gateway = Gateway(coordinator_address, max_message_bytes, security, own_token)
     await gateway.open()
     # keep-alive: uvicorn's 5 s default closes idle connections that clients (the openai SDK's pool)
     # are about to reuse, and the request racing the close fails; 75 s outlasts common client pools.

@@ -17,11 +17,20 @@ from collections.abc import Sequence
 from services.errors import InvalidRequest
 
 
+MAX_STOP_STRINGS = 16  # documented limits (docs/security.md): stop strings per request ...
+MAX_STOP_STRING_CHARS = 256  # ... and characters per stop string
+
+
 def check_stops(stops: Sequence[str], field: str = "stop") -> tuple[str, ...]:
-    """The stop strings, or InvalidRequest naming an empty one."""
+    """The stop strings, or InvalidRequest naming an empty one or one over the limits."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{field} may hold at most {MAX_STOP_STRINGS} strings; got {len(stops)}")
     for i, s in enumerate(stops):
         if not s:
             raise InvalidRequest(f"{field}[{i}] is an empty string; a stop string needs at least one character")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequest(f"{field}[{i}] has {len(s)} characters; a stop string may have at most "
+                                 f"{MAX_STOP_STRING_CHARS}")
     return tuple(stops)
 
 

@@ -173,11 +173,12 @@ class Pipeline:
 
 def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
                    max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
-                   idle_ttl_s: float = 600.0, draft_dtype: str | None = None, verifier_overrides: dict | None = None,
-                   **coordinator_overrides) -> Pipeline:
-    """`verifier_overrides`: more VerifierConfig fields (e.g. tp=2 for a tensor-parallel group)."""
+                   idle_ttl_s: float = 600.0, draft_dtype: str | None = None, service_overrides: dict | None = None,
+                   verifier_overrides: dict | None = None, **coordinator_overrides) -> Pipeline:
+    """`service_overrides`: ServiceConfig fields every server shares (TLS files, tokens: tests/security);
+    `verifier_overrides`: VerifierConfig fields."""
     loop = LoopThread()
-    service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes)
+    service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes, **(service_overrides or {}))
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
                              max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s, **(verifier_overrides or {}))
     verifier = load_verifier(vconfig)

@@ -1,7 +1,12 @@
 """Verifier configuration: flags and AERIE_* variables -> VerifierConfig.
 
     AERIE_VERIFIER_PORT (50052), AERIE_TARGET, AERIE_DTYPE (fp32), AERIE_MAX_SEQUENCES (64),
-    AERIE_MAX_PROMPT_TOKENS (8192), and the common ones in services/rpc/config.py.
+    AERIE_MAX_PROMPT_TOKENS (8192), AERIE_MAX_TREE_NODES (512), AERIE_MAX_SEQUENCE_ROWS (the target's
+    context + AERIE_MAX_TREE_NODES), the batching ones in services/rpc/batch_config.py and the common
+    ones in services/rpc/config.py.
+
+The two caps are the server's own caps on what a caller may make it allocate: a Prefill's `capacity`
+(KV rows of one sequence) and a Verify's tree size. A caller cannot raise them.
 """
 
 from __future__ import annotations
@@ -9,9 +14,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.engine.batcher import BatchLimits
 from services.rpc import registry
 from services.errors import InvalidRequest
 from services.device import DEVICE_HELP, check_device
+from services.rpc.batch_config import add_batch_flags, batch_limits
+
+MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's own bound (no torch import here)
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
@@ -30,8 +39,15 @@ class VerifierConfig:
     tp_timeout_s: float = 30.0  # deadline of every collective: a dead rank -> UNAVAILABLE within it
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+    batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
+    max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
+    max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
     def __post_init__(self) -> None:
+        if not 2 <= self.max_tree_nodes <= MAX_TREE_NODES:
+            raise ConfigError(f"max_tree_nodes must be in [2, {MAX_TREE_NODES}]; got {self.max_tree_nodes}")
+        if self.max_sequence_rows is not None and self.max_sequence_rows < 2:
+            raise ConfigError(f"max_sequence_rows must be >= 2; got {self.max_sequence_rows}")
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
         if self.device is not None:
@@ -76,10 +92,17 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
+    add_batch_flags(p)
+    g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
+                   help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES)")
+    g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
+                   help="most KV rows one sequence may reserve (AERIE_MAX_SEQUENCE_ROWS; default: the target's "
+                        "context + --max-tree-nodes)")
 
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype, device=args.device,
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
-                          idle_ttl_s=args.idle_ttl_s, tp=args.tp, executor=args.executor,
-                          tp_timeout_s=args.tp_timeout_s)
+                          idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
+                          max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
+                          tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)

@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from services.device import default_dtype, resolve_device
+from services.device import check_device, default_dtype, resolve_device
 from services.engine.local import build_local_engine
 from services.spec.budget import target_costs
 from services.rpc import server as rpc_server
@@ -25,7 +25,10 @@ log = logging.getLogger("aerie.verifier")
 
 def load_servicer(config: VerifierConfig) -> VerifierServicer:
     """Load the target exactly as the in-process engine does (same loader, dtype and EOS ids)."""
-    device = resolve_device(config.device)
+    if config.tp > 1 and config.executor == "ray":  # the ranks' GPUs are Ray's bundles, not this process's
+        device = check_device(config.device or "cpu")
+    else:
+        device = resolve_device(config.device)
     dtype = config.dtype or default_dtype(device)
     if config.tp > 1:
         return load_group_servicer(config, device, dtype)

@@ -12,7 +12,8 @@ import json
 
 import grpc
 
-from services.rpc.interceptors import ClientTracing
+from services.rpc.interceptors import ClientMetadata, ClientTracing
+from services.rpc.security import NONE, Security
 from services.rpc.server import message_options
 
 _RETRIED = [("aerie.v1.Drafter", m) for m in ("Draft", "Release", "GetInfo")] + \
@@ -25,11 +26,20 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
 }]})
 
 
-def open_channel(address: str, max_message_bytes: int) -> grpc.Channel:
+def open_channel(address: str, max_message_bytes: int, security: Security = NONE) -> grpc.Channel:
+    """A channel with TLS when `security` has a CA or certificate (its certificate is then the client
+    certificate), and its bearer token on every call (services/rpc/security.py)."""
     options = [*message_options(max_message_bytes), ("grpc.service_config", SERVICE_CONFIG),
                ("grpc.enable_retries", 1),
                # a replica that restarts (or a pod that replaces it at the same address) is reached
                # again within ~2 s rather than after gRPC's default backoff of up to 120 s
                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 100),
                ("grpc.max_reconnect_backoff_ms", 2000)]
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=options), ClientTracing())
+    credentials = security.channel_credentials()
+    if credentials is not None and security.server_name:
+        options.append(("grpc.ssl_target_name_override", security.server_name))
+    channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+               else grpc.insecure_channel(address, options=options))
+    token = security.outgoing_token()
+    interceptors = [ClientTracing()] + ([ClientMetadata(token)] if token else [])
+    return grpc.intercept_channel(channel, *interceptors)

@@ -25,6 +25,7 @@ from services.rpc import codec
 from services.rpc.channel import open_channel
 from services.rpc.config import MESSAGE_OVERHEAD
 from services.rpc.errors import DownstreamError
+from services.rpc.security import NONE, Security
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import drafter_grpc
@@ -53,11 +54,11 @@ NO_PHASES = _NoPhases()
 class ServiceClient:
     role = "service"
 
-    def __init__(self, address: str, max_message_bytes: int, timeout_s: float) -> None:
+    def __init__(self, address: str, max_message_bytes: int, timeout_s: float, security: Security = NONE) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = max_message_bytes - MESSAGE_OVERHEAD
-        self.channel = open_channel(address, max_message_bytes)
+        self.channel = open_channel(address, max_message_bytes, security)
         self._info = None
 
     def call(self, method, request, timeout_s: float | None = None):
@@ -88,8 +89,8 @@ class ServiceClient:
 class VerifierClient(ServiceClient):
     role = "verifier"
 
-    def __init__(self, address: str, max_message_bytes: int, timeout_s: float) -> None:
-        super().__init__(address, max_message_bytes, timeout_s)
+    def __init__(self, address: str, max_message_bytes: int, timeout_s: float, security: Security = NONE) -> None:
+        super().__init__(address, max_message_bytes, timeout_s, security)
         self.stub = verifier_grpc.VerifierStub(self.channel)
 
     def for_sequence(self, feature_kind: str, phases: Phases = NO_PHASES) -> RemoteVerifier:
@@ -99,8 +100,8 @@ class VerifierClient(ServiceClient):
 class DrafterClient(ServiceClient):
     role = "drafter"
 
-    def __init__(self, address: str, max_message_bytes: int, timeout_s: float) -> None:
-        super().__init__(address, max_message_bytes, timeout_s)
+    def __init__(self, address: str, max_message_bytes: int, timeout_s: float, security: Security = NONE) -> None:
+        super().__init__(address, max_message_bytes, timeout_s, security)
         self.stub = drafter_grpc.DrafterStub(self.channel)
 
     def for_sequence(self, phases: Phases = NO_PHASES) -> RemoteDrafter:

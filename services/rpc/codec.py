@@ -41,6 +41,11 @@ WIRE_FEATURE_KINDS = {v: k for k, v in FEATURE_KINDS.items()}
 SEQUENCE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_TREE_NODES = 4096  # far above any useful tree (EAGLE-2 uses 60); bounds the [N, N] mask
 DEFAULT_MAX_NEW_TOKENS = 128  # a GenerateRequest without max_new_tokens (the CLI's default too)
+# Documented upper bounds on what one request may carry (docs/security.md): a request over one gets
+# INVALID_ARGUMENT naming the field and the limit, before anything is stored or allocated.
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids entries
+MAX_TOP_K = 1 << 20  # top_k (larger than any vocabulary; 0 = off)
+# seed: [0, 2**63) (SamplingParams checks it); max_new_tokens: the coordinator's AERIE_MAX_NEW_TOKENS
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -182,7 +187,9 @@ def encode_sampling(p: SamplingParams) -> pb.SamplingParams:
 
 
 def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
-    """Validated by SamplingParams itself (InvalidRequest naming the field)."""
+    """Validated by SamplingParams itself (InvalidRequest naming the field), plus the wire limits."""
+    if msg.top_k > MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be <= {MAX_TOP_K} (0 = off); got {msg.top_k}")
     return SamplingParams(temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
                           top_k=msg.top_k, seed=msg.seed)
 
@@ -261,7 +268,8 @@ def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NO
     tokens = decode_tensor(msg.tokens, "tree.tokens", dtype=torch.int64, shape=(None,))
     n = int(tokens.shape[0])
     if not 1 <= n <= max_nodes:
-        raise InvalidRequest(f"tree must have 1 to {max_nodes} nodes; got {n}")
+        raise InvalidRequest(f"tree must have 1 to {max_nodes} nodes (this server's limit, AERIE_MAX_TREE_NODES); "
+                             f"got {n}")
     token_ids(tokens.tolist(), vocab_size, "tree")
     parents = decode_tensor(msg.parents, "tree.parents", dtype=torch.int64, shape=(n,))
     scores = decode_tensor(msg.scores, "tree.scores", dtype=torch.float32, shape=(n,), allow_inf=True)
@@ -346,6 +354,8 @@ def decode_generation_request(msg: cpb.GenerateRequest, max_new_tokens_limit: in
     n = msg.max_new_tokens if msg.HasField("max_new_tokens") else min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
     if n > max_new_tokens_limit:
         raise InvalidRequest(f"max_new_tokens must be <= {max_new_tokens_limit} on this coordinator; got {n}")
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids; got {len(msg.stop_token_ids)}")
     return GenerationRequest(prompt_ids=tuple(msg.prompt_ids), max_new_tokens=n,
                              sampling=decode_sampling(msg.sampling), stop_token_ids=tuple(msg.stop_token_ids),
                              ignore_eos=msg.ignore_eos)

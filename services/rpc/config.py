@@ -6,6 +6,8 @@ variable fails like a malformed flag. The values end up in frozen dataclasses va
 `__post_init__`; the Helm chart sets the same variables.
 
     common        AERIE_HOST, AERIE_LOG_LEVEL, AERIE_METRICS_PORT, AERIE_MAX_MESSAGE_BYTES, AERIE_DRAIN_S
+    security      AERIE_TLS_CERT, AERIE_TLS_KEY, AERIE_TLS_CA, AERIE_INTERNAL_TOKEN_FILE (or
+                  AERIE_INTERNAL_TOKEN), AERIE_API_TOKENS_FILE (coordinator): services/rpc/security.py
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class ServiceConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest gRPC message sent or received
     drain_s: float = 20.0  # SIGTERM: seconds in-flight calls get to finish
     port_file: str | None = None  # write {"port", "metrics_port"} here once serving (`aerie up`)
+    # trust boundaries (services/rpc/security.py): file names only, never the secrets themselves
+    tls_cert: str | None = None  # PEM certificate chain of this server (and its client certificate)
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_ca: str | None = None  # PEM CA verifying peers; drafters/verifiers then require client certificates
+    internal_token_file: str | None = None  # shared secret between coordinators and drafters/verifiers
+    api_tokens_file: str | None = None  # coordinator: `identity token` lines; the public API needs one
+    tls_server_name: str | None = None  # the name peers' certificates are checked against (default: the address's host)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -78,12 +87,31 @@ def add_service_flags(p: argparse.ArgumentParser, port_env: str, default_port: i
     g.add_argument("--drain-s", type=float, default=env("AERIE_DRAIN_S", 20.0),
                    help="seconds in-flight calls get after SIGTERM (AERIE_DRAIN_S)")
     g.add_argument("--port-file", default=None, help=argparse.SUPPRESS)
+    t = p.add_argument_group("security (docs/security.md; all optional for local use)")
+    t.add_argument("--tls-cert", default=env("AERIE_TLS_CERT"),
+                   help="PEM certificate of this server, also its client certificate (AERIE_TLS_CERT; default: "
+                        "plaintext)")
+    t.add_argument("--tls-key", default=env("AERIE_TLS_KEY"), help="PEM key of --tls-cert (AERIE_TLS_KEY)")
+    t.add_argument("--tls-ca", default=env("AERIE_TLS_CA"),
+                   help="PEM CA that verifies peers; drafters and verifiers then require client certificates "
+                        "signed by it (mTLS) (AERIE_TLS_CA)")
+    t.add_argument("--tls-server-name", default=env("AERIE_TLS_SERVER_NAME"),
+                   help="check the certificates of the drafters/verifiers this calls against this name instead of "
+                        "the host of their address (AERIE_TLS_SERVER_NAME; pods are dialled by IP)")
+    t.add_argument("--internal-token-file", default=env("AERIE_INTERNAL_TOKEN_FILE"),
+                   help="file holding the token drafters/verifiers require and coordinators send "
+                        "(AERIE_INTERNAL_TOKEN_FILE, or the token itself in AERIE_INTERNAL_TOKEN)")
+    t.add_argument("--api-tokens-file", default=env("AERIE_API_TOKENS_FILE"),
+                   help="coordinator: file of 'identity token' lines; the public API then needs a bearer token "
+                        "(AERIE_API_TOKENS_FILE; default: open, every caller is 'anonymous')")
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(host=args.host, port=args.port, log_level=args.log_level.upper(),
                          metrics_port=args.metrics_port, max_message_bytes=args.max_message_bytes,
-                         drain_s=args.drain_s, port_file=args.port_file)
+                         drain_s=args.drain_s, port_file=args.port_file, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, tls_ca=args.tls_ca, internal_token_file=args.internal_token_file,
+                         api_tokens_file=args.api_tokens_file, tls_server_name=args.tls_server_name)
 
 
 def configure_logging(level: str, service: str) -> None:

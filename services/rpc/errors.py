@@ -7,6 +7,8 @@
     CapacityExceeded    -> RESOURCE_EXHAUSTED  over a configured capacity (sequences, prompt length, KV)
     CheckpointError     -> FAILED_PRECONDITION the service's own models are unusable
     GroupError          -> UNAVAILABLE         a tensor-parallel rank is gone or missed its deadline
+    Unauthenticated     -> UNAUTHENTICATED     no or an unknown bearer token (services/rpc/security.py)
+    PermissionDenied    -> PERMISSION_DENIED   a caller that may not do this
     DownstreamError     -> the downstream code (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...)
     anything else       -> INTERNAL            logged with its traceback
 
@@ -20,12 +22,14 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 
 import grpc
 
 from services.errors import (AerieError, CapacityExceeded, CheckpointError, GroupError, InvalidRequest,
                              SequenceNotFound)
 from services.metrics import REQUESTS_FAILED
+from services.rpc.security import PermissionDenied, Unauthenticated
 
 log = logging.getLogger("aerie.rpc")
 
@@ -60,8 +64,24 @@ class DownstreamError(AerieError):
         return cls(code, f"{role} at {address}: {code.name}: {details}")
 
 
+# an absolute path of two or more components ("/home/u/models/x.gguf", "/tmp/a/b"); gRPC method
+# names ("/aerie.v1.Verifier/Verify", "/grpc.health.v1.Health/Check") are not paths
+_PATH = re.compile(r"(?<![\w.:/])/(?!aerie\.v1\.|grpc\.)(?:[\w.@+~-]+/)+([\w.@+~-]*)")
+
+
+def without_paths(message: str) -> str:
+    """The message with every absolute filesystem path cut to its last component: no path on the
+    serving machine leaves a server in an error (docs/security.md)."""
+    return _PATH.sub(lambda m: m.group(1) or "<dir>", message)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(code, message) for an exception raised while serving a call."""
+    """(code, message) for an exception raised while serving a call (paths cut by `without_paths`)."""
+    code, message = _status_for(exc)
+    return code, without_paths(message)
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, DownstreamError):
         return exc.code, str(exc)
     if isinstance(exc, SequenceExists):
@@ -76,6 +96,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, GroupError):  # a tensor-parallel rank is gone: retry on another replica
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 

