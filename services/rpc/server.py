@@ -103,6 +103,11 @@ async def create_server(address: str, config: ServiceConfig, service: str,
     return server, port
 
 
+def health_of(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """The health servicer `create_server` added to `server` (to report NOT_SERVING on a fault)."""
+    return _HEALTH[server]
+
+
 async def drain(server: grpc.aio.Server, grace_s: float,
                 before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
     """Health NOT_SERVING, (then the service's own `before_stop`, e.g. the coordinator handing its
@@ -114,6 +119,17 @@ async def drain(server: grpc.aio.Server, grace_s: float,
     if before_stop is not None:
         await before_stop()
     await server.stop(grace_s)
+
+
+async def set_serving(server: grpc.aio.Server, serving: bool, names: Sequence[str] = ()) -> None:
+    """Health of "" and `names`: SERVING or NOT_SERVING (e.g. the coordinator while Redis is down).
+    Ignored once the server drains (the health service stays NOT_SERVING)."""
+    health_servicer = _HEALTH.get(server)
+    if health_servicer is None:
+        return
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *names):
+        await health_servicer.set(name, status)
 
 
 def write_port_file(path: str, **ports: int | None) -> None:
