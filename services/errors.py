@@ -32,6 +32,15 @@ class CapacityExceeded(AerieError):
     """Over a configured capacity: sequences, prompt length, KV slots (RESOURCE_EXHAUSTED)."""
 
 
+class KVBudgetExceeded(CapacityExceeded):
+    """A sequence's KV does not fit the pool's memory budget right now (RESOURCE_EXHAUSTED once
+    its admission wait is over). `fits_empty`: it would fit an empty pool (worth waiting for)."""
+
+    def __init__(self, message: str, fits_empty: bool = True) -> None:
+        super().__init__(message)
+        self.fits_empty = fits_empty
+
+
 class GroupError(AerieError, RuntimeError):
     """A tensor-parallel group's collective failed or missed its deadline: a rank is gone or stuck
     (services/dist). The group answers UNAVAILABLE from then on."""

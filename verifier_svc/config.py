@@ -40,10 +40,19 @@ class VerifierConfig:
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
     batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
+    kv_budget_mb: float | None = None  # KV memory of all sequences; None = unbounded
+    kv_wait_s: float = 5.0  # how long a Prefill whose KV does not fit waits for KV to be released
+    kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
     def __post_init__(self) -> None:
+        if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:
+            raise ConfigError(f"kv_budget_mb must be > 0 (or unset); got {self.kv_budget_mb}")
+        if not self.kv_wait_s >= 0:
+            raise ConfigError(f"kv_wait_s must be >= 0; got {self.kv_wait_s}")
+        if self.kv_queue < 0:
+            raise ConfigError(f"kv_queue must be >= 0; got {self.kv_queue}")
         if not 2 <= self.max_tree_nodes <= MAX_TREE_NODES:
             raise ConfigError(f"max_tree_nodes must be in [2, {MAX_TREE_NODES}]; got {self.max_tree_nodes}")
         if self.max_sequence_rows is not None and self.max_sequence_rows < 2:
@@ -93,6 +102,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
     add_batch_flags(p)
+    g.add_argument("--kv-budget-mb", type=float, default=env("AERIE_KV_BUDGET_MB"),
+                   help="KV memory for all sequences, MiB (AERIE_KV_BUDGET_MB; unset = unbounded): a Prefill whose "
+                        "KV does not fit waits for KV to be released, then RESOURCE_EXHAUSTED naming the budget")
+    g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
+                   help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
+    g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
+                   help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
                    help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES)")
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
@@ -105,4 +121,5 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
                           idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
                           max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
+                          kv_budget_mb=args.kv_budget_mb, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
                           tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)

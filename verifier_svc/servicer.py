@@ -13,13 +13,14 @@ repeated call (a retry after UNAVAILABLE) returns it instead of running the roun
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
 
 from services.engine.batcher import Batcher, BatchStats
 from services.engine.verifier import Call, DecodeCall, PrefillCall, Verifier, VerifyCall
-from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
+from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services.metrics import (BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, PREFILL_SECONDS, SEQUENCES_IN_FLIGHT,
                               VERIFY_SECONDS)
 from services.model.runner import ModelRunner
@@ -55,6 +56,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
         self.runner = runner if runner is not None else ModelRunner(target)
+        pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
+        if config.kv_budget_mb is not None and pool is not None:
+            pool.max_rows = max(1, int(config.kv_budget_mb * 2 ** 20) // pool.bytes_per_row)
+        self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
@@ -95,10 +100,37 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not n < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
-        result = await _timed(PREFILL_SECONDS.labels(SERVICE), self.batcher.call_async(
+        result = await _timed(PREFILL_SECONDS.labels(SERVICE), self._admit(
             PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
+
+    async def _admit(self, call: PrefillCall):
+        """Prefill under the KV budget: a sequence whose KV does not fit now waits (at most
+        --kv-wait-s, at most --kv-queue of them) for other sequences to release theirs, then is
+        refused with RESOURCE_EXHAUSTED naming the budget; never partially admitted."""
+        deadline = time.monotonic() + self.config.kv_wait_s
+        queued = False
+        try:
+            while True:
+                try:
+                    return await self.batcher.call_async(call)
+                except KVBudgetExceeded as e:
+                    if not e.fits_empty:
+                        raise
+                    if not queued and self._kv_waiting >= self.config.kv_queue:
+                        raise KVBudgetExceeded(f"{e}; {self._kv_waiting} Prefills already wait for KV "
+                                               f"(AERIE_KV_QUEUE={self.config.kv_queue})") from None
+                    if time.monotonic() >= deadline:
+                        raise KVBudgetExceeded(f"{e}; waited {self.config.kv_wait_s:g} s for KV to be released "
+                                               f"(AERIE_KV_WAIT_S)") from None
+                    if not queued:
+                        queued = True
+                        self._kv_waiting += 1
+                    await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+        finally:
+            if queued:
+                self._kv_waiting -= 1
 
     @rpc_errors
     async def Verify(self, request: vpb.VerifyRequest, context) -> vpb.VerifyResponse:

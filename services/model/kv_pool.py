@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from services.errors import CapacityExceeded
+from services.errors import KVBudgetExceeded
 from services.model.kv_cache import KVCache
 
 
@@ -72,9 +72,9 @@ class KVPool:
         if rows < 1:
             raise ValueError(f"a KV slot needs rows >= 1; got {rows}")
         if not self.fits(rows):
-            raise CapacityExceeded(
+            raise KVBudgetExceeded(
                 f"KV for {rows} rows does not fit {self.budget_text()}: {self._rows_allocated} rows are "
-                f"held by {len(self._slots)} sequences")
+                f"held by {len(self._slots)} sequences", fits_empty=rows <= self.max_rows)
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         self._slots[slot] = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, rows,
                                     self.dtype, self.device)

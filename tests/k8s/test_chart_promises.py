@@ -46,6 +46,9 @@ NOT_SET_BY_CHART = {
     "AERIE_BATCH_QUEUE": "continuous batching: calls waiting for a forward; the default fits",
     "AERIE_BATCH_QUEUE_TIMEOUT_S": "continuous batching: wait for a queue place; the default fits",
     "AERIE_BATCH_WAIT_MS": "continuous batching: gathering wait; the default fits",
+    "AERIE_KV_BUDGET_MB": "verifier KV memory budget; unset = unbounded (the pod's memory limit bounds it)",
+    "AERIE_KV_WAIT_S": "KV admission wait under --kv-budget-mb; the default fits",
+    "AERIE_KV_QUEUE": "KV admission queue under --kv-budget-mb; the default fits",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",

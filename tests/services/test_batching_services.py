@@ -129,3 +129,40 @@ def test_concurrent_sequences_through_the_coordinator_equal_batch1(pipeline, mod
     assert pipeline.verifier.batcher.largest_batch >= 2
     assert pipeline.drafter.batcher.largest_batch >= 2
     wait_until(lambda: pipeline.verifier.num_sequences == 0 and pipeline.drafter.drafter.num_sequences == 0)
+
+
+def test_kv_budget_admission_waits_then_refuses_naming_the_budget(pipeline, model_dirs):
+    """--kv-budget-mb: a Prefill whose KV does not fit waits for a release (bounded), then is
+    refused with RESOURCE_EXHAUSTED naming the budget; a sequence larger than the whole budget is
+    refused at once; nothing is partially admitted."""
+    rows_budget = 100
+    config = VerifierConfig(ServiceConfig(host=HOST), target=str(model_dirs.target), dtype="fp32",
+                            kv_budget_mb=rows_budget * 512 / 2 ** 20, kv_wait_s=0.5)
+    servicer = load_verifier(config)
+    assert servicer.runner.pool.bytes_per_row == 512 and servicer.runner.pool.max_rows == rows_budget
+    server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
+    pipeline.servers.append((server, servicer))
+    stub = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
+
+    def prefill_rows(seq_id: str, capacity: int):
+        req = vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=[1, 2, 3], capacity=capacity,
+                                         sampling=pb.SamplingParams(), feature_kind=pb.FEATURE_KIND_NONE)
+        return list(stub.Prefill(req, timeout=30))
+
+    prefill_rows("a", 80)
+    # does not fit while "a" holds 80 rows: waits, and is admitted when "a" is released
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(prefill_rows, "b", 60)
+        wait_until(lambda: servicer._kv_waiting == 1)
+        stub.Release(pb.ReleaseRequest(sequence_id="a"), timeout=10)
+        assert waiting.result(10)[0].first_token >= 0
+    # nothing is released now: refused after the wait, naming the budget
+    with pytest.raises(grpc.RpcError) as e:
+        prefill_rows("c", 60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV budget of 100 rows" in e.value.details() and "waited 0.5 s" in e.value.details()
+    # larger than the whole budget: refused at once
+    with pytest.raises(grpc.RpcError) as e:
+        prefill_rows("d", 101)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV for 101 rows" in e.value.details()
+    assert servicer.num_sequences == 1 and servicer.runner.pool.rows_allocated == 60
