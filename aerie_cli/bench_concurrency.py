@@ -41,7 +41,8 @@ class Stack:
         batch = ["--max-batch", str(args.max_batch), "--max-batch-rows", str(args.max_batch_rows)]
         model = ["--dtype", dtype(args)] + (["--target", args.target] if args.target else [])
         deadline = time.monotonic() + 900
-        verifier = self._start(Service("verifier", common + batch + model, work, HOST), deadline)
+        chunk = ["--prefill-chunk", str(args.prefill_chunk)] if getattr(args, "prefill_chunk", 0) else []
+        verifier = self._start(Service("verifier", common + batch + model + chunk, work, HOST), deadline)
         draft = (["--draft", args.draft] if args.draft else []) + \
             (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \
             (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
@@ -139,6 +140,7 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
             "concurrency_config": {"levels": levels, "methods": methods, "repeats": args.repeats,
                                    "tree": [fixed.total_tokens, fixed.depth, fixed.top_k],
                                    "max_batch": args.max_batch, "max_batch_rows": args.max_batch_rows,
+                                   "prefill_chunk": getattr(args, "prefill_chunk", 0),
                                    "max_new_tokens": args.max_new_tokens}}
 
 

@@ -43,6 +43,7 @@ class VerifierConfig:
     kv_budget_mb: float | None = None  # KV memory of all sequences; None = unbounded
     kv_wait_s: float = 5.0  # how long a Prefill whose KV does not fit waits for KV to be released
     kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
+    prefill_chunk: int = 0  # prompt tokens per prefill forward (0 = the whole prompt in one)
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
@@ -51,6 +52,8 @@ class VerifierConfig:
             raise ConfigError(f"kv_budget_mb must be > 0 (or unset); got {self.kv_budget_mb}")
         if not self.kv_wait_s >= 0:
             raise ConfigError(f"kv_wait_s must be >= 0; got {self.kv_wait_s}")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk must be >= 0 (0 = off); got {self.prefill_chunk}")
         if self.kv_queue < 0:
             raise ConfigError(f"kv_queue must be >= 0; got {self.kv_queue}")
         if not 2 <= self.max_tree_nodes <= MAX_TREE_NODES:
@@ -107,6 +110,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "KV does not fit waits for KV to be released, then RESOURCE_EXHAUSTED naming the budget")
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
+    g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 0),
+                   help="prompt tokens per prefill forward; other sequences' rounds run between the chunks "
+                        "(AERIE_PREFILL_CHUNK, 0 = off: the whole prompt in one forward)")
     g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
                    help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
@@ -122,4 +128,5 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
                           max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
                           kv_budget_mb=args.kv_budget_mb, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
+                          prefill_chunk=args.prefill_chunk,
                           tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import torch
 
 from services.engine.batcher import Batcher, BatchStats
-from services.engine.verifier import Call, DecodeCall, PrefillCall, Verifier, VerifyCall
+from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
+                                      VerifyCall)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services.metrics import (BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, PREFILL_SECONDS, SEQUENCES_IN_FLIGHT,
                               VERIFY_SECONDS)
@@ -100,10 +102,29 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not n < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
-        result = await _timed(PREFILL_SECONDS.labels(SERVICE), self._admit(
+        result = await _timed(PREFILL_SECONDS.labels(SERVICE), self._prefill(
             PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
+
+    async def _prefill(self, call: PrefillCall) -> PrefillResult:
+        """The whole prompt in one forward, or (--prefill-chunk C) in chunks of C tokens, each its own
+        batcher call: other sequences' rounds run between the chunks instead of waiting for the
+        whole prompt."""
+        chunk = self.config.prefill_chunk
+        if not chunk or call.rows <= chunk:
+            return await self._admit(call)
+        parts = call.prompt.split(chunk)
+        first = await self._admit(replace(call, prompt=parts[0], more=True))
+        features = [first.features]
+        try:
+            for k, part in enumerate(parts[1:], 1):
+                out = await self.batcher.call_async(PrefillMoreCall(call.seq_id, part, last=k == len(parts) - 1))
+                features.append(out.features)
+        except BaseException:
+            await self.batcher.exclusive_async(self._release, call.seq_id)  # never partially admitted
+            raise
+        return PrefillResult(out.first_token, torch.cat(features))
 
     async def _admit(self, call: PrefillCall):
         """Prefill under the KV budget: a sequence whose KV does not fit now waits (at most
@@ -181,6 +202,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                         raise CapacityExceeded(f"verifier holds its maximum of {self.config.max_sequences} "
                                                f"sequences (AERIE_MAX_SEQUENCES)")
                     admitted += 1
+                elif isinstance(call, PrefillMoreCall):
+                    self._check(call.seq_id)
                 else:
                     replay = self._replay(call.seq_id, call.round_index)
                     if replay is not None:
@@ -196,6 +219,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         return results
 
     def _respond(self, call: Call, out):
+        if isinstance(call, PrefillMoreCall):
+            return out
         if isinstance(call, PrefillCall):
             self._kind[call.seq_id] = call.feature_kind
             self.idle.touch(call.seq_id)

@@ -56,6 +56,20 @@ class PrefillCall:
     sampling: SamplingParams
     capacity: int  # KV rows: prompt + generated tokens + one tree
     feature_kind: str | None = None  # features this sequence returns: hidden | taps | none (None: the verifier's)
+    more: bool = False  # chunked prefill: `prompt` is the first chunk, PrefillMoreCalls follow (no token yet)
+
+    @property
+    def rows(self) -> int:
+        return int(self.prompt.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillMoreCall:
+    """The next chunk of a chunked prefill (after a PrefillCall with more=True); `last` samples the
+    first token (PrefillResult.first_token is -1 before)."""
+    seq_id: str
+    prompt: torch.Tensor  # [C] long: the next prompt tokens
+    last: bool
 
     @property
     def rows(self) -> int:
@@ -84,7 +98,7 @@ class DecodeCall:
         return 1
 
 
-Call = PrefillCall | VerifyCall | DecodeCall
+Call = PrefillCall | PrefillMoreCall | VerifyCall | DecodeCall
 Result = PrefillResult | VerifyResult | int
 
 
@@ -95,6 +109,7 @@ class _Sequence:
     capacity: int
     sampling: SamplingParams
     feature_kind: str  # hidden | taps | none
+    prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
 
 
 class Verifier:
@@ -181,9 +196,16 @@ class Verifier:
             new_slots[i] = slot
             return StepEntry(slot, call.prompt.long(), logits="last")
         seq = self._get(call.seq_id)
+        if isinstance(call, PrefillMoreCall) != seq.prefilling:
+            raise InvalidRequest(f"sequence {call.seq_id!r} " + ("is still being prefilled" if seq.prefilling
+                                                                 else "is not being prefilled"))
         if seq.length + call.rows > seq.capacity:
             raise CapacityExceeded(f"sequence {call.seq_id!r} holds {seq.capacity} KV rows; {seq.length} used, "
                                    f"{call.rows} more requested")
+        if isinstance(call, PrefillMoreCall):
+            if call.rows < 1:
+                raise InvalidRequest("a prefill chunk needs at least one token")
+            return StepEntry(seq.slot, call.prompt.long(), logits="last")
         if isinstance(call, VerifyCall):
             tree = call.tree
             return StepEntry(seq.slot, tree.tokens, seq.length + tree.depths, tree.mask)  # moved by the runner
@@ -205,13 +227,23 @@ class Verifier:
             if isinstance(call, PrefillCall):
                 slot = new_slots[index[j]]
                 self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling,
-                                                    self._kind(call))
-                first = (int(argmax[j][-1]) if j in argmax
+                                                    self._kind(call), prefilling=call.more)
+                first = -1 if call.more else (int(argmax[j][-1]) if j in argmax
                          else next_token(out.logits[j][-1], call.sampling,
                                      round_generator(call.sampling.seed, 0, out.logits[j].device)))
                 results.append(PrefillResult(first, features))
                 continue
             seq = self._seqs[call.seq_id]
+            if isinstance(call, PrefillMoreCall):
+                seq.length += call.rows
+                first = -1
+                if call.last:
+                    seq.prefilling = False
+                    first = (int(argmax[j][-1]) if j in argmax
+                             else next_token(out.logits[j][-1], seq.sampling,
+                                             round_generator(seq.sampling.seed, 0, out.logits[j].device)))
+                results.append(PrefillResult(first, features))
+                continue
             gen = (None if seq.sampling.greedy  # drawn on the logits' device: a CPU generator cannot draw from CUDA
                    else round_generator(seq.sampling.seed, call.round_index, out.logits[j].device))
             if isinstance(call, DecodeCall):

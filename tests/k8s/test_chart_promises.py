@@ -49,6 +49,7 @@ NOT_SET_BY_CHART = {
     "AERIE_KV_BUDGET_MB": "verifier KV memory budget; unset = unbounded (the pod's memory limit bounds it)",
     "AERIE_KV_WAIT_S": "KV admission wait under --kv-budget-mb; the default fits",
     "AERIE_KV_QUEUE": "KV admission queue under --kv-budget-mb; the default fits",
+    "AERIE_PREFILL_CHUNK": "chunked prefill is off by default (opt-in, measured only briefly)",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",

@@ -166,3 +166,41 @@ def test_kv_budget_admission_waits_then_refuses_naming_the_budget(pipeline, mode
         prefill_rows("d", 101)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV for 101 rows" in e.value.details()
     assert servicer.num_sequences == 1 and servicer.runner.pool.rows_allocated == 60
+
+
+def test_chunked_prefill_equals_one_forward_and_lets_rounds_in_between(pipeline, model_dirs):
+    """--prefill-chunk 4: an 11-token prompt is prefilled in 3 forwards (4 + 4 + 3 rows), each its
+    own batcher call (another sequence's decode can run between them); the first token and the
+    decoded tokens equal the unchunked verifier's."""
+    config = VerifierConfig(ServiceConfig(host=HOST), target=str(model_dirs.target), dtype="fp32", prefill_chunk=4)
+    servicer = load_verifier(config)
+    server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
+    pipeline.servers.append((server, servicer))
+    chunked = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
+    whole = verifier_grpc.VerifierStub(pipeline.channel("verifier"))
+    prompt = [7, 3, 99, 12, 5, 5, 61, 2, 9, 40, 17]
+
+    def run(stub, seq_id: str) -> list[int]:
+        req = vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=prompt, capacity=40,
+                                         sampling=pb.SamplingParams(), feature_kind=pb.FEATURE_KIND_HIDDEN)
+        out = list(stub.Prefill(req, timeout=30))
+        tokens = [out[0].first_token]
+        for r in range(1, 4):
+            tokens.append(stub.Decode(vpb.DecodeRequest(sequence_id=seq_id, round_index=r, token=tokens[-1]),
+                                      timeout=30).token)
+        stub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=10)
+        return tokens
+
+    other = prefill(chunked, "other", [4, 4])
+    before = servicer.batcher.batches
+    gate = held(servicer)
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(run, chunked, "long")
+        wait_until(lambda: servicer.batcher.waiting == 1)  # the first chunk waits at the gate
+        gate.set()
+        wait_until(lambda: servicer.batcher.batches >= before + 1)
+        # a decode of another sequence joins between the chunks
+        mid = chunked.Decode(vpb.DecodeRequest(sequence_id="other", round_index=1, token=other), timeout=30)
+        tokens = long.result(60)
+    assert tokens == run(whole, "long-whole")
+    assert mid.token >= 0 and servicer.batcher.batches >= before + 3 + 3  # 3 chunks + 3 decodes (+ other's)
