@@ -168,3 +168,27 @@ def test_draft_many_grows_each_tree_as_alone(eagle3_pair) -> None:
         assert tree.parents.tolist() == alone.parents.tolist()
         assert torch.equal(tree.paths, alone.paths)
     assert isinstance(trees[-1], SequenceNotFound)
+
+
+def test_chunked_prefill_in_the_verifier(llama_pair) -> None:
+    """PrefillCall(more=True) + PrefillMoreCalls give the first token and features of one forward;
+    a decode of a sequence still being prefilled fails alone; chunks share forwards with others."""
+    from services.engine.verifier import PrefillMoreCall
+
+    _, target, _ = llama_pair
+    prompt = torch.tensor([7, 3, 99, 12, 5, 5, 61, 2, 9, 40, 17])
+    whole = Verifier(target, "hidden").prefill("w", prompt, SamplingParams(temperature=0.7, seed=3), 30)
+    v = Verifier(target, "hidden")
+    other = v.prefill("o", torch.tensor([1, 2]), SamplingParams(), 10).first_token
+    out = v.run([PrefillCall("c", prompt[:4], SamplingParams(temperature=0.7, seed=3), 30, more=True),
+                 DecodeCall("o", other, 1)])
+    assert out[0].first_token == -1 and isinstance(out[1], int)
+    mid = v.run([PrefillMoreCall("c", prompt[4:8], last=False)])
+    bad = v.run([DecodeCall("c", 5, 1), DecodeCall("o", out[1], 2)])
+    assert isinstance(bad[0], InvalidRequest) and "still being prefilled" in str(bad[0])
+    assert isinstance(bad[1], int)
+    last = v.run([PrefillMoreCall("c", prompt[8:], last=True)])[0]
+    assert last.first_token == whole.first_token
+    torch.testing.assert_close(torch.cat([out[0].features, mid[0].features, last.features]), whole.features,
+                               rtol=1e-5, atol=1e-5)
+    assert isinstance(v.run([PrefillMoreCall("c", prompt[:1], last=True)])[0], InvalidRequest)
