@@ -130,8 +130,9 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
     merged = _median_rows(rows)
     steady = _median_steady(detail)
     print(table(merged, steady))
-    cross = crossover(merged)
-    print(f"crossover: the fixed tree {'stays below plain from N=' + str(cross) if cross else 'never falls below plain'}")
+    cross = crossover(merged) if {"tree", "plain"} <= set(methods) else None
+    if {"tree", "plain"} <= set(methods):
+        print(f"crossover: the fixed tree {'stays below plain from N=' + str(cross) if cross else 'never falls below plain'}")
     return {"concurrency": merged, "concurrency_detail": detail, "concurrency_crossover": cross,
             "concurrency_decode": [{"method": m, "concurrency": n, "steady_tokens_per_s": v}
                                    for (m, n), v in steady.items()],
