@@ -64,6 +64,10 @@ class Drafter:
         if features.ndim != 2 or features.shape != (tokens.shape[0], f):
             raise InvalidRequest(
                 f"features must have shape [{tokens.shape[0]}, {f}]; got {list(features.shape)}")
+        committed = cache.capacity - self.tree.draft_rows  # the rest is room for one tree expansion
+        if cache.length + tokens.shape[0] > committed:  # checked before the KV is touched
+            raise CapacityExceeded(f"sequence {seq_id!r} holds {committed} draft KV rows; {cache.length} used, "
+                                   f"{tokens.shape[0]} more requested")
         return grow_tree(self.head, cache, features.to(self.head.device), tokens.to(self.head.device),
                          params, self._sort_paths[seq_id])
 
