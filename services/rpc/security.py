@@ -81,12 +81,12 @@ class Security:
     key: bytes | None = field(default=None, repr=False)
     ca: bytes | None = field(default=None, repr=False)
     internal_token: str | None = field(default=None, repr=False)  # drafters/verifiers require it; coordinators send it
-    api_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)  # token -> identity (coordinator)
+    api_tokens: dict[str, str] = field(default_factory=dict, repr=False)  # token -> identity (coordinator)
     client_token: str | None = field(default=None, repr=False)  # a public-API client's own bearer token
     server_name: str | None = None  # check peers' certificates against this name (pods are dialled by IP)
 
     @classmethod
-    def load(cls, service, api_tokens_file: str | None = None) -> Security:
+    def load(cls, service) -> Security:
         """From a ServiceConfig's file names (and AERIE_INTERNAL_TOKEN in the environment)."""
         cert, key = _read(service.tls_cert, "AERIE_TLS_CERT"), _read(service.tls_key, "AERIE_TLS_KEY")
         if (cert is None) != (key is None):
@@ -94,7 +94,7 @@ class Security:
         token_file = _read(service.internal_token_file, "AERIE_INTERNAL_TOKEN_FILE")
         internal = (token_file.decode().strip() if token_file is not None else
                     os.environ.get("AERIE_INTERNAL_TOKEN", "").strip()) or None
-        tokens = _read(api_tokens_file, "AERIE_API_TOKENS_FILE")
+        tokens = _read(service.api_tokens_file, "AERIE_API_TOKENS_FILE")
         return cls(cert, key, _read(service.tls_ca, "AERIE_TLS_CA"), internal,
                    parse_tokens(tokens.decode()) if tokens is not None else {},
                    server_name=service.tls_server_name)

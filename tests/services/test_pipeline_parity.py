@@ -137,7 +137,7 @@ def test_metrics_are_recorded(session):
 
 def test_get_info_names_what_the_pipeline_serves(session, model_dirs):
     info = session.get_info()
-    assert info.target == str(model_dirs.target) and info.draft == str(model_dirs.head)
+    assert info.target == model_dirs.target.name and info.draft == model_dirs.head.name  # names, never paths
     assert (info.tree.top_k, info.tree.depth, info.tree.total_tokens) == (TREE.top_k, TREE.depth, TREE.total_tokens)
     assert info.dtype == "float32" and info.vocab_size == 128
 
