@@ -99,7 +99,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator = build(config)
     except redis.RedisError as e:
-        raise ConfigError(f"cannot reach Redis at {config.redis_url}: {e}") from None
+        from services.rpc.security import redact
+
+        raise ConfigError(f"cannot reach Redis at {redact(config.redis_url)}: {e}") from None
 
     http = None
     ports: dict[str, int] = {}

@@ -91,16 +91,16 @@ def add_service_flags(p: argparse.ArgumentParser, port_env: str, default_port: i
     t.add_argument("--tls-cert", default=env("AERIE_TLS_CERT"),
                    help="PEM certificate of this server, also its client certificate (AERIE_TLS_CERT; default: "
                         "plaintext)")
-    t.add_argument("--tls-key", default=env("AERIE_TLS_KEY"), help="PEM key of --tls-cert (AERIE_TLS_KEY)")
+    t.add_argument("--tls-key", default=env("AERIE_TLS_KEY"), help="PEM key of --tls-cert (AERIE_TLS_KEY; default: none)")
     t.add_argument("--tls-ca", default=env("AERIE_TLS_CA"),
                    help="PEM CA that verifies peers; drafters and verifiers then require client certificates "
-                        "signed by it (mTLS) (AERIE_TLS_CA)")
+                        "signed by it (mTLS) (AERIE_TLS_CA; default: none)")
     t.add_argument("--tls-server-name", default=env("AERIE_TLS_SERVER_NAME"),
                    help="check the certificates of the drafters/verifiers this calls against this name instead of "
-                        "the host of their address (AERIE_TLS_SERVER_NAME; pods are dialled by IP)")
+                        "the host of their address (AERIE_TLS_SERVER_NAME; default: the host; pods are dialled by IP)")
     t.add_argument("--internal-token-file", default=env("AERIE_INTERNAL_TOKEN_FILE"),
                    help="file holding the token drafters/verifiers require and coordinators send "
-                        "(AERIE_INTERNAL_TOKEN_FILE, or the token itself in AERIE_INTERNAL_TOKEN)")
+                        "(AERIE_INTERNAL_TOKEN_FILE, or the token itself in AERIE_INTERNAL_TOKEN; default: none)")
     t.add_argument("--api-tokens-file", default=env("AERIE_API_TOKENS_FILE"),
                    help="coordinator: file of 'identity token' lines; the public API then needs a bearer token "
                         "(AERIE_API_TOKENS_FILE; default: open, every caller is 'anonymous')")

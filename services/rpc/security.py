@@ -28,11 +28,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import grpc
+from typing import TYPE_CHECKING
 
 from services.errors import AerieError
 from services.rpc.config import ConfigError
+
+if TYPE_CHECKING:  # `--help` of every command imports this module: no grpc at import time
+    import grpc
 
 ANONYMOUS = "anonymous"  # the identity of every caller when the coordinator has no API tokens
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -121,12 +123,16 @@ class Security:
         """None = plaintext. A CA with `require_client_cert` = mTLS (drafters and verifiers)."""
         if not self.tls:
             return None
+        import grpc
+
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=require_client_cert and self.ca is not None)
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.client_tls:
             return None
+        import grpc
+
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
@@ -163,3 +169,14 @@ def peer_host(peer: str) -> str:
     changes with every connection, its host does not."""
     head, sep, tail = peer.rpartition(":")
     return head if sep and tail.isdigit() and head.count(":") >= 1 else peer
+
+
+def redact(url: str) -> str:
+    """A Redis (or any) URL without its password: what is printed and logged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
