@@ -95,7 +95,10 @@ def advertised_address(host: str, port: int, advertise: str = "") -> str:
 def connect(url: str):
     import redis  # not at import time: the flags above build `aerie verifier --help`
 
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
+    from services.rpc.security import redis_password
+
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2,
+                                **redis_password())
 
 
 class Registration:

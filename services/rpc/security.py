@@ -180,3 +180,10 @@ def redact(url: str) -> str:
         return url
     netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redis_password() -> dict[str, str]:
+    """{"password": ...} from AERIE_REDIS_PASSWORD when set (the Helm chart passes the Secret's value
+    there, so any character is safe: nothing has to be URL-encoded into AERIE_REDIS_URL), else {}."""
+    password = os.environ.get("AERIE_REDIS_PASSWORD")
+    return {"password": password} if password else {}

@@ -72,3 +72,23 @@ def test_a_restarted_redis_keeps_its_password(secured_redis):
         assert url2 == url and redis.Redis.from_url(url2).ping()
     finally:
         stop_process(proc2)
+
+
+def test_any_password_character_is_safe(tmp_path, monkeypatch):
+    """The chart hands the Secret's password over in AERIE_REDIS_PASSWORD (nothing to URL-encode);
+    `aerie up` URL-encodes it into the URL. Both work with characters a URL would break on."""
+    from coordinator.sequence_store import SequenceStore
+    from services.rpc import registry
+
+    odd = "p@ss/w:rd%40 #?x"
+    (tmp_path / "password").write_text(odd + "\n")
+    (tmp_path / "password").chmod(0o600)
+    proc, url = start_redis(tmp_path, secure=True)
+    try:
+        assert odd not in url and redis.Redis.from_url(url).ping()  # encoded in the URL
+        bare = f"redis://127.0.0.1:{url.rsplit(':', 1)[1]}"
+        monkeypatch.setenv("AERIE_REDIS_PASSWORD", odd)
+        SequenceStore.from_url(bare, 60).ping()
+        assert registry.connect(bare).ping()
+    finally:
+        stop_process(proc)
