@@ -5,6 +5,10 @@
         --json-out bench.json --chart bench.png
     aerie bench --sweep ...   # fixed tree shapes and auto for EAGLE-2; the cost model's predicted
                               # tok/s next to the measured one per shape; reports the best
+    aerie bench --prompts ... --concurrency 1,2,4,8,16 --json-out c.json --chart c.png
+                              # N sequences at once through in-process services (continuous
+                              # batching): plain, a fixed tree, the adaptive budget
+                              # (aerie_cli/bench_concurrency.py)
 """
 
 from __future__ import annotations
@@ -29,10 +33,21 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--methods", default="hf,native,eagle,sam,eagle+sam",
-                   help="comma list of hf,native,eagle,sam,eagle+sam,pipeline")
+    p.add_argument("--methods", default=None,
+                   help="comma list of hf,native,eagle,sam,eagle+sam,pipeline (default: hf,native,eagle,sam,"
+                        "eagle+sam; with --concurrency: none, only the concurrency sweep runs)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline'; default: none)")
     p.add_argument("--sweep", action="store_true", help="grid of fixed tree shapes and auto for EAGLE-2, with the cost model's predicted tok/s")
+    c = p.add_argument_group("concurrency (continuous batching, through the services)")
+    c.add_argument("--concurrency", default=None,
+                   help="comma list of concurrent sequences, e.g. 1,2,4,8,16: aggregate tok/s and ITL for plain, "
+                        "a fixed tree and the adaptive budget through in-process services (default: off)")
+    c.add_argument("--concurrency-methods", default="plain,tree,adaptive",
+                   help="methods of the concurrency sweep (default: plain,tree,adaptive)")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="concurrency sweep repeats; the table shows the median (default: 1)")
+    c.add_argument("--max-batch", type=int, default=16, help="the services' calls per forward (default: 16)")
+    c.add_argument("--max-batch-rows", type=int, default=1024, help="the services' rows per forward (default: 1024)")
     p.add_argument("--json-out", default=None, help="write the results as JSON here (default: not written)")
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
@@ -49,7 +64,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from services.spec.budget import CHAIN_LIMIT
     from services.spec.tree import TreeParams
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.concurrency:
+        from aerie_cli.bench_concurrency import METHODS as CONC_METHODS
+        from aerie_cli.bench_concurrency import parse_levels
+
+        parse_levels(args.concurrency)
+        bad = {m.strip() for m in args.concurrency_methods.split(",") if m.strip()} - set(CONC_METHODS)
+        if bad or not args.concurrency_methods.strip():
+            raise InvalidRequest(f"--concurrency-methods must be a comma list of {','.join(CONC_METHODS)}; "
+                                 f"got {args.concurrency_methods!r}")
+        if args.repeats < 1:
+            raise InvalidRequest(f"--repeats must be >= 1; got {args.repeats}")
+    default = "" if args.concurrency else "hf,native,eagle,sam,eagle+sam"
+    methods = [m.strip() for m in (default if args.methods is None else args.methods).split(",") if m.strip()]
+    if not methods and args.concurrency:
+        return _concurrency_only(args)
     unknown = set(methods) - set(METHODS)
     if unknown or "hf" not in methods:
         raise InvalidRequest(f"--methods must include hf and only {','.join(METHODS)}; got {args.methods!r}")
@@ -125,12 +154,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(table(result))
     if args.sweep:
         print(f"best tree: {result['best_tree']}")
+    if args.concurrency:
+        from aerie_cli.bench_concurrency import run_concurrency
+
+        result.update(run_concurrency(args, prompts))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
     if args.chart:
         chart(result, args.chart, f"aerie bench ({dtype(args)}, {len(prompts)} prompts)")
+        if args.concurrency:
+            _concurrency_chart(args, result)
     return 0
+
+
+def _concurrency_only(args: argparse.Namespace) -> int:
+    """`--concurrency` without --methods: only the sweep through the services."""
+    import torch
+
+    from aerie_cli.bench_concurrency import run_concurrency
+    from services.bench.bench import load_prompts
+    from services.engine.local import build_local_engine
+
+    tokenizer = build_local_engine(args.target, "none", dtype(args)).tokenizer  # the target's own
+    prompts = load_prompts(args.prompts, tokenizer, args.limit, args.per_category)
+    result = {"config": {"target": args.target, "draft": args.draft, "dtype": dtype(args),
+                         "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "limit": args.limit,
+                         "per_category": args.per_category, "torch_threads": torch.get_num_threads()}}
+    result.update(run_concurrency(args, prompts))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.chart:
+        _concurrency_chart(args, result)
+    return 0
+
+
+def _concurrency_chart(args: argparse.Namespace, result: dict) -> None:
+    """The concurrency chart: --chart itself when only the sweep ran, else <chart>-concurrency.png."""
+    from services.bench.concurrency import chart as conc_chart
+
+    path = args.chart if "methods" not in result else args.chart.removesuffix(".png") + "-concurrency.png"
+    conc_chart(result["concurrency"], path,
+               f"aerie bench --concurrency ({dtype(args)}, {result['concurrency_config']['max_new_tokens']} tokens/seq)")
 
 
 def _eagle_name(shape, sweep: bool) -> str:

@@ -86,6 +86,9 @@ def describe_replica(servicer) -> dict:
             "load": servicer.num_sequences}
 
 
+HAND_OVER_ROUND_S = 30.0  # on SIGTERM, wait at most this long for a round in flight before a hand-over
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import redis
 
@@ -128,5 +131,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             await http.stop()
         await asyncio.to_thread(coordinator.close, config.service.drain_s)
 
-    asyncio.run(serve_forever(start, config.service, "coordinator", on_stop, ports))
+    async def on_drain() -> None:  # SIGTERM: sequences still running after AERIE_DRAIN_S go to other coordinators
+        await asyncio.to_thread(coordinator.sequences.hand_over_all, config.service.drain_s,
+                                min(config.rpc_timeout_s, HAND_OVER_ROUND_S))
+
+    asyncio.run(serve_forever(start, config.service, "coordinator", on_stop, ports, on_drain))
     return 0

@@ -104,6 +104,7 @@ class SequencePlacement:
         self._draft_sampling = False
         self._drafter_started = False
         self._resume: tuple[list[int], list[int]] | None = None  # (prompt, committed) of a take-over
+        self._restart = False  # a take-over of a sequence that never committed: its old KV may be here
         self.round_base = 0
         self._abandoned = False
         self.verifier = _VerifierSide(self)
@@ -116,6 +117,25 @@ class SequencePlacement:
         a rebuild whose first token is committed[-1], and its round k is round round_base + k."""
         self._resume = (list(prompt), list(committed))
         self.round_base = round_base
+
+    def restart(self, old_drafter: str = "", old_verifier: str = "") -> None:
+        """A take-over of a sequence that died before its prefill commit: it starts over, and the
+        replicas chosen now may hold the old coordinator's KV under the same id, so `prefill` releases
+        it there first (then prefills afresh). Replicas it was placed on before and that were not
+        chosen now release it in the background (else the idle TTL would)."""
+        self._restart = True
+        self.release_elsewhere(old_drafter, old_verifier)
+
+    def release_elsewhere(self, old_drafter: str, old_verifier: str) -> None:
+        """Best-effort release of this sequence on the replicas a previous coordinator used, when
+        they are not the current ones (a take-over: never wait for them, they may be dead)."""
+        drafter, verifier = self.addresses()
+        for pool, old, now in ((self.verifiers, old_verifier, verifier), (self.drafters, old_drafter, drafter)):
+            if pool is None or not old or old == now:
+                continue
+            client = next((c for c in pool.clients() if c.address == old), None)
+            if client is not None:
+                _release_later(client, self.seq_id)
 
     def abandon(self) -> None:
         """Another coordinator took the sequence over: release nothing (it may use the same replicas)."""
@@ -133,10 +153,15 @@ class SequencePlacement:
         self.prompt, self._sampling, self._capacity = prompt.tolist(), sampling, capacity
         while True:
             try:
+                if self._restart:  # the previous coordinator's KV may still be here: drop it first
+                    self._rv.release(seq_id)
+                    if self._rd is not None:
+                        self.drafter_client.release(seq_id)
                 pre = self._rv.prefill(seq_id, prompt, sampling, capacity)
                 break
             except Exception as e:  # noqa: BLE001 - is_failover decides
                 self._verifier_failed(e)  # nothing to rebuild yet: the prefill is simply repeated
+        self._restart = False
         self.committed = [pre.first_token]
         return pre
 

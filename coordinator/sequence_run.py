@@ -7,7 +7,10 @@ each round committed to Redis before it is handed to the stream.
         stop on finish | cancel | error        # then both services release the KV
 
 A cancel (the Cancel RPC through any coordinator, or the client going away) takes effect after the
-round in flight is committed: the last message carries finish_reason "cancel". An error marks the
+round in flight is committed: the last message carries finish_reason "cancel". A hand-over (a
+draining coordinator, on SIGTERM) also takes effect after the round in flight is committed and
+streamed: the run releases the KV on both services, lets its lease go (another coordinator claims the
+sequence at its next scan) and hands the stream `HandedOver`, which tells the client to Resume. An error marks the
 sequence failed in Redis and is handed to the stream, which maps it to a status code; it never
 touches other sequences.
 """
@@ -30,6 +33,11 @@ from services.rpc.errors import DownstreamError
 
 log = logging.getLogger("aerie.coordinator")
 SERVICE = "coordinator"
+
+
+class HandedOver(Exception):
+    """The run stopped after a committed and streamed round and let its lease go (this coordinator
+    is draining): the sequence continues on another coordinator, where the client Resumes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,8 @@ class SequenceRun:
         self.round_base = round_base
         self.on_lease_lost = on_lease_lost  # keep the KV: the new owner may use the same replicas
         self.cancelled = threading.Event()
+        self.handing_over = threading.Event()
+        self.handed_over = False  # the lease was let go (another coordinator may drive it now)
         self.thread = threading.Thread(target=self._run, name=f"seq-{seq_id[:12]}", daemon=True)
 
     def start(self) -> None:
@@ -67,6 +77,10 @@ class SequenceRun:
     def cancel(self) -> None:
         """Stop after the round in flight (thread-safe)."""
         self.cancelled.set()
+
+    def hand_over(self) -> None:
+        """Stop after the round in flight and let the lease go (thread-safe; see the module doc)."""
+        self.handing_over.set()
 
     def _run(self) -> None:
         steps = self.engine.generate(self.request, self.seq_id)
@@ -89,6 +103,12 @@ class SequenceRun:
                     step = StepOutput(step.tokens, step.stats, "cancel")
                 self.emit(Committed(step, commit_s))
                 if step.finish_reason is not None:
+                    return
+                if self.handing_over.is_set():
+                    steps.close()  # releases the KV first: the new owner may pick the same replicas
+                    self.handed_over = self.store.hand_over(self.seq_id, self.owner)
+                    log.info("sequence %s handed over after round %d", self.seq_id, step.stats.index)
+                    self.emit(HandedOver(f"sequence {self.seq_id!r} was handed over after round {step.stats.index}"))
                     return
         except LeaseLost as e:  # another coordinator drives it now: leave Redis alone
             log.warning("sequence %s: %s; stopping here", self.seq_id, e)
@@ -118,6 +138,7 @@ def _observe(step: StepOutput, commit_s: float) -> None:
         return
     metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)
     metrics.ACCEPT_LENGTH.labels(SERVICE).observe(s.accept_length)
+    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)
     if s.tree_size:
         metrics.DRAFT_SECONDS.labels(SERVICE).observe(s.draft_s)

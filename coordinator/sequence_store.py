@@ -79,16 +79,21 @@ redis.call('EXPIRE', KEYS[2], ttl)
 return {1, cancel}
 """
 
-# KEYS: hash. ARGV: owner, lease_ms, mode ('renew': only the owner; 'claim': only once expired).
-# Returns 1 when the caller holds the lease afterwards.
+# KEYS: hash. ARGV: owner, lease_ms, mode ('renew': only the owner; 'claim': only once expired;
+# 'release': only the owner, the lease expires now). Returns 1 when the caller held the lease (renew,
+# release) or holds it now (claim).
 _LEASE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local owner = redis.call('HGET', KEYS[1], 'owner') or ''
 local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
-if ARGV[3] == 'renew' and owner ~= ARGV[1] then return 0 end
+if ARGV[3] ~= 'claim' and owner ~= ARGV[1] then return 0 end
 if ARGV[3] == 'claim' and lease > now then return 0 end
+if ARGV[3] == 'release' then
+  redis.call('HSET', KEYS[1], 'lease_until', 0)
+  return 1
+end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))
 return 1
 """
@@ -245,6 +250,14 @@ class SequenceStore:
         if held:
             self._index_lease(seq_id, self.lease_ms)
         return held
+
+    def hand_over(self, seq_id: str, owner: str) -> bool:
+        """Let `owner`'s lease go now (a draining coordinator): any coordinator may claim the sequence
+        at its next scan. False when `owner` did not hold it (or the sequence ended)."""
+        released = bool(self._call(seq_id, self._lease, keys=self.keys(seq_id)[:1], args=[owner, 0, "release"]))
+        if released:
+            self._index_lease(seq_id, 0)
+        return released
 
     def expired_leases(self, limit: int = 100) -> list[str]:
         """Running sequences whose lease ran out (their coordinator is gone): candidates for `claim`.

@@ -3,7 +3,9 @@
 `admit` validates a request against the placed verifier's model (vocabulary, context), picks a
 drafter and a verifier (sticky for the sequence's life), writes the sequence to Redis and starts its
 `SequenceRun`. `cancel` reaches a sequence through Redis (so any coordinator can cancel any
-sequence) and, when it runs here, directly. `drain` stops every run after its round in flight.
+sequence) and, when it runs here, directly. `hand_over_all` (SIGTERM) refuses new sequences, lets
+running ones finish for up to AERIE_DRAIN_S and hands the rest to other coordinators (their leases
+go at once); `drain` stops every run after its round in flight.
 It does not speak gRPC to clients (servicer.py) or hold tokens (Redis does).
 """
 
@@ -12,16 +14,20 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import grpc
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest
+from services.spec.budget import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
-from services.rpc.errors import SequenceExists
+from services.rpc.errors import DownstreamError, SequenceExists
 from services.rpc import codec
 from services.rpc.stubs import coordinator as cpb
 from coordinator.config import CoordinatorConfig
@@ -50,18 +56,30 @@ class Sequences:
         self._runs: dict[str, SequenceRun] = {}
         self._lock = threading.Lock()
         self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
+        # continuous batching: the sequences this coordinator runs on one verifier share its forwards;
+        # their budgets size each tree for that batch (services/spec/budget.py LoadBoard)
+        self._boards: dict[str, LoadBoard] = {}
+        self.draining = threading.Event()  # SIGTERM: no new sequences, no take-overs
+        # a taken-over sequence's text (stop strings): (stored params, tokens committed before) ->
+        # a wrapper for its engine or None; set by the servicer, which holds the tokenizer
+        self.text_engine: Callable[[dict, tuple[int, ...]], Callable[[Engine], Any] | None] | None = None
 
     def __len__(self) -> int:
         return len(self._runs)
 
     def admit(self, request: GenerationRequest, seq_id: str | None,
               emit: Callable[[Committed | BaseException], None], request_span: Any = None,
-              wrap_engine: Callable[[Engine], Any] | None = None, client: str = "anonymous") -> Admitted:
+              wrap_engine: Callable[[Engine], Any] | None = None, text: dict | None = None,
+              client: str = "anonymous") -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
-        `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine. `client` is the
-        caller's identity (services/rpc/security.py), stored as the sequence's creator."""
+        `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine; `text` (stop
+        strings, skip_special_tokens) is stored with the sequence for a take-over and Resume. `client`
+        is the caller's identity (services/rpc/security.py), stored as the sequence's creator."""
         # 128 random bits: the id is the capability to read, resume or cancel the sequence
         seq_id = seq_id or secrets.token_hex(16)
+        if self.draining.is_set():
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                                  "this coordinator is draining (shutting down): send the request to another coordinator")
         with self._lock:
             if len(self._runs) >= self.config.max_sequences:
                 raise CapacityExceeded(f"coordinator runs its maximum of {self.config.max_sequences} sequences "
@@ -85,7 +103,7 @@ class Sequences:
                 sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
                 params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                         "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
-                        "ignore_eos": request.ignore_eos},
+                        "ignore_eos": request.ignore_eos, **(text or {})},
                 drafter=drafter_address, verifier=verifier_address, owner=self.owner, client=client))
         except BaseException:
             with self._lock:
@@ -120,6 +138,10 @@ class Sequences:
         retrieval = self.config.retrieval
         dclient = placement.drafter_client
         budget = codec.decode_budget(vinfo, dclient.info() if dclient else None, retrieval)
+        if budget is not None and budget.fixed is None:
+            with self._lock:
+                board = self._boards.setdefault(placement.verifier_client.address, LoadBoard())
+            budget = replace(budget, load=board)
         return vinfo, Engine(placement.verifier, placement.drafter, int(vinfo.max_context), int(vinfo.vocab_size),
                              tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
 
@@ -128,7 +150,7 @@ class Sequences:
         this coordinator's replicas from Redis (prompt + committed tokens) and continue at the next
         round. Clients follow it with Resume. False when another coordinator claimed it first."""
         with self._lock:
-            if seq_id in self._runs or len(self._runs) >= self.config.max_sequences:
+            if seq_id in self._runs or len(self._runs) >= self.config.max_sequences or self.draining.is_set():
                 return False
             self._runs[seq_id] = None  # type: ignore[assignment]
         placement = None
@@ -150,7 +172,13 @@ class Sequences:
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens, state.round)
+                placement.release_elsewhere(state.drafter, state.verifier)
+            else:
+                placement.restart(state.drafter, state.verifier)
             _, engine = self._engine(placement)
+            if self.text_engine is not None and p.get("stop"):  # its stop strings apply here too
+                wrap = self.text_engine(p, tuple(state.tokens[:-1]) if resumed else ())
+                engine = wrap(engine) if wrap is not None else engine
             self.store.set_placement(seq_id, *placement.addresses())
         except Exception as e:  # noqa: BLE001 - another coordinator may try again after the lease
             log.warning("cannot take over sequence %s: %s", seq_id, e)
@@ -185,6 +213,8 @@ class Sequences:
                 self.store.renew(run.seq_id, self.owner)  # lost: the run's next commit stops it (fenced)
             except Exception as e:  # noqa: BLE001 - Redis down: the commit path reports it
                 log.warning("cannot renew the lease of %s: %s", run.seq_id, e)
+        if self.draining.is_set():
+            return  # a draining coordinator hands sequences over, it takes none
         try:
             expired = self.store.expired_leases()
         except Exception as e:  # noqa: BLE001
@@ -201,6 +231,40 @@ class Sequences:
         if run is not None:
             run.cancel()
         return status
+
+    def runs(self) -> list[SequenceRun]:
+        with self._lock:
+            return [r for r in self._runs.values() if r is not None]
+
+    def hand_over_all(self, drain_s: float, round_s: float) -> int:
+        """SIGTERM: refuse new sequences and take-overs; let running sequences finish for up to
+        `drain_s`; then hand every one still running to the other coordinators after its round in
+        flight (committed and streamed, KV released, lease let go), waiting up to `round_s` for that
+        round. A run whose round outlasts `round_s` has its lease let go anyway: its late commit is
+        then fenced off. Returns the number of sequences handed over."""
+        self.draining.set()
+        deadline = time.monotonic() + drain_s
+        while self.runs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        runs = self.runs()
+        for run in runs:
+            run.hand_over()
+        deadline = time.monotonic() + round_s
+        for run in runs:
+            run.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        handed = 0
+        for run in runs:
+            if run.thread.is_alive():
+                try:
+                    run.handed_over = self.store.hand_over(run.seq_id, self.owner)
+                except Exception as e:  # noqa: BLE001 - its lease then expires after AERIE_LEASE_TTL_S
+                    log.warning("cannot let the lease of %s go: %s", run.seq_id, e)
+            if run.handed_over:
+                handed += 1
+                metrics.FAILOVERS.labels("coordinator", "coordinator", "drain").inc()
+        if runs:
+            log.info("drain: %d of %d running sequences handed over to other coordinators", handed, len(runs))
+        return handed
 
     def drain(self, timeout_s: float) -> None:
         """Cancel every run and wait (up to `timeout_s`) for each to finish its round and release."""

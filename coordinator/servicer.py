@@ -25,7 +25,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
-from coordinator.sequence_run import Committed
+from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
 from coordinator.request_metrics import RequestMetrics
@@ -49,6 +49,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
+        sequences.text_engine = lambda params, primer: self.text().stop_engine_for(params, primer)
 
     def text(self) -> Text:
         """The target's tokenizer, loaded once (blocking: run it off the event loop). Without
@@ -146,13 +147,15 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         request_metrics = RequestMetrics(self.model_name)
         try:
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
-                                               text.stop_engine(request), identity)
+                                               text.stop_engine(request), text.params(request), identity)
             request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)
             first = True
             while not finished:
                 item = await queue.get()
+                if isinstance(item, HandedOver):  # draining: every committed token was streamed above
+                    raise _handed_over(context, admitted.run.seq_id, produced, item)
                 if isinstance(item, BaseException):
                     raise item
                 step = item.step
@@ -210,23 +213,34 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         if sent < 0:
             raise InvalidRequest(f"from_token_index must be >= 0; got {sent}")
         await asyncio.to_thread(self._check_owner, seq_id, self.identity(context))
+        state = await asyncio.to_thread(self.store.get, seq_id)
+        if sent > len(state.tokens):
+            raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
+        # the same text deltas as the Generate stream: the detokenizer replays the tokens before `sent`
+        stream = (await asyncio.to_thread(self.text)).stream_for(state.params)
+        stream.push(state.tokens[:sent])
         poll_s = RESUME_POLL_S
         while True:
             tokens, status, reason, round_index, error, total = await asyncio.to_thread(self.store.tail, seq_id, sent)
-            if sent > total:
-                raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
             final = status != "running"
             if status == "failed":
                 if tokens:
-                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index))
+                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
+                                               text=stream.push(tokens)[0])
                 raise DownstreamError(grpc.StatusCode.ABORTED, f"sequence {seq_id!r} failed: {error}")
             if tokens or final:
                 sent += len(tokens)
+                delta, _ = stream.push(tokens)
+                if final:
+                    delta += stream.finish()
                 yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
-                                           finish_reason=("cancel" if status == "cancelled" else reason) if final else "")
+                                           finish_reason=("cancel" if status == "cancelled" else reason) if final else "",
+                                           text=delta)
                 poll_s = RESUME_POLL_S
             if final:
                 return
+            if self.sequences.draining.is_set():
+                raise _handed_over(context, seq_id, sent, "this coordinator is draining")
             await asyncio.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 0.25)
 
@@ -254,6 +268,15 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             info.draft = public_name(drafters[0].draft)
             info.tree.CopyFrom(drafters[0].tree)
         return info
+
+
+def _handed_over(context, seq_id: str, sent: int, why) -> DownstreamError:
+    """The end of a stream on a draining coordinator: UNAVAILABLE, naming where to continue (also in
+    the trailing metadata `aerie-resume-from`: the number of tokens this stream delivered in all)."""
+    context.set_trailing_metadata((("aerie-resume-from", str(sent)),))
+    return DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                           f"coordinator draining: {why}; Resume(sequence_id={seq_id!r}, from_token_index={sent}) "
+                           f"on another coordinator")
 
 
 def public_name(path: str) -> str:

@@ -70,15 +70,20 @@ class StopStringEngine:
     round's tokens are cut after it and its finish_reason is "stop"; the inner generation is closed
     (which releases the KV on both services). Everything else is the wrapped engine's."""
 
-    def __init__(self, engine: Any, make_stream) -> None:
+    def __init__(self, engine: Any, make_stream, primer: tuple[int, ...] = ()) -> None:
+        """`primer`: tokens committed before this engine's first step (a take-over: every committed
+        token but the last, which its rebuilt step 0 yields), pushed first so that a stop string that
+        spans them and the new ones still completes."""
         self._engine = engine
         self._make_stream = make_stream
+        self._primer = primer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
         stream = self._make_stream()
+        stream.push(list(self._primer))  # already checked by the coordinator that committed them
         steps = self._engine.generate(req, seq_id)
         try:
             for step in steps:
@@ -163,12 +168,28 @@ class Text:
             self._need_tokenizer("stop")
         return stops
 
-    def stream(self, msg: cpb.GenerateRequest) -> TextStream:
+    def params(self, msg: cpb.GenerateRequest) -> dict:
+        """What the text path of a sequence needs after the request is gone, stored with it in Redis
+        (a take-over re-applies the stop strings; Resume streams the same text deltas):
+        {"stop": [...], "skip_special_tokens": bool}. The prompt itself is stored as token ids."""
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        return TextStream(self.tokenizer, self.stops(msg), skip)
+        return {"stop": list(self.stops(msg)), "skip_special_tokens": skip}
+
+    def stream(self, msg: cpb.GenerateRequest) -> TextStream:
+        return self.stream_for(self.params(msg))
+
+    def stream_for(self, params: dict) -> TextStream:
+        """The text deltas of a sequence from its stored `params` (older records: no stops, skip)."""
+        return TextStream(self.tokenizer, tuple(params.get("stop") or ()), params.get("skip_special_tokens", True))
 
     def stop_engine(self, msg: cpb.GenerateRequest):
         """A wrapper for the sequence's Engine when the request has stop strings, else None."""
-        if not self.stops(msg):
+        return self.stop_engine_for(self.params(msg))
+
+    def stop_engine_for(self, params: dict, primer: tuple[int, ...] = ()):
+        """`stop_engine` from stored `params` (a take-over, primed with the tokens committed before)."""
+        if not params.get("stop"):
             return None
-        return lambda engine: StopStringEngine(engine, lambda: self.stream(msg))
+        if self.tokenizer is None:
+            self._need_tokenizer("stop")
+        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(params), primer)

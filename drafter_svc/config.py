@@ -3,7 +3,7 @@
     AERIE_DRAFTER_PORT (50053), AERIE_TARGET, AERIE_DRAFT, AERIE_DTYPE (fp32), AERIE_TREE_TOP_K,
     AERIE_TREE_DEPTH, AERIE_TREE_TOKENS (unset: the auto budget, which the coordinator runs per round
     within services.spec.budget.AUTO_LARGEST; any of them: that fixed shape), AERIE_MAX_SEQUENCES (64),
-    and the common ones in services/rpc/config.py.
+    the batching ones in services/rpc/batch_config.py and the common ones in services/rpc/config.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.errors import InvalidRequest
+from services.engine.batcher import BatchLimits
 from services.rpc import registry
+from services.rpc.batch_config import add_batch_flags, batch_limits
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 from services.spec.tree_flags import add_tree_aliases
 
@@ -35,6 +37,7 @@ class DrafterConfig:
     max_sequences: int = 64
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+    batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
     max_tree_nodes: int = 512  # a Prefill's max_rows may reserve the target's context + this, never more
 
     def __post_init__(self) -> None:
@@ -82,6 +85,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
+    add_batch_flags(p)
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
                    help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES; default: 512)")
 
@@ -96,4 +100,4 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
                          draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
                          max_tree_nodes=args.max_tree_nodes,
-                         idle_ttl_s=args.idle_ttl_s)
+                         idle_ttl_s=args.idle_ttl_s, batch=batch_limits(args))

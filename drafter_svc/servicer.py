@@ -1,24 +1,31 @@
 """DrafterServicer: decode -> call `Drafter` -> encode. Nothing else lives here.
 
-Model work runs on one worker thread in arrival order. Draft is idempotent per (sequence, round):
+Model work runs on one worker thread (services/engine/batcher.py). Continuous batching: the
+Prefill and Draft calls that arrive while the head runs are gathered, in arrival order, into the next
+batch (`Drafter.draft_many`: one head step per tree level for all their sequences, up to --max-batch
+calls and --max-batch-rows rows); a call that fails fails alone. Release runs between batches.
+Draft is idempotent per (sequence, round):
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
 of extending the draft KV twice.
 """
 
 from __future__ import annotations
 
+import time
 
 import torch
 
-from services.engine.drafter import Drafter
+from dataclasses import dataclass
+
+from services.engine.batcher import Batcher, BatchStats
+from services.engine.drafter import DraftCall, Drafter
 from services.errors import InvalidRequest
 from services.spec.budget import CostCurve
 from services.spec.tree import TreeParams
-from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
+from services.metrics import BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
 from services.rpc.reaper import IdleSequences, Reaper
-from services.rpc.server import ModelWorker
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import drafter_grpc
@@ -44,13 +51,15 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.dtype = drafter.head.feature_dtype  # the target's features (the draft may run in bf16/int8)
         self.max_rows = max_context + config.max_tree_nodes  # the server's cap, never the caller's
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
-        self._call = ModelWorker("drafter")  # every model call runs on this one thread
+        self.batcher: Batcher[_Work] = Batcher("drafter", self._run_batch, rows=self._rows,
+                                               key=lambda w: w.call.seq_id, limits=config.batch,
+                                               on_batch=_observe_batch)
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
-        self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self._call.run(self._release, seq_id))
+        self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
     def close(self) -> None:
         self.reaper.stop()
-        self._call.close()
+        self.batcher.close()
 
     # ---- RPCs --------------------------------------------------------------------------------------
 
@@ -76,10 +85,9 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             features.add(msg.features)
         if first is None:
             raise InvalidRequest("the Prefill stream carried no message")
-        response = await self._call.timed(DRAFT_SECONDS.labels(SERVICE),
-                                              self._prefill, seq_id, first.max_rows, first.sampling,
-                                              torch.tensor(tokens, dtype=torch.long), features.result(), params)
-        return response
+        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features.result(), params)
+        return await _timed(DRAFT_SECONDS.labels(SERVICE),
+                            self.batcher.call_async(_Work(call, 1, first.max_rows, first.sampling)))
 
     @rpc_errors
     async def Draft(self, request: dpb.DraftRequest, context) -> dpb.DraftResponse:
@@ -92,15 +100,13 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         features = codec.decode_tensor(request.features, "features", dtype=self.dtype,
                                        shape=(len(tokens), self.feature_size))
         params = self._params(request)
-        response = await self._call.timed(DRAFT_SECONDS.labels(SERVICE),
-                                              self._draft, seq_id, request.round_index,
-                                              torch.tensor(tokens, dtype=torch.long), features, params)
-        return response
+        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, params)
+        return await _timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, request.round_index)))
 
     @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         seq_id = codec.sequence_id(request.sequence_id)
-        return pb.ReleaseResponse(released=await self._call(self._release, seq_id))
+        return pb.ReleaseResponse(released=await self.batcher.exclusive_async(self._release, seq_id))
 
     @rpc_errors
     async def GetInfo(self, request: pb.InfoRequest, context) -> dpb.DrafterInfo:
@@ -125,32 +131,56 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
 
     # ---- on the worker thread ------------------------------------------------------------------------
 
-    def _prefill(self, seq_id: str, max_rows: int, sampling: bool, tokens: torch.Tensor,
-                 features: torch.Tensor, params: TreeParams | None) -> dpb.DraftResponse:
-        self.drafter.start(seq_id, max_rows, sampling)
-        self.idle.touch(seq_id)
-        try:
-            response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features, params)))
-        except BaseException:
-            self.drafter.release(seq_id)
-            raise
-        self._last[seq_id] = (1, response)  # the prefill's tree is the one round 1 verifies
-        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
-        return response
+    def _rows(self, work: "_Work") -> int:
+        """Head rows the call costs: its committed rows plus its tree's expansion rows."""
+        tree = work.call.params or self.drafter.tree
+        return int(work.call.tokens.shape[0]) + tree.draft_rows
 
-    def _draft(self, seq_id: str, round_index: int, tokens: torch.Tensor, features: torch.Tensor,
-               params: TreeParams | None) -> dpb.DraftResponse:
-        if seq_id in self._last:
-            self.idle.touch(seq_id)
-        last = self._last.get(seq_id)
-        if last is not None and round_index == last[0]:
-            return last[1]
-        if last is not None and round_index < last[0]:
-            raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest "
-                                 f"round {last[0]}")
-        response = dpb.DraftResponse(tree=codec.encode_tree(self.drafter.draft(seq_id, tokens, features, params)))
-        self._last[seq_id] = (round_index, response)
-        return response
+    def _run_batch(self, batch: list["_Work"]) -> list:
+        """Start the prefills, answer replays, then grow every other tree in one `draft_many`."""
+        results: list = [None] * len(batch)
+        todo: list[int] = []
+        for i, w in enumerate(batch):
+            seq_id = w.call.seq_id
+            try:
+                if w.max_rows is not None:  # Prefill: a new draft KV
+                    self.drafter.start(seq_id, w.max_rows, w.sampling)
+                    self.idle.touch(seq_id)
+                else:
+                    if seq_id in self._last:
+                        self.idle.touch(seq_id)
+                    last = self._last.get(seq_id)
+                    if last is not None and w.round_index == last[0]:
+                        results[i] = last[1]
+                        continue
+                    if last is not None and w.round_index < last[0]:
+                        raise InvalidRequest(f"round {w.round_index} of sequence {seq_id!r} is older than its "
+                                             f"latest round {last[0]}")
+            except Exception as e:  # noqa: BLE001 (this call's answer)
+                results[i] = e
+                continue
+            todo.append(i)
+        if todo:
+            try:
+                trees = self.drafter.draft_many([batch[i].call for i in todo])
+            except BaseException:
+                for i in todo:
+                    if batch[i].max_rows is not None:
+                        self.drafter.release(batch[i].call.seq_id)
+                raise
+            for i, tree in zip(todo, trees):
+                w = batch[i]
+                if isinstance(tree, BaseException):
+                    if w.max_rows is not None:
+                        self.drafter.release(w.call.seq_id)  # a failed prefill holds nothing
+                    results[i] = tree
+                    continue
+                response = dpb.DraftResponse(tree=codec.encode_tree(tree))
+                # the prefill's tree is the one round 1 verifies
+                self._last[w.call.seq_id] = (w.round_index, response)
+                results[i] = response
+        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
+        return results
 
     def _release(self, seq_id: str) -> bool:
         self._last.pop(seq_id, None)
@@ -159,3 +189,26 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.drafter.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
         return self.drafter.num_sequences < before
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    call: DraftCall
+    round_index: int  # 1 for a Prefill (its tree is the one round 1 verifies)
+    max_rows: int | None = None  # a Prefill: the draft KV to reserve
+    sampling: bool = False  # a Prefill: sampling paths order
+
+
+async def _timed(histogram, awaitable):
+    """Await and observe the wall time (queueing and batching included) in `histogram`."""
+    t0 = time.perf_counter()
+    try:
+        return await awaitable
+    finally:
+        histogram.observe(time.perf_counter() - t0)
+
+
+def _observe_batch(stats: BatchStats) -> None:
+    BATCH_SIZE.labels(SERVICE).observe(stats.size)
+    BATCH_ROWS.labels(SERVICE).observe(stats.rows)
+    BATCH_QUEUE.labels(SERVICE).set(stats.waiting)

@@ -12,6 +12,14 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_tokens_generated_total{service}   committed tokens (coordinator)
     aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
     aerie_requests_failed_total{service,code}  calls that ended with an error status
+    aerie_budget_nodes{service}             nodes per round the budget chose, 1 = plain step (coordinator)
+    aerie_batch_size{service}               calls gathered into one forward (drafter, verifier)
+    aerie_batch_rows{service}               rows of one forward (drafter, verifier)
+    aerie_batch_queue{service}              calls still waiting when a batch started (drafter, verifier)
+    aerie_failovers_total{service,role,reason}  sequences moved (coordinator): role drafter | verifier |
+        coordinator; reason unavailable | deadline_exceeded | not_found (the replica lost the sequence)
+        | no_drafter (plain rounds from here) | drafter_returned | takeover (a dead coordinator's
+        lease expired) | drain (handed over by a draining coordinator)
 
 vLLM-style request and speculative-decoding metrics (coordinator; docs/metrics.md has a PromQL
 example for each). The names are vLLM's with the `aerie:` prefix instead of `vllm:`, every one
@@ -50,6 +58,16 @@ COMMIT_SECONDS = Histogram("aerie_commit_seconds", "Latency of committing a roun
                            buckets=_LATENCY)
 TOKENS_GENERATED = Counter("aerie_tokens_generated", "Committed output tokens", ["service"])
 SEQUENCES_IN_FLIGHT = Gauge("aerie_sequences_in_flight", "Sequences running or holding KV", ["service"])
+BATCH_SIZE = Histogram("aerie_batch_size", "Calls gathered into one forward (continuous batching)", ["service"],
+                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+BATCH_ROWS = Histogram("aerie_batch_rows", "Rows (prompt tokens, tree nodes, decode tokens) of one forward",
+                       ["service"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+BUDGET_NODES = Histogram("aerie_budget_nodes", "Nodes the draft budget chose to verify per round (1 = a plain "
+                         "decode step; with batching: sized for the whole batch)", ["service"],
+                         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
+FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
+                    ["service", "role", "reason"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
 
 # ---- vLLM-style names (the coordinator's requests) -----------------------------------------------

@@ -2,9 +2,10 @@
 
     AERIE_VERIFIER_PORT (50052), AERIE_TARGET, AERIE_DTYPE (fp32), AERIE_MAX_SEQUENCES (64),
     AERIE_MAX_PROMPT_TOKENS (8192), AERIE_MAX_TREE_NODES (512), AERIE_MAX_SEQUENCE_ROWS (the target's
-    context + AERIE_MAX_TREE_NODES), and the common ones in services/rpc/config.py.
+    context + AERIE_MAX_TREE_NODES), the batching ones in services/rpc/batch_config.py and the common
+    ones in services/rpc/config.py.
 
-The last two are the server's own caps on what a caller may make it allocate: a Prefill's `capacity`
+The two caps are the server's own caps on what a caller may make it allocate: a Prefill's `capacity`
 (KV rows of one sequence) and a Verify's tree size. A caller cannot raise them.
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.engine.batcher import BatchLimits
 from services.rpc import registry
+from services.rpc.batch_config import add_batch_flags, batch_limits
 
 MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's own bound (no torch import here)
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
@@ -30,6 +33,7 @@ class VerifierConfig:
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
+    batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
@@ -62,6 +66,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
+    add_batch_flags(p)
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
                    help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES; default: 512)")
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
@@ -73,4 +78,4 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(service_config(args), target=args.target, dtype=args.dtype,
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
                           idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
-                          max_sequence_rows=args.max_sequence_rows)
+                          max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args))

@@ -1,9 +1,11 @@
 """VerifierServicer: decode -> call `Verifier` -> encode. Nothing else lives here.
 
-Model work runs on one worker thread, in arrival order (one forward at a time, as on one GPU), so
-the event loop stays free for health checks and other calls. Each sequence's drafter decides which
-features it needs (hidden / taps / none), so the servicer keeps one core `Verifier` per feature kind
-over the same target and remembers which one holds each sequence.
+Model work runs on one worker thread (services/engine/batcher.py), so the event loop stays free for
+health checks and other calls. Continuous batching: the Prefill, Verify and Decode calls that arrive
+while a forward runs are gathered, in arrival order, into the next forward (`Verifier.run`: one
+target forward for all of them, up to --max-batch calls and --max-batch-rows rows); a call that
+fails (unknown sequence, KV that does not fit, ...) fails alone. Release runs between batches. Each
+sequence's drafter decides which features it needs (hidden / taps / none, given at Prefill).
 
 Verify and Decode are idempotent per (sequence, round): the latest round's response is kept and a
 repeated call (a retry after UNAVAILABLE) returns it instead of running the round twice.
@@ -11,24 +13,24 @@ repeated call (a retry after UNAVAILABLE) returns it instead of running the roun
 
 from __future__ import annotations
 
+import time
 
 import torch
 
-from services.engine.verifier import PrefillResult, Verifier
+from services.engine.batcher import Batcher, BatchStats
+from services.engine.verifier import Call, DecodeCall, PrefillCall, Verifier, VerifyCall
 from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
-from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
+from services.metrics import (BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, PREFILL_SECONDS, SEQUENCES_IN_FLIGHT,
+                              VERIFY_SECONDS)
 from services.model.runner import ModelRunner
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
 from services.rpc.reaper import IdleSequences, Reaper
-from services.rpc.server import ModelWorker
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
-from services.spec.sampling import SamplingParams
 from services.spec.budget import CostCurve
-from services.spec.tree import DraftTree
 from verifier_svc.config import VerifierConfig
 
 SERVICE = "verifier"
@@ -38,8 +40,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     SERVICE = SERVICE
 
     def __init__(self, target: TargetModel, config: VerifierConfig, target_path: str,
-                 eos_token_ids: tuple[int, ...], verify_cost: CostCurve | None = None) -> None:
-        """`verify_cost`: t_verify(rows) measured on this device, served by GetInfo for the budget."""
+                 eos_token_ids: tuple[int, ...], verify_cost: CostCurve | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        """`verify_cost`: t_verify(rows) measured on this device, served by GetInfo for the budget;
+        `runner`: the model runner (None: a local ModelRunner over `target`)."""
         self.verify_cost = verify_cost
         self.target = target
         self.config = config
@@ -49,19 +53,20 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # capacity = prompt + max_new_tokens (<= max_context) + one tree, capped by this server's config
         # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
         self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
-        # one runner (one KV pool) for every sequence, whatever features its drafter needs
-        self.runner = ModelRunner(target)
-        self._roles = {kind: Verifier(target, kind, config.max_sequences, self.runner)
-                       for kind in ("hidden", "taps", "none")}
-        self._kind: dict[str, str] = {}  # sequence id -> the feature kind (the Verifier holding it)
+        # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
+        self.runner = runner if runner is not None else ModelRunner(target)
+        self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
+        self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
-        self._call = ModelWorker("verifier")  # every model call runs on this one thread
+        self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
+                                              key=lambda c: c.seq_id, limits=config.batch,
+                                              on_batch=_observe_batch)
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
-        self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self._call.run(self._release, seq_id))
+        self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
     def close(self) -> None:
         self.reaper.stop()
-        self._call.close()
+        self.batcher.close()
 
     @property
     def num_sequences(self) -> int:
@@ -84,8 +89,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not n < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
-        result = await self._call.timed(PREFILL_SECONDS.labels(SERVICE),
-                                              self._prefill, seq_id, kind, prompt, sampling, request.capacity)
+        result = await _timed(PREFILL_SECONDS.labels(SERVICE), self.batcher.call_async(
+            PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
 
@@ -94,23 +99,21 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
-        response = await self._call.timed(VERIFY_SECONDS.labels(SERVICE),
-                                              self._verify, seq_id, request.round_index, tree)
-        return response
+        return await _timed(VERIFY_SECONDS.labels(SERVICE),
+                            self.batcher.call_async(VerifyCall(seq_id, tree, request.round_index)))
 
     @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         token = codec.token_ids([request.token], self.vocab_size, "decode")[0]
-        response = await self._call.timed(VERIFY_SECONDS.labels(SERVICE),
-                                              self._decode, seq_id, request.round_index, token)
-        return response
+        return await _timed(VERIFY_SECONDS.labels(SERVICE),
+                            self.batcher.call_async(DecodeCall(seq_id, token, request.round_index)))
 
     @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         seq_id = codec.sequence_id(request.sequence_id)
-        return pb.ReleaseResponse(released=await self._call(self._release, seq_id))
+        return pb.ReleaseResponse(released=await self.batcher.exclusive_async(self._release, seq_id))
 
     @rpc_errors
     async def GetInfo(self, request: pb.InfoRequest, context) -> vpb.VerifierInfo:
@@ -125,60 +128,85 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
 
     # ---- on the worker thread ------------------------------------------------------------------------
 
-    def _prefill(self, seq_id: str, kind: str, prompt: torch.Tensor, sampling: SamplingParams,
-                 capacity: int) -> PrefillResult:
-        if seq_id in self._kind:
-            raise InvalidRequest(f"sequence {seq_id!r} already exists on this verifier")
-        if len(self._kind) >= self.config.max_sequences:
-            raise CapacityExceeded(f"verifier holds its maximum of {self.config.max_sequences} sequences "
-                                   f"(AERIE_MAX_SEQUENCES)")
-        result = self._roles[kind].prefill(seq_id, prompt, sampling, capacity)
-        self._kind[seq_id] = kind
-        self.idle.touch(seq_id)
-        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
-        return result
+    def _run_batch(self, calls: list[Call]) -> list:
+        """One forward for every call that needs one; replays, unknown sequences and full capacity
+        answer alone. Returns a response (or an exception) per call, in order."""
+        results: list = [None] * len(calls)
+        todo: list[int] = []
+        admitted = 0
+        for i, call in enumerate(calls):
+            try:
+                if isinstance(call, PrefillCall):
+                    if call.seq_id in self._kind:
+                        raise InvalidRequest(f"sequence {call.seq_id!r} already exists on this verifier")
+                    if len(self._kind) + admitted >= self.config.max_sequences:
+                        raise CapacityExceeded(f"verifier holds its maximum of {self.config.max_sequences} "
+                                               f"sequences (AERIE_MAX_SEQUENCES)")
+                    admitted += 1
+                else:
+                    replay = self._replay(call.seq_id, call.round_index)
+                    if replay is not None:
+                        results[i] = replay
+                        continue
+            except Exception as e:  # noqa: BLE001 (this call's answer)
+                results[i] = e
+                continue
+            todo.append(i)
+        if todo:
+            for i, out in zip(todo, self.verifier.run([calls[i] for i in todo])):
+                results[i] = out if isinstance(out, BaseException) else self._respond(calls[i], out)
+        return results
 
-    def _verify(self, seq_id: str, round_index: int, tree: DraftTree) -> vpb.VerifyResponse:
-        replay = self._replay(seq_id, round_index)
-        if replay is not None:
-            return replay
-        response = codec.encode_verify_result(self._role(seq_id).verify(seq_id, tree, round_index))
-        self._last[seq_id] = (round_index, response)
-        return response
-
-    def _decode(self, seq_id: str, round_index: int, token: int) -> vpb.DecodeResponse:
-        replay = self._replay(seq_id, round_index)
-        if replay is not None:
-            return replay
-        response = vpb.DecodeResponse(token=self._role(seq_id).decode(seq_id, token, round_index))
-        self._last[seq_id] = (round_index, response)
+    def _respond(self, call: Call, out):
+        if isinstance(call, PrefillCall):
+            self._kind[call.seq_id] = call.feature_kind
+            self.idle.touch(call.seq_id)
+            SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
+            return out
+        if isinstance(call, VerifyCall):
+            response = codec.encode_verify_result(out)
+        else:
+            response = vpb.DecodeResponse(token=out)
+        self._last[call.seq_id] = (call.round_index, response)
         return response
 
     def _release(self, seq_id: str) -> bool:
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self.idle.forget(seq_id)
-        if kind is not None:
-            self._roles[kind].release(seq_id)
+        self.verifier.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
         return kind is not None
 
-    def _role(self, seq_id: str) -> Verifier:
-        kind = self._kind.get(seq_id)
-        if kind is None:
+    def _check(self, seq_id: str) -> None:
+        if seq_id not in self._kind:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier")
         self.idle.touch(seq_id)
-        return self._roles[kind]
 
     def _replay(self, seq_id: str, round_index: int):
         """The stored response when `round_index` is the latest round again; None for a new round."""
-        self._role(seq_id)
+        self._check(seq_id)
         last = self._last.get(seq_id)
         if last is None or round_index > last[0]:
             return None
         if round_index == last[0]:
             return last[1]
         raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest round {last[0]}")
+
+
+async def _timed(histogram, awaitable):
+    """Await and observe the wall time (queueing and batching included) in `histogram`."""
+    t0 = time.perf_counter()
+    try:
+        return await awaitable
+    finally:
+        histogram.observe(time.perf_counter() - t0)
+
+
+def _observe_batch(stats: BatchStats) -> None:
+    BATCH_SIZE.labels(SERVICE).observe(stats.size)
+    BATCH_ROWS.labels(SERVICE).observe(stats.rows)
+    BATCH_QUEUE.labels(SERVICE).set(stats.waiting)
 
 
 def _check_round(round_index: int) -> None:

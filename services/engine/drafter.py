@@ -1,17 +1,30 @@
 """Drafter: holds an EAGLE head and a draft KV per sequence, and grows the EAGLE-2 tree.
 
+`draft` grows one sequence's tree; `draft_many` grows many sequences' trees with one head step per
+level for all of them (the drafter service gathers concurrent calls into it).
+
 The in-process implementation of the drafter role; the drafter service wraps this class unchanged.
 It does not know the target model, sampling or stop rules.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
+from services.errors import AerieError, CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVCache
-from services.spec.tree import DraftTree, TreeParams, grow_tree
+from services.spec.tree import DraftTree, TreeParams, grow_trees
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCall:
+    seq_id: str
+    tokens: torch.Tensor  # [n] newly committed tokens shifted by one (last = the root)
+    features: torch.Tensor  # [n, F] target features of the rows before them
+    params: TreeParams | None = None  # this round's shape (None = the drafter's largest)
 
 
 class Drafter:
@@ -55,21 +68,50 @@ class Drafter:
               params: TreeParams | None = None) -> DraftTree:
         """tokens [n] newly committed tokens shifted by one (last = root); features [n, F];
         `params` this round's shape (None = the largest)."""
-        cache = self._cache(seq_id)
-        if params is None:
-            params = self.tree
-        else:
-            self.check_params(params)
-        f = self.head.config.feature_size
-        if features.ndim != 2 or features.shape != (tokens.shape[0], f):
-            raise InvalidRequest(
-                f"features must have shape [{tokens.shape[0]}, {f}]; got {list(features.shape)}")
-        committed = cache.capacity - self.tree.draft_rows  # the rest is room for one tree expansion
-        if cache.length + tokens.shape[0] > committed:  # checked before the KV is touched
-            raise CapacityExceeded(f"sequence {seq_id!r} holds {committed} draft KV rows; {cache.length} used, "
-                                   f"{tokens.shape[0]} more requested")
-        return grow_tree(self.head, cache, features.to(self.head.device), tokens.to(self.head.device),
-                         params, self._sort_paths[seq_id])
+        out = self.draft_many([DraftCall(seq_id, tokens, features, params)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def draft_many(self, calls: list["DraftCall"]) -> list[DraftTree | AerieError]:
+        """Grow the trees of many sequences with one head step per level (tree.grow_trees), in
+        order; an invalid call's error takes its place and the others draft without it."""
+        results: list[DraftTree | AerieError | None] = [None] * len(calls)
+        valid: list[int] = []
+        shapes: list[TreeParams] = []
+        seen: set[str] = set()
+        for i, call in enumerate(calls):
+            try:
+                if call.seq_id in seen:
+                    raise InvalidRequest(f"sequence {call.seq_id!r} has two draft calls in one batch")
+                self._cache(call.seq_id)
+                params = self.tree if call.params is None else call.params
+                if call.params is not None:
+                    self.check_params(params)
+                f = self.head.config.feature_size
+                n = call.tokens.shape[0] if call.tokens.ndim == 1 else -1
+                if n < 1 or call.features.ndim != 2 or call.features.shape != (n, f):
+                    raise InvalidRequest(
+                        f"features must have shape [{n}, {f}]; got {list(call.features.shape)}")
+                cache = self._caches[call.seq_id]
+                committed = cache.capacity - self.tree.draft_rows  # the rest is room for one tree expansion
+                if cache.length + n > committed:  # checked before the KV is touched
+                    raise CapacityExceeded(f"sequence {call.seq_id!r} holds {committed} draft KV rows; "
+                                           f"{cache.length} used, {n} more requested")
+            except AerieError as e:
+                results[i] = e
+                continue
+            seen.add(call.seq_id)
+            valid.append(i)
+            shapes.append(params)
+        if valid:
+            dev = self.head.device
+            trees = grow_trees(self.head, [self._caches[calls[i].seq_id] for i in valid],
+                               [calls[i].features.to(dev) for i in valid], [calls[i].tokens.to(dev) for i in valid],
+                               shapes, [self._sort_paths[calls[i].seq_id] for i in valid])
+            for i, tree in zip(valid, trees):
+                results[i] = tree
+        return results  # type: ignore[return-value]
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)

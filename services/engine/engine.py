@@ -15,7 +15,9 @@ top_k / depth / size, a retrieved chain (services/spec/sam.py; the engine holds 
 suffix index, so over gRPC the coordinator does), both merged, or nothing. A round that drafts
 nothing verifies the root alone (= one plain decode step that also returns the root's feature):
 the committed rows the drafter has not seen wait in `pending` and extend its KV with the next draft.
-The budget changes the tree, never the acceptance rule: output stays the target's.
+The budget changes the tree, never the acceptance rule: output stays the target's. A budget with a
+load board (continuous batching) sizes each sequence's tree for the whole batch: the sequences
+sharing the verifier's forwards post their plans there, keyed by sequence id.
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ class Engine:
         try:
             yield from self._run(req, seq_id, prompt, capacity, stop_ids)
         finally:
+            if self.budget.load is not None:
+                self.budget.load.leave(seq_id)
             self.verifier.release(seq_id)
             if self.drafter:
                 self.drafter.release(seq_id)
@@ -219,7 +223,9 @@ class Engine:
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
         # the rows waiting for the draft KV are paid whenever the head next drafts (a sunk cost):
         # the decision uses a steady round's extension (root + about one accepted token)
-        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0)
+        # with a load board, greedy sequences size their trees for the batch; sampling sequences keep
+        # the batch-1 choice so that a seed replays the same tokens whatever the load
+        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths)
         if plan.tree is not None:
             tokens = torch.cat(seq.pending_tokens)
             features = torch.cat(seq.pending_features)

@@ -10,7 +10,8 @@ verification and plain decode, one target forward for a whole batch of calls.
 The in-process implementation of the verifier role; the verifier service wraps this class unchanged.
 It talks to the model through a runner's four methods only (services/model/runner.py: allocate,
 release, keep, execute), so a tensor-parallel group proxy can stand in for the local ModelRunner.
-Several Verifiers (one per feature kind) may share one runner: their sequences then share its KV pool.
+Each sequence returns the features its drafter needs (hidden / taps / none, chosen at prefill), so
+one Verifier serves every kind in one forward; Verifiers sharing a runner share its KV pool.
 
 `run` turns every valid call into one entry of one `Step` (one target forward), then accepts per
 sequence: greedy acceptance reads one argmax over all the batch's rows; sampling keeps each
@@ -54,6 +55,7 @@ class PrefillCall:
     prompt: torch.Tensor  # [L] long
     sampling: SamplingParams
     capacity: int  # KV rows: prompt + generated tokens + one tree
+    feature_kind: str | None = None  # features this sequence returns: hidden | taps | none (None: the verifier's)
 
     @property
     def rows(self) -> int:
@@ -92,6 +94,7 @@ class _Sequence:
     length: int  # committed KV rows
     capacity: int
     sampling: SamplingParams
+    feature_kind: str  # hidden | taps | none
 
 
 class Verifier:
@@ -109,10 +112,11 @@ class Verifier:
 
     # ---- batch 1 ---------------------------------------------------------------------------------
 
-    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int
-                ) -> PrefillResult:
-        """prompt [L]; `capacity` KV rows (prompt + generated tokens + one tree)."""
-        return self._one(PrefillCall(seq_id, prompt, sampling, capacity))
+    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
+                feature_kind: str | None = None) -> PrefillResult:
+        """prompt [L]; `capacity` KV rows (prompt + generated tokens + one tree); `feature_kind`
+        the features this sequence's results carry (None: the verifier's own)."""
+        return self._one(PrefillCall(seq_id, prompt, sampling, capacity, feature_kind))
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
         """Run the tree in one forward, accept, keep the accepted path's KV."""
@@ -151,7 +155,8 @@ class Verifier:
             index.append(i)
         if entries:
             try:
-                out = self.runner.execute(Step(tuple(entries), want_taps=self.feature_kind == "taps"))
+                out = self.runner.execute(Step(tuple(entries), want_taps=any(
+                    self._kind(calls[i]) == "taps" for i in index)))
             except BaseException:
                 for slot in new_slots.values():
                     self.runner.release(slot)
@@ -166,6 +171,8 @@ class Verifier:
                 raise InvalidRequest(f"sequence {call.seq_id!r} already exists on this verifier")
             if len(self._seqs) + len(new_slots) >= self.max_sequences:
                 raise CapacityExceeded(f"verifier holds its maximum of {self.max_sequences} sequences")
+            if call.feature_kind not in (None, "hidden", "taps", "none"):
+                raise InvalidRequest(f"feature kind must be hidden, taps or none; got {call.feature_kind!r}")
             if call.rows < 1:
                 raise InvalidRequest("prompt is empty: give at least one token")
             if call.capacity < call.rows:
@@ -194,10 +201,11 @@ class Verifier:
                 argmax[j] = a
         results: list[Result] = []
         for j, call in enumerate(calls):
-            features = self._features(out, j)
+            features = self._features(out, j, self._kind(call))
             if isinstance(call, PrefillCall):
                 slot = new_slots[index[j]]
-                self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling)
+                self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling,
+                                                    self._kind(call))
                 first = (int(argmax[j][-1]) if j in argmax
                          else next_token(out.logits[j][-1], call.sampling, round_generator(call.sampling.seed, 0)))
                 results.append(PrefillResult(first, features))
@@ -215,6 +223,11 @@ class Verifier:
             seq.length += int(acc.nodes.numel())
             results.append(VerifyResult(acc, features[acc.nodes] if features.shape[0] else features))
         return results
+
+    def _kind(self, call: Call) -> str:
+        if isinstance(call, PrefillCall):
+            return call.feature_kind or self.feature_kind
+        return self._seqs[call.seq_id].feature_kind
 
     def _sampling(self, call: Call) -> SamplingParams:
         return call.sampling if isinstance(call, PrefillCall) else self._seqs[call.seq_id].sampling
@@ -237,8 +250,9 @@ class Verifier:
         except KeyError:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier") from None
 
-    def _features(self, out: StepOutput, j: int) -> torch.Tensor:
-        if self.feature_kind == "taps":
+    @staticmethod
+    def _features(out: StepOutput, j: int, kind: str) -> torch.Tensor:
+        if kind == "taps":
             return out.taps_of(j)
         hidden = out.hidden_of(j)
-        return hidden if self.feature_kind == "hidden" else hidden[:0]
+        return hidden if kind == "hidden" else hidden[:0]

@@ -35,7 +35,7 @@ from torch import nn
 
 from services.model.config import rope_inv_freq
 from services.model.kv_cache import KVCache
-from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
+from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask
 from services.model.linear import Linear
 
 HeadKind = Literal["eagle", "eagle3"]
@@ -175,6 +175,28 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         cos, sin = self.rotary(positions, self.dtype)
         out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin, cache, mask)
         cache.advance(t)
+        return out
+
+    def forward_batch(self, features: torch.Tensor, ids: torch.Tensor, caches: list[KVCache],
+                      positions: torch.Tensor, masks: list[torch.Tensor | None], offsets: list[int]
+                      ) -> torch.Tensor:
+        """Many sequences in one head step: rows [offsets[i], offsets[i+1]) of features [R, F],
+        ids [R] and positions [R] belong to the sequence with draft KV caches[i] and tree mask
+        masks[i] ([T_i, T_i'] over its last T_i' key rows, None = causal). Every linear runs once
+        over all R rows; attention runs per sequence. -> [R, H].
+        WARNING: mutates every cache (appends its rows)."""
+        if len(caches) == 1:
+            a, b = offsets[0], offsets[1]
+            return self(features[a:b], ids[a:b], caches[0], positions[a:b], masks[0])
+        sizes = [b - a for a, b in zip(offsets, offsets[1:])]
+        for cache, t in zip(caches, sizes):
+            cache.reserve(t)
+        dense = [attention_mask(cache.length, t, m, self.device) for cache, t, m in zip(caches, sizes, masks)]
+        cos, sin = self.rotary(positions, self.dtype)
+        out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin,
+                          BatchKV(caches, dense, list(offsets)), None)
+        for cache, t in zip(caches, sizes):
+            cache.advance(t)
         return out
 
     @abstractmethod

@@ -11,6 +11,8 @@ activation dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,6 +78,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+@dataclass(frozen=True, slots=True)
+class BatchKV:
+    """Where the rows of a batched forward go: rows [offsets[i], offsets[i+1]) of the input belong
+    to a sequence with KV `caches[i]` and attention mask `masks[i]` (as `attention_mask` builds it,
+    None = causal without a dense mask)."""
+    caches: list[KVCache]
+    masks: list[torch.Tensor | None]
+    offsets: list[int]  # len(caches) + 1
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, reading and writing a KVCache layer.
 
@@ -90,11 +102,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, hidden, bias=o_bias)
         keep_part_names(self, "qkv_proj")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache | BatchKV",
                 layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         """x [T, in_dim]; mask [T, cache.length + T] bool (True = may attend), or None when every
         new row sees every cached row and the new rows are causal among themselves (T == 1, or a
-        prefill into an empty cache) -> [T, hidden]."""
+        prefill into an empty cache) -> [T, hidden]. A `BatchKV` instead of a cache: many
+        sequences' rows in x, each with its own cache and mask (`mask` unused), see forward_batch."""
+        if isinstance(cache, BatchKV):
+            return self.forward_batch(x, cos, sin, cache.caches, layer, cache.masks, cache.offsets)
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, cache, layer, mask))
 
     def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -103,11 +103,16 @@ async def create_server(address: str, config: ServiceConfig, service: str,
     return server, port
 
 
-async def drain(server: grpc.aio.Server, grace_s: float) -> None:
-    """Health NOT_SERVING, refuse new calls, let in-flight ones finish for up to `grace_s`."""
+async def drain(server: grpc.aio.Server, grace_s: float,
+                before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Health NOT_SERVING, (then the service's own `before_stop`, e.g. the coordinator handing its
+    sequences over while its streams are still open), refuse new calls, let in-flight ones finish for
+    up to `grace_s`."""
     health_servicer = _HEALTH.get(server)
     if health_servicer is not None:
         await health_servicer.enter_graceful_shutdown()
+    if before_stop is not None:
+        await before_stop()
     await server.stop(grace_s)
 
 
@@ -119,9 +124,11 @@ def write_port_file(path: str, **ports: int | None) -> None:
 
 async def serve_forever(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int]]], config: ServiceConfig,
                         service: str, on_stop: Callable[[], Awaitable[None]] | None = None,
-                        extra_ports: dict[str, int] | None = None) -> None:
+                        extra_ports: dict[str, int] | None = None,
+                        on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Start, serve until SIGTERM or SIGINT, drain, stop. `extra_ports` (filled by `start`, e.g. the
-    coordinator's HTTP API) go into the port file too."""
+    coordinator's HTTP API) go into the port file too. `on_drain` runs after health turns NOT_SERVING
+    and before the server stops taking calls (see `drain`)."""
     telemetry.setup(f"aerie-{service}")
     server, port = await start()
     metrics_port = serve_metrics(config.metrics_port, config.host)
@@ -136,7 +143,7 @@ async def serve_forever(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s draining (up to %.0f s)", service, config.drain_s)
-    await drain(server, config.drain_s)
+    await drain(server, config.drain_s, on_drain)
     if on_stop is not None:
         await on_stop()
     telemetry.shutdown()

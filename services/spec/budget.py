@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -210,6 +211,47 @@ def observe(stats: AcceptanceStats, tree: DraftTree, accepted: Sequence[int],
             stats.chain[d - 1] = ema(stats.chain[d - 1], float(hit == chain[d - 1]), a)
 
 
+# ---- the load: other sequences sharing the target forward ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the other sequences batched into the same target forwards asked for in their latest
+    round (their plans): the batch this sequence's rows join."""
+
+    sequences: int = 0
+    rows: float = 0.0  # rows they verify per forward (1 for a plain decode step)
+    tokens: float = 0.0  # tokens they are predicted to commit per forward
+    draft_s: float = 0.0  # their draft seconds per round
+
+
+class LoadBoard:
+    """The sequences that share one verifier's forwards (continuous batching), each with its latest
+    plan. Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[str, tuple[float, float, float]] = {}  # key -> (rows, tokens, draft_s)
+
+    def others(self, key: str) -> Load:
+        with self._lock:
+            rest = [v for k, v in self._plans.items() if k != key]
+        return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest))
+
+    def post(self, key: str, rows: float, tokens: float, draft_s: float) -> None:
+        with self._lock:
+            self._plans[key] = (rows, tokens, draft_s)
+
+    def leave(self, key: str) -> None:
+        with self._lock:
+            self._plans.pop(key, None)
+
+    def rows(self) -> dict[str, float]:
+        """key -> the rows of that sequence's latest plan (1 = a plain decode step)."""
+        with self._lock:
+            return {k: v[0] for k, v in self._plans.items()}
+
+
 # ---- the chooser ---------------------------------------------------------------------------------
 
 
@@ -282,6 +324,7 @@ class Budget:
     chain_limit: int = CHAIN_LIMIT  # retrieved tokens joined at most (0 = no retrieval)
     probe_every: int = 16  # after this many rounds without drafting, draft one token to re-measure
     stop_depth: bool = True  # dynamic depth (stop_logprob)
+    load: LoadBoard | None = field(default=None, compare=False)  # batching: the sequences sharing forwards
 
     def new_stats(self) -> AcceptanceStats:
         return self.prior.copy()
@@ -291,30 +334,54 @@ class Budget:
         eagle = (self.fixed or self.largest).total_tokens if self.eagle else 1
         return eagle + self.chain_limit
 
-    def plan(self, stats: AcceptanceStats, chain: int = 0, commit_rows: float = 2.0) -> RoundPlan:
+    def plan(self, stats: AcceptanceStats, chain: int = 0, commit_rows: float = 2.0, key: str | None = None,
+             adapt: bool = True) -> RoundPlan:
         """The shape with the highest predicted committed tokens per second, given `chain` retrieved
-        tokens available. WARNING: counts idle rounds in `stats` (probing)."""
+        tokens available. With a load board and the sequence's `key`: the shape that maximises the
+        whole batch's predicted committed tokens per second, the other sequences' latest plans
+        fixed (their rows join this one's in the target forward), and this plan is posted for them.
+        `adapt` False: the batch-1 choice, still posted (a seeded sampling sequence keeps shapes that
+        do not depend on the load, so its seed replays identically; greedy output is exact anyway).
+        WARNING: counts idle rounds in `stats` (probing)."""
+        load = self.load.others(key) if self.load is not None and key is not None and adapt else Load()
+        best = self._plan(stats, chain, commit_rows, load)
+        if self.load is not None and key is not None:
+            rows = (best.tree.total_tokens if best.tree is not None else 1) + best.chain
+            self.load.post(key, rows, best.tokens, max(0.0, best.seconds - self.costs.t_verify(load.rows + rows)))
+        return best
+
+    def _plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> RoundPlan:
+        """RoundPlan.seconds is the batch's round: the others' drafts, this draft, and one target
+        forward over the others' rows plus this sequence's; rates count the others' tokens too."""
         chain = min(chain, self.chain_limit)
         c = self.costs
+
+        def rate(p: RoundPlan) -> float:
+            return (load.tokens + p.tokens) / p.seconds if p.seconds > 0 else 0.0
+
         if self.fixed is not None:
             e = expected_accept(stats.depth, stats.rank, self.fixed.top_k, self.fixed.depth + 1,
                                 [self.fixed.total_tokens - 1])[0] if self.eagle else 0.0
             e += chain_accept(stats.chain, chain)
             t = (c.draft_seconds(self.fixed, commit_rows) if self.eagle else 0.0) + \
-                c.t_verify((self.fixed.total_tokens if self.eagle else 1) + chain)
+                c.t_verify(load.rows + (self.fixed.total_tokens if self.eagle else 1) + chain) + load.draft_s
             return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, t)
         chain_gain = [chain_accept(stats.chain, n) for n in range(chain + 1)]
-        best = RoundPlan(None, 0, 1.0, c.t_verify(1))
+        # tv[n]: the batch's target forward with this sequence's n rows (and its others' drafts)
+        tv = (_verify_table(c, self.largest.total_tokens + chain + 1) if not load.sequences else
+              (0.0,) + tuple(c.t_verify(load.rows + r) + load.draft_s
+                             for r in range(1, self.largest.total_tokens + chain + 2)))
+        best = RoundPlan(None, 0, 1.0, tv[1])
         for n in range(1, chain + 1):  # retrieval alone
-            cand = RoundPlan(None, n, 1.0 + chain_gain[n], c.t_verify(1 + n))
-            best = max(best, cand, key=lambda p: p.rate)
+            cand = RoundPlan(None, n, 1.0 + chain_gain[n], tv[1 + n])
+            best = max(best, cand, key=rate)
         smallest: RoundPlan | None = None
         if self.eagle:
-            tv = _verify_table(c, self.largest.total_tokens + chain + 1)  # tv[n] = t_verify(n)
             base = c.head(commit_rows) + c.logits(1)
             lim = self.largest
             extras = (0, chain) if chain else (0,)
-            best_rate, best_key = best.rate, None
+            best_rate, best_key = rate(best), None
+            others = load.tokens
             for k in range(1, min(lim.top_k, MAX_RANK) + 1):
                 step = c.t_draft(k)
                 hit = [1.0] + [stats.rank[min(r - 1, len(stats.rank) - 1)] for r in range(1, k)]
@@ -343,11 +410,11 @@ class Budget:
                     for n in counts:
                         g = prefix[min(n - 1, len(ranked))]
                         for extra in extras:
-                            rate = (1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
+                            r8 = (others + 1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
                             if k == 1 and d == 0 and extra == 0:
                                 smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2])
-                            if rate > best_rate:
-                                best_rate = rate
+                            if r8 > best_rate:
+                                best_rate = r8
                                 best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra])
             if best_key is not None:
                 k, d, n, extra, tokens, seconds = best_key
@@ -361,20 +428,23 @@ class Budget:
                 # one draft token, and the whole retrieved chain (so every chain depth is re-measured)
                 if smallest is not None:
                     best = replace(smallest, chain=chain, tokens=smallest.tokens + chain_gain[chain],
-                                   seconds=smallest.seconds + c.t_verify(2 + chain) - c.t_verify(2))
+                                   seconds=smallest.seconds + tv[2 + chain] - tv[2])
                 elif chain:
-                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], c.t_verify(1 + chain))
+                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], tv[1 + chain])
         if best.tree is not None and self.stop_depth:
-            best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best)))
+            best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best, load)))
         return best
 
-    def stop_logprob(self, stats: AcceptanceStats, plan: RoundPlan) -> float:
-        """Cumulative draft log-probability below which a node does not pay for itself."""
+    def stop_logprob(self, stats: AcceptanceStats, plan: RoundPlan, load: Load = Load()) -> float:
+        """Cumulative draft log-probability below which a node does not pay for itself (at the
+        batch's rate and the batch forward's marginal cost of a row)."""
         p = plan.tree
         assert p is not None
         c = self.costs
-        dt = c.t_draft(p.top_k) / p.top_k + c.t_verify(p.total_tokens + 1) - c.t_verify(p.total_tokens)
-        p_min = plan.rate * max(dt, 0.0)
+        rows = load.rows + p.total_tokens
+        dt = c.t_draft(p.top_k) / p.top_k + c.t_verify(rows + 1) - c.t_verify(rows)
+        rate = (load.tokens + plan.tokens) / plan.seconds if plan.seconds > 0 else 0.0
+        p_min = rate * max(dt, 0.0)
         q_min = p_min / stats.calibration()
         if q_min <= 0:
             return float("-inf")

@@ -123,46 +123,108 @@ def extend(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torc
     return out[-1]
 
 
+def extend_many(head: DraftHead, caches: list[KVCache], features: list[torch.Tensor],
+                tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`extend` for many sequences in one head step: caches[i] takes features[i] [n_i, F] and
+    tokens[i] [n_i] -> each sequence's last-row head output [H]."""
+    if len(caches) == 1:
+        return [extend(head, caches[0], features[0], tokens[0])]
+    offsets = [0]
+    for t in tokens:
+        offsets.append(offsets[-1] + int(t.shape[0]))
+    positions = torch.cat([torch.arange(c.length, c.length + int(t.shape[0]), device=t.device)
+                           for c, t in zip(caches, tokens)])
+    out = head.forward_batch(torch.cat(features), torch.cat(tokens), caches, positions,
+                             [None] * len(caches), offsets)
+    return [out[b - 1] for b in offsets[1:]]
+
+
 def expand(head: DraftHead, cache: KVCache, last: torch.Tensor, params: TreeParams) -> Candidates:
     """Grow `params.depth` levels from `last` [H], the head output of the last committed row.
     The draft cache is left exactly as it was found."""
-    k = params.top_k
-    stable = cache.length
-    device = last.device
-    lp = head.log_probs(last[None])[0]  # [V_draft]
-    top = torch.topk(lp, k)
-    scores = top.values  # [K]
-    scores_list, tokens_list = [scores], [head.to_target(top.indices)]
-    parents_list = [torch.zeros(1, dtype=torch.long, device=device)]
-    cur_ids = head.to_target(top.indices)  # [K]
-    cur_hidden = last[None].expand(k, -1)  # [K, H]
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    tree_mask = eye  # [K, K*(i+1)]: each current node's ancestors among the tree rows, and itself
-    sel = torch.arange(k, device=device)
+    return expand_many(head, [cache], [last], [params])[0]
+
+
+class _Beam:
+    """One sequence's expansion state inside `expand_many`."""
+
+    def __init__(self, head: DraftHead, cache: KVCache, last: torch.Tensor, lp: torch.Tensor,
+                 params: TreeParams) -> None:
+        k = params.top_k
+        device = last.device
+        self.cache, self.params, self.k = cache, params, k
+        self.stable = cache.length
+        top = torch.topk(lp, k)
+        self.scores = top.values  # [K]
+        self.scores_list, self.tokens_list = [self.scores], [head.to_target(top.indices)]
+        self.parents_list = [torch.zeros(1, dtype=torch.long, device=device)]
+        self.cur_ids = head.to_target(top.indices)  # [K]
+        self.cur_hidden = last[None].expand(k, -1)  # [K, H]
+        self.eye = torch.eye(k, dtype=torch.bool, device=device)
+        self.tree_mask = self.eye  # [K, K*(i+1)]: each current node's ancestors among the tree rows, and itself
+        self.sel = torch.arange(k, device=device)
+        self.done = False
+
+    def wants(self, i: int) -> bool:
+        """Expand level i? (depth reached, or dynamic depth: even the best frontier node is too
+        unlikely to pay)."""
+        p = self.params
+        if self.done or i >= p.depth or (p.stop_logprob > float("-inf") and self.scores.max().item() < p.stop_logprob):
+            self.done = True
+        return not self.done
+
+    def grow(self, head: DraftHead, i: int, out: torch.Tensor, lp: torch.Tensor) -> None:
+        """out [K, H] the head outputs of this level's frontier, lp [K, V_draft] their log-probs."""
+        k = self.k
+        # 1 + flat index (into the concatenated scores) of each node just expanded
+        bias = 1 + (k if i > 0 else 0) + k * k * max(0, i - 1)
+        self.parents_list.append(self.sel + bias)
+        child = torch.topk(lp, k, dim=-1)  # [K, K]
+        cu = child.values + self.scores[:, None]  # [K, K] cumulative log-prob
+        best = torch.topk(cu.view(-1), k)
+        self.sel, self.scores = best.indices, best.values
+        rows = self.sel // k  # which expanded node each survivor hangs from
+        self.cur_hidden = out[rows]
+        self.cur_ids = head.to_target(child.indices.view(-1)[self.sel])
+        self.tokens_list.append(head.to_target(child.indices))
+        self.scores_list.append(cu)
+        self.tree_mask = torch.cat((self.tree_mask[rows], self.eye), dim=1)
+
+    def candidates(self) -> Candidates:
+        return Candidates(scores=torch.cat([s.reshape(-1) for s in self.scores_list]),
+                          tokens=torch.cat([t.reshape(-1) for t in self.tokens_list]),
+                          parents=torch.cat(self.parents_list))
+
+
+def expand_many(head: DraftHead, caches: list[KVCache], lasts: list[torch.Tensor],
+                params: list[TreeParams]) -> list[Candidates]:
+    """`expand` for many sequences: each level is ONE head step over the frontiers of every
+    sequence still expanding (each with its own top_k, depth and stop, its own KV and tree mask),
+    and one log-prob projection over all their rows. Each sequence's candidates are what `expand`
+    alone gives it (fp32: up to the GEMM's rounding). The draft caches are left as they were found."""
+    lp0 = head.log_probs(torch.stack(lasts))  # [B, V_draft]
+    beams = [_Beam(head, c, last, lp, p) for c, last, lp, p in zip(caches, lasts, lp0, params)]
+    device = lasts[0].device
     try:
-        for i in range(params.depth):
-            if params.stop_logprob > float("-inf") and scores.max().item() < params.stop_logprob:
-                break  # dynamic depth: even the best frontier node is too unlikely to pay
-            positions = torch.full((k,), stable + i, dtype=torch.long, device=device)
-            out = head(cur_hidden, cur_ids, cache, positions, tree_mask)  # [K, H]
-            # 1 + flat index (into the concatenated scores) of each node just expanded
-            bias = 1 + (k if i > 0 else 0) + k * k * max(0, i - 1)
-            parents_list.append(sel + bias)
-            child = torch.topk(head.log_probs(out), k, dim=-1)  # [K, K]
-            cu = child.values + scores[:, None]  # [K, K] cumulative log-prob
-            best = torch.topk(cu.view(-1), k)
-            sel, scores = best.indices, best.values
-            rows = sel // k  # which expanded node each survivor hangs from
-            cur_hidden = out[rows]
-            cur_ids = head.to_target(child.indices.view(-1)[sel])
-            tokens_list.append(head.to_target(child.indices))
-            scores_list.append(cu)
-            tree_mask = torch.cat((tree_mask[rows], eye), dim=1)
+        for i in range(max(p.depth for p in params)):
+            active = [b for b in beams if b.wants(i)]
+            if not active:
+                break
+            offsets = [0]
+            for b in active:
+                offsets.append(offsets[-1] + b.k)
+            positions = torch.cat([torch.full((b.k,), b.stable + i, dtype=torch.long, device=device)
+                                   for b in active])
+            out = head.forward_batch(torch.cat([b.cur_hidden for b in active]), torch.cat([b.cur_ids for b in active]),
+                                     [b.cache for b in active], positions, [b.tree_mask for b in active],
+                                     offsets)  # [R, H]
+            lp = head.log_probs(out)  # [R, V_draft]
+            for b, lo, hi in zip(active, offsets, offsets[1:]):
+                b.grow(head, i, out[lo:hi], lp[lo:hi])
     finally:
-        cache.truncate(stable)  # tree rows came from draft features: never keep them
-    return Candidates(scores=torch.cat([s.reshape(-1) for s in scores_list]),
-                      tokens=torch.cat([t.reshape(-1) for t in tokens_list]),
-                      parents=torch.cat(parents_list))
+        for b in beams:
+            b.cache.truncate(b.stable)  # tree rows came from draft features: never keep them
+    return [b.candidates() for b in beams]
 
 
 def rerank(cand: Candidates, root: int, params: TreeParams, sort_paths: bool) -> DraftTree:
@@ -279,6 +341,15 @@ def grow_tree(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: t
 
     Prefill: tokens = prompt[1:] + [t0], features = the prompt's features.
     Round k: tokens = [a_1..a_m, bonus], features = features of [root, a_1..a_m]."""
-    last = extend(head, cache, features, tokens)
-    cand = expand(head, cache, last, params)
-    return rerank(cand, int(tokens[-1].item()), params, sort_paths)
+    return grow_trees(head, [cache], [features], [tokens], [params], [sort_paths])[0]
+
+
+def grow_trees(head: DraftHead, caches: list[KVCache], features: list[torch.Tensor],
+               tokens: list[torch.Tensor], params: list[TreeParams], sort_paths: list[bool]
+               ) -> list[DraftTree]:
+    """`grow_tree` for many sequences at once: one head step extends every sequence's draft KV,
+    then each expansion level is one head step over every sequence's frontier (`expand_many`);
+    each sequence keeps its own shape, KV and path order."""
+    lasts = extend_many(head, caches, features, tokens)
+    cands = expand_many(head, caches, lasts, params)
+    return [rerank(c, int(t[-1].item()), p, sp) for c, t, p, sp in zip(cands, tokens, params, sort_paths)]

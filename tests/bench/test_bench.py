@@ -84,3 +84,28 @@ def test_bench_pipeline_method_matches(setup, redis_url, capsys):
     res = json.loads(out_json.read_text())
     assert res["methods"]["pipeline"]["exact_match"] == 1.0
     assert res["methods"]["pipeline"]["tau"] == pytest.approx(res["methods"]["eagle"]["tau"])
+
+
+def test_bench_concurrency_through_the_services(setup, capsys):
+    """`--concurrency`: in-process services (real gRPC, real Redis), plain / tree / adaptive at each
+    level; the JSON's `concurrency` list has exactly the issue's fields; a PNG chart."""
+    out_json, out_png = setup / "conc.json", setup / "conc.png"
+    assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"), "--dtype", "fp32",
+                 "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "8", "--concurrency", "1,3",
+                 "--json-out", str(out_json), "--chart", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert "ITL p50 ms" in out and "crossover" in out
+    res = json.loads(out_json.read_text())
+    rows = res["concurrency"]
+    assert {(r["method"], r["concurrency"]) for r in rows} == {(m, n) for m in ("plain", "tree", "adaptive")
+                                                               for n in (1, 3)}
+    for r in rows:
+        assert set(r) == {"method", "concurrency", "tokens_per_s", "itl_p50_ms", "itl_p99_ms"}
+        assert r["tokens_per_s"] > 0 and 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+    detail = {(d["method"], d["concurrency"]): d for d in res["concurrency_detail"]}
+    assert all(not d["errors"] and d["tokens"] == 8 * d["concurrency"] for d in detail.values())
+    assert detail[("plain", 3)]["mean_nodes"] == 1.0 and detail[("tree", 3)]["mean_nodes"] > 1
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
+                 "--concurrency", "0,2"]) == 2
+    assert "--concurrency levels must be >= 1; got '0,2'" in capsys.readouterr().err

@@ -105,7 +105,7 @@ def test_no_drafter_left_plain_rounds_then_drafting_resumes(model_dirs, redis_ur
                 # hold the verifier (the sequence pauses between rounds), restart the drafter at the
                 # same address, wait until the coordinator can place on it again, then let it go on
                 gate = threading.Event()
-                p.verifier._call._pool.submit(gate.wait, 30)
+                p.verifier.batcher.exclusive(gate.wait, 30)
                 server, _ = p.loop.run(create_drafter(d_address, p.drafter_config, p.drafter))
                 p.servers.append((server, p.drafter))
                 pool = p.coordinator.sequences.drafters

@@ -13,6 +13,7 @@ import pytest
 from coordinator.sequence_store import LeaseLost, SequenceRecord
 from services.engine.engine import GenerationRequest
 from services.rpc.coordinator_client import RemoteSession
+from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from services.spec.sampling import SamplingParams
@@ -105,3 +106,72 @@ def test_a_wrong_id_reads_and_resumes_nothing(pipeline):
         list(stub.Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=6), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "from_token_index 6" in e.value.details()
     session.close()
+
+
+def test_a_take_over_before_the_prefill_commit_reuses_a_verifier_that_holds_the_old_kv(pipeline, model_dirs):
+    """A coordinator that died between its Prefill and the commit of its first token leaves a record
+    with no tokens and, on the verifier, KV under the sequence's id. The coordinator that takes it
+    over starts it again on that verifier: it releases the old KV first instead of failing with
+    'already exists', and the output is the undisturbed run's."""
+    import torch
+
+    req = GenerationRequest(PROMPT, 30, SamplingParams(), ignore_eos=True)
+    expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
+    store = pipeline.coordinator.store
+    seq_id = "died-before-its-first-commit"
+    address = pipeline.addresses["verifier"]
+    store.create(SequenceRecord(seq_id, PROMPT, {"max_new_tokens": 30, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                                 "stop_token_ids": [], "ignore_eos": True},
+                                0, "", address, owner="dead-coordinator"))
+    client = next(c for c in pipeline.coordinator.sequences.verifiers.clients() if c.address == address)
+    client.for_sequence("hidden").prefill(seq_id, torch.tensor(PROMPT), SamplingParams(), 64)  # the old KV
+    with pytest.raises(Exception, match="already exists"):  # what the take-over used to hit
+        client.for_sequence("hidden").prefill(seq_id, torch.tensor(PROMPT), SamplingParams(), 64)
+    tokens, reason = resume(pipeline, seq_id, 0)
+    assert tokens == expected and reason == "length"
+    state = store.get(seq_id)
+    assert state.owner == pipeline.coordinator.sequences.owner and state.status == "finished"
+
+
+def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, redis_url):
+    """What SIGTERM does after AERIE_DRAIN_S (tests/services/test_chaos.py sends a real SIGTERM): the
+    round in flight is committed and streamed, then the stream ends UNAVAILABLE naming the Resume
+    index (also in the trailing metadata); the lease goes at once, another coordinator takes the
+    sequence over and Resume there gives exactly the rest of the undisturbed run. The draining
+    coordinator refuses new sequences."""
+    import threading
+
+    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=0.6)
+    req = GenerationRequest(PROMPT, 80, SamplingParams(0.8, 0.95, 0, 11), ignore_eos=True)
+    expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
+    stub = coordinator_grpc.CoordinatorStub(pipeline.channel_to(address))
+    call = stub.Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=80, ignore_eos=True,
+                                             sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+                         timeout=60)
+    got, seq_id = [], ""
+    for msg in call:
+        got += msg.tokens
+        seq_id = seq_id or msg.sequence_id
+        if len(got) >= 10:
+            break
+    handed = []
+    drain = threading.Thread(target=lambda: handed.append(draining.sequences.hand_over_all(0.0, 30.0)))
+    drain.start()
+    with pytest.raises(grpc.RpcError) as e:
+        for msg in call:
+            got += msg.tokens
+            assert not msg.finish_reason  # handed over long before its end
+    drain.join(30)
+    assert handed == [1]
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"from_token_index={len(got)}" in e.value.details() and "draining" in e.value.details()
+    assert dict(e.value.trailing_metadata())["aerie-resume-from"] == str(len(got))
+    state = pipeline.coordinator.store.get(seq_id)
+    assert state.tokens[:len(got)] == got  # every committed token was streamed before the end ...
+    assert len(state.tokens) == len(got) or state.owner != draining.sequences.owner  # ... none held back
+    with pytest.raises(grpc.RpcError) as refused:  # no new sequences while draining
+        list(stub.Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=4), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+    tokens, reason = resume(pipeline, seq_id, len(got))  # on the other coordinator
+    assert got + tokens == expected and reason == "length"
+    assert pipeline.coordinator.store.get(seq_id).owner == pipeline.coordinator.sequences.owner

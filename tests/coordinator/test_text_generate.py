@@ -107,3 +107,34 @@ def test_get_info(pipeline, text_model_dirs):
     assert info.draft == text_model_dirs.head.name
     assert info.text and info.chat_template
     assert (info.verifiers_ready, info.drafters_ready, info.drafters_configured) == (1, 1, 1)
+
+
+def test_a_text_sequence_survives_a_take_over(pipeline, tok):
+    """Stop strings and skip_special_tokens are stored with the sequence: a coordinator that takes it
+    over (here: its first coordinator died after round 2, leaving its lease let go) cuts it at the
+    same stop string, which spans the tokens committed before and after the take-over, and Resume
+    streams the same text deltas as the undisturbed stream."""
+    from coordinator.sequence_store import SequenceRecord
+
+    ref_msgs, ref_tokens, _ = run(pipeline, prompt="t5 t17 t9", max_new_tokens=40)
+    rounds = [list(m.tokens) for m in ref_msgs]
+    c = len(rounds[0]) + len(rounds[1]) + len(rounds[2])  # committed by the dead coordinator
+    before, upto = tok.decode(ref_tokens[:c], skip_special_tokens=True), tok.decode(ref_tokens[:c + 1], skip_special_tokens=True)
+    stop = next(s for n in range(2, 12) if first_completion(tok, ref_tokens, s := before[-n:] + upto[len(before):len(before) + 2]) == c)
+    msgs, expected, expected_text = run(pipeline, prompt="t5 t17 t9", max_new_tokens=40, stop=[stop])
+    assert msgs[-1].finish_reason == "stop" and len(expected) == c + 1  # the stop completes just after the cut
+    store = pipeline.coordinator.store
+    params = store.get(msgs[0].sequence_id).params
+    assert params["stop"] == [stop] and params["skip_special_tokens"] is True
+    seq_id = "text-dead-coordinator"
+    store.create(SequenceRecord(seq_id, (5, 17, 9), params, 0, "gone:1", "gone:2", owner="dead-coordinator"))
+    for m in ref_msgs[:3]:
+        store.commit(seq_id, m.stats.index, list(m.tokens), None, owner="dead-coordinator")
+    store.hand_over(seq_id, "dead-coordinator")  # its lease goes at once (as a draining coordinator's)
+    seen = len(rounds[0])  # the client had received round 0 only (tokens and text)
+    resumed = list(pipeline.coordinator_stub().Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=seen),
+                                                      timeout=60))
+    assert list(ref_tokens[:seen]) + [t for m in resumed for t in m.tokens] == expected
+    assert msgs[0].text + "".join(m.text for m in resumed) == expected_text
+    assert resumed[-1].finish_reason == "stop"
+    assert store.get(seq_id).owner == pipeline.coordinator.sequences.owner

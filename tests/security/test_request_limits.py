@@ -112,7 +112,7 @@ def test_per_client_concurrency_limit(pipeline):
     stub = pipeline.coordinator_stub()
     request = cpb.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=8, ignore_eos=True)
     gate = threading.Event()
-    held = pipeline.loop.loop.run_in_executor(pipeline.verifier._call._pool, gate.wait)  # the worker waits
+    held = pipeline.verifier.batcher.exclusive(gate.wait)  # the model thread waits
     try:
         open_streams = [stub.Generate(request, timeout=60) for _ in range(2)]
         wait_until(lambda: servicer._per_client.get(key) == 2)

@@ -45,13 +45,14 @@ def test_verifier_tree_larger_than_the_reserved_kv_mutates_nothing(pipeline):
     prefill = vpb.VerifierPrefillRequest(sequence_id="tight", prompt_ids=[1, 2, 3], capacity=6,
                                          feature_kind=pb.FEATURE_KIND_NONE)
     first = next(iter(stub.Prefill(prefill, timeout=30))).first_token
-    role = pipeline.verifier._roles["none"]
-    before = role._seqs["tight"].length
+    verifier, pool = pipeline.verifier.verifier, pipeline.verifier.runner.pool
+    seq = verifier._seqs["tight"]
+    before = (seq.length, pool.length(seq.slot))
     code, details = status_of(lambda: stub.Verify(vpb.VerifyRequest(sequence_id="tight", round_index=1,
                                                                      tree=chain(8, first)), timeout=30))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert details == "sequence 'tight' holds 6 KV rows; 3 used, 8 more requested"
-    assert role._seqs["tight"].length == before
+    assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "sequence 'tight' holds 6 KV rows; 3 used, 8 more requested")
+    assert (seq.length, pool.length(seq.slot)) == before
     # the same sequence still verifies a tree that fits, as if the refused call never happened
     ok = stub.Verify(vpb.VerifyRequest(sequence_id="tight", round_index=1, tree=chain(2, first)), timeout=30)
     assert ok.bonus >= 0
@@ -70,6 +71,7 @@ def test_drafter_rows_beyond_the_reserved_kv_mutate_nothing(pipeline):
     stub.Prefill(iter([first]), timeout=30)
     cache = pipeline.drafter.drafter._caches["dtight"]
     rows = cache.length
+    # round 1 is the prefill's own tree: round 2 commits new rows
     many = dpb.DraftRequest(sequence_id="dtight", round_index=2, tokens=list(range(1, 11)),
                             features=codec.encode_tensor(torch.zeros(10, f)))
     assert status_of(lambda: stub.Draft(many, timeout=30)) == (

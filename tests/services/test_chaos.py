@@ -1,8 +1,10 @@
 """Chaos: `aerie up --verifiers 2 --drafters 2 --coordinators 2` as real processes on loopback, 8
 concurrent streams (greedy and seeded sampling) on the tiny test models, and mid-stream: kill -9 of
 a drafter, then of a verifier, then of a coordinator (its clients resume on the other one), then of
-Redis. Every stream completes with exactly the tokens of the undisturbed in-process run: nothing
-lost, nothing duplicated. The added latency per fault is printed (pytest -s) and written to
+Redis, then a SIGTERM of the coordinator that drives the streams now: after AERIE_DRAIN_S it hands
+them over (each stream ends UNAVAILABLE naming the Resume index, which is exactly what it received)
+and the clients resume on the other one. Every stream completes with exactly the tokens of the
+undisturbed in-process run: nothing lost, nothing duplicated. The added latency per fault is printed (pytest -s) and written to
 $AERIE_CHAOS_REPORT when set."""
 
 import json
@@ -25,13 +27,14 @@ from services.rpc.stubs import coordinator_grpc
 from services.spec.sampling import SamplingParams
 from tests.pipeline import TREE, local_engine, local_run
 
-FAULTS = ("drafter", "verifier", "coordinator", "redis")
+FAULTS = ("drafter", "verifier", "coordinator", "redis", "drain")  # drain: SIGTERM of a coordinator
 NEW_TOKENS = 400  # long enough that four faults land mid-stream on a fast machine too
 
 
 def start_up(model_dirs, tmp_path):
     env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_PROBE_INTERVAL_S": "0.5",
-           "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_LEASE_TTL_S": "2"}
+           "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_LEASE_TTL_S": "2",
+           "AERIE_DRAIN_S": "0.5"}
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
@@ -63,6 +66,7 @@ class Stream:
         self.finish = ""
         self.sequence_id = ""
         self.resumes = 0
+        self.handovers: list[tuple[int, int]] = []  # a draining coordinator's end: (Resume index it named, received)
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -88,6 +92,8 @@ class Stream:
                     self.times.append(time.monotonic())
                     self.finish = msg.finish_reason
             except grpc.RpcError as e:
+                if "coordinator draining" in (e.details() or ""):
+                    self.handovers.append((int(dict(e.trailing_metadata() or ())["aerie-resume-from"]), len(self.tokens)))
                 if not self.sequence_id or e.code() != grpc.StatusCode.UNAVAILABLE:
                     self.error = e
                     return
@@ -117,9 +123,10 @@ def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tm
             while sum(len(s.tokens) for s in streams) < total * (k + 1) / 6:
                 assert any(s.thread.is_alive() for s in streams), "the streams ended before the faults"
                 time.sleep(0.01)
-            victim = processes(state, role)[0]
+            # the drain hits the coordinator the streams moved to after the first coordinator's kill
+            victim = processes(state, "coordinator")[1] if role == "drain" else processes(state, role)[0]
             t_kill = time.monotonic()
-            os.kill(victim["pid"], signal.SIGKILL)
+            os.kill(victim["pid"], signal.SIGTERM if role == "drain" else signal.SIGKILL)
             report[role] = {"t": t_kill}
             time.sleep(0.3)
         for s in streams:
@@ -129,6 +136,9 @@ def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tm
             assert s.finish == "length", f"stream {i} did not finish"
             assert s.tokens == expected[i], f"stream {i} differs from the undisturbed run"
         assert sum(s.resumes for s in streams) >= 1  # the coordinator kill really cut streams
+        handovers = [h for s in streams for h in s.handovers]
+        assert handovers, "the SIGTERM handed no stream over"
+        assert all(named == received for named, received in handovers), handovers  # nothing held back
         # added latency: after each kill, the longest wait of any stream for its next message,
         # minus the median message interval
         gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:])]

@@ -1,0 +1,166 @@
+"""Throughput and latency under concurrency: N sequences generate at once (through the services'
+continuous batching), for plain decoding, a fixed tree and the load-adaptive budget.
+
+    stream = SequenceTimes()            # per sequence: when each streamed message with tokens arrived
+    level = run_level(start_fns)        # N threads, each generating one sequence -> LevelRun
+    row = summarize_level("plain", N, level)
+        -> {"method", "concurrency", "tokens_per_s", "itl_p50_ms", "itl_p99_ms"}
+
+Aggregate tokens/s = every sequence's output tokens / wall time from the first start to the last
+end. Inter-token latency (ITL): the time between consecutive streamed messages of a sequence divided
+by the tokens the later message carries, one sample per token (a round that commits 3 tokens after
+90 ms gives three 30 ms samples), so plain decoding and speculation are measured alike; the
+prefill's first message is not an ITL sample. It does not start services or print: the CLI does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from services.engine.engine import StepOutput
+
+
+@dataclass(slots=True)
+class SequenceTimes:
+    start: float = 0.0
+    end: float = 0.0
+    tokens: int = 0
+    itl: list[float] = field(default_factory=list)  # seconds per token
+    tree_nodes: list[int] = field(default_factory=list)  # nodes verified per round (1 = plain step)
+
+
+@dataclass(slots=True)
+class LevelRun:
+    sequences: list[SequenceTimes]
+    errors: list[str]
+
+
+def time_stream(steps: Iterator[StepOutput]) -> SequenceTimes:
+    out = SequenceTimes(start=time.perf_counter())
+    last = None
+    for step in steps:
+        now = time.perf_counter()
+        n = len(step.tokens)
+        if n and last is not None:
+            out.itl += [(now - last) / n] * n
+        if step.stats.index > 0:
+            out.tree_nodes.append(max(step.stats.tree_size, 1))
+        if n:
+            last = now
+        out.tokens += n
+    out.end = time.perf_counter()
+    return out
+
+
+def run_level(starts: list[Callable[[], Iterator[StepOutput]]]) -> LevelRun:
+    """Run every `starts[i]()` stream in its own thread, all released together."""
+    results: list[SequenceTimes | None] = [None] * len(starts)
+    errors: list[str] = []
+    go = threading.Barrier(len(starts))
+
+    def worker(i: int) -> None:
+        go.wait()
+        try:
+            results[i] = time_stream(starts[i]())
+        except Exception as e:  # noqa: BLE001 (reported with the level)
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(starts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return LevelRun([r for r in results if r is not None], errors)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]. percentile([1, 2, 3, 4], 50) = 2.5."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize_level(method: str, concurrency: int, run: LevelRun) -> dict:
+    seqs = run.sequences
+    wall = max(s.end for s in seqs) - min(s.start for s in seqs) if seqs else 0.0
+    tokens = sum(s.tokens for s in seqs)
+    itl = [x for s in seqs for x in s.itl]
+    return {"method": method, "concurrency": concurrency,
+            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
+            "itl_p50_ms": round(1000 * percentile(itl, 50), 2),
+            "itl_p99_ms": round(1000 * percentile(itl, 99), 2)}
+
+
+def level_detail(run: LevelRun) -> dict:
+    """What the summary row leaves out: tokens, wall seconds, mean nodes per round, errors."""
+    seqs = run.sequences
+    nodes = [n for s in seqs for n in s.tree_nodes]
+    return {"tokens": sum(s.tokens for s in seqs),
+            "wall_s": round(max(s.end for s in seqs) - min(s.start for s in seqs), 3) if seqs else 0.0,
+            "mean_nodes": round(sum(nodes) / len(nodes), 2) if nodes else 0.0,
+            "plain_rounds": round(sum(n == 1 for n in nodes) / len(nodes), 3) if nodes else 0.0,
+            "errors": run.errors}
+
+
+def crossover(rows: list[dict], a: str = "tree", b: str = "plain") -> int | None:
+    """The smallest concurrency from which method `a` stays below `b` in tokens/s (None: never)."""
+    by = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in rows}
+    levels = sorted({r["concurrency"] for r in rows})
+    found = None
+    for n in reversed(levels):
+        if (a, n) in by and (b, n) in by and by[(a, n)] < by[(b, n)]:
+            found = n
+        else:
+            break
+    return found
+
+
+def table(rows: list[dict]) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    by = {(r["method"], r["concurrency"]): r for r in rows}
+    head = f"{'method':<10}{'N':>4}{'tok/s':>10}{'x N=1':>8}{'ITL p50 ms':>12}{'ITL p99 ms':>12}"
+    lines = [head, "-" * len(head)]
+    for m in methods:
+        base = by.get((m, levels[0]), {}).get("tokens_per_s") or 0
+        for n in levels:
+            r = by.get((m, n))
+            if r is None:
+                continue
+            scale = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+            lines.append(f"{m:<10}{n:>4}{r['tokens_per_s']:>10.2f}{scale:>8}{r['itl_p50_ms']:>12.1f}"
+                         f"{r['itl_p99_ms']:>12.1f}")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: str, title: str) -> None:
+    """Two panels: aggregate tokens/s and p50 ITL against concurrency, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in methods:
+        rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rs]
+        ax1.plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=m)
+        ax2.plot(xs, [r["itl_p50_ms"] for r in rs], marker="o", label=m)
+    for ax, label in ((ax1, "aggregate tokens / s"), (ax2, "ITL p50 (ms / token)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sequences")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

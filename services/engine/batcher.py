@@ -1,0 +1,223 @@
+"""Continuous batching: calls that arrive while a forward runs are gathered into the next forward.
+
+    b = Batcher("verifier", run_batch, rows=lambda c: c.rows, key=lambda c: c.seq_id,
+                limits=BatchLimits(max_batch=16, max_rows=512, max_queue=256, queue_timeout_s=5.0))
+    result = b.call(call)                    # from any thread: blocks until its batch ran
+    result = await b.call_async(call)        # from an asyncio task
+    b.exclusive(fn, *args)                   # run fn alone on the worker, between batches (release...)
+
+One worker thread owns the model. It takes the oldest waiting call, then every call queued behind
+it, in arrival order, until the batch holds `max_batch` calls or the next call would take it past
+`max_rows` rows (a single call larger than `max_rows` runs alone), and hands them to `run_batch` as
+one list: one forward. Calls queued during that forward form the next batch. There is no waiting
+for a batch to fill: at low load a call runs as soon as the worker is free (batch 1). A second call
+of the same key (sequence) waits for the next batch, so a batch never holds one sequence twice.
+An exclusive function is a barrier: the calls before it run first, the calls after it after.
+
+`run_batch(calls)` returns one result per call, in order; a result that is an exception is raised
+to that call only, so one bad request never fails its neighbours. If `run_batch` itself raises,
+every call of that batch gets the error.
+
+Bounded admission: at most `max_queue` calls wait; a call arriving at a full queue waits up to
+`queue_timeout_s` for a place, then gets CapacityExceeded (RESOURCE_EXHAUSTED at the gRPC edge),
+naming the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from services.errors import CapacityExceeded, InvalidRequest
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_batch: int = 16  # calls per forward
+    max_rows: int = 1024  # rows (prompt tokens, tree nodes, decode tokens) per forward
+    max_queue: int = 256  # calls waiting for a forward
+    queue_timeout_s: float = 5.0  # how long a call waits for a place in a full queue
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_rows", "max_queue"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be >= 1; got {getattr(self, name)}")
+        if not self.queue_timeout_s >= 0:
+            raise InvalidRequest(f"queue_timeout_s must be >= 0; got {self.queue_timeout_s}")
+
+
+@dataclass
+class _Item:
+    future: Future
+    call: Any = None
+    fn: Callable | None = None  # an exclusive function (call unused)
+    args: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    size: int  # calls in the batch
+    rows: int  # rows of the forward
+    waiting: int  # calls still queued when it started
+    seconds: float  # run_batch wall time
+
+
+class Batcher(Generic[C]):
+    def __init__(self, name: str, run_batch: Callable[[list[C]], list[Any]], rows: Callable[[C], int],
+                 key: Callable[[C], Hashable], limits: BatchLimits = BatchLimits(),
+                 on_batch: Callable[[BatchStats], None] | None = None) -> None:
+        self.name = name
+        self.limits = limits
+        self._run_batch, self._rows, self._key, self._on_batch = run_batch, rows, key, on_batch
+        self._queue: deque[_Item] = deque()
+        self._calls_waiting = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.largest_batch = 0  # the most calls one forward served so far
+        self.batches = 0  # forwards run so far
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
+        self._thread.start()
+
+    # ---- submitting ----------------------------------------------------------------------------------
+
+    def submit(self, call: C, block: bool = True) -> Future:
+        """Queue `call`; the future gets its result. A full queue: wait up to queue_timeout_s
+        (`block`), else CapacityExceeded."""
+        deadline = time.monotonic() + self.limits.queue_timeout_s
+        with self._cond:
+            while self._calls_waiting >= self.limits.max_queue and not self._closed:
+                left = deadline - time.monotonic()
+                if not block or left <= 0:
+                    raise self._full()
+                self._cond.wait(left)
+            return self._put(_Item(Future(), call))
+
+    def call(self, call: C) -> Any:
+        """Submit and wait (any thread but the worker)."""
+        return self.submit(call).result()
+
+    async def call_async(self, call: C) -> Any:
+        """Submit and await, without blocking the event loop (a full queue is polled until its
+        deadline)."""
+        deadline = time.monotonic() + self.limits.queue_timeout_s
+        while True:
+            try:
+                future = self.submit(call, block=False)
+                break
+            except CapacityExceeded:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.002)
+        return await asyncio.wrap_future(future)
+
+    def exclusive(self, fn: Callable, *args) -> Future:
+        """Run fn(*args) alone on the worker thread, after every call queued before it."""
+        with self._cond:
+            return self._put(_Item(Future(), fn=fn, args=args))
+
+    async def exclusive_async(self, fn: Callable, *args) -> Any:
+        return await asyncio.wrap_future(self.exclusive(fn, *args))
+
+    def run(self, fn: Callable, *args) -> Any:
+        """exclusive() and wait for its result (from a thread that is not the worker)."""
+        return self.exclusive(fn, *args).result()
+
+    @property
+    def waiting(self) -> int:
+        return self._calls_waiting
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def _put(self, item: _Item) -> Future:
+        if self._closed:
+            raise CapacityExceeded(f"the {self.name} batcher is shut down")
+        self._queue.append(item)
+        if item.fn is None:
+            self._calls_waiting += 1
+        self._cond.notify_all()
+        return item.future
+
+    def _full(self) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"the {self.name} batch queue is full: {self._calls_waiting} calls wait for a forward "
+            f"(max_queue {self.limits.max_queue}, waited {self.limits.queue_timeout_s:g} s)")
+
+    # ---- the worker ----------------------------------------------------------------------------------
+
+    def _take(self) -> list[_Item] | None:
+        """The next batch (or one exclusive item); None once closed and drained."""
+        with self._cond:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            first = self._queue.popleft()
+            if first.fn is not None:
+                return [first]
+            batch, rows, keys = [first], self._rows(first.call), {self._key(first.call)}
+            deferred: list[_Item] = []
+            while self._queue and len(batch) < self.limits.max_batch:
+                nxt = self._queue[0]
+                if nxt.fn is not None:
+                    break  # a barrier
+                r = self._rows(nxt.call)
+                if rows + r > self.limits.max_rows:
+                    break
+                self._queue.popleft()
+                k = self._key(nxt.call)
+                if k in keys:
+                    deferred.append(nxt)  # the same sequence twice: the next batch
+                    continue
+                batch.append(nxt)
+                rows += r
+                keys.add(k)
+            self._queue.extendleft(reversed(deferred))
+            self._calls_waiting -= len(batch)
+            self._cond.notify_all()  # places freed in the queue
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            live = [item for item in batch if item.future.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            if live[0].fn is not None:
+                item = live[0]
+                try:
+                    item.future.set_result(item.fn(*item.args))
+                except BaseException as e:  # noqa: BLE001 (handed to the caller)
+                    item.future.set_exception(e)
+                continue
+            t0 = time.perf_counter()
+            self.batches += 1
+            self.largest_batch = max(self.largest_batch, len(live))
+            try:
+                results = self._run_batch([item.call for item in live])
+                assert len(results) == len(live), (len(results), len(live))
+            except BaseException as e:  # noqa: BLE001 (every call of the batch gets it)
+                for item in live:
+                    item.future.set_exception(e)
+                continue
+            for item, result in zip(live, results):
+                if isinstance(result, BaseException):
+                    item.future.set_exception(result)
+                else:
+                    item.future.set_result(result)
+            if self._on_batch is not None:
+                self._on_batch(BatchStats(len(live), sum(self._rows(i.call) for i in live), self._calls_waiting,
+                                          time.perf_counter() - t0))
