@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -163,7 +164,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                                          args.redis_appendfsync, args.redis_maxmemory)
             redis_url = redis_service.url
         # the URL holds the password: it reaches the services in their environment, never their argv
-        secret_env = {"AERIE_REDIS_URL": redis_url}
+        # drafters and verifiers accept only this run's coordinators: a token generated per run (or the
+        # caller's AERIE_INTERNAL_TOKEN), in the environment like the Redis URL
+        secret_env = {"AERIE_REDIS_URL": redis_url,
+                      "AERIE_INTERNAL_TOKEN": os.environ.get("AERIE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)}
         common = ["--host", args.host, "--metrics-port", "0"]
         model = ["--dtype", args.dtype] + (["--target", args.target] if args.target else [])
         # replicas register with a heartbeat (services/rpc/registry.py) in the Redis of AERIE_REDIS_URL
@@ -199,10 +203,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"http         http://{args.host}:{json.loads(coordinators[0].port_file.read_text())['http_port']}/v1 "
               f"(OpenAI-compatible; docs/clients.md)", flush=True)
         if args.host in ("127.0.0.1", "localhost", "::1"):
-            print("security     local mode: loopback only, plaintext, no tokens; Redis has a password "
+            print("security     local mode: loopback only, plaintext, no API tokens; drafters/verifiers take "
+                  "only this run's coordinators (a generated internal token); Redis has a password "
                   "(docs/security.md)", flush=True)
         else:
-            print(f"security     WARNING: services listen on {args.host} WITHOUT TLS or tokens: anyone who can "
+            print(f"security     WARNING: services listen on {args.host} WITHOUT TLS or API tokens: anyone who can "
                   f"reach this machine can use and read them (docs/security.md)", file=sys.stderr, flush=True)
         if not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)

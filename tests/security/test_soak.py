@@ -28,6 +28,7 @@ import pytest
 import redis
 
 from services.rpc.channel import open_channel
+from services.rpc.security import Security
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc, drafter_grpc, verifier_grpc
@@ -38,6 +39,7 @@ CLIENTS = 20
 RSS_MARGIN = (0.10, 24 << 20)  # back within 10 % or 24 MiB of the baseline, whichever is larger
 REDIS_MARGIN = 1 << 20  # used_memory back within 1 MiB of its baseline
 ROOT = Path(__file__).resolve().parents[2]
+INTERNAL = "soak-internal-token-0123456789"  # aerie up's internal token (it generates one when unset)
 
 VALID = {
     "greedy-a": dict(prompt_ids=[5, 17, 99, 3, 42], max_new_tokens=16),
@@ -61,6 +63,7 @@ GARBAGE = b"\xff\xff\xff\xff\x0f"
 KILLED_CLIENT = """
 import os, signal, sys
 from services.rpc.channel import open_channel
+from services.rpc.security import Security
 from services.rpc.stubs import coordinator as cpb, coordinator_grpc
 stub = coordinator_grpc.CoordinatorStub(open_channel(sys.argv[1], 4 << 20))
 call = stub.Generate(cpb.GenerateRequest(prompt_ids=[5, 17, 99, 3], max_new_tokens=300, ignore_eos=True), timeout=60)
@@ -99,7 +102,8 @@ def wait_for(predicate, timeout: float, what: str):
 
 @pytest.fixture
 def up(model_dirs, tmp_path):
-    env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_FINISHED_TTL_S": "3"}
+    env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_FINISHED_TTL_S": "3",
+           "AERIE_INTERNAL_TOKEN": INTERNAL}
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
@@ -137,8 +141,14 @@ def test_soak(up):
     r = redis.Redis.from_url(f"redis://:{password}@{processes['redis']['address']}/0", decode_responses=True)
     channel = open_channel(address, 4 << 20)
     stub = coordinator_grpc.CoordinatorStub(channel)
-    verifier = verifier_grpc.VerifierStub(open_channel(processes["verifier"]["address"], 4 << 20))
-    drafter = drafter_grpc.DrafterStub(open_channel(processes["drafter"]["address"], 4 << 20))
+    internal = Security(internal_token=INTERNAL)  # what aerie up's coordinators send
+    verifier = verifier_grpc.VerifierStub(open_channel(processes["verifier"]["address"], 4 << 20, internal))
+    drafter = drafter_grpc.DrafterStub(open_channel(processes["drafter"]["address"], 4 << 20, internal))
+    # nobody but the coordinators may call them (the issue's "Release another client's sequence")
+    anyone = verifier_grpc.VerifierStub(open_channel(processes["verifier"]["address"], 4 << 20))
+    with pytest.raises(grpc.RpcError) as e:
+        anyone.Release(pb.ReleaseRequest(sequence_id="someone-elses"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     undisturbed = {name: generate(stub, kw) for name, kw in VALID.items()}  # one at a time, nothing else running
 
