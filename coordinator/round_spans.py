@@ -6,6 +6,9 @@
         draft / verify             CLIENT spans; the drafter / verifier add their SERVER span below
         commit                     the Redis commit
 
+A fail-over or a rebuild adds an event ("failover": role, from, to, reason; "rebuild": role, rows,
+seconds) to the round span open at that moment (else to the request span).
+
 A round span opens with its first phase and ends after its commit, carrying the round index, tree
 size and depth, accept length and the latency of each phase. The draft of round k+1 runs before
 round k is committed (the engine grows the next tree before yielding a round), so consecutive round
@@ -41,6 +44,13 @@ class RoundSpans:
                                         attributes={telemetry.ROUND: index, telemetry.SEQ_ID: self.seq_id})
             self._rounds[index] = span
         return span
+
+    def event(self, name: str, attributes: dict[str, Any]) -> None:
+        """An event on the latest open round span (else the request span); a no-op without tracing."""
+        if self.request_span is None:
+            return
+        span = self._rounds[max(self._rounds)] if self._rounds else self.request_span
+        span.add_event(name, attributes)
 
     def end_round(self, stats: RoundStats, commit_s: float) -> None:
         span = self._rounds.pop(stats.index, None)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
 from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, RemoteVerifier, VerifierClient
 from services.rpc.errors import DownstreamError
@@ -45,6 +46,17 @@ FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
 def is_failover(e: BaseException) -> bool:
     """A failure that moves the sequence to another replica (anything else fails the sequence)."""
     return isinstance(e, DownstreamError) and e.code in FAILOVER_CODES
+
+
+def failover_reason(e: BaseException | None) -> str:
+    """The `reason` label of aerie_failovers_total for the failure that moved a sequence."""
+    if e is None:
+        return "drafter_returned"
+    if isinstance(e, DownstreamError) and e.lost_sequence:
+        return "not_found"
+    if isinstance(e, DownstreamError) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "deadline_exceeded"
+    return "unavailable"
 
 
 def root_tree(root: int) -> DraftTree:
@@ -201,8 +213,7 @@ class SequencePlacement:
             raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
                                   f"sequence {self.seq_id!r} lost its verifier ({e}) and {none}") from None
         self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
-        self.moves.append(Move("verifier", old.address, self.verifier_client.address, str(e), 0.0, 0))
-        self._record()
+        self._moved(Move("verifier", old.address, self.verifier_client.address, str(e), 0.0, 0), failover_reason(e))
 
     def _reprefill(self) -> PrefillResult:
         """Rebuild the verifier KV for prompt + committed[:-1] (on the current verifier, which may be
@@ -222,6 +233,8 @@ class SequencePlacement:
                 self.moves[-1] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(rows))
             log.info("sequence %s: verifier %s rebuilt %d rows in %.3f s", self.seq_id,
                      self.verifier_client.address, len(rows), time.perf_counter() - t0)
+            self._event("rebuild", {"aerie.role": "verifier", "aerie.rows": len(rows),
+                                    "aerie.seconds": time.perf_counter() - t0})
             return pre
 
     # ---- the drafter side --------------------------------------------------------------------------
@@ -248,11 +261,11 @@ class SequencePlacement:
                     raise
                 if not e.lost_sequence:
                     self.drafters.mark_failed(self.drafter_client.address, str(e))
-                if not self._place_drafter(str(e), release_old=not e.lost_sequence):
+                if not self._place_drafter(str(e), release_old=not e.lost_sequence, label=failover_reason(e)):
                     return root_tree(self.committed[-1])  # degraded: a plain decoding round
                 tokens, features = self._refill(tokens, features)
 
-    def _place_drafter(self, reason: str, release_old: bool = True) -> bool:
+    def _place_drafter(self, reason: str, release_old: bool = True, label: str = "") -> bool:
         """Leave the current drafter (if any) and try another (not the one that just failed); True
         when one was placed. The verifier's feature kind follows the drafter's."""
         old = self.drafter_client
@@ -272,9 +285,8 @@ class SequencePlacement:
             else:
                 self.drafter_client, self._rd = client, rd
         if old is not None or client is not None:
-            self.moves.append(Move("drafter", old.address if old else "", client.address if client else "",
-                                   reason or "a drafter is available again", 0.0, 0))
-            self._record()
+            self._moved(Move("drafter", old.address if old else "", client.address if client else "",
+                             reason or "a drafter is available again", 0.0, 0), label or failover_reason(None))
         return client is not None
 
     def _refill(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,6 +307,8 @@ class SequencePlacement:
         self._rd.start(self.seq_id, self._draft_rows, self._draft_sampling)
         m = self.moves[move]
         self.moves[move] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(tokens))
+        self._event("rebuild", {"aerie.role": "drafter", "aerie.rows": len(tokens),
+                                "aerie.seconds": time.perf_counter() - t0})
         return tokens, features
 
     # ---- both ----------------------------------------------------------------------------------------
@@ -325,6 +339,21 @@ class SequencePlacement:
         """(drafter, verifier) now; "" for none."""
         return (self.drafter_client.address if self.drafter_client else "",
                 self.verifier_client.address if self.verifier_client else "")
+
+    def _moved(self, move: Move, reason: str) -> None:
+        """Keep, count (aerie_failovers_total{role, reason}), log and trace one move; record it in Redis."""
+        self.moves.append(move)
+        metrics.FAILOVERS.labels("coordinator", move.role, reason).inc()
+        log.warning("sequence %s: %s moved %s -> %s (%s: %s)", self.seq_id, move.role, move.old or "none",
+                    move.new or "none (plain rounds)", reason, move.reason)
+        self._event("failover", {"aerie.role": move.role, "aerie.from": move.old, "aerie.to": move.new,
+                                 "aerie.reason": reason})
+        self._record()
+
+    def _event(self, name: str, attributes: dict) -> None:
+        event = getattr(self.phases, "event", None)  # RoundSpans (tracing); NO_PHASES has none
+        if event is not None:
+            event(name, attributes)
 
     def _record(self) -> None:
         if self.on_move is not None:

@@ -80,7 +80,7 @@ return {1, cancel}
 """
 
 # KEYS: hash. ARGV: owner, lease_ms, mode ('renew': only the owner; 'claim': only once expired;
-# 'release': only the owner, the lease expires now). Returns 1 when the caller held the lease (renew,
+# 'release': only the owner, the lease expires now and has no owner, so a late renew cannot revive it). Returns 1 when the caller held the lease (renew,
 # release) or holds it now (claim).
 _LEASE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
@@ -91,7 +91,7 @@ local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
 if ARGV[3] ~= 'claim' and owner ~= ARGV[1] then return 0 end
 if ARGV[3] == 'claim' and lease > now then return 0 end
 if ARGV[3] == 'release' then
-  redis.call('HSET', KEYS[1], 'lease_until', 0)
+  redis.call('HSET', KEYS[1], 'owner', '', 'lease_until', 0)
   return 1
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))

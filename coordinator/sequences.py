@@ -187,7 +187,9 @@ class Sequences:
             if placement is not None:
                 placement.close()
             return False
-        log.info("took over sequence %s at round %d (%d tokens committed)", seq_id, state.round, len(state.tokens))
+        log.warning("took over sequence %s from coordinator %s at round %d (%d tokens committed)", seq_id,
+                    state.owner or "?", state.round, len(state.tokens))
+        metrics.FAILOVERS.labels("coordinator", "coordinator", "takeover").inc()
 
         def on_exit(run: SequenceRun) -> None:
             with self._lock:
@@ -209,6 +211,8 @@ class Sequences:
         with self._lock:
             runs = [r for r in self._runs.values() if r is not None]
         for run in runs:
+            if run.handing_over.is_set():
+                continue  # its lease is being let go (SIGTERM)
             try:
                 self.store.renew(run.seq_id, self.owner)  # lost: the run's next commit stops it (fenced)
             except Exception as e:  # noqa: BLE001 - Redis down: the commit path reports it

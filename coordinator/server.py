@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -20,11 +21,14 @@ from services.rpc.stubs import coordinator_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.leases import LeaseKeeper
 from coordinator.placement import Pool, Refresher
+from coordinator.redis_watch import RedisWatch
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
 from coordinator.servicer import CoordinatorServicer
 
 SERVICE_NAME = "aerie.v1.Coordinator"
+LIVENESS = "liveness"  # a health name that stays SERVING while Redis is down (the chart's liveness probe)
+REDIS_CHECK_S = 1.0  # PING Redis this often (backing off from 0.1 s while it is down): health follows it
 log = logging.getLogger("aerie.coordinator")
 
 
@@ -37,9 +41,12 @@ class Coordinator:
     refresher: Refresher
     leases: LeaseKeeper | None = None
     security: Security | None = None  # TLS, tokens (services/rpc/security.py)
+    redis_watch: RedisWatch | None = None  # health follows Redis (started with the server)
 
     def close(self, drain_s: float = 10.0) -> None:
         """Stop every sequence after its round in flight, then close channels."""
+        if self.redis_watch is not None:
+            self.redis_watch.stop()
         if self.leases is not None:
             self.leases.stop()
         self.sequences.drain(drain_s)
@@ -79,7 +86,16 @@ async def create_server(address: str, config: CoordinatorConfig, coordinator: Co
         coordinator_grpc.add_CoordinatorServicer_to_server(coordinator.servicer, server)
         return [SERVICE_NAME]
 
-    return await rpc_server.create_server(address, config.service, "coordinator", register, coordinator.security)
+    server, port = await rpc_server.create_server(address, config.service, "coordinator", register,
+                                                  coordinator.security)
+    await rpc_server.set_serving(server, True, [LIVENESS])
+    loop = asyncio.get_running_loop()
+
+    def on_redis(ok: bool) -> None:  # NOT_SERVING while Redis is unreachable
+        asyncio.run_coroutine_threadsafe(rpc_server.set_serving(server, ok, [SERVICE_NAME]), loop).result(10)
+
+    coordinator.redis_watch = RedisWatch(coordinator.store, on_redis, REDIS_CHECK_S)
+    return server, port
 
 
 def with_gateway_token(coordinator: Coordinator) -> str:

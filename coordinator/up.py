@@ -151,6 +151,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     for name in ("verifiers", "drafters", "coordinators"):
         if getattr(args, name) < (0 if name == "drafters" else 1):
             raise ConfigError(f"--{name} must be >= {0 if name == 'drafters' else 1}; got {getattr(args, name)}")
+    if getattr(args, "tp", 1) < 1:
+        raise ConfigError(f"--tp must be >= 1; got {args.tp}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -169,11 +171,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         secret_env = {"AERIE_REDIS_URL": redis_url,
                       "AERIE_INTERNAL_TOKEN": os.environ.get("AERIE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)}
         common = ["--host", args.host, "--metrics-port", "0"]
-        model = ["--dtype", args.dtype] + (["--target", args.target] if args.target else [])
+        model = ((["--dtype", args.dtype] if args.dtype else []) + (["--target", args.target] if args.target else [])
+                 + (["--device", args.device] if getattr(args, "device", None) else []))
         # replicas register with a heartbeat (services/rpc/registry.py) in the Redis of AERIE_REDIS_URL
         draft = resolve_draft(args.draft, args.target)
         deadline = time.monotonic() + args.startup_timeout_s
-        verifiers = [Service("verifier", [*common, *model], workdir, args.host, i, env=secret_env)
+        group = ["--tp", str(args.tp), "--executor", args.executor] if getattr(args, "tp", 1) > 1 else []
+        verifiers = [Service("verifier", [*common, *model, *group], workdir, args.host, i, env=secret_env)
                      for i in range(args.verifiers)]
         shape = [f"--tree-{name}={value}" for name, value in
                  (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from services.errors import InvalidRequest
 from services.engine.batcher import BatchLimits
 from services.rpc import registry
+from services.device import DEVICE_HELP, check_device
 from services.rpc.batch_config import add_batch_flags, batch_limits
 from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
 from services.spec.tree_flags import add_tree_aliases
@@ -30,7 +31,8 @@ class DrafterConfig:
     service: ServiceConfig
     draft: str | None = None  # EAGLE head directory; None = the shipped head of the default model
     target: str | None = None  # the target the head belongs to (its embedding and lm_head)
-    dtype: str = "fp32"
+    dtype: str | None = None  # None = the device's default (bf16 on a GPU, fp32 on the CPU)
+    device: str | None = None  # cpu | cuda | cuda:N; None = AERIE_DEVICE, else cuda when available, else cpu
     draft_vocab: int | None = None  # None = the head's default (8192 with token counts), 0 = full
     draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.engine.local.DEFAULT_DRAFT_DTYPE
     tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
@@ -45,7 +47,12 @@ class DrafterConfig:
             raise ConfigError(f"max_tree_nodes must be in [2, 4096]; got {self.max_tree_nodes}")
         if self.idle_ttl_s < 0:
             raise ConfigError(f"idle_ttl_s must be >= 0; got {self.idle_ttl_s}")
-        if self.dtype not in DTYPE_NAMES:
+        if self.device is not None:
+            try:
+                check_device(self.device)
+            except InvalidRequest as e:
+                raise ConfigError(str(e)) from None
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
@@ -69,8 +76,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("drafter")
     g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT; default: the shipped head of the default model)")
     g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE", "fp32"),
-                   help="weights and activations (AERIE_DTYPE)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE"),
+                   help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
+    g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
     g.add_argument("--draft-vocab", type=int, default=env("AERIE_DRAFT_VOCAB", None),
                    help="draft only the K most frequent tokens, 0 = full (AERIE_DRAFT_VOCAB; default: 8192 "
                         "when the head has token counts)")
@@ -97,7 +105,7 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
         tree = TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
-    return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
+    return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype, device=args.device,
                          draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
                          max_tree_nodes=args.max_tree_nodes,
                          idle_ttl_s=args.idle_ttl_s, batch=batch_limits(args))

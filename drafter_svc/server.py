@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from services.engine.drafter import Drafter
+from services.device import default_dtype, resolve_device
 from services.engine.local import build_local_engine, resolve_draft
 from services.errors import CheckpointError
 from services.rpc import server as rpc_server
@@ -26,8 +27,9 @@ def load_servicer(config: DrafterConfig) -> DrafterServicer:
     just those two tensors would save memory on large targets."""
     if resolve_draft(config.draft, config.target) is None:
         raise CheckpointError("the drafter needs an EAGLE head: pass --draft DIR (AERIE_DRAFT)")
-    local = build_local_engine(config.target, config.draft, config.dtype, config.tree,
-                               config.draft_vocab, config.draft_dtype)
+    device = resolve_device(config.device)
+    local = build_local_engine(config.target, config.draft, config.dtype or default_dtype(device), config.tree,
+                               config.draft_vocab, config.draft_dtype, device=device)
     assert local.engine.drafter is not None
     head = local.engine.drafter.head
     drafter = Drafter(head, config.tree or AUTO_LARGEST, config.max_sequences)

@@ -53,7 +53,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
         self.batcher: Batcher[_Work] = Batcher("drafter", self._run_batch, rows=self._rows,
                                                key=lambda w: w.call.seq_id, limits=config.batch,
-                                               on_batch=_observe_batch)
+                                               on_batch=_observe_batch, expect=lambda: self.drafter.num_sequences)
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 

@@ -1,7 +1,11 @@
 """Measure fail-over on a real model (default: SmolLM2-135M with its shipped head) under `aerie up`:
-(1) time from a kill -9 to the next committed token, per fault kind, with 4 greedy streams, and
-whether every stream still equals its undisturbed run; (2) the rebuild cost (verifier re-prefill +
-drafter refill, in process) against the sequence length.
+(1) per fault kind, with 4 greedy streams, the time from the fault to the next committed token each
+client receives (kill -9 of a drafter, a verifier, a coordinator + client Resume, Redis, then a
+SIGTERM drain of the coordinator the streams run on: after AERIE_DRAIN_S it hands them over and the
+clients Resume on the other one; for the drain also the gap between a stream's last token before the
+hand-over and its first token after Resume), and whether every stream still equals its undisturbed
+run; (2) the rebuild cost (verifier re-prefill + drafter refill, in process) against the sequence
+length.
 
     AERIE_TORCH_THREADS=1 .venv/bin/python scripts/measure_failover.py --out /tmp/failover.json
 """
@@ -28,11 +32,13 @@ from services.rpc.stubs import coordinator as cpb  # noqa: E402
 from services.rpc.stubs import coordinator_grpc  # noqa: E402
 
 TREE = ["--tree-top-k", "8", "--tree-depth", "4", "--tree-tokens", "24"]
+FAULTS = ("drafter", "verifier", "coordinator", "redis", "drain")  # drain: SIGTERM of a coordinator
+DRAIN_S = 2.0  # AERIE_DRAIN_S of the coordinators: sequences still running after it are handed over
 
 
 def start_up(state: Path, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "AERIE_LOG_LEVEL": "ERROR", "AERIE_PROBE_INTERVAL_S": "1", "AERIE_LEASE_TTL_S": "3",
-           "AERIE_HEARTBEAT_S": "1", "AERIE_HEARTBEAT_TTL_S": "3"}
+           "AERIE_HEARTBEAT_S": "1", "AERIE_HEARTBEAT_TTL_S": "3", "AERIE_DRAIN_S": str(DRAIN_S)}
     up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", "--port", "0", "--verifiers", "2",
                            "--drafters", "2", "--coordinators", "2", "--state-file", str(state), *TREE, *extra],
                           stdout=subprocess.PIPE, text=True, env=env)
@@ -49,7 +55,8 @@ def procs(state: Path, role: str) -> list[dict]:
 
 
 def stream(coordinators: list[str], prompt: list[int], n: int, out: dict) -> None:
-    out.update(tokens=[], times=[], seq="", resumes=0)
+    out.update(tokens=[], times=[], seq="", resumes=0, handovers=[])
+    handed_at = None  # when a draining coordinator ended this stream (the hand-over)
     attempt = 0
     while attempt < 20:
         ch = open_channel(coordinators[attempt % len(coordinators)], 4 * 1024 * 1024)
@@ -62,10 +69,20 @@ def stream(coordinators: list[str], prompt: list[int], n: int, out: dict) -> Non
             for msg in call:
                 out["seq"] = msg.sequence_id or out["seq"]
                 out["tokens"] += msg.tokens
-                out["times"] += [time.monotonic()] * len(msg.tokens)
+                now = time.monotonic()
+                out["times"] += [now] * len(msg.tokens)
+                if handed_at is not None and msg.tokens:
+                    # last token before the hand-over -> first token after Resume on the other coordinator
+                    out["handovers"].append({"last_token_to_end_s": round(handed_at[0] - handed_at[1], 3),
+                                             "end_to_next_token_s": round(now - handed_at[0], 3),
+                                             "named_index_ok": handed_at[2]})
+                    handed_at = None
                 if msg.finish_reason:
                     return
         except grpc.RpcError as e:
+            if "coordinator draining" in (e.details() or "") and out["times"]:
+                named = dict(e.trailing_metadata() or ()).get("aerie-resume-from")
+                handed_at = (time.monotonic(), out["times"][-1], named == str(len(out["tokens"])))
             if not out["seq"] or e.code() != grpc.StatusCode.UNAVAILABLE:
                 out["error"] = f"{e.code()}: {e.details()}"
                 return
@@ -97,14 +114,15 @@ def faults(args) -> dict:
             t.join()
         threads, results = run_streams(coordinators, prompts, args.new_tokens)
         kills = {}
-        for role in ("drafter", "verifier", "coordinator", "redis"):
+        for role in FAULTS:
             time.sleep(args.gap_s)
             if not any(t.is_alive() for t in threads):
                 report["faults"][role] = "streams ended before this fault"
                 continue
-            victim = procs(state, role)[0]
+            # the drain hits the coordinator the streams moved to after the first coordinator's kill
+            victim = procs(state, "coordinator")[1] if role == "drain" else procs(state, role)[0]
             kills[role] = time.monotonic()
-            os.kill(victim["pid"], signal.SIGKILL)
+            os.kill(victim["pid"], signal.SIGTERM if role == "drain" else signal.SIGKILL)
         for t in threads:
             t.join()
         for role, t_kill in kills.items():
@@ -126,6 +144,8 @@ def faults(args) -> dict:
         report["streams_equal_undisturbed"] = [r.get("tokens") == u.get("tokens") for r, u in zip(results, undisturbed)]
         report["errors"] = [r.get("error") for r in results if r.get("error")]
         report["resumes"] = sum(r["resumes"] for r in results)
+        report["drain_s"] = DRAIN_S
+        report["drain_handovers"] = [h for r in results for h in r["handovers"]]
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
@@ -167,7 +187,7 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/failover.json")
     p.add_argument("--workdir", default="/tmp")
     p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--new-tokens", type=int, default=240)
     p.add_argument("--gap-s", type=float, default=6.0)
     p.add_argument("--lengths", default="64,256,1024,2048")
     p.add_argument("--repeats", type=int, default=3)

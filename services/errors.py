@@ -30,3 +30,8 @@ class SequenceNotFound(AerieError, KeyError):
 
 class CapacityExceeded(AerieError):
     """Over a configured capacity: sequences, prompt length, KV slots (RESOURCE_EXHAUSTED)."""
+
+
+class GroupError(AerieError, RuntimeError):
+    """A tensor-parallel group's collective failed or missed its deadline: a rank is gone or stuck
+    (services/dist). The group answers UNAVAILABLE from then on."""

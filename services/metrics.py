@@ -12,14 +12,15 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_tokens_generated_total{service}   committed tokens (coordinator)
     aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
     aerie_requests_failed_total{service,code}  calls that ended with an error status
+    aerie_redis_up{service}                 1 while the coordinator reaches Redis, else 0 (health follows it)
     aerie_budget_nodes{service}             nodes per round the budget chose, 1 = plain step (coordinator)
     aerie_batch_size{service}               calls gathered into one forward (drafter, verifier)
     aerie_batch_rows{service}               rows of one forward (drafter, verifier)
     aerie_batch_queue{service}              calls still waiting when a batch started (drafter, verifier)
     aerie_failovers_total{service,role,reason}  sequences moved (coordinator): role drafter | verifier |
         coordinator; reason unavailable | deadline_exceeded | not_found (the replica lost the sequence)
-        | no_drafter (plain rounds from here) | drafter_returned | takeover (a dead coordinator's
-        lease expired) | drain (handed over by a draining coordinator)
+        | drafter_returned (placed on a drafter after plain rounds) | takeover (counted by the
+        coordinator taking a sequence over) | drain (counted by the draining coordinator)
 
 vLLM-style request and speculative-decoding metrics (coordinator; docs/metrics.md has a PromQL
 example for each). The names are vLLM's with the `aerie:` prefix instead of `vllm:`, every one
@@ -68,6 +69,8 @@ BUDGET_NODES = Histogram("aerie_budget_nodes", "Nodes the draft budget chose to 
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
 FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
                     ["service", "role", "reason"])
+REDIS_UP = Gauge("aerie_redis_up", "1 while the coordinator reaches Redis (its health is SERVING), else 0",
+                 ["service"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
 
 # ---- vLLM-style names (the coordinator's requests) -----------------------------------------------

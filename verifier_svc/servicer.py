@@ -57,16 +57,22 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.runner = runner if runner is not None else ModelRunner(target)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
+        self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
-                                              on_batch=_observe_batch)
+                                              on_batch=_observe_batch, expect=lambda: len(self._kind))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
     def close(self) -> None:
         self.reaper.stop()
         self.batcher.close()
+        if self.group is not None:
+            self.group.close()
+            watcher = getattr(self, "watcher", None)  # verifier_svc/server.py watch_group
+            if watcher is not None and not watcher.done():
+                watcher.get_loop().call_soon_threadsafe(watcher.cancel)
 
     @property
     def num_sequences(self) -> int:

@@ -166,15 +166,16 @@ def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
 class HFBaseline:
     """transformers generate on the same converted weights, same dtype, same EOS ids."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype, eos_ids: tuple[int, ...], device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.device = device
         self.eos = list(eos_ids)
 
     @torch.no_grad()
     def run(self, prompt: Prompt, max_new_tokens: int) -> Run:
-        ids = torch.tensor([prompt.ids])
+        ids = torch.tensor([prompt.ids], device=self.device)
         t0 = time.perf_counter()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=self.eos or None,

@@ -10,7 +10,9 @@ Aggregate tokens/s = every sequence's output tokens / wall time from the first s
 end. Inter-token latency (ITL): the time between consecutive streamed messages of a sequence divided
 by the tokens the later message carries, one sample per token (a round that commits 3 tokens after
 90 ms gives three 30 ms samples), so plain decoding and speculation are measured alike; the
-prefill's first message is not an ITL sample. It does not start services or print: the CLI does.
+prefill's first message is not an ITL sample. The steady decode rate (`steady_tokens_per_s`, in the
+detail) leaves the prefills out: tokens per second while every sequence is decoding. It does not
+start services or print: the CLI does.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SequenceTimes:
     tokens: int = 0
     itl: list[float] = field(default_factory=list)  # seconds per token
     tree_nodes: list[int] = field(default_factory=list)  # nodes verified per round (1 = plain step)
+    events: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens) of each message
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ def time_stream(steps: Iterator[StepOutput]) -> SequenceTimes:
             out.tree_nodes.append(max(step.stats.tree_size, 1))
         if n:
             last = now
+            out.events.append((now, n))
         out.tokens += n
     out.end = time.perf_counter()
     return out
@@ -98,11 +102,26 @@ def summarize_level(method: str, concurrency: int, run: LevelRun) -> dict:
             "itl_p99_ms": round(1000 * percentile(itl, 99), 2)}
 
 
+def steady_tokens_per_s(seqs: list[SequenceTimes]) -> float:
+    """Decode throughput while every sequence is decoding: the tokens that arrive after the last
+    sequence got its first token (every prefill done) and up to the first sequence's last message,
+    over that window. 0 when the window is empty."""
+    if not seqs or any(not s.events for s in seqs):
+        return 0.0
+    lo = max(s.events[0][0] for s in seqs)
+    hi = min(s.events[-1][0] for s in seqs)
+    if hi <= lo:
+        return 0.0
+    tokens = sum(n for s in seqs for t, n in s.events if lo < t <= hi)
+    return round(tokens / (hi - lo), 3)
+
+
 def level_detail(run: LevelRun) -> dict:
-    """What the summary row leaves out: tokens, wall seconds, mean nodes per round, errors."""
+    """What the summary row leaves out: the steady decode rate (no prefill), tokens, wall seconds,
+    mean nodes per round, errors."""
     seqs = run.sequences
     nodes = [n for s in seqs for n in s.tree_nodes]
-    return {"tokens": sum(s.tokens for s in seqs),
+    return {"steady_tokens_per_s": steady_tokens_per_s(seqs), "tokens": sum(s.tokens for s in seqs),
             "wall_s": round(max(s.end for s in seqs) - min(s.start for s in seqs), 3) if seqs else 0.0,
             "mean_nodes": round(sum(nodes) / len(nodes), 2) if nodes else 0.0,
             "plain_rounds": round(sum(n == 1 for n in nodes) / len(nodes), 3) if nodes else 0.0,
@@ -122,11 +141,14 @@ def crossover(rows: list[dict], a: str = "tree", b: str = "plain") -> int | None
     return found
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], steady: dict | None = None) -> str:
+    """`steady`: (method, N) -> the steady decode tok/s (a column when given)."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     levels = sorted({r["concurrency"] for r in rows})
     by = {(r["method"], r["concurrency"]): r for r in rows}
-    head = f"{'method':<10}{'N':>4}{'tok/s':>10}{'x N=1':>8}{'ITL p50 ms':>12}{'ITL p99 ms':>12}"
+    steady = steady or {}
+    head = (f"{'method':<10}{'N':>4}{'tok/s':>10}{'x N=1':>8}{'ITL p50 ms':>12}{'ITL p99 ms':>12}"
+            f"{'decode tok/s':>14}")
     lines = [head, "-" * len(head)]
     for m in methods:
         base = by.get((m, levels[0]), {}).get("tokens_per_s") or 0
@@ -135,26 +157,31 @@ def table(rows: list[dict]) -> str:
             if r is None:
                 continue
             scale = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+            dec = steady.get((m, n))
             lines.append(f"{m:<10}{n:>4}{r['tokens_per_s']:>10.2f}{scale:>8}{r['itl_p50_ms']:>12.1f}"
-                         f"{r['itl_p99_ms']:>12.1f}")
+                         f"{r['itl_p99_ms']:>12.1f}" + (f"{dec:>14.2f}" if dec is not None else f"{'-':>14}"))
     return "\n".join(lines)
 
 
-def chart(rows: list[dict], path: str, title: str) -> None:
-    """Two panels: aggregate tokens/s and p50 ITL against concurrency, one line per method."""
+def chart(rows: list[dict], path: str, title: str, steady: dict | None = None) -> None:
+    """Panels against concurrency, one line per method: aggregate tokens/s, p50 ITL, and (given
+    `steady`: (method, N) -> tok/s) the steady decode rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3 if steady else 2, figsize=(15 if steady else 10, 4))
     for m in methods:
         rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rs]
-        ax1.plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=m)
-        ax2.plot(xs, [r["itl_p50_ms"] for r in rs], marker="o", label=m)
-    for ax, label in ((ax1, "aggregate tokens / s"), (ax2, "ITL p50 (ms / token)")):
+        axes[0].plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=m)
+        axes[1].plot(xs, [r["itl_p50_ms"] for r in rs], marker="o", label=m)
+        if steady:
+            axes[2].plot(xs, [steady.get((m, x), 0.0) for x in xs], marker="o", label=m)
+    labels = ["aggregate tokens / s (prefill included)", "ITL p50 (ms / token)", "decode tokens / s (all decoding)"]
+    for ax, label in zip(axes, labels):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent sequences")
         ax.set_ylabel(label)

@@ -27,7 +27,7 @@ class BatchedVerifier:
         self.target = verifier.target
         self.feature_kind = verifier.feature_kind
         self.batcher = Batcher("verifier", verifier.run, rows=lambda c: c.rows, key=lambda c: c.seq_id,
-                               limits=limits, on_batch=on_batch)
+                               limits=limits, on_batch=on_batch, expect=lambda: verifier.num_sequences)
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
                 feature_kind: str | None = None) -> PrefillResult:
@@ -57,7 +57,7 @@ class BatchedDrafter:
         self.tree = drafter.tree
         self.max_sequences = drafter.max_sequences
         self.batcher = Batcher("drafter", drafter.draft_many, rows=self._rows, key=lambda c: c.seq_id,
-                               limits=limits, on_batch=on_batch)
+                               limits=limits, on_batch=on_batch, expect=lambda: drafter.num_sequences)
 
     @property
     def feature_kind(self) -> str:

@@ -9,8 +9,11 @@
 One worker thread owns the model. It takes the oldest waiting call, then every call queued behind
 it, in arrival order, until the batch holds `max_batch` calls or the next call would take it past
 `max_rows` rows (a single call larger than `max_rows` runs alone), and hands them to `run_batch` as
-one list: one forward. Calls queued during that forward form the next batch. There is no waiting
-for a batch to fill: at low load a call runs as soon as the worker is free (batch 1). A second call
+one list: one forward. Calls queued during that forward form the next batch. Gathering: when fewer
+calls wait than sequences hold state here (`expect`), the worker waits for the missing ones, at most
+min(max_wait_s, half the last forward's time), so that sequences whose calls come back after a
+round trip elsewhere stay in one batch instead of taking turns; alone (one sequence) it never
+waits. A second call
 of the same key (sequence) waits for the next batch, so a batch never holds one sequence twice.
 An exclusive function is a barrier: the calls before it run first, the calls after it after.
 
@@ -45,6 +48,7 @@ class BatchLimits:
     max_rows: int = 1024  # rows (prompt tokens, tree nodes, decode tokens) per forward
     max_queue: int = 256  # calls waiting for a forward
     queue_timeout_s: float = 5.0  # how long a call waits for a place in a full queue
+    max_wait_s: float = 0.05  # gathering: how long a batch may wait for the sequences expected to call
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_rows", "max_queue"):
@@ -52,6 +56,8 @@ class BatchLimits:
                 raise InvalidRequest(f"{name} must be >= 1; got {getattr(self, name)}")
         if not self.queue_timeout_s >= 0:
             raise InvalidRequest(f"queue_timeout_s must be >= 0; got {self.queue_timeout_s}")
+        if not self.max_wait_s >= 0:
+            raise InvalidRequest(f"max_wait_s must be >= 0; got {self.max_wait_s}")
 
 
 @dataclass
@@ -73,9 +79,14 @@ class BatchStats:
 class Batcher(Generic[C]):
     def __init__(self, name: str, run_batch: Callable[[list[C]], list[Any]], rows: Callable[[C], int],
                  key: Callable[[C], Hashable], limits: BatchLimits = BatchLimits(),
-                 on_batch: Callable[[BatchStats], None] | None = None) -> None:
+                 on_batch: Callable[[BatchStats], None] | None = None,
+                 expect: Callable[[], int] | None = None) -> None:
+        """`expect`: how many calls the next batch could hold (the sequences holding state here);
+        None = never wait for more calls."""
         self.name = name
         self.limits = limits
+        self._expect = expect
+        self._last_s = 0.0  # the last batch's run time
         self._run_batch, self._rows, self._key, self._on_batch = run_batch, rows, key, on_batch
         self._queue: deque[_Item] = deque()
         self._calls_waiting = 0
@@ -163,6 +174,8 @@ class Batcher(Generic[C]):
                 if self._closed:
                     return None
                 self._cond.wait()
+            if self._queue[0].fn is None and self._expect is not None:
+                self._gather()
             first = self._queue.popleft()
             if first.fn is not None:
                 return [first]
@@ -187,6 +200,24 @@ class Batcher(Generic[C]):
             self._calls_waiting -= len(batch)
             self._cond.notify_all()  # places freed in the queue
             return batch
+
+    def _gather(self) -> None:
+        """Wait (lock held) until every sequence expected to call has a call queued, an exclusive
+        function is queued, or min(max_wait_s, half the last batch's run time) has passed.
+        Sequences driven from elsewhere (a coordinator's round trip between two calls) would
+        otherwise fall out of step, each forward serving one of them in turn."""
+        limit = min(self.limits.max_wait_s, 0.5 * self._last_s)
+        if limit <= 0:
+            return
+        deadline = time.monotonic() + limit
+        while not self._closed:
+            target = min(self._expect(), self.limits.max_batch)
+            if self._calls_waiting >= target or any(i.fn is not None for i in self._queue):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _loop(self) -> None:
         while True:
@@ -218,6 +249,7 @@ class Batcher(Generic[C]):
                     item.future.set_exception(result)
                 else:
                     item.future.set_result(result)
+            self._last_s = time.perf_counter() - t0
             if self._on_batch is not None:
                 self._on_batch(BatchStats(len(live), sum(self._rows(i.call) for i in live), self._calls_waiting,
-                                          time.perf_counter() - t0))
+                                          self._last_s))

@@ -94,10 +94,10 @@ class Drafter:
                     raise InvalidRequest(
                         f"features must have shape [{n}, {f}]; got {list(call.features.shape)}")
                 cache = self._caches[call.seq_id]
-                committed = cache.capacity - self.tree.draft_rows  # the rest is room for one tree expansion
-                if cache.length + n > committed:  # checked before the KV is touched
-                    raise CapacityExceeded(f"sequence {call.seq_id!r} holds {committed} draft KV rows; "
-                                           f"{cache.length} used, {n} more requested")
+                if cache.length + n + params.draft_rows > cache.capacity:  # checked here: fails alone
+                    raise CapacityExceeded(
+                        f"draft KV of sequence {call.seq_id!r} holds {cache.capacity} rows; {cache.length} used, "
+                        f"{n} committed rows and {params.draft_rows} tree rows requested")
             except AerieError as e:
                 results[i] = e
                 continue

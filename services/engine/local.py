@@ -71,17 +71,23 @@ def resolve_draft(draft: str | None, target: str | None) -> str | None:
 
 def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
                        tree: TreeParams | None = None, draft_vocab: int | None = None,
-                       draft_dtype: str | None = None, *, recalibrate: bool = False) -> LocalEngine:
+                       draft_dtype: str | None = None, *, recalibrate: bool = False,
+                       device: str = "cpu") -> LocalEngine:
     """`draft`: a head directory, `none`, `auto`, `sam`, `eagle+sam` (see split_draft). `tree` None =
     the auto budget (cost model calibrated on this device, cached); a TreeParams = that fixed shape.
     draft_vocab: None = the head's default (load_head), 0 = full, K = the K most frequent tokens;
-    draft_dtype: fp32 | bf16 | int8, None = DEFAULT_DRAFT_DTYPE."""
+    draft_dtype: fp32 | bf16 | int8, None = DEFAULT_DRAFT_DTYPE on the CPU, bf16 on a GPU.
+    device: "cpu", "cuda" or "cuda:N" (validated by services.device); every model lives there."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
     if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
         raise CheckpointError(f"draft dtype must be one of {list(DRAFT_DTYPES)}; got {draft_dtype!r}")
+    gpu = device.startswith("cuda")
+    if gpu and "int8" in (dtype, draft_dtype):
+        raise CheckpointError("int8 linears are CPU-only (torch's dynamic int8 kernels): use --dtype/--draft-dtype "
+                              "bf16 or fp32 with --device cuda")
     target_path = target or find_default_gguf()
-    loaded = load_target(target_path, DTYPES[dtype])
+    loaded = load_target(target_path, DTYPES[dtype], device)
     model = loaded.model
     draft_path = resolve_draft(draft, target)
     retrieval = split_draft(draft)[1]
@@ -90,7 +96,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     feature_kind = "none"
     if draft_path:
         if draft_dtype is None:
-            draft_dtype = DEFAULT_DRAFT_DTYPE
+            draft_dtype = "bf16" if gpu else DEFAULT_DRAFT_DTYPE
         head = load_head(draft_path, model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)
         drafter = Drafter(head, tree or AUTO_LARGEST)
         feature_kind = head.feature_kind

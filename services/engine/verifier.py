@@ -186,8 +186,8 @@ class Verifier:
                                    f"{call.rows} more requested")
         if isinstance(call, VerifyCall):
             tree = call.tree
-            return StepEntry(seq.slot, tree.tokens, seq.length + tree.depths.cpu(), tree.mask)
-        return StepEntry(seq.slot, torch.tensor([call.token]), logits="last")
+            return StepEntry(seq.slot, tree.tokens, seq.length + tree.depths, tree.mask)  # moved by the runner
+        return StepEntry(seq.slot, torch.tensor([call.token], device="cpu"), logits="last")  # the runner moves it
 
     def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int]
                 ) -> list[Result]:
@@ -207,17 +207,20 @@ class Verifier:
                 self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling,
                                                     self._kind(call))
                 first = (int(argmax[j][-1]) if j in argmax
-                         else next_token(out.logits[j][-1], call.sampling, round_generator(call.sampling.seed, 0)))
+                         else next_token(out.logits[j][-1], call.sampling,
+                                     round_generator(call.sampling.seed, 0, out.logits[j].device)))
                 results.append(PrefillResult(first, features))
                 continue
             seq = self._seqs[call.seq_id]
-            gen = None if seq.sampling.greedy else round_generator(seq.sampling.seed, call.round_index)
+            gen = (None if seq.sampling.greedy  # drawn on the logits' device: a CPU generator cannot draw from CUDA
+                   else round_generator(seq.sampling.seed, call.round_index, out.logits[j].device))
             if isinstance(call, DecodeCall):
                 seq.length += 1
                 results.append(int(argmax[j][-1]) if j in argmax else next_token(out.logits[j][-1], seq.sampling, gen))
                 continue
             tree = call.tree
-            acc = (accept_greedy_argmax(tree, argmax[j].to(tree.tokens.device)) if j in argmax
+            # greedy: the tree joins the argmax on the model's device; one host copy of the accepted path
+            acc = (accept_greedy_argmax(tree, argmax[j]) if j in argmax
                    else accept(tree, out.logits[j], seq.sampling, gen))
             self.runner.keep(seq.slot, seq.length, seq.length + acc.nodes.cpu())
             seq.length += int(acc.nodes.numel())

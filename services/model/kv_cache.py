@@ -23,8 +23,9 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # empty, not zeros: a row is always written before any forward reads it (reads stop at length + T)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # rows in use
 

@@ -40,7 +40,9 @@ class KVPool:
     def for_model(cls, target, max_rows: int | None = None) -> "KVPool":
         """A pool shaped for `target` (a TargetModel: its layers, KV heads, head_dim, dtype, device)."""
         c = target.config
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, max_rows, target.dtype, target.device)
+        # the layers' own KV heads: fewer than the config's on a tensor-parallel shard (services/model/tp.py)
+        return cls(c.num_layers, target.model.layers[0].self_attn.num_kv_heads, c.head_dim, max_rows,
+                   target.dtype, target.device)
 
     @property
     def bytes_per_row(self) -> int:

@@ -15,8 +15,12 @@ plain Hugging Face directory of fp32 weights under `$AERIE_CACHE_DIR/converted/`
 `~/.cache/aerie`); later loads read that directory. The conversion is written to a temporary
 directory and renamed into place, so a directory in the cache is always complete.
 
-It does not download anything, quantize, shard across devices or load draft heads
-(`head_checkpoint.py` does that).
+Tensor parallelism (`tp=TPShard(rank, world, comm)`): the model is built on `meta`, transformed by
+`services.model.tp.apply_tp` into this rank's shard, and every checkpoint tensor is sliced while it is
+read (safetensors slices read only this rank's rows from disk; `.bin` files are memory-mapped), so
+no rank ever holds the full model. Shapes are still checked against the full model.
+
+It does not download anything, quantize or load draft heads (`head_checkpoint.py` does that).
 """
 
 from __future__ import annotations
@@ -74,10 +78,19 @@ def default_layout() -> str:
     return os.environ.get("AERIE_WEIGHT_LAYOUT") or DEFAULT_LAYOUT
 
 
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """Which shard to load: `rank` of a group of `world`, and the group's collectives (tp.Comm)."""
+    rank: int
+    world: int
+    comm: Any
+
+
 def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                layout: str | None = None) -> LoadedTarget:
+                layout: str | None = None, tp: TPShard | None = None) -> LoadedTarget:
     """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
-    `layout`: the linears' inference weight layout (default `default_layout()`)."""
+    `layout`: the linears' inference weight layout (default `default_layout()`); `tp`: load only
+    this rank's tensor-parallel shard."""
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist")
@@ -87,7 +100,7 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
                 f"model path {path} is a file but not a .gguf; pass a Hugging Face model directory "
                 f"(config.json + weights) or a .gguf file")
         path = converted_gguf_dir(path)
-    model = load_model_dir(path, dtype, device)
+    model = load_model_dir(path, dtype, device, tp)
     model.freeze_layout(layout or default_layout())
     return LoadedTarget(model=model, tokenizer=load_tokenizer(path), path=str(path))
 
@@ -153,28 +166,71 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model_dir(model_dir: Path, dtype: torch.dtype, device: str) -> TargetModel:
-    """Build a TargetModel from config.json and load every tensor by name, cast to `dtype`."""
+def load_model_dir(model_dir: Path, dtype: torch.dtype, device: str, tp: TPShard | None = None) -> TargetModel:
+    """Build a TargetModel from config.json and load every tensor by name, cast to `dtype`
+    (with `tp`: this rank's shard only)."""
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     cfg = read_config(model_dir)
     with torch.device("meta"):  # shapes only: no memory, no random init
         model = TargetModel(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = None
+    if tp is not None:
+        from services.model.tp import TPPlan, apply_tp
+
+        plan = TPPlan.for_config(cfg, tp.rank, tp.world)  # a shape that cannot split: TPShapeError
+        apply_tp(model, plan, tp.comm)
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for path in weight_files(model_dir):
-        for key, tensor in read_weights(path).items():
+        for key, tensor in (read_weights(path).items() if plan is None else _read_shard(path, plan, expected)):
             if IGNORED_KEYS.search(key):
                 continue
             if key in origin:
                 raise CheckpointError(f"tensor {key} appears in both {origin[key]} and {path}")
-            _check_tensor(key, tensor, expected, path)
+            if plan is None:
+                _check_tensor(key, tensor, expected, path)
             state[key] = tensor.to(device=device, dtype=dtype)
             origin[key] = path
     _check_complete(cfg, expected, state, sorted({p.name for p in origin.values()}), model_dir)
     _assign(model, state, device)
     return model.eval().requires_grad_(False)
+
+
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _read_shard(path: Path, plan, expected: dict[str, tuple[int, ...]]):
+    """(key, this rank's slice) for every tensor of one weight file, checked against the full shapes
+    (`_check_tensor` on a meta stand-in of the full tensor) before slicing. Only the slices are
+    read into memory."""
+    from services.model.tp import shard_tensor
+
+    try:
+        if path.name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    full = torch.empty(sl.get_shape(), device="meta",
+                                       dtype=_SAFETENSORS_FLOATS.get(sl.get_dtype(), torch.int64))
+                    if not IGNORED_KEYS.search(key):
+                        _check_tensor(key, full, expected, path)
+                    yield key, shard_tensor(key, sl, plan)
+            return
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # corrupt or truncated files raise many different types
+        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"weights {path} do not hold a dict of tensors")
+    for key, tensor in state.items():
+        if not IGNORED_KEYS.search(key):
+            _check_tensor(key, tensor, expected, path)
+        yield key, shard_tensor(key, tensor, plan).clone()  # a copy: drop the mapping of the full tensor
 
 
 def _check_tensor(key: str, tensor: torch.Tensor, expected: dict[str, tuple[int, ...]], path: Path) -> None:

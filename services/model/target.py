@@ -83,8 +83,9 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def new_cache(self, capacity: int) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+        c = self.config  # KV heads of this model's layers: fewer than the config's on a tensor-parallel shard
+        return KVCache(c.num_layers, self.model.layers[0].self_attn.num_kv_heads, c.head_dim, capacity,
+                       self.dtype, self.device)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,

@@ -4,6 +4,7 @@
     --max-batch-rows (AERIE_MAX_BATCH_ROWS, 1024)  rows (prompt tokens, tree nodes) per forward
     --batch-queue (AERIE_BATCH_QUEUE, 256)         calls waiting for a forward; more wait, then
     --batch-queue-timeout-s (AERIE_BATCH_QUEUE_TIMEOUT_S, 5)   RESOURCE_EXHAUSTED after this long
+    --batch-wait-ms (AERIE_BATCH_WAIT_MS, 50)      longest wait for the other sequences' calls
 
 docs/distributed.md "Batching" describes the policy.
 """
@@ -28,10 +29,14 @@ def add_batch_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-queue-timeout-s", type=float, default=env("AERIE_BATCH_QUEUE_TIMEOUT_S", 5.0),
                    help="how long a call waits for a place in a full queue before RESOURCE_EXHAUSTED "
                         "(AERIE_BATCH_QUEUE_TIMEOUT_S, 5)")
+    g.add_argument("--batch-wait-ms", type=float, default=env("AERIE_BATCH_WAIT_MS", 50.0),
+                   help="longest wait for the calls of the other sequences holding state here, capped at half "
+                        "the last forward's time (AERIE_BATCH_WAIT_MS, 50; 0 = never wait)")
 
 
 def batch_limits(args: argparse.Namespace) -> BatchLimits:
     try:
-        return BatchLimits(args.max_batch, args.max_batch_rows, args.batch_queue, args.batch_queue_timeout_s)
+        return BatchLimits(args.max_batch, args.max_batch_rows, args.batch_queue, args.batch_queue_timeout_s,
+                           args.batch_wait_ms / 1000)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None

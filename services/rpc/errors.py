@@ -6,6 +6,7 @@
     SequenceExists      -> ALREADY_EXISTS      a client-chosen sequence id already in use
     CapacityExceeded    -> RESOURCE_EXHAUSTED  over a configured capacity (sequences, prompt length, KV)
     CheckpointError     -> FAILED_PRECONDITION the service's own models are unusable
+    GroupError          -> UNAVAILABLE         a tensor-parallel rank is gone or missed its deadline
     Unauthenticated     -> UNAUTHENTICATED     no or an unknown bearer token (services/rpc/security.py)
     PermissionDenied    -> PERMISSION_DENIED   a caller that may not do this
     DownstreamError     -> the downstream code (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...)
@@ -25,7 +26,8 @@ import re
 
 import grpc
 
-from services.errors import AerieError, CapacityExceeded, CheckpointError, InvalidRequest, SequenceNotFound
+from services.errors import (AerieError, CapacityExceeded, CheckpointError, GroupError, InvalidRequest,
+                             SequenceNotFound)
 from services.metrics import REQUESTS_FAILED
 from services.rpc.security import PermissionDenied, Unauthenticated
 
@@ -92,6 +94,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, CheckpointError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, GroupError):  # a tensor-parallel rank is gone: retry on another replica
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, PermissionDenied):

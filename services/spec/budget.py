@@ -93,6 +93,12 @@ class CostCurve:
         slope = (s[-1] - s[-2]) / (r[-1] - r[-2])
         return s[-1] + max(slope, 0.0) * (rows - r[-1])
 
+    def top_slope(self) -> float:
+        """Seconds per extra row between the two largest measured row counts (>= 0): on a CPU the
+        compute-bound cost of a row, on a GPU small until far more rows."""
+        r, s = self.rows, self.seconds
+        return max(0.0, (s[-1] - s[-2]) / (r[-1] - r[-2])) if len(r) > 1 else 0.0
+
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "seconds": list(self.seconds)}
 
@@ -252,6 +258,15 @@ class LoadBoard:
             return {k: v[0] for k, v in self._plans.items()}
 
 
+def batch_verify(costs: "CostModel", others: float, rows: float) -> float:
+    """One target forward over the others' rows plus `rows` of this sequence. Beyond its first row,
+    each row costs at least the curve's top slope (the compute-bound cost of a row): a curve measured
+    on a busy machine can be flat over a range of rows, and such a flat range must not make a
+    batch's extra tree rows look free."""
+    first = costs.t_verify(others + 1)
+    return max(costs.t_verify(others + rows), first + costs.verify.top_slope() * (rows - 1))
+
+
 # ---- the chooser ---------------------------------------------------------------------------------
 
 
@@ -347,7 +362,8 @@ class Budget:
         best = self._plan(stats, chain, commit_rows, load)
         if self.load is not None and key is not None:
             rows = (best.tree.total_tokens if best.tree is not None else 1) + best.chain
-            self.load.post(key, rows, best.tokens, max(0.0, best.seconds - self.costs.t_verify(load.rows + rows)))
+            verify = batch_verify(self.costs, load.rows, rows) if load.sequences else self.costs.t_verify(rows)
+            self.load.post(key, rows, best.tokens, max(0.0, best.seconds - verify - load.draft_s))
         return best
 
     def _plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> RoundPlan:
@@ -364,12 +380,12 @@ class Budget:
                                 [self.fixed.total_tokens - 1])[0] if self.eagle else 0.0
             e += chain_accept(stats.chain, chain)
             t = (c.draft_seconds(self.fixed, commit_rows) if self.eagle else 0.0) + \
-                c.t_verify(load.rows + (self.fixed.total_tokens if self.eagle else 1) + chain) + load.draft_s
+                batch_verify(c, load.rows, (self.fixed.total_tokens if self.eagle else 1) + chain) + load.draft_s
             return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, t)
         chain_gain = [chain_accept(stats.chain, n) for n in range(chain + 1)]
         # tv[n]: the batch's target forward with this sequence's n rows (and its others' drafts)
         tv = (_verify_table(c, self.largest.total_tokens + chain + 1) if not load.sequences else
-              (0.0,) + tuple(c.t_verify(load.rows + r) + load.draft_s
+              (0.0,) + tuple(batch_verify(c, load.rows, r) + load.draft_s
                              for r in range(1, self.largest.total_tokens + chain + 2)))
         best = RoundPlan(None, 0, 1.0, tv[1])
         for n in range(1, chain + 1):  # retrieval alone
@@ -443,6 +459,8 @@ class Budget:
         c = self.costs
         rows = load.rows + p.total_tokens
         dt = c.t_draft(p.top_k) / p.top_k + c.t_verify(rows + 1) - c.t_verify(rows)
+        if load.sequences:
+            dt = max(dt, c.t_draft(p.top_k) / p.top_k + c.verify.top_slope())
         rate = (load.tokens + plan.tokens) / plan.seconds if plan.seconds > 0 else 0.0
         p_min = rate * max(dt, 0.0)
         q_min = p_min / stats.calibration()

@@ -69,9 +69,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def round_generator(seed: int, round_index: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator for round `round_index` (0 = prefill) of a sequence seeded with `seed`.
-
-    The two integers are hashed so nearby seeds and rounds give unrelated streams."""
+    """A generator for round `round_index` (0 = prefill) of a sequence seeded with `seed`, on
+    `device`: the device of the probabilities it will draw from (a CPU generator cannot draw from
+    CUDA probabilities). The two integers are hashed so nearby seeds and rounds give unrelated
+    streams. The same (seed, round, device type) replays the same draws; CPU and CUDA generators
+    are different streams, so a run replays on the device type it ran on."""
     digest = hashlib.sha256(f"aerie:{seed}:{round_index}".encode()).digest()
     g = torch.Generator(device=device)
     g.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
@@ -85,7 +87,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def uniform(generator: torch.Generator) -> float:
     """A uniform draw in [0, 1) in float64."""
-    return float(torch.rand(1, dtype=torch.float64, generator=generator).item())
+    return float(torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device).item())
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -114,6 +114,18 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max().item())
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device: torch.device | str) -> "DraftTree":
+        """The same tree with every tensor on `device` (itself when already there: no copy)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return DraftTree(tokens=self.tokens.to(device), parents=self.parents.to(device),
+                         depths=self.depths.to(device), mask=self.mask.to(device), paths=self.paths.to(device),
+                         scores=self.scores.to(device))
+
 
 def extend(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Append committed draft rows: row r pairs `tokens[r]` (token t+1) with `features[r]` (the
@@ -270,13 +282,14 @@ def build_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor
         mask[i] |= mask[parent_list[i]]
     depths = mask.sum(dim=1) - 1
     return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask,
-                     paths=_paths(parent_list, depths.tolist(), sort_paths), scores=scores)
+                     paths=_paths(parent_list, depths.tolist(), sort_paths, tokens.device), scores=scores)
 
 
 def root_tree(root: int) -> DraftTree:
     """The tree of no draft at all: verifying it is one plain decode step that also returns the
     root's target feature (so the draft KV can catch up later)."""
-    return build_tree(torch.tensor([root]), torch.tensor([-1]), torch.zeros(1), False)
+    return build_tree(torch.tensor([root], device="cpu"), torch.tensor([-1], device="cpu"),
+                      torch.zeros(1, device="cpu"), False)
 
 
 def merge_chain(tree: DraftTree, chain: list[int], sort_paths: bool) -> tuple[DraftTree, list[int]]:
@@ -315,7 +328,8 @@ def merge_chain(tree: DraftTree, chain: list[int], sort_paths: bool) -> tuple[Dr
     return merged, nodes
 
 
-def _paths(parents: list[int], depths: list[int], sort_paths: bool) -> torch.Tensor:
+def _paths(parents: list[int], depths: list[int], sort_paths: bool, device: torch.device | str = "cpu"
+           ) -> torch.Tensor:
     n = len(parents)
     inner = set(parents[1:])
     width = max(depths) + 1
@@ -331,7 +345,7 @@ def _paths(parents: list[int], depths: list[int], sort_paths: bool) -> torch.Ten
         rows.append(row)
     if sort_paths:
         rows.sort(key=lambda r: [x if x >= 0 else n + 5 for x in r])
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def grow_tree(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor,

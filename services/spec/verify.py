@@ -34,8 +34,8 @@ from services.spec.tree import DraftTree
 class Acceptance:
     path: int  # the chosen row of tree.paths
     accept_length: int  # m: accepted draft tokens, root excluded
-    nodes: torch.Tensor  # [m + 1] node indices: root, then the accepted nodes
-    tokens: torch.Tensor  # [m + 1] their token ids
+    nodes: torch.Tensor  # [m + 1] node indices: root, then the accepted nodes (on the host)
+    tokens: torch.Tensor  # [m + 1] their token ids (on the host)
     bonus: int  # the target's next token after nodes[-1]
 
     @property
@@ -51,27 +51,40 @@ def _path_tokens(tree: DraftTree) -> torch.Tensor:
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """logits [N, V]: the target's logits at every tree node."""
+    """logits [N, V]: the target's logits at every tree node, on any device."""
     return accept_greedy_argmax(tree, torch.argmax(logits, dim=-1))
 
 
 def accept_greedy_argmax(tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
     """argmax [N]: the target's argmax at every tree node (a batch computes it once for the rows of
-    all its trees, then splits it); equal to argmax(logits[paths]) and much cheaper."""
+    all its trees, then splits it); equal to argmax(logits[paths]) and much cheaper. Everything
+    runs on the argmax's device (the tree is moved there when it is not); the result comes back to
+    the host in ONE copy: m, the chosen path's index, its nodes, tokens and argmax row."""
+    tree = tree.to(argmax.device)
     cand = _path_tokens(tree)  # [P, W]
     pred = argmax[tree.paths]  # [P, W]; pads read the last node, never compared with a real token
     match = (cand[:, 1:] == pred[:, :-1]).int()
     per_path = torch.cumprod(match, dim=1).sum(dim=1)  # [P]
-    m = int(per_path.max().item())
-    best = int(torch.argmax(per_path).item()) if m > 0 else 0
-    nodes = tree.paths[best, : m + 1]
-    return Acceptance(path=best, accept_length=m, nodes=nodes, tokens=tree.tokens[nodes],
-                      bonus=int(argmax[nodes[-1]].item()))
+    best = torch.argmax(per_path)[None]  # [1] the first longest path (path 0 when nothing is accepted)
+    # index_select, not [best]: indexing with a 0-d device tensor reads it on the host (a sync)
+    width = tree.paths.shape[1]
+    rows = [t.index_select(0, best).reshape(-1) for t in (per_path, tree.paths, cand, pred)]
+    host = torch.cat([rows[0], best, *rows[1:]]).tolist()  # the one sync: m, best, nodes, tokens, argmax
+    m, best_i = host[0], host[1]
+    nodes = torch.tensor(host[2:3 + m], dtype=torch.long, device="cpu")
+    tokens = torch.tensor(host[2 + width:3 + width + m], dtype=torch.long, device="cpu")
+    return Acceptance(path=best_i, accept_length=m, nodes=nodes, tokens=tokens, bonus=host[2 + 2 * width + m])
 
 
 def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
                     generator: torch.Generator) -> Acceptance:
-    """logits [N, V]; tree.paths sorted lexicographically (rerank(sort_paths=True))."""
+    """logits [N, V]; tree.paths sorted lexicographically (rerank(sort_paths=True)); `generator` on
+    the logits' device. The draws run there; each tried candidate reads p(x) back (a host sync per
+    draw, as the reference's loop)."""
+    if generator.device != logits.device:
+        raise ValueError(f"the generator is on {generator.device}, the logits on {logits.device}: "
+                         f"create it with round_generator(..., device=logits.device)")
+    tree = tree.to(logits.device)
     cand = _path_tokens(tree).tolist()  # [P][W]
     paths = tree.paths.tolist()
     width = len(cand[0])
@@ -100,11 +113,11 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
             p = p / p.sum()
             adjusted = True
     m = len(accepted) - 1
-    nodes = tree.paths[best, : m + 1]
+    nodes = paths[best][: m + 1]
     if not (adjusted and len(accepted) != width):
-        p = target_probs(logits[int(nodes[-1])], params)
-    return Acceptance(path=best, accept_length=m, nodes=nodes, tokens=tree.tokens[nodes],
-                      bonus=sample(p, generator))
+        p = target_probs(logits[nodes[-1]], params)
+    return Acceptance(path=best, accept_length=m, nodes=torch.tensor(nodes, dtype=torch.long, device="cpu"),
+                      tokens=torch.tensor(accepted, dtype=torch.long, device="cpu"), bonus=sample(p, generator))
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,

@@ -81,12 +81,13 @@ def generate_responses(target: TargetModel, prompts: list[list[int]], max_new_to
 def make_sample(target: TargetModel, prompt: list[int], response: list[int], want_taps: bool) -> Sample:
     """One target forward over prompt + response; the loss covers the response tokens."""
     tokens = torch.tensor(prompt + response)
-    out = target(tokens, target.new_cache(len(tokens)), want_taps=want_taps)
+    out = target(tokens.to(target.device), target.new_cache(len(tokens)), want_taps=want_taps)
     feats = out.taps if want_taps else out.hidden
     mask = torch.zeros(len(tokens))
     mask[max(len(prompt) - 1, 0):] = 1.0
-    return Sample(tokens, feats.to(torch.bfloat16), out.hidden.to(torch.bfloat16),
-                  out.logits.argmax(-1), mask)
+    # samples live on the host (saved to data.pt, batched by the trainer) whatever the target's device
+    return Sample(tokens, feats.to(torch.bfloat16).cpu(), out.hidden.to(torch.bfloat16).cpu(),
+                  out.logits.argmax(-1).cpu(), mask)
 
 
 def text_chunks(tokenizer, files: list[str], chunk_tokens: int) -> list[list[int]]:

@@ -86,6 +86,18 @@ def test_bench_pipeline_method_matches(setup, redis_url, capsys):
     assert res["methods"]["pipeline"]["tau"] == pytest.approx(res["methods"]["eagle"]["tau"])
 
 
+def test_bench_reports_verify_latency_at_tp1_and_tp2(setup, capsys):
+    """--tp-verify 2: the same verify measurement through a local TP=1 runner and a real TP=2 group
+    (no timing assertion: only that both are measured and reported)."""
+    out_json = setup / "tp.json"
+    code = main(["bench", "--target", str(setup / "target"), "--draft", "none", "--dtype", "fp32",
+                 "--prompts", str(setup / "prompts.jsonl"), "--limit", "1", "--max-new-tokens", "4",
+                 "--methods", "hf,native", "--tp-verify", "2", "--json-out", str(out_json)])
+    assert code == 0
+    assert "verify latency, TP=1 vs TP=2" in capsys.readouterr().out
+    tp = json.loads(out_json.read_text())["tp_verify"]
+    assert tp["world"] == 2 and tp["rows"] == [1, 4, 16, 32]
+    assert len(tp["tp1_ms"]) == len(tp["tp2_ms"]) == 4 and min(tp["tp1_ms"] + tp["tp2_ms"]) > 0
 def test_bench_concurrency_through_the_services(setup, capsys):
     """`--concurrency`: in-process services (real gRPC, real Redis), plain / tree / adaptive at each
     level; the JSON's `concurrency` list has exactly the issue's fields; a PNG chart."""
@@ -105,6 +117,9 @@ def test_bench_concurrency_through_the_services(setup, capsys):
     detail = {(d["method"], d["concurrency"]): d for d in res["concurrency_detail"]}
     assert all(not d["errors"] and d["tokens"] == 8 * d["concurrency"] for d in detail.values())
     assert detail[("plain", 3)]["mean_nodes"] == 1.0 and detail[("tree", 3)]["mean_nodes"] > 1
+    assert all(d["steady_tokens_per_s"] >= 0 for d in detail.values())
+    assert {(d["method"], d["concurrency"]) for d in res["concurrency_decode"]} == set(detail)
+    assert "decode tok/s" in out
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
                  "--concurrency", "0,2"]) == 2

@@ -63,6 +63,13 @@ def stream(p, req, on_message=None):
     return tokens, messages
 
 
+def failovers(role: str, reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("aerie_failovers_total",
+                                     {"service": "coordinator", "role": role, "reason": reason}) or 0.0
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 11)], ids=["greedy", "seeded"])
 def test_drafter_then_verifier_go_away_mid_stream(pool, reference, sampling):
     req = GenerationRequest(PROMPT, 80, sampling, ignore_eos=True)
@@ -77,10 +84,13 @@ def test_drafter_then_verifier_go_away_mid_stream(pool, reference, sampling):
         if i == 8:
             pool.stop_server(pool.replicas[first["verifier"]][1])
 
+    before = {role: failovers(role, "unavailable") for role in ("drafter", "verifier")}
     tokens, messages = stream(pool, req, kill)
     assert tokens == expected
     assert messages[-1].finish_reason == "length"
     assert [m.stats.index for m in messages] == list(range(len(messages)))  # the round index continues
+    # aerie_failovers_total{role, reason} counted both moves (other tests in this process may add more)
+    assert all(failovers(role, "unavailable") >= before[role] + 1 for role in before)
     state = pool.coordinator.store.get(messages[0].sequence_id)
     assert state.tokens == tokens and state.status == "finished"
     # Redis records where the sequence ended up: the other drafter and the other verifier

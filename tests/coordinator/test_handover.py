@@ -154,6 +154,9 @@ def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, r
         seq_id = seq_id or msg.sequence_id
         if len(got) >= 10:
             break
+    from tests.coordinator.test_failover import failovers
+
+    counted = failovers("coordinator", "drain"), failovers("coordinator", "takeover")
     handed = []
     drain = threading.Thread(target=lambda: handed.append(draining.sequences.hand_over_all(0.0, 30.0)))
     drain.start()
@@ -175,3 +178,4 @@ def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, r
     tokens, reason = resume(pipeline, seq_id, len(got))  # on the other coordinator
     assert got + tokens == expected and reason == "length"
     assert pipeline.coordinator.store.get(seq_id).owner == pipeline.coordinator.sequences.owner
+    assert failovers("coordinator", "drain") == counted[0] + 1 and failovers("coordinator", "takeover") >= counted[1] + 1

@@ -65,3 +65,41 @@ def test_redis_gone_mid_sequence(pipeline, own_redis):
     assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details().startswith("Redis is unavailable")
     assert len(messages) >= 3 and all(m.finish_reason == "" for m in messages)
     wait_until(lambda: kv_free(pipeline))
+
+
+def test_health_tracks_redis(pipeline, tmp_path):
+    """A real Redis stopped and restarted on the same port: the coordinator's gRPC health check says
+    NOT_SERVING while it is down and SERVING again once it is back (redis-py reconnects; the watch
+    retries with backoff), and the coordinator serves again."""
+    import re
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from coordinator.redis_server import start_redis, stop_process
+    from tests.pipeline import wait_until
+
+    proc, url = start_redis(tmp_path / "health", appendfsync="everysec")
+    port = int(re.search(r":(\d+)", url).group(1))
+    coordinator, address = pipeline.add_coordinator(url, redis_retry_s=0.5)
+    health = health_pb2_grpc.HealthStub(pipeline.channel_to(address))
+
+    def status(service=""):
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        assert status() == serving and status("aerie.v1.Coordinator") == serving
+        stop_process(proc)
+        wait_until(lambda: status() == not_serving and status("aerie.v1.Coordinator") == not_serving, 10)
+        with pytest.raises(grpc.RpcError) as e:  # and it cannot admit (Redis named)
+            list(coordinator_grpc.CoordinatorStub(pipeline.channel_to(address)).Generate(
+                codec.encode_generation_request(GenerationRequest((1, 2, 3), 4), "health-down"), timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
+        proc, _ = start_redis(tmp_path / "health", port, appendfsync="everysec")
+        wait_until(lambda: status() == serving and status("aerie.v1.Coordinator") == serving, 10)
+        msgs = list(coordinator_grpc.CoordinatorStub(pipeline.channel_to(address)).Generate(
+            codec.encode_generation_request(GenerationRequest((1, 2, 3), 4), "health-back"), timeout=30))
+        assert sum(len(m.tokens) for m in msgs) == 4 and msgs[-1].finish_reason == "length"
+        assert coordinator.redis_watch.up is True
+    finally:
+        stop_process(proc)

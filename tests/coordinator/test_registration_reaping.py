@@ -63,7 +63,7 @@ def test_coordinator_discovers_registered_replicas(model_dirs, redis_url):
 
 
 def test_kv_of_an_abandoned_sequence_is_reaped(model_dirs, redis_url):
-    p = start_pipeline(model_dirs, redis_url, idle_ttl_s=0.8)
+    p = start_pipeline(model_dirs, redis_url, idle_ttl_s=2.0)  # above a round even on a loaded machine
     try:
         # a coordinator prefills on both services, then is never heard of again
         list(p.verifier_stub().Prefill(vpb.VerifierPrefillRequest(
@@ -75,7 +75,7 @@ def test_kv_of_an_abandoned_sequence_is_reaped(model_dirs, redis_url):
         assert p.verifier.num_sequences == 2 and p.drafter.drafter.num_sequences == 1
         t0 = time.monotonic()
         wait_until(lambda: p.verifier.num_sequences == 1, timeout=10)  # the orphan is released
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 8
         # the live sequence was touched every round: not reaped; stop it now
         steps.close()
         session.close()

@@ -120,3 +120,17 @@ def test_a_redis_restart_loses_nothing_and_writes_wait_for_it(tmp_path):
     finally:
         t.join()
         stop_process(restarted["p"])
+
+
+def test_a_lease_let_go_is_claimable_at_once_and_cannot_be_revived(store):
+    """hand_over (a draining coordinator): only the owner can let its lease go; afterwards the
+    sequence is in the expired index at once, the old owner cannot renew it (its late renew raced
+    the hand-over), and another coordinator claims it."""
+    store.create(SequenceRecord("h1", (1, 2), {"max_new_tokens": 4}, 0, "", "v:1", owner="a"))
+    assert not store.claim("h1", "b")  # a's lease is live
+    assert not store.hand_over("h1", "b")  # not b's to give
+    assert store.hand_over("h1", "a")
+    assert "h1" in store.expired_leases()
+    assert not store.renew("h1", "a")
+    assert store.claim("h1", "b") and store.get("h1").owner == "b"
+    assert "h1" not in store.expired_leases()

@@ -157,8 +157,12 @@ def test_draft_many_grows_each_tree_as_alone(eagle3_pair) -> None:
             d.start(f"s{i}", 64, sampling=i % 2 == 1)
         calls.append(DraftCall(f"s{i}", ids, feats, shape))
     calls.append(DraftCall("missing", calls[0].tokens, calls[0].features, None))
+    batch.start("tiny", 2, sampling=False)  # its draft KV cannot take 3 rows and a tree
+    calls.append(DraftCall("tiny", calls[0].tokens, calls[0].features, None))
     trees = batch.draft_many(calls)
-    for call, tree in zip(calls[:-1], trees):
+    assert isinstance(trees[-1], CapacityExceeded) and "'tiny'" in str(trees[-1])
+    trees = trees[:-1]
+    for call, tree in zip(calls[:-2], trees):
         alone = solo.draft(call.seq_id, call.tokens, call.features, call.params)
         assert tree.tokens.tolist() == alone.tokens.tolist()
         assert tree.parents.tolist() == alone.parents.tolist()

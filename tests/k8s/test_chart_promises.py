@@ -18,17 +18,21 @@ AERIE = ("coordinator", "drafter", "verifier")
 
 # The settings each service reads (the services' configuration contract). The chart must set each
 # one from values.yaml; expected_env() below says from which value.
+# drafters and verifiers, while coordinator.discoverRegistered is "1"
+REGISTRATION = ("AERIE_REDIS_URL", "AERIE_ADVERTISE_ADDRESS", "AERIE_HEARTBEAT_S", "AERIE_HEARTBEAT_TTL_S")
 CONTRACT = {
     "common": {"AERIE_HOST", "AERIE_LOG_LEVEL", "AERIE_METRICS_PORT", "AERIE_MAX_MESSAGE_BYTES", "AERIE_DRAIN_S",
                "OTEL_EXPORTER_OTLP_ENDPOINT"},
     "verifier": {"AERIE_VERIFIER_PORT", "AERIE_TARGET", "AERIE_DTYPE", "AERIE_MAX_SEQUENCES",
-                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE", "AERIE_IDLE_TTL_S"},
-    "drafter": {"AERIE_DRAFTER_PORT", "AERIE_TARGET", "AERIE_DRAFT", "AERIE_DTYPE", "AERIE_TREE_TOP_K",
-                "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES", "AERIE_IDLE_TTL_S"},
+                 "AERIE_MAX_PROMPT_TOKENS", "AERIE_TP_SIZE", "AERIE_IDLE_TTL_S", "AERIE_DEVICE",
+                 "AERIE_TP_EXECUTOR", "AERIE_TP_TIMEOUT_S", *REGISTRATION},
+    "drafter": {"AERIE_DRAFTER_PORT", "AERIE_TARGET", "AERIE_DRAFT", "AERIE_DTYPE", "AERIE_DEVICE", "AERIE_TREE_TOP_K",
+                "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES", "AERIE_IDLE_TTL_S", *REGISTRATION},
     "coordinator": {"AERIE_COORDINATOR_PORT", "AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS",
                     "AERIE_MAX_NEW_TOKENS", "AERIE_SEQUENCE_TTL_S", "AERIE_MAX_SEQUENCES", "AERIE_RPC_TIMEOUT_S",
                     "AERIE_RESOLVE_INTERVAL_S", "AERIE_RETRIEVAL", "AERIE_VERIFIER_WAIT_S", "AERIE_PROBE_INTERVAL_S",
-                    "AERIE_LEASE_TTL_S", "AERIE_FINISHED_TTL_S", "AERIE_REDIS_RETRY_S", "AERIE_DISCOVER"},
+                    "AERIE_LEASE_TTL_S", "AERIE_FINISHED_TTL_S", "AERIE_REDIS_RETRY_S", "AERIE_DISCOVER",
+                    "AERIE_DISCOVER_INTERVAL_S"},
 }
 # AERIE_* names the services read that the chart deliberately leaves unset (a user can still add
 # them through <component>.extraEnv). Anything else the code reads must be mapped by the chart.
@@ -41,10 +45,7 @@ NOT_SET_BY_CHART = {
     "AERIE_MAX_BATCH_ROWS": "continuous batching: rows per forward; the default fits",
     "AERIE_BATCH_QUEUE": "continuous batching: calls waiting for a forward; the default fits",
     "AERIE_BATCH_QUEUE_TIMEOUT_S": "continuous batching: wait for a queue place; the default fits",
-    "AERIE_ADVERTISE_ADDRESS": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
-    "AERIE_HEARTBEAT_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
-    "AERIE_HEARTBEAT_TTL_S": "registration in Redis (aerie up, bare metal); the chart's pools are headless Services",
-    "AERIE_DISCOVER_INTERVAL_S": "only read with AERIE_DISCOVER=1, which the chart leaves off by default",
+    "AERIE_BATCH_WAIT_MS": "continuous batching: gathering wait; the default fits",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
@@ -88,6 +89,14 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
         "AERIE_DTYPE": v["model"]["dtype"],
     }
     d, ver, c = v["drafter"], v["verifier"], v["coordinator"]
+    registers = str(c["discoverRegistered"]) == "1"
+
+    def registration(port: int) -> dict[str, str | None]:
+        return {"AERIE_REDIS_URL": redis_url(v) if registers else None,
+                "AERIE_ADVERTISE_ADDRESS": f"$(POD_IP):{port}" if registers else None,
+                "AERIE_HEARTBEAT_S": str(v["registration"]["heartbeatSeconds"]) if registers else None,
+                "AERIE_HEARTBEAT_TTL_S": str(v["registration"]["heartbeatTtlSeconds"]) if registers else None}
+
     return {
         "coordinator": common | {
             "AERIE_COORDINATOR_PORT": str(c["port"]),
@@ -107,6 +116,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_FINISHED_TTL_S": str(c["finishedTtlSeconds"]),
             "AERIE_REDIS_RETRY_S": str(c["redisRetrySeconds"]),
             "AERIE_DISCOVER": str(c["discoverRegistered"]),
+            "AERIE_DISCOVER_INTERVAL_S": str(c["discoverIntervalSeconds"]),
             "AERIE_HTTP_PORT": str(c["httpPort"]),
             "AERIE_MAX_SEQUENCES_PER_CLIENT": str(c["maxSequencesPerClient"]),
             "AERIE_TOKENIZER": model_path(v, c["tokenizer"]) if c["tokenizer"] else None,
@@ -120,14 +130,18 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_TREE_DEPTH": str(d["tree"]["depth"]),
             "AERIE_TREE_TOKENS": str(d["tree"]["tokens"]),
             "AERIE_IDLE_TTL_S": str(d["idleTtlSeconds"]),
-        },
+            "AERIE_DEVICE": "cuda" if d["gpu"] > 0 else "cpu",
+        } | registration(d["port"]),
         "verifier": common | model | {
             "AERIE_VERIFIER_PORT": str(ver["port"]),
             "AERIE_MAX_SEQUENCES": str(ver["maxSequences"]),
             "AERIE_MAX_PROMPT_TOKENS": str(ver["maxPromptTokens"]),
             "AERIE_TP_SIZE": str(ver["tpSize"]),
             "AERIE_IDLE_TTL_S": str(ver["idleTtlSeconds"]),
-        },
+            "AERIE_DEVICE": "cuda" if ver["useGpu"] else "cpu",
+            "AERIE_TP_EXECUTOR": ver["executor"],
+            "AERIE_TP_TIMEOUT_S": str(ver["tpTimeoutSeconds"]),
+        } | registration(ver["port"]),
     }
 
 
@@ -199,12 +213,28 @@ def test_verifier_groups_are_a_statefulset_with_shared_memory(scale_render):
     assert shm == [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
 
 
-def test_tp_size_above_one_is_flagged_as_not_implemented(helm):
+def test_gpu_pools_run_on_the_gpu_and_say_it_is_untested(helm, scale_render):
+    """The GPU values drive real device use: a pod that requests GPUs gets AERIE_DEVICE=cuda, a CPU pod cpu;
+    the notes say cuda is untested on hardware."""
+    assert scale_render.env("verifier")["AERIE_DEVICE"] == "cuda" and scale_render.env("drafter")["AERIE_DEVICE"] == "cuda"
+    cpu = render(helm, [], ["--set", "drafter.gpu=0", "--set", "verifier.useGpu=false"])
+    assert cpu.env("verifier")["AERIE_DEVICE"] == "cpu" and cpu.env("drafter")["AERIE_DEVICE"] == "cpu"
     notes = helm_notes(helm, VALUE_SETS["scale"])
-    assert "NOT" in notes and "implemented" in notes and "verifier.tpSize=1" in notes
-    assert "WARNING" not in helm_notes(helm, [])
-    values = (ROOT / "k8s/charts/aerie/values.yaml").read_text()
-    assert "ONLY verifier.tpSize: 1 RUNS" in values
+    assert "tensor-parallel size 4 (4 GPU each, one pod)" in notes and "untested on GPU" in notes
+    assert "NOT" not in (ROOT / "k8s/charts/aerie/values.yaml").read_text().split("image:")[0]
+
+
+def test_groups_larger_than_a_node_use_the_ray_executor(helm):
+    """executor ray: the ranks are Ray actors in the KubeRay cluster at rayAddress (GPU bundles), so the
+    verifier pod requests no GPU; a missing address is a render error."""
+    ray = render(helm, [], ["--set", "verifier.tpSize=16", "--set", "verifier.executor=ray",
+                            "--set", "verifier.rayAddress=ray://aerie-raycluster-head-svc:10001"])
+    env = ray.env("verifier")
+    assert (env["AERIE_TP_SIZE"], env["AERIE_TP_EXECUTOR"], env["AERIE_DEVICE"]) == ("16", "ray", "cuda")
+    assert env["RAY_ADDRESS"] == "ray://aerie-raycluster-head-svc:10001"
+    assert gpus(ray.container("verifier")) == (None, None)
+    with pytest.raises(Exception, match="rayAddress"):
+        render(helm, [], ["--set", "verifier.executor=ray"])
 
 
 # --- Redis and its password --------------------------------------------------------------------
@@ -355,7 +385,11 @@ def test_scale_values_set_every_contract_variable(scale_render):
     for component in AERIE:
         for var in CONTRACT["common"] | CONTRACT[component]:
             assert scaled[component][var] is not None, (component, var)
-            if var not in ("AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS"):
+            # AERIE_DISCOVER: on in both (values-external-redis.yaml turns it off); the scale set keeps GPUs
+            # and one-pod groups as the default does (AERIE_DEVICE, AERIE_TP_EXECUTOR: CPU and Ray renders
+            # are checked by their own tests)
+            if var not in ("AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS", "AERIE_DISCOVER", "AERIE_DEVICE",
+                           "AERIE_TP_EXECUTOR"):
                 assert scaled[component][var] != defaults[component][var], (component, var)
 
 
@@ -396,17 +430,27 @@ def test_services_read_no_setting_the_chart_does_not_know(helm):
 # --- probes and services -----------------------------------------------------------------------
 
 def test_probes_are_grpc_health_checks(rendered, helm):
-    """gRPC health probes; with TLS (the default) tcpSocket ones: kubelet gRPC probes cannot speak TLS."""
+    """gRPC health probes. With TLS (the default) they ask the plaintext health-only port
+    (probes.healthPort -> AERIE_HEALTH_PORT): kubelet gRPC probes cannot speak TLS."""
     plain = render(helm, [], ["--set", "security.tls.enabled=false"])
-    for r, kind in ((rendered, "tcpSocket" if rendered.values["security"]["tls"]["enabled"] else "grpc"),
-                    (plain, "grpc")):
+    for r, tls in ((rendered, rendered.values["security"]["tls"]["enabled"]), (plain, False)):
         for component in AERIE:
             c = r.container(component)
-            port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
-            assert port == r.values[component]["port"]
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert ports["grpc"] == r.values[component]["port"]
+            port = ports["health"] if tls else ports["grpc"]
+            if tls:
+                assert port == r.values["probes"]["healthPort"]
+                assert r.env(component)["AERIE_HEALTH_PORT"] == str(port)
+            else:
+                assert "health" not in ports and "AERIE_HEALTH_PORT" not in r.env(component)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {kind}, (component, probe)
-                assert c[probe][kind] == {"port": port}, (component, probe)
+                assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (component, probe)
+                # readiness asks "": a coordinator is NOT_SERVING while Redis is unreachable or it drains; its
+                # liveness asks "liveness", which stays SERVING while Redis is down (a restart cannot help)
+                want = {"port": port, "service": "liveness"} \
+                    if (component, probe) == ("coordinator", "livenessProbe") else {"port": port}
+                assert c[probe]["grpc"] == want, (component, probe)
 
 
 def test_pools_are_discovered_through_headless_services(rendered):
@@ -463,11 +507,16 @@ def test_only_coordinators_reach_backends(rendered, component):
                 continue  # Prometheus scraping, from networkPolicy.metricsFrom only
             assert rule.get("from"), f"{p['metadata']['name']}: a rule without `from` admits everyone"
             for peer in rule["from"]:
-                # a bare podSelector: pods of this namespace only, and only coordinator pods
+                # a bare podSelector: pods of this namespace only, and only coordinator pods (and, for
+                # Redis while they register, drafter and verifier pods)
                 assert set(peer) == {"podSelector"}, peer
                 sel = peer["podSelector"]["matchLabels"]
-                assert sel.get("app.kubernetes.io/component") == "coordinator"
-                assert all(coordinator.get(k) == v for k, v in sel.items())
+                registers = component == "redis" and str(rendered.values["coordinator"]["discoverRegistered"]) == "1"
+                allowed = ("coordinator", "drafter", "verifier") if registers else ("coordinator",)
+                assert sel.get("app.kubernetes.io/component") in allowed, sel
+                peer_labels = pod_labels(rendered, sel["app.kubernetes.io/component"])
+                assert all(peer_labels.get(k) == v for k, v in sel.items())
+                assert all(coordinator.get(k) == v for k, v in sel.items() if k != "app.kubernetes.io/component")
                 assert pod_labels(rendered, component).get("app.kubernetes.io/component") != "coordinator"
                 admitted = True
     assert admitted, f"{component}: nothing may reach it at all"
@@ -494,3 +543,42 @@ def test_metrics_are_opened_only_to_metrics_from(scale_render, default_render):
         [policy] = [p for p in scale_render.kind("NetworkPolicy") if selects(p, labels)]
         metrics = [r for r in policy["spec"]["ingress"] if r["ports"] == [{"port": "metrics", "protocol": "TCP"}]]
         assert [r["from"] for r in metrics] == [allowed]
+
+
+# --- registration and the failure model ----------------------------------------------------------
+
+def test_pods_register_with_their_pod_ip(rendered):
+    """With registration on (the default), drafter and verifier pods get the Redis URL (the password
+    only through the Secret), their pod IP from the downward API and advertise $(POD_IP):port."""
+    registers = str(rendered.values["coordinator"]["discoverRegistered"]) == "1"
+    for component in ("drafter", "verifier"):
+        env = rendered.env(component)
+        if not registers:
+            assert "AERIE_REDIS_URL" not in env and "POD_IP" not in env and "REDIS_PASSWORD" not in env
+            continue
+        assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["AERIE_ADVERTISE_ADDRESS"] == f"$(POD_IP):{rendered.values[component]['port']}"
+        names = [e["name"] for e in rendered.container(component)["env"]]
+        assert names.index("POD_IP") < names.index("AERIE_ADVERTISE_ADDRESS")  # $(POD_IP) expands only then
+        assert env["AERIE_REDIS_URL"] == rendered.env("coordinator")["AERIE_REDIS_URL"]
+        if "$(REDIS_PASSWORD)" in env["AERIE_REDIS_URL"]:
+            assert env["REDIS_PASSWORD"] == rendered.env("coordinator")["REDIS_PASSWORD"]
+            assert names.index("REDIS_PASSWORD") < names.index("AERIE_REDIS_URL")
+    assert rendered.env("coordinator")["AERIE_DISCOVER"] == ("1" if registers else "0")
+
+
+def test_external_redis_values_turn_registration_off(external_render, default_render):
+    assert str(default_render.values["coordinator"]["discoverRegistered"]) == "1"
+    assert str(external_render.values["coordinator"]["discoverRegistered"]) == "0"
+
+
+def test_coordinator_grace_covers_the_drain_and_the_hand_over(helm):
+    """A draining coordinator waits AERIE_DRAIN_S, then up to one round (min(30, rpc timeout)) before
+    it hands the rest over: the chart refuses a termination grace that would SIGKILL it first."""
+    ok = render(helm, [], ["--set", "config.drainSeconds=20", "--set", "coordinator.terminationGracePeriodSeconds=51"])
+    assert ok.component("coordinator")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 51
+    from tests.k8s.chart import run_helm, template_args
+    out = run_helm(helm, *template_args([], ["--set", "config.drainSeconds=20", "--set",
+                                              "coordinator.terminationGracePeriodSeconds=50"]), check=False)
+    assert out.returncode != 0 and "must exceed config.drainSeconds + min(30, coordinator.rpcTimeoutSeconds) (50)" \
+        in out.stderr, out.stderr

@@ -42,3 +42,36 @@ def test_tls_summary_names_the_controls():
     secured = Security(cert=b"c", key=b"k", ca=b"ca", internal_token="t" * 20)
     assert rpc_server.trust_summary(secured, "drafter", "0.0.0.0:1") == (
         "drafter security: secured; TLS with client certificates (mTLS), internal token required", False)
+
+
+def test_health_port_serves_health_alone_in_plaintext(tmp_path):
+    """AERIE_HEALTH_PORT: for probes that cannot speak TLS (kubelet's), the health service alone on a
+    plaintext port, with the TLS port's statuses; every other method is UNIMPLEMENTED there."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from coordinator.redis_server import free_port
+    from tests.security.certs import make_pki
+
+    pki = make_pki(tmp_path)
+    security = Security(cert=pki.leaf.cert.read_bytes(), key=pki.leaf.key.read_bytes(), ca=pki.ca.cert.read_bytes())
+    health_port = free_port()
+    config = ServiceConfig(host="127.0.0.1", health_port=health_port)
+
+    async def run():
+        server, port = await rpc_server.create_server("127.0.0.1:0", config, "verifier", lambda s: [], security)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+                check = health_pb2_grpc.HealthStub(ch).Check
+                assert (await check(health_pb2.HealthCheckRequest(), timeout=5)).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                with __import__("pytest").raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary("/aerie.v1.Verifier/GetInfo")(b"", timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                await rpc_server.set_serving(server, False)
+                assert (await check(health_pb2.HealthCheckRequest(), timeout=5)).status == \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            await rpc_server.drain(server, 0)
+
+    asyncio.run(run())

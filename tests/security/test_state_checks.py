@@ -71,11 +71,12 @@ def test_drafter_rows_beyond_the_reserved_kv_mutate_nothing(pipeline):
     stub.Prefill(iter([first]), timeout=30)
     cache = pipeline.drafter.drafter._caches["dtight"]
     rows = cache.length
-    # round 1 is the prefill's own tree: round 2 commits new rows
+    # round 2: round 1's tree is the Prefill's (a Draft of round 1 is answered as its replay)
     many = dpb.DraftRequest(sequence_id="dtight", round_index=2, tokens=list(range(1, 11)),
                             features=codec.encode_tensor(torch.zeros(10, f)))
     assert status_of(lambda: stub.Draft(many, timeout=30)) == (
-        grpc.StatusCode.RESOURCE_EXHAUSTED, "sequence 'dtight' holds 4 draft KV rows; 2 used, 10 more requested")
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "draft KV of sequence 'dtight' holds 16 rows; 2 used, 10 committed rows "
+                                            "and 12 tree rows requested")
     assert pipeline.drafter.drafter._caches["dtight"].length == rows
     assert status_of(lambda: stub.Prefill(iter([first]), timeout=30)) == \
         (INVALID, "sequence 'dtight' already exists on this drafter")

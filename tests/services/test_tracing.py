@@ -77,3 +77,28 @@ def test_one_connected_trace_across_three_services(pipeline, exporter):
         for s in found:
             assert s.kind == trace.SpanKind.SERVER and s.attributes[telemetry.SERVICE] == role
             assert parent(s).name == ("verify" if role == "verifier" else "draft") and parent(s).kind == trace.SpanKind.CLIENT
+
+
+def test_a_failover_is_an_event_on_its_round_span(pipeline, exporter, model_dirs, redis_url):
+    """A drafter that goes away mid-stream: the round span open at that moment carries a "failover"
+    event (role, from, to, reason) and a "rebuild" event (role, rows, seconds)."""
+    _, second, second_address = pipeline.add_service("drafter", model_dirs)
+    coordinator, address = pipeline.add_coordinator(redis_url, drafters=(pipeline.addresses["drafter"], second_address),
+                                                    discover=False)
+    servers = {pipeline.addresses["drafter"]: pipeline.servers[1][0], second_address: second}
+    exporter.clear()
+    session = RemoteSession(address, None, "", timeout_s=60)
+    steps = session.engine.generate(GenerationRequest((5, 17, 99, 3), 40, ignore_eos=True))
+    for _ in range(3):
+        next(steps)
+    (placed,) = [a for a, n in coordinator.sequences.drafters.loads().items() if n == 1]
+    pipeline.stop_server(servers[placed])
+    rest = list(steps)
+    session.close()
+    assert rest[-1].finish_reason == "length"
+    events = [(e, s) for s in exporter.get_finished_spans() if s.name == "round" for e in s.events]
+    (failover,) = [e for e, _ in events if e.name == "failover"]
+    assert failover.attributes["aerie.role"] == "drafter" and failover.attributes["aerie.from"] == placed
+    assert failover.attributes["aerie.to"] not in ("", placed) and failover.attributes["aerie.reason"] == "unavailable"
+    rebuilds = [e for e, _ in events if e.name == "rebuild"]
+    assert any(e.attributes["aerie.role"] == "drafter" and e.attributes["aerie.rows"] > 4 for e in rebuilds)

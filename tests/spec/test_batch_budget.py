@@ -70,3 +70,20 @@ def test_sampling_sequences_keep_the_batch1_choice_but_count_in_the_load() -> No
     assert plan.tree == alone.tree and plan.tokens == alone.tokens
     assert board.rows()["sampler"] == rows(alone)
     assert rows(b.plan(b.new_stats(), key="greedy")) == 1  # a greedy one adapts
+
+
+def test_a_flat_stretch_of_a_noisy_curve_does_not_make_batch_rows_free() -> None:
+    """The default model's curve as measured on a busy machine (flat from 3 to 16 rows: a disturbed
+    point raised by the non-decreasing fix). With three plain neighbours the flat stretch would make
+    12 extra rows look free (a 16-node tree); each row still costs the curve's top slope, so only a
+    tree whose few nodes pay for that is chosen."""
+    counts = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    secs = (0.0467, 0.0666, 0.1328, 0.1328, 0.1328, 0.1328, 0.1328, 0.1328, 0.1468, 0.1665, 0.2300, 0.2699)
+    costs = CostModel(CostCurve(counts, secs), CostCurve((1, 16), (0.0008, 0.0013)),
+                      CostCurve((1, 16), (0.0004, 0.0009)))
+    board = LoadBoard()
+    b = Budget(costs, prior_stats({"top1_agreement": 0.25}), largest=AUTO_LARGEST, load=board)
+    for i in range(3):
+        board.post(f"o{i}", 1.0, 1.0, 0.0)
+    assert b.plan(b.new_stats()).tree is None  # alone: a plain step
+    assert rows(b.plan(b.new_stats(), key="me")) <= 4

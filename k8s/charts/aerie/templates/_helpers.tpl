@@ -164,6 +164,14 @@ termination grace outlasts the drain. */}}
 {{- if le (float64 $grace) (float64 .ctx.Values.config.drainSeconds) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed config.drainSeconds (%v)" .component $grace .ctx.Values.config.drainSeconds) }}
 {{- end -}}
+{{- if eq .component "coordinator" }}
+{{- /* SIGTERM: AERIE_DRAIN_S for sequences to finish, then up to one round (at most 30 s or the RPC
+deadline) before the rest are handed over */}}
+{{- $handover := min 30 (int .ctx.Values.coordinator.rpcTimeoutSeconds) }}
+{{- if le (float64 $grace) (addf .ctx.Values.config.drainSeconds $handover) }}
+{{- fail (printf "coordinator.terminationGracePeriodSeconds (%v) must exceed config.drainSeconds + min(30, coordinator.rpcTimeoutSeconds) (%v): a draining coordinator hands its sequences over after the drain and one round" $grace (addf .ctx.Values.config.drainSeconds $handover)) }}
+{{- end -}}
+{{- end -}}
 checksum/config: {{ include (print .ctx.Template.BasePath "/configmap.yaml") .ctx | sha256sum }}
 {{- with (index .ctx.Values .component).podAnnotations }}
 {{ toYaml . }}
@@ -184,32 +192,69 @@ checksum/config: {{ include (print .ctx.Template.BasePath "/configmap.yaml") .ct
   value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
 {{- end }}
 
-{{/* gRPC startup, readiness and liveness probes on a port (the standard gRPC health service). With
-security.tls.enabled they are tcpSocket checks: kubelet gRPC probes cannot speak TLS. A service opens
-its port only once its model is loaded, and a draining one closes it. */}}
-{{- define "aerie.probeCheck" -}}
-{{- if .ctx.Values.security.tls.enabled }}
-tcpSocket:
-  port: {{ .port }}
-{{- else }}
-grpc:
-  port: {{ .port }}
+{{/* The port the probes ask: the gRPC port, or with security.tls.enabled the plaintext health-only
+port (AERIE_HEALTH_PORT = probes.healthPort: kubelet gRPC probes cannot speak TLS; that port serves the
+gRPC health service and nothing else, with the same statuses as the TLS port). */}}
+{{- define "aerie.probePort" -}}
+{{- if .ctx.Values.security.tls.enabled }}{{ .ctx.Values.probes.healthPort }}{{ else }}{{ .port }}{{ end }}
+{{- end }}
+
+{{/* Registration (coordinator.discoverRegistered "1"): the heartbeat settings of a drafter or
+verifier ConfigMap. */}}
+{{- define "aerie.registrationConfig" -}}
+{{- if eq (.ctx.Values.coordinator.discoverRegistered | toString) "1" }}
+AERIE_HEARTBEAT_S: {{ .ctx.Values.registration.heartbeatSeconds | toString | quote }}
+AERIE_HEARTBEAT_TTL_S: {{ .ctx.Values.registration.heartbeatTtlSeconds | toString | quote }}
 {{- end }}
 {{- end }}
 
+{{/* Registration env of a drafter or verifier container: the Redis URL (no credentials; the password
+as AERIE_REDIS_PASSWORD from the Secret) and the address it advertises, its pod IP from the downward
+API. Empty while coordinator.discoverRegistered is "0". */}}
+{{- define "aerie.registrationEnv" -}}
+{{- if eq (.ctx.Values.coordinator.discoverRegistered | toString) "1" }}
+{{- $redisSecret := include "aerie.redis.secretName" .ctx }}
+{{- if $redisSecret }}
+- name: AERIE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $redisSecret }}
+      key: {{ include "aerie.redis.secretKey" .ctx }}
+{{- end }}
+- name: AERIE_REDIS_URL
+  value: {{ include "aerie.redis.url" .ctx | quote }}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: AERIE_ADVERTISE_ADDRESS
+  value: {{ printf "$(POD_IP):%d" (int .port) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* gRPC startup, readiness and liveness probes on a port (the standard gRPC health service).
+`liveness` (optional): the health service name the liveness probe asks for. The coordinator's is
+"liveness", which stays SERVING while Redis is down: its "" turns NOT_SERVING then (readiness takes
+the pod out of the Service), and a restart would not bring Redis back. */}}
 {{- define "aerie.grpcProbes" -}}
 {{- $p := .ctx.Values.probes -}}
 startupProbe:
-  {{- include "aerie.probeCheck" . | nindent 2 }}
+  grpc:
+    port: {{ include "aerie.probePort" . }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 readinessProbe:
-  {{- include "aerie.probeCheck" . | nindent 2 }}
+  grpc:
+    port: {{ include "aerie.probePort" . }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
-  {{- include "aerie.probeCheck" . | nindent 2 }}
+  grpc:
+    port: {{ include "aerie.probePort" . }}
+    {{- with .liveness }}
+    service: {{ . | quote }}
+    {{- end }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
@@ -223,6 +268,11 @@ livenessProbe:
 - name: metrics
   containerPort: {{ .ctx.Values.config.metricsPort }}
   protocol: TCP
+{{- if .ctx.Values.security.tls.enabled }}
+- name: health
+  containerPort: {{ .ctx.Values.probes.healthPort }}
+  protocol: TCP
+{{- end }}
 {{- end }}
 
 {{/* Writable scratch mounts (the root filesystem is read-only). */}}
@@ -380,6 +430,8 @@ spec:
   value: /etc/aerie/tls/ca.crt
 - name: AERIE_TLS_SERVER_NAME
   value: {{ $s.tls.serverName | quote }}
+- name: AERIE_HEALTH_PORT
+  value: {{ .ctx.Values.probes.healthPort | int64 | quote }}
 {{- end }}
 {{- if $s.internalToken.enabled }}
 - name: AERIE_INTERNAL_TOKEN

@@ -1,0 +1,65 @@
+"""Which device the models run on, and the dtype that goes with it by default.
+
+    resolve_device("cuda:1") -> "cuda:1"      resolve_device(None) -> AERIE_DEVICE, else "cuda" when
+                                               a GPU is visible, else "cpu"
+    default_dtype("cuda") -> "bf16"            default_dtype("cpu") -> "fp32"
+
+A leaf module: torch is imported only to ask whether CUDA is available, so flag parsing stays light.
+Names are validated here once (`cpu`, `cuda`, `cuda:N`); everything downstream takes the string.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from services.errors import InvalidRequest
+
+DEVICE_ENV = "AERIE_DEVICE"
+_NAME = re.compile(r"^(cpu|cuda(:\d+)?)$")
+DEVICE_HELP = ("cpu, cuda or cuda:N (AERIE_DEVICE; default: cuda when a GPU is visible, else cpu). "
+               "--device cuda is implemented but untested on GPU hardware (README)")
+
+
+def check_device(name: str) -> str:
+    """Validate a device name without touching any GPU."""
+    value = name.strip().lower()
+    if not _NAME.match(value):
+        raise InvalidRequest(f"device must be cpu, cuda or cuda:N; got {name!r}")
+    return value
+
+
+def resolve_device(name: str | None = None) -> str:
+    """The device to run on: `name`, else AERIE_DEVICE, else cuda when available, else cpu.
+    A cuda device that is not there is a clear error, not a crash in the first forward."""
+    if name is None or name == "":
+        name = os.environ.get(DEVICE_ENV) or None
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    value = check_device(name)
+    if value.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise InvalidRequest(f"device {value!r} asked for, but torch sees no CUDA GPU "
+                                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+        index = int(value.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise InvalidRequest(f"device {value!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return value
+
+
+def is_gpu(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def default_dtype(device: str) -> str:
+    """bf16 on a GPU (its tensor cores' native format), fp32 on the CPU (token-exact against
+    transformers, and bf16 is no faster on this CPU: README "Cheaper rounds")."""
+    return "bf16" if is_gpu(device) else "fp32"
+
+
+def default_draft_dtype(device: str) -> str:
+    """int8 dynamic linears on the CPU (the cheapest draft step there); torch's dynamic int8 kernels
+    are CPU-only, so bf16 on a GPU."""
+    return "bf16" if is_gpu(device) else "int8"
