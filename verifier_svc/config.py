@@ -94,7 +94,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
     add_batch_flags(p)
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
-                   help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES)")
+                   help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES; default: 512)")
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
                    help="most KV rows one sequence may reserve (AERIE_MAX_SEQUENCE_ROWS; default: the target's "
                         "context + --max-tree-nodes)")
