@@ -102,7 +102,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator = build(config)
     except redis.RedisError as e:
-        raise ConfigError(f"cannot reach Redis at {config.redis_url}: {e}") from None
+        from services.rpc.security import redact
+
+        raise ConfigError(f"cannot reach Redis at {redact(config.redis_url)}: {e}") from None
 
     http = None
     ports: dict[str, int] = {}
@@ -119,7 +121,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
             host = config.service.host if config.service.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
             http = await start_http(f"{host}:{port}", config.service.host, config.http_port,
-                                    config.service.max_message_bytes, coordinator.security, own_token)
+                                    config.service.max_message_bytes, coordinator.security, own_token,
+                                    (config.service.tls_cert, config.service.tls_key) if config.service.tls_cert else None)
             ports["http_port"] = http.port
         return server, port
 

@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--redis-appendfsync", choices=("everysec", "always"), default="everysec",
                    help="everysec: a killed Redis loses nothing, an OS crash up to 1 s; always: fsync "
                         "before every reply")
+    f.add_argument("--redis-maxmemory", default="1gb",
+                   help="the started Redis's maxmemory (policy noeviction: a full Redis refuses writes, it never "
+                        "evicts a live sequence; default: 1gb)")
     p.set_defaults(func=cmd_up)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.rpc.security import redact
 from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50051
@@ -66,7 +67,7 @@ class CoordinatorConfig:
         parse_endpoints(",".join(self.verifiers), "verifiers")
         parse_endpoints(",".join(self.drafters), "drafters")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {self.redis_url!r}")
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {redact(self.redis_url)!r}")
         if self.redis_retry_s < 0:
             raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s"):
@@ -102,7 +103,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-sequences-per-client", type=int, default=env("AERIE_MAX_SEQUENCES_PER_CLIENT", 64),
                    help="Generate streams one client may have open at once, by API identity, else by peer host; "
-                        "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT)")
+                        "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT; default: 64)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
                    help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),

@@ -176,7 +176,9 @@ class SequenceStore:
     @classmethod
     def from_url(cls, url: str, ttl_s: int, finished_ttl_s: int | None = None, retry_s: float = 0.0,
                  lease_ttl_s: float = 10.0) -> SequenceStore:
-        return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10,
+        from services.rpc.security import redis_password
+
+        return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10, **redis_password(),
                                         socket_connect_timeout=5, health_check_interval=30),
                    ttl_s, finished_ttl_s, retry_s, lease_ttl_s)
 

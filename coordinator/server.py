@@ -100,12 +100,11 @@ async def create_server(address: str, config: CoordinatorConfig, coordinator: Co
 
 def with_gateway_token(coordinator: Coordinator) -> str:
     """A fresh API token for the in-process HTTP gateway's own calls (identity "gateway", known to
-    this process only), added to the coordinator's accepted tokens. Call it before create_server."""
-    import dataclasses
+    this process only), added to the coordinator's accepted tokens (the same dict its ServerAuth
+    interceptor reads, so the order against create_server does not matter)."""
     import secrets
 
     token = secrets.token_urlsafe(32)
-    security = coordinator.security or Security()
-    coordinator.security = dataclasses.replace(security, api_tokens={**security.api_tokens, token: "gateway"})
-    coordinator.servicer.security = coordinator.security
+    assert coordinator.security is not None and coordinator.security.api_tokens, "only with API tokens"
+    coordinator.security.api_tokens[token] = "gateway"
     return token

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.engine.local import resolve_draft, split_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
-from coordinator.redis_server import start_redis, stop_process
+from coordinator.redis_server import redact, start_redis, stop_process
 
 
 class ServiceFailed(AerieError):
@@ -43,8 +44,11 @@ class ServiceFailed(AerieError):
 class Service:
     """One supervised process of `aerie up`: a verifier, drafter or coordinator (`aerie_cli ROLE`)."""
 
-    def __init__(self, role: str, argv: list[str], workdir: Path, host: str, index: int = 0, port: int = 0) -> None:
+    def __init__(self, role: str, argv: list[str], workdir: Path, host: str, index: int = 0, port: int = 0,
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: extra environment (secrets such as AERIE_REDIS_URL travel here, never in argv)."""
         self.role = role
+        self.env = {**os.environ, **(env or {})}
         self.name = role if index == 0 else f"{role}-{index}"
         self.host = host
         self.argv = argv
@@ -58,7 +62,7 @@ class Service:
         self.port_file.unlink(missing_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", self.role, *self.argv,
                                       "--port", str(port), "--port-file", str(self.port_file)],
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
 
     def restart(self) -> None:
         """Start it again on the same port (coordinators and clients keep the same address)."""
@@ -105,11 +109,12 @@ class RedisService:
 
     role = name = "redis"
 
-    def __init__(self, directory: Path, appendfsync: str) -> None:
+    def __init__(self, directory: Path, appendfsync: str, maxmemory: str) -> None:
         self.directory = directory
         self.appendfsync = appendfsync
+        self.maxmemory = maxmemory
         self.restarts = 0
-        self.proc, self.url = start_redis(directory, appendfsync=appendfsync)
+        self.proc, self.url = start_redis(directory, appendfsync=appendfsync, secure=True, maxmemory=maxmemory)
         self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
 
     @property
@@ -118,7 +123,8 @@ class RedisService:
 
     def restart(self) -> None:
         self.restarts += 1
-        self.proc, _ = start_redis(self.directory, self.port, appendfsync=self.appendfsync)
+        self.proc, _ = start_redis(self.directory, self.port, appendfsync=self.appendfsync, secure=True,
+                                   maxmemory=self.maxmemory)
 
 
 def write_state(path: str | None, processes: list) -> None:
@@ -157,43 +163,56 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url = args.redis_url
         if redis_url is None:
             redis_service = RedisService(Path(args.redis_dir) if args.redis_dir else workdir / "redis",
-                                         args.redis_appendfsync)
+                                         args.redis_appendfsync, args.redis_maxmemory)
             redis_url = redis_service.url
+        # the URL holds the password: it reaches the services in their environment, never their argv
+        # drafters and verifiers accept only this run's coordinators: a token generated per run (or the
+        # caller's AERIE_INTERNAL_TOKEN), in the environment like the Redis URL
+        secret_env = {"AERIE_REDIS_URL": redis_url,
+                      "AERIE_INTERNAL_TOKEN": os.environ.get("AERIE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)}
         common = ["--host", args.host, "--metrics-port", "0"]
         model = ((["--dtype", args.dtype] if args.dtype else []) + (["--target", args.target] if args.target else [])
                  + (["--device", args.device] if getattr(args, "device", None) else []))
-        register = ["--redis-url", redis_url]  # replicas register with a heartbeat (services/rpc/registry.py)
+        # replicas register with a heartbeat (services/rpc/registry.py) in the Redis of AERIE_REDIS_URL
         draft = resolve_draft(args.draft, args.target)
         deadline = time.monotonic() + args.startup_timeout_s
         group = ["--tp", str(args.tp), "--executor", args.executor] if getattr(args, "tp", 1) > 1 else []
-        verifiers = [Service("verifier", [*common, *model, *register, *group], workdir, args.host, i)
+        verifiers = [Service("verifier", [*common, *model, *group], workdir, args.host, i, env=secret_env)
                      for i in range(args.verifiers)]
         shape = [f"--tree-{name}={value}" for name, value in
                  (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
                  if value is not None]  # none given: the auto budget
         drafters = [] if draft is None else [
-            Service("drafter", [*common, *model, *register, "--draft", draft, *shape, *draft_flags(args)],
-                    workdir, args.host, i) for i in range(args.drafters)]
+            Service("drafter", [*common, *model, "--draft", draft, *shape, *draft_flags(args)],
+                    workdir, args.host, i, env=secret_env) for i in range(args.drafters)]
         services += verifiers + drafters
         for s in services:
             s.wait_ready(deadline)
         pools = ["--verifiers", ",".join(v.address for v in verifiers),
-                 "--drafters", ",".join(d.address for d in drafters), "--redis-url", redis_url,
+                 "--drafters", ",".join(d.address for d in drafters),
                  *(["--retrieval"] if split_draft(args.draft)[1] else [])]
         coordinators = [Service("coordinator", [*common, *pools, "--http-port", str(args.http_port if i == 0 else 0)],
-                                workdir, args.host, i, args.port if i == 0 else 0)
+                                workdir, args.host, i, args.port if i == 0 else 0, env=secret_env)
                         for i in range(args.coordinators)]
         services += coordinators
         for c in coordinators:
             c.wait_ready(deadline)
         supervised = ([redis_service] if redis_service else []) + services
         write_state(args.state_file, supervised)
-        print(f"redis        {redis_url}{'' if redis_service is None else f' (pid {redis_service.proc.pid})'}",
-              flush=True)
+        where = "" if redis_service is None else \
+            f" (pid {redis_service.proc.pid}; password in {redis_service.directory / 'password'}, mode 0600)"
+        print(f"redis        {redact(redis_url)}{where}", flush=True)
         for s in services:
             print(s.describe(), flush=True)
         print(f"http         http://{args.host}:{json.loads(coordinators[0].port_file.read_text())['http_port']}/v1 "
               f"(OpenAI-compatible; docs/clients.md)", flush=True)
+        if args.host in ("127.0.0.1", "localhost", "::1"):
+            print("security     local mode: loopback only, plaintext, no API tokens; drafters/verifiers take "
+                  "only this run's coordinators (a generated internal token); Redis has a password "
+                  "(docs/security.md)", flush=True)
+        else:
+            print(f"security     WARNING: services listen on {args.host} WITHOUT TLS or API tokens: anyone who can "
+                  f"reach this machine can use and read them (docs/security.md)", file=sys.stderr, flush=True)
         if not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinators[0].address} --prompt 'Hello'   (Ctrl-C stops)",

@@ -95,7 +95,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
     add_batch_flags(p)
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
-                   help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES)")
+                   help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES; default: 512)")
 
 
 def from_args(args: argparse.Namespace) -> DrafterConfig:

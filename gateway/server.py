@@ -35,14 +35,17 @@ class HttpServer:
 
 async def start_http(coordinator_address: str, host: str, port: int,
                      max_message_bytes: int = 64 * 1024 * 1024, security: Security = NONE,
-                     own_token: str | None = None) -> HttpServer:
-    """`security`/`own_token`: see gateway.app.Gateway (the coordinator's TLS and API tokens)."""
+                     own_token: str | None = None, tls_files: tuple[str, str] | None = None) -> HttpServer:
+    """`security`/`own_token`: see gateway.app.Gateway (the coordinator's TLS and API tokens);
+    `tls_files`: (certificate, key) PEM files: serve HTTPS (the coordinator's own certificate)."""
     gateway = Gateway(coordinator_address, max_message_bytes, security, own_token)
     await gateway.open()
     # keep-alive: uvicorn's 5 s default closes idle connections that clients (the openai SDK's pool)
     # are about to reuse, and the request racing the close fails; 75 s outlasts common client pools.
     config = uvicorn.Config(gateway.app(), host=host, port=port, log_level="warning", lifespan="off",
-                            access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
+                            access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                            ssl_certfile=tls_files[0] if tls_files else None,
+                            ssl_keyfile=tls_files[1] if tls_files else None)
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)

@@ -116,7 +116,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
                    help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
-                   help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES)")
+                   help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES; default: 512)")
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
                    help="most KV rows one sequence may reserve (AERIE_MAX_SEQUENCE_ROWS; default: the target's "
                         "context + --max-tree-nodes)")

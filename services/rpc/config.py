@@ -50,6 +50,7 @@ class ServiceConfig:
     internal_token_file: str | None = None  # shared secret between coordinators and drafters/verifiers
     api_tokens_file: str | None = None  # coordinator: `identity token` lines; the public API needs one
     tls_server_name: str | None = None  # the name peers' certificates are checked against (default: the address's host)
+    health_port: int | None = None  # also serve only the health service, plaintext, here (probes that cannot do TLS)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -60,6 +61,8 @@ class ServiceConfig:
             raise ConfigError(f"max_message_bytes must be >= {4 * MESSAGE_OVERHEAD}; got {self.max_message_bytes}")
         if logging.getLevelName(self.log_level.upper()) not in range(0, 60):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR; got {self.log_level!r}")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ConfigError(f"health_port must be in [0, 65535]; got {self.health_port}")
         if self.drain_s < 0:
             raise ConfigError(f"drain_s must be >= 0; got {self.drain_s}")
 
@@ -91,16 +94,19 @@ def add_service_flags(p: argparse.ArgumentParser, port_env: str, default_port: i
     t.add_argument("--tls-cert", default=env("AERIE_TLS_CERT"),
                    help="PEM certificate of this server, also its client certificate (AERIE_TLS_CERT; default: "
                         "plaintext)")
-    t.add_argument("--tls-key", default=env("AERIE_TLS_KEY"), help="PEM key of --tls-cert (AERIE_TLS_KEY)")
+    t.add_argument("--tls-key", default=env("AERIE_TLS_KEY"), help="PEM key of --tls-cert (AERIE_TLS_KEY; default: none)")
     t.add_argument("--tls-ca", default=env("AERIE_TLS_CA"),
                    help="PEM CA that verifies peers; drafters and verifiers then require client certificates "
-                        "signed by it (mTLS) (AERIE_TLS_CA)")
+                        "signed by it (mTLS) (AERIE_TLS_CA; default: none)")
     t.add_argument("--tls-server-name", default=env("AERIE_TLS_SERVER_NAME"),
                    help="check the certificates of the drafters/verifiers this calls against this name instead of "
-                        "the host of their address (AERIE_TLS_SERVER_NAME; pods are dialled by IP)")
+                        "the host of their address (AERIE_TLS_SERVER_NAME; default: the host; pods are dialled by IP)")
+    t.add_argument("--health-port", type=int, default=env("AERIE_HEALTH_PORT"),
+                   help="also serve the gRPC health service alone, plaintext, on this port, for probes that "
+                        "cannot speak TLS (AERIE_HEALTH_PORT; default: off)")
     t.add_argument("--internal-token-file", default=env("AERIE_INTERNAL_TOKEN_FILE"),
                    help="file holding the token drafters/verifiers require and coordinators send "
-                        "(AERIE_INTERNAL_TOKEN_FILE, or the token itself in AERIE_INTERNAL_TOKEN)")
+                        "(AERIE_INTERNAL_TOKEN_FILE, or the token itself in AERIE_INTERNAL_TOKEN; default: none)")
     t.add_argument("--api-tokens-file", default=env("AERIE_API_TOKENS_FILE"),
                    help="coordinator: file of 'identity token' lines; the public API then needs a bearer token "
                         "(AERIE_API_TOKENS_FILE; default: open, every caller is 'anonymous')")
@@ -111,7 +117,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
                          metrics_port=args.metrics_port, max_message_bytes=args.max_message_bytes,
                          drain_s=args.drain_s, port_file=args.port_file, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca, internal_token_file=args.internal_token_file,
-                         api_tokens_file=args.api_tokens_file, tls_server_name=args.tls_server_name)
+                         api_tokens_file=args.api_tokens_file, tls_server_name=args.tls_server_name,
+                         health_port=args.health_port)
 
 
 def configure_logging(level: str, service: str) -> None:

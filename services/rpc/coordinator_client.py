@@ -24,6 +24,7 @@ from services.engine.engine import GenerationRequest, StepOutput
 from services.errors import AerieError, InvalidRequest
 from services.rpc import codec
 from services.rpc.channel import open_channel
+from services.rpc.security import Security
 from services.rpc.config import DEFAULT_MAX_MESSAGE_BYTES
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
@@ -63,9 +64,13 @@ class RemoteEngine:
 class RemoteSession:
     """What `aerie generate` needs from an engine: `.engine.generate`, `.tokenizer`, paths, tree."""
 
-    def __init__(self, address: str, tokenizer: Any | None, target_path: str, timeout_s: float | None) -> None:
+    def __init__(self, address: str, tokenizer: Any | None, target_path: str, timeout_s: float | None,
+                 security: Security | None = None) -> None:
+        """`security`: TLS and the API token; default from AERIE_TLS_CA (+ AERIE_TLS_CERT/KEY) and
+        AERIE_API_TOKEN (services/rpc/security.py)."""
         self.address = address
-        self.channel = open_channel(address, DEFAULT_MAX_MESSAGE_BYTES)
+        self.channel = open_channel(address, DEFAULT_MAX_MESSAGE_BYTES,
+                                    security if security is not None else Security.client_from_env())
         self.stub = coordinator_grpc.CoordinatorStub(self.channel)
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.rpc.security import redact
 from services.rpc.config import ConfigError, env
 
 log = logging.getLogger("aerie.registry")
@@ -46,7 +47,7 @@ class RegistrationConfig:
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {self.redis_url!r}")
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {redact(self.redis_url)!r}")
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ConfigError(f"need 0 < heartbeat_s < heartbeat_ttl_s; got {self.heartbeat_s} and {self.ttl_s}")
 
@@ -94,7 +95,10 @@ def advertised_address(host: str, port: int, advertise: str = "") -> str:
 def connect(url: str):
     import redis  # not at import time: the flags above build `aerie verifier --help`
 
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
+    from services.rpc.security import redis_password
+
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2,
+                                **redis_password())
 
 
 class Registration:

@@ -28,11 +28,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import grpc
+from typing import TYPE_CHECKING
 
 from services.errors import AerieError
 from services.rpc.config import ConfigError
+
+if TYPE_CHECKING:  # `--help` of every command imports this module: no grpc at import time
+    import grpc
 
 ANONYMOUS = "anonymous"  # the identity of every caller when the coordinator has no API tokens
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -81,12 +83,12 @@ class Security:
     key: bytes | None = field(default=None, repr=False)
     ca: bytes | None = field(default=None, repr=False)
     internal_token: str | None = field(default=None, repr=False)  # drafters/verifiers require it; coordinators send it
-    api_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)  # token -> identity (coordinator)
+    api_tokens: dict[str, str] = field(default_factory=dict, repr=False)  # token -> identity (coordinator)
     client_token: str | None = field(default=None, repr=False)  # a public-API client's own bearer token
     server_name: str | None = None  # check peers' certificates against this name (pods are dialled by IP)
 
     @classmethod
-    def load(cls, service, api_tokens_file: str | None = None) -> Security:
+    def load(cls, service) -> Security:
         """From a ServiceConfig's file names (and AERIE_INTERNAL_TOKEN in the environment)."""
         cert, key = _read(service.tls_cert, "AERIE_TLS_CERT"), _read(service.tls_key, "AERIE_TLS_KEY")
         if (cert is None) != (key is None):
@@ -94,7 +96,7 @@ class Security:
         token_file = _read(service.internal_token_file, "AERIE_INTERNAL_TOKEN_FILE")
         internal = (token_file.decode().strip() if token_file is not None else
                     os.environ.get("AERIE_INTERNAL_TOKEN", "").strip()) or None
-        tokens = _read(api_tokens_file, "AERIE_API_TOKENS_FILE")
+        tokens = _read(service.api_tokens_file, "AERIE_API_TOKENS_FILE")
         return cls(cert, key, _read(service.tls_ca, "AERIE_TLS_CA"), internal,
                    parse_tokens(tokens.decode()) if tokens is not None else {},
                    server_name=service.tls_server_name)
@@ -121,12 +123,16 @@ class Security:
         """None = plaintext. A CA with `require_client_cert` = mTLS (drafters and verifiers)."""
         if not self.tls:
             return None
+        import grpc
+
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=require_client_cert and self.ca is not None)
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.client_tls:
             return None
+        import grpc
+
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
@@ -163,3 +169,21 @@ def peer_host(peer: str) -> str:
     changes with every connection, its host does not."""
     head, sep, tail = peer.rpartition(":")
     return head if sep and tail.isdigit() and head.count(":") >= 1 else peer
+
+
+def redact(url: str) -> str:
+    """A Redis (or any) URL without its password: what is printed and logged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redis_password() -> dict[str, str]:
+    """{"password": ...} from AERIE_REDIS_PASSWORD when set (the Helm chart passes the Secret's value
+    there, so any character is safe: nothing has to be URL-encoded into AERIE_REDIS_URL), else {}."""
+    password = os.environ.get("AERIE_REDIS_PASSWORD")
+    return {"password": password} if password else {}

@@ -31,6 +31,7 @@ from services.rpc.security import Security
 
 log = logging.getLogger("aerie.rpc")
 _HEALTH: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()
+_HEALTH_ONLY: weakref.WeakKeyDictionary[grpc.aio.Server, grpc.aio.Server] = weakref.WeakKeyDictionary()
 
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -100,7 +101,21 @@ async def create_server(address: str, config: ServiceConfig, service: str,
     (log.warning if warn else log.info)(line)
     await server.start()
     _HEALTH[server] = health_servicer
+    if config.health_port is not None:
+        _HEALTH_ONLY[server] = await _health_only_server(health_servicer, config)
     return server, port
+
+
+async def _health_only_server(health_servicer, config: ServiceConfig) -> grpc.aio.Server:
+    """AERIE_HEALTH_PORT: a plaintext server with the same health servicer and nothing else, for
+    probes that cannot speak TLS (kubelet gRPC probes). It reveals SERVING / NOT_SERVING only."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    host = config.host
+    address = f"[{host}]:{config.health_port}" if ":" in host else f"{host}:{config.health_port}"
+    server.add_insecure_port(address)
+    await server.start()
+    return server
 
 
 def health_of(server: grpc.aio.Server) -> health.aio.HealthServicer:
@@ -119,6 +134,9 @@ async def drain(server: grpc.aio.Server, grace_s: float,
     if before_stop is not None:
         await before_stop()
     await server.stop(grace_s)
+    health_only = _HEALTH_ONLY.pop(server, None)
+    if health_only is not None:
+        await health_only.stop(None)
 
 
 async def set_serving(server: grpc.aio.Server, serving: bool, names: Sequence[str] = ()) -> None:

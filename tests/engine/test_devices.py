@@ -77,7 +77,7 @@ def test_verify_round_on_the_device_until_the_one_host_copy(llama_pair):
     verifier = Verifier(model, "hidden")
     slot = verifier.runner.allocate(64)
     verifier.runner.pool.cache(slot).length = 10  # as if a 10-token prompt had been prefilled
-    verifier._seqs["s"] = _Sequence(slot, 10, 64, SamplingParams())
+    verifier._seqs["s"] = _Sequence(slot, 10, 64, SamplingParams(), "hidden")
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as info:
         verifier.verify("s", small_tree("cpu"), 1)  # a host tree, as the drafter service sends it
     frames = [f for f in traceback.extract_tb(info.tb) if "/services/" in f.filename]

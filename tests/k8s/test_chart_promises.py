@@ -54,11 +54,11 @@ NOT_SET_BY_CHART = {
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
     "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default both:2 (README, Cheaper rounds)",
-    # Not in the chart yet (README "Not done yet"): the coordinator pod mounts no model, so it serves
-    # token ids only there, and its HTTP API has no container/Service port.
-    "AERIE_TOKENIZER": "not in the chart yet: the coordinator pod has no model volume for the tokenizer",
-    "AERIE_SERVED_MODEL_NAME": "not in the chart yet (the name defaults to the target's file name)",
-    "AERIE_HTTP_PORT": "not in the chart yet: the HTTP API has no container or Service port there",
+    # security (docs/security.md)
+    "AERIE_API_TOKEN": "client side: the bearer token of `aerie generate --coordinator`",
+    "AERIE_INTERNAL_TOKEN_FILE": "the chart passes the token itself from a Secret (AERIE_INTERNAL_TOKEN)",
+    "AERIE_MAX_TREE_NODES": "the drafters'/verifiers' own cap (512) is far above the budget's largest tree (32)",
+    "AERIE_MAX_SEQUENCE_ROWS": "default: the target's context + one tree; set it through extraEnv to cap KV per sequence",
 }
 
 
@@ -69,12 +69,10 @@ def model_path(values: dict, p: str) -> str:
 def redis_url(values: dict) -> str:
     if values["redis"]["enabled"]:
         r = values["redis"]
-        return f"redis://:$(REDIS_PASSWORD)@{RELEASE}-redis.{NAMESPACE}.svc:{r['port']}/{r['db']}"
+        return f"redis://{RELEASE}-redis.{NAMESPACE}.svc:{r['port']}/{r['db']}"  # no password in the URL
     ext = values["externalRedis"]
     scheme, rest = ext["url"].split("://", 1)
     user = ext["username"]
-    if ext["existingSecret"]:
-        return f"{scheme}://{user}:$(REDIS_PASSWORD)@{rest}"
     return f"{scheme}://{user}@{rest}" if user else ext["url"]
 
 
@@ -123,6 +121,10 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_REDIS_RETRY_S": str(c["redisRetrySeconds"]),
             "AERIE_DISCOVER": str(c["discoverRegistered"]),
             "AERIE_DISCOVER_INTERVAL_S": str(c["discoverIntervalSeconds"]),
+            "AERIE_HTTP_PORT": str(c["httpPort"]),
+            "AERIE_MAX_SEQUENCES_PER_CLIENT": str(c["maxSequencesPerClient"]),
+            "AERIE_TOKENIZER": model_path(v, c["tokenizer"]) if c["tokenizer"] else None,
+            "AERIE_SERVED_MODEL_NAME": c["servedModelName"] or None,
         },
         "drafter": common | model | {
             "AERIE_DRAFTER_PORT": str(d["port"]),
@@ -265,19 +267,20 @@ def test_redis_password_is_never_plain_text(helm, default_render):
     r = render(helm, [], ["--set", f"redis.auth.password={plain}"])
     assert plain not in r.text
     assert base64.b64decode(r.get("Secret", name("redis"))["data"]["redis-password"]).decode() == plain
-    # Consumers get it from the Secret; the URL only references the variable.
+    # Consumers get it from the Secret beside a URL without credentials: nothing to URL-encode, so
+    # any character is safe (tests/security/test_redis_hardening.py runs such a password for real).
     for rr in (default_render, r):
         env = rr.env("coordinator")
-        assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": name("redis"), "key": "redis-password"}}
-        assert "$(REDIS_PASSWORD)" in env["AERIE_REDIS_URL"]
+        assert env["AERIE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": name("redis"), "key": "redis-password"}}
+        assert "@" not in env["AERIE_REDIS_URL"] and "PASSWORD" not in env["AERIE_REDIS_URL"]
         redis_env = {e["name"]: e for e in rr.container("redis")["env"]}
         assert all("valueFrom" in e for e in redis_env.values())
 
 
 def test_existing_secret_is_used_and_no_secret_is_rendered(scale_render):
-    assert scale_render.kind("Secret") == []
+    assert [s for s in scale_render.kind("Secret") if "redis" in s["metadata"]["name"]] == []
     ref = {"secretKeyRef": {"name": "aerie-redis", "key": "password"}}
-    assert scale_render.env("coordinator")["REDIS_PASSWORD"] == ref
+    assert scale_render.env("coordinator")["AERIE_REDIS_PASSWORD"] == ref
     assert {e["name"]: e.get("valueFrom") for e in scale_render.container("redis")["env"]}["REDIS_PASSWORD"] == ref
 
 
@@ -285,16 +288,16 @@ def test_external_redis_renders_no_redis(external_render):
     assert [d for d in external_render.docs if d["metadata"]["name"] == name("redis")] == []
     assert all(s["metadata"]["name"] != name("redis") for s in external_render.kind("StatefulSet"))
     assert [s["metadata"]["name"] for s in external_render.kind("StatefulSet")] == [name("verifier")]
-    assert external_render.kind("Secret") == []
+    assert [s for s in external_render.kind("Secret") if "redis" in s["metadata"]["name"]] == []
     env = external_render.env("coordinator")
-    assert env["AERIE_REDIS_URL"] == "rediss://aerie:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
-    assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "external-redis", "key": "redis-password"}}
+    assert env["AERIE_REDIS_URL"] == "rediss://aerie@redis.example.internal:6380/2"
+    assert env["AERIE_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "external-redis", "key": "redis-password"}}
 
 
 def test_external_redis_without_password(helm):
     r = render(helm, [], ["--set", "redis.enabled=false", "--set", "externalRedis.url=redis://redis.db:6379/0"])
     env = r.env("coordinator")
-    assert env["AERIE_REDIS_URL"] == "redis://redis.db:6379/0" and "REDIS_PASSWORD" not in env
+    assert env["AERIE_REDIS_URL"] == "redis://redis.db:6379/0" and "AERIE_REDIS_PASSWORD" not in env
 
 
 # --- security ----------------------------------------------------------------------------------
@@ -430,18 +433,28 @@ def test_services_read_no_setting_the_chart_does_not_know(helm):
 
 # --- probes and services -----------------------------------------------------------------------
 
-def test_probes_are_grpc_health_checks(rendered):
-    for component in AERIE:
-        c = rendered.container(component)
-        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
-        assert port == rendered.values[component]["port"]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (component, probe)
-            # readiness asks "": a coordinator is NOT_SERVING while Redis is unreachable or it drains; its
-            # liveness asks "liveness", which stays SERVING while Redis is down (a restart cannot help)
-            want = {"port": port, "service": "liveness"} if (component, probe) == ("coordinator", "livenessProbe") \
-                else {"port": port}
-            assert c[probe]["grpc"] == want, (component, probe)
+def test_probes_are_grpc_health_checks(rendered, helm):
+    """gRPC health probes. With TLS (the default) they ask the plaintext health-only port
+    (probes.healthPort -> AERIE_HEALTH_PORT): kubelet gRPC probes cannot speak TLS."""
+    plain = render(helm, [], ["--set", "security.tls.enabled=false"])
+    for r, tls in ((rendered, rendered.values["security"]["tls"]["enabled"]), (plain, False)):
+        for component in AERIE:
+            c = r.container(component)
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert ports["grpc"] == r.values[component]["port"]
+            port = ports["health"] if tls else ports["grpc"]
+            if tls:
+                assert port == r.values["probes"]["healthPort"]
+                assert r.env(component)["AERIE_HEALTH_PORT"] == str(port)
+            else:
+                assert "health" not in ports and "AERIE_HEALTH_PORT" not in r.env(component)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (component, probe)
+                # readiness asks "": a coordinator is NOT_SERVING while Redis is unreachable or it drains; its
+                # liveness asks "liveness", which stays SERVING while Redis is down (a restart cannot help)
+                want = {"port": port, "service": "liveness"} \
+                    if (component, probe) == ("coordinator", "livenessProbe") else {"port": port}
+                assert c[probe]["grpc"] == want, (component, probe)
 
 
 def test_pools_are_discovered_through_headless_services(rendered):
@@ -517,7 +530,8 @@ def test_clients_reach_coordinators(default_render, external_render):
     labels = pod_labels(default_render, "coordinator")
     [policy] = [p for p in default_render.kind("NetworkPolicy") if selects(p, labels)]
     [rule] = policy["spec"]["ingress"]
-    assert rule["ports"] == [{"port": "grpc", "protocol": "TCP"}] and "from" not in rule
+    assert rule["ports"] == [{"port": "grpc", "protocol": "TCP"}, {"port": "http", "protocol": "TCP"}]
+    assert "from" not in rule
     labels = pod_labels(external_render, "coordinator")
     [policy] = [p for p in external_render.kind("NetworkPolicy") if selects(p, labels)]
     [rule] = policy["spec"]["ingress"]

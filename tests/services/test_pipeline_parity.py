@@ -137,7 +137,7 @@ def test_metrics_are_recorded(session):
 
 def test_get_info_names_what_the_pipeline_serves(session, model_dirs):
     info = session.get_info()
-    assert info.target == str(model_dirs.target) and info.draft == str(model_dirs.head)
+    assert info.target == model_dirs.target.name and info.draft == model_dirs.head.name  # names, never paths
     assert (info.tree.top_k, info.tree.depth, info.tree.total_tokens) == (TREE.top_k, TREE.depth, TREE.total_tokens)
     assert info.dtype == "float32" and info.vocab_size == 128
 
@@ -164,4 +164,5 @@ def test_generate_coordinator_refuses_another_target(pipeline, model_dirs, capsy
                  "--prompt-ids", "1,2"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert f"--target {other} is not the target the pipeline at" in err and str(model_dirs.target) in err
+    assert f"--target {other} is not the target the pipeline at" in err
+    assert f"({model_dirs.target.name}, from its GetInfo)" in err  # the served model's name, never its path

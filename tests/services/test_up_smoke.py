@@ -38,11 +38,17 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
             assert time.monotonic() < deadline, lines
             lines.append(line.strip())
         roles = {line.split()[0]: line for line in lines[:-1]}
-        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "http"}, lines
+        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "http", "security"}, lines
+        assert roles["security"].startswith("security     local mode: loopback only")
         address = re.search(r"--coordinator (\S+)", lines[-1]).group(1)
         pids = [int(p) for p in re.findall(r"pid (\d+)", "\n".join(lines))]
         assert len(pids) == 4 and all(alive(p) for p in pids)
         assert all("metrics http://127.0.0.1:" in roles[r] for r in ("verifier", "drafter", "coordinator"))
+        # Redis has a generated password, printed nowhere and on no command line (docs/security.md)
+        password_file = re.search(r"password in (\S+), mode 0600", roles["redis"]).group(1)
+        password = open(password_file).read().strip()
+        assert "redis://:***@127.0.0.1:" in roles["redis"] and password not in "\n".join(lines)
+        assert password not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
         gen = ["generate", "--target", str(model_dirs.target), "--prompt-ids", "5,17,99,3,42",
                "--max-new-tokens", "30", "--json"]
@@ -51,7 +57,7 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
         assert main([*gen, *argv[2:]]) == 0
         local = json.loads(capsys.readouterr().out)
         assert remote["tokens"] == local["tokens"] and remote["accept_lengths"] == local["accept_lengths"]
-        assert remote["tree"] == local["tree"] and remote["draft"] == str(model_dirs.head)
+        assert remote["tree"] == local["tree"] and remote["draft"] == model_dirs.head.name  # names, no paths
         # the OpenAI-compatible HTTP API `aerie up` prints (no tokenizer here: token-id prompts)
         http = re.search(r"(http://\S+/v1)", roles["http"]).group(1)
         r = httpx.post(f"{http}/completions", json={"model": "target", "prompt": [5, 17, 99, 3, 42],

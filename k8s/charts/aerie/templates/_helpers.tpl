@@ -61,8 +61,9 @@ app.kubernetes.io/part-of: aerie
 
 {{/*
 Redis: the Secret holding the password ("" when there is none), its key, and the URL the coordinator
-gets as AERIE_REDIS_URL. The password enters the URL only through the REDIS_PASSWORD variable
-($(REDIS_PASSWORD) is expanded by the kubelet), so it never appears in a rendered manifest.
+gets as AERIE_REDIS_URL. The URL holds no password: the coordinator gets it as AERIE_REDIS_PASSWORD
+from the Secret and hands it to the Redis client separately, so it never appears in a rendered
+manifest and needs no URL-encoding (the kubelet would expand $(VAR) into a URL verbatim).
 */}}
 {{- define "aerie.redis.secretName" -}}
 {{- if .Values.redis.enabled }}
@@ -82,15 +83,13 @@ gets as AERIE_REDIS_URL. The password enters the URL only through the REDIS_PASS
 
 {{- define "aerie.redis.url" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://:$(REDIS_PASSWORD)@%s:%d/%d" (include "aerie.serviceHost" (dict "ctx" . "component" "redis")) (int .Values.redis.port) (int .Values.redis.db) }}
+{{- printf "redis://%s:%d/%d" (include "aerie.serviceHost" (dict "ctx" . "component" "redis")) (int .Values.redis.port) (int .Values.redis.db) }}
 {{- else }}
 {{- $url := required "externalRedis.url is required when redis.enabled is false" .Values.externalRedis.url }}
 {{- if not (regexMatch "^rediss?://[^/@]+(/[0-9]*)?$" $url) }}
 {{- fail (printf "externalRedis.url must look like redis://host:port/db or rediss://... without credentials (the password comes from externalRedis.existingSecret); got %q" $url) }}
 {{- end }}
-{{- if .Values.externalRedis.existingSecret }}
-{{- regexReplaceAll "^(rediss?://)" $url (printf "${1}%s:$(REDIS_PASSWORD)@" .Values.externalRedis.username) }}
-{{- else if .Values.externalRedis.username }}
+{{- if .Values.externalRedis.username }}
 {{- regexReplaceAll "^(rediss?://)" $url (printf "${1}%s@" .Values.externalRedis.username) }}
 {{- else }}
 {{- $url }}
@@ -193,6 +192,13 @@ checksum/config: {{ include (print .ctx.Template.BasePath "/configmap.yaml") .ct
   value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
 {{- end }}
 
+{{/* The port the probes ask: the gRPC port, or with security.tls.enabled the plaintext health-only
+port (AERIE_HEALTH_PORT = probes.healthPort: kubelet gRPC probes cannot speak TLS; that port serves the
+gRPC health service and nothing else, with the same statuses as the TLS port). */}}
+{{- define "aerie.probePort" -}}
+{{- if .ctx.Values.security.tls.enabled }}{{ .ctx.Values.probes.healthPort }}{{ else }}{{ .port }}{{ end }}
+{{- end }}
+
 {{/* Registration (coordinator.discoverRegistered "1"): the heartbeat settings of a drafter or
 verifier ConfigMap. */}}
 {{- define "aerie.registrationConfig" -}}
@@ -202,14 +208,14 @@ AERIE_HEARTBEAT_TTL_S: {{ .ctx.Values.registration.heartbeatTtlSeconds | toStrin
 {{- end }}
 {{- end }}
 
-{{/* Registration env of a drafter or verifier container: the Redis URL (its password only through
-$(REDIS_PASSWORD) from the Secret) and the address it advertises, its pod IP from the downward API.
-Empty while coordinator.discoverRegistered is "0". */}}
+{{/* Registration env of a drafter or verifier container: the Redis URL (no credentials; the password
+as AERIE_REDIS_PASSWORD from the Secret) and the address it advertises, its pod IP from the downward
+API. Empty while coordinator.discoverRegistered is "0". */}}
 {{- define "aerie.registrationEnv" -}}
 {{- if eq (.ctx.Values.coordinator.discoverRegistered | toString) "1" }}
 {{- $redisSecret := include "aerie.redis.secretName" .ctx }}
 {{- if $redisSecret }}
-- name: REDIS_PASSWORD
+- name: AERIE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ $redisSecret }}
@@ -234,18 +240,18 @@ the pod out of the Service), and a restart would not bring Redis back. */}}
 {{- $p := .ctx.Values.probes -}}
 startupProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ include "aerie.probePort" . }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 readinessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ include "aerie.probePort" . }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ include "aerie.probePort" . }}
     {{- with .liveness }}
     service: {{ . | quote }}
     {{- end }}
@@ -262,6 +268,11 @@ livenessProbe:
 - name: metrics
   containerPort: {{ .ctx.Values.config.metricsPort }}
   protocol: TCP
+{{- if .ctx.Values.security.tls.enabled }}
+- name: health
+  containerPort: {{ .ctx.Values.probes.healthPort }}
+  protocol: TCP
+{{- end }}
 {{- end }}
 
 {{/* Writable scratch mounts (the root filesystem is read-only). */}}
@@ -392,4 +403,73 @@ spec:
   selector:
     matchLabels:
       {{- include "aerie.selectorLabels" . | nindent 6 }}
+{{- end }}
+
+{{/* Security Secrets (templates/security.yaml): the TLS pair + CA, the internal token, the API tokens. */}}
+{{- define "aerie.tlsSecretName" -}}
+{{- default (include "aerie.componentName" (dict "ctx" . "component" "tls")) .Values.security.tls.existingSecret }}
+{{- end }}
+
+{{- define "aerie.internalTokenSecretName" -}}
+{{- default (include "aerie.componentName" (dict "ctx" . "component" "internal-token")) .Values.security.internalToken.existingSecret }}
+{{- end }}
+
+{{- define "aerie.apiTokensSecretName" -}}
+{{- default (include "aerie.componentName" (dict "ctx" . "component" "api-tokens")) .Values.security.apiTokens.existingSecret }}
+{{- end }}
+
+{{/* Environment of the trust boundaries (docs/security.md), for (dict "ctx" $ "component" name). */}}
+{{- define "aerie.securityEnv" -}}
+{{- $s := .ctx.Values.security }}
+{{- if $s.tls.enabled }}
+- name: AERIE_TLS_CERT
+  value: /etc/aerie/tls/tls.crt
+- name: AERIE_TLS_KEY
+  value: /etc/aerie/tls/tls.key
+- name: AERIE_TLS_CA
+  value: /etc/aerie/tls/ca.crt
+- name: AERIE_TLS_SERVER_NAME
+  value: {{ $s.tls.serverName | quote }}
+- name: AERIE_HEALTH_PORT
+  value: {{ .ctx.Values.probes.healthPort | int64 | quote }}
+{{- end }}
+{{- if $s.internalToken.enabled }}
+- name: AERIE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "aerie.internalTokenSecretName" .ctx }}
+      key: token
+{{- end }}
+{{- if and (eq .component "coordinator") $s.apiTokens.enabled }}
+- name: AERIE_API_TOKENS_FILE
+  value: /etc/aerie/api/tokens
+{{- end }}
+{{- end }}
+
+{{- define "aerie.securityMounts" -}}
+{{- if .ctx.Values.security.tls.enabled }}
+- name: tls
+  mountPath: /etc/aerie/tls
+  readOnly: true
+{{- end }}
+{{- if and (eq .component "coordinator") .ctx.Values.security.apiTokens.enabled }}
+- name: api-tokens
+  mountPath: /etc/aerie/api
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "aerie.securityVolumes" -}}
+{{- if .ctx.Values.security.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "aerie.tlsSecretName" .ctx }}
+    defaultMode: 0440
+{{- end }}
+{{- if and (eq .component "coordinator") .ctx.Values.security.apiTokens.enabled }}
+- name: api-tokens
+  secret:
+    secretName: {{ include "aerie.apiTokensSecretName" .ctx }}
+    defaultMode: 0440
+{{- end }}
 {{- end }}
