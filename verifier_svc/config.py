@@ -106,7 +106,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
     add_batch_flags(p)
     g.add_argument("--kv-budget-mb", type=float, default=env("AERIE_KV_BUDGET_MB"),
-                   help="KV memory for all sequences, MiB (AERIE_KV_BUDGET_MB; unset = unbounded): a Prefill whose "
+                   help="KV memory for all sequences, MiB (AERIE_KV_BUDGET_MB; default: unbounded): a Prefill whose "
                         "KV does not fit waits for KV to be released, then RESOURCE_EXHAUSTED naming the budget")
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
