@@ -275,14 +275,26 @@ def build_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor
     """tokens [N], parents [N] (-1 for the root; parents precede children), scores [N] -> the tree
     with its ancestor mask, depths and paths."""
     parent_list = parents.tolist()
-    n = len(parent_list)
-    mask = torch.eye(n, dtype=torch.bool, device=tokens.device)
-    mask[:, 0] = True
-    for i in range(1, n):
-        mask[i] |= mask[parent_list[i]]
+    mask = ancestor_mask(parents)
     depths = mask.sum(dim=1) - 1
     return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask,
                      paths=_paths(parent_list, depths.tolist(), sort_paths, tokens.device), scores=scores)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [N] (-1 for the root) -> [N, N] bool, mask[i, j] = j is i or an ancestor of i.
+
+    No per-node Python loop: the one-step relation R = I | parent-of is closed under composition by
+    repeated squaring (R <- R @ R, ceil(log2 N) matrix products on the tree's device), which reaches
+    every ancestor of a tree of depth < N."""
+    n = int(parents.shape[0])
+    device = parents.device
+    rows = torch.arange(n, device=device)
+    step = torch.eye(n, dtype=torch.float32, device=device)
+    step[rows, parents.clamp(min=0)] = 1.0  # the root's -1 becomes its own index 0: already set
+    for _ in range(max(1, (n - 1).bit_length())):
+        step = (step @ step).clamp_(max=1.0)
+    return step > 0
 
 
 def root_tree(root: int) -> DraftTree:
