@@ -26,7 +26,7 @@ def test_password_is_generated_kept_private_and_never_on_a_command_line(secured_
     for name in ("password", "redis.conf"):
         assert stat.S_IMODE((workdir / name).stat().st_mode) == 0o600, name
     assert password not in (workdir / "redis.conf").read_text()  # the server holds its SHA-256 only
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, check=True).stdout
     assert str(proc.pid) and "redis-server" in ps and password not in ps
     assert password not in (workdir / "redis.log").read_text()
     assert redact(url) == url.replace(password, "***") and password not in redact(url)

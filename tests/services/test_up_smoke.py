@@ -48,7 +48,7 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
         password_file = re.search(r"password in (\S+), mode 0600", roles["redis"]).group(1)
         password = open(password_file).read().strip()
         assert "redis://:***@127.0.0.1:" in roles["redis"] and password not in "\n".join(lines)
-        assert password not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert password not in subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
 
         gen = ["generate", "--target", str(model_dirs.target), "--prompt-ids", "5,17,99,3,42",
                "--max-new-tokens", "30", "--json"]
