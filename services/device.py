@@ -63,3 +63,28 @@ def default_draft_dtype(device: str) -> str:
     """int8 dynamic linears on the CPU (the cheapest draft step there); torch's dynamic int8 kernels
     are CPU-only, so bf16 on a GPU."""
     return "bf16" if is_gpu(device) else "int8"
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory free for new allocations on `device` now: the GPU's free bytes (cudaMemGetInfo), or on
+    the CPU the kernel's MemAvailable, lowered to what the process's cgroup (a pod's memory limit)
+    still allows when it has a limit."""
+    if is_gpu(device):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    try:  # cgroup v2: memory.max is "max" or bytes
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            free = min(free, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return free

@@ -40,7 +40,8 @@ class VerifierConfig:
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
     batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
-    kv_budget_mb: float | None = None  # KV memory of all sequences; None = unbounded
+    kv_budget_mb: float | None = None  # KV memory of all sequences; None = kv_budget_share of free memory
+    kv_budget_share: float = 0.5  # without kv_budget_mb: this share of the device's free memory at start; 0 = unbounded
     kv_wait_s: float = 5.0  # how long a Prefill whose KV does not fit waits for KV to be released
     kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
     prefill_chunk: int = 0  # prompt tokens per prefill forward (0 = the whole prompt in one)
@@ -50,6 +51,8 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:
             raise ConfigError(f"kv_budget_mb must be > 0 (or unset); got {self.kv_budget_mb}")
+        if not 0 <= self.kv_budget_share <= 1:
+            raise ConfigError(f"kv_budget_share must be in [0, 1] (0 = unbounded); got {self.kv_budget_share}")
         if not self.kv_wait_s >= 0:
             raise ConfigError(f"kv_wait_s must be >= 0; got {self.kv_wait_s}")
         if self.prefill_chunk < 0:
@@ -106,8 +109,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
     add_batch_flags(p)
     g.add_argument("--kv-budget-mb", type=float, default=env("AERIE_KV_BUDGET_MB"),
-                   help="KV memory for all sequences, MiB (AERIE_KV_BUDGET_MB; default: unbounded): a Prefill whose "
-                        "KV does not fit waits for KV to be released, then RESOURCE_EXHAUSTED naming the budget")
+                   help="KV memory for all sequences, MiB (AERIE_KV_BUDGET_MB; default: --kv-budget-share of the "
+                        "device's free memory at start): a Prefill whose KV does not fit waits for KV to be "
+                        "released, then RESOURCE_EXHAUSTED naming the budget")
+    g.add_argument("--kv-budget-share", type=float, default=env("AERIE_KV_BUDGET_SHARE", 0.5),
+                   help="without --kv-budget-mb: the share of the device's free memory (after the model is "
+                        "loaded) that KV may use (AERIE_KV_BUDGET_SHARE; default: 0.5; 0 = unbounded)")
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
     g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 0),
@@ -127,6 +134,6 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           max_sequences=args.max_sequences, max_prompt_tokens=args.max_prompt_tokens,
                           idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
                           max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
-                          kv_budget_mb=args.kv_budget_mb, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
+                          kv_budget_mb=args.kv_budget_mb, kv_budget_share=args.kv_budget_share, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
                           prefill_chunk=args.prefill_chunk,
                           tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)

@@ -14,11 +14,13 @@ repeated call (a retry after UNAVAILABLE) returns it instead of running the roun
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 
 import torch
 
+from services.device import free_memory_bytes
 from services.engine.batcher import Batcher, BatchStats
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
@@ -35,6 +37,8 @@ from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.budget import CostCurve
 from verifier_svc.config import VerifierConfig
+
+log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
 
@@ -59,8 +63,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
         self.runner = runner if runner is not None else ModelRunner(target)
         pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
-        if config.kv_budget_mb is not None and pool is not None:
-            pool.max_rows = max(1, int(config.kv_budget_mb * 2 ** 20) // pool.bytes_per_row)
+        if pool is not None:
+            pool.max_rows = kv_budget_rows(config, pool.bytes_per_row, str(target.device))
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
@@ -275,3 +279,16 @@ def _observe_batch(stats: BatchStats) -> None:
 def _check_round(round_index: int) -> None:
     if round_index < 1:
         raise InvalidRequest(f"round_index must be >= 1 (0 is the prefill); got {round_index}")
+
+
+def kv_budget_rows(config: VerifierConfig, bytes_per_row: int, device: str) -> int | None:
+    """The KV pool's rows budget: --kv-budget-mb, else --kv-budget-share of the device's free memory
+    now (the model is loaded), else None (unbounded: --kv-budget-share 0)."""
+    if config.kv_budget_mb is not None:
+        budget = int(config.kv_budget_mb * 2 ** 20)
+    elif config.kv_budget_share > 0:
+        budget = int(config.kv_budget_share * free_memory_bytes(device))
+    else:
+        return None
+    log.info("KV budget %.0f MiB (%d rows of %d bytes)", budget / 2 ** 20, budget // bytes_per_row, bytes_per_row)
+    return max(1, budget // bytes_per_row)

@@ -168,6 +168,24 @@ def test_kv_budget_admission_waits_then_refuses_naming_the_budget(pipeline, mode
     assert servicer.num_sequences == 1 and servicer.runner.pool.rows_allocated == 60
 
 
+def test_kv_budget_defaults_to_a_share_of_free_memory():
+    """Without --kv-budget-mb the budget is --kv-budget-share of the device's free memory (here the
+    CPU's MemAvailable, or the cgroup's remaining limit), 0 means unbounded, and an explicit budget
+    wins; a share outside [0, 1] is a configuration error naming it."""
+    from services.device import free_memory_bytes
+    from services.rpc.config import ConfigError
+    from verifier_svc.servicer import kv_budget_rows
+
+    bpr = 4096
+    free = free_memory_bytes("cpu")
+    rows = kv_budget_rows(VerifierConfig(ServiceConfig(host=HOST), kv_budget_share=0.25), bpr, "cpu")
+    assert rows is not None and abs(rows * bpr - 0.25 * free) < 0.05 * free  # free memory moves a little
+    assert kv_budget_rows(VerifierConfig(ServiceConfig(host=HOST), kv_budget_share=0), bpr, "cpu") is None
+    assert kv_budget_rows(VerifierConfig(ServiceConfig(host=HOST), kv_budget_mb=1.0), bpr, "cpu") == 256
+    with pytest.raises(ConfigError, match="kv_budget_share must be in"):
+        VerifierConfig(ServiceConfig(host=HOST), kv_budget_share=1.5)
+
+
 def test_chunked_prefill_equals_one_forward_and_lets_rounds_in_between(pipeline, model_dirs):
     """--prefill-chunk 4: an 11-token prompt is prefilled in 3 forwards (4 + 4 + 3 rows), each its
     own batcher call (another sequence's decode can run between them); the first token and the
