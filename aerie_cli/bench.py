@@ -50,8 +50,9 @@ def register(sub) -> None:
                    help="concurrency sweep repeats; the table shows the median (default: 1)")
     c.add_argument("--max-batch", type=int, default=16, help="the services' calls per forward (default: 16)")
     c.add_argument("--max-batch-rows", type=int, default=1024, help="the services' rows per forward (default: 1024)")
-    c.add_argument("--prefill-chunk", type=int, default=0,
-                   help="the verifier's prompt tokens per prefill forward (default: 0 = whole prompts)")
+    c.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the verifier's prompt tokens per prefill forward, 0 = whole prompts "
+                        "(default: the verifier's own default, 512)")
     p.add_argument("--json-out", default=None, help="write the results as JSON here (default: not written)")
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")

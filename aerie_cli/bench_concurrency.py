@@ -41,7 +41,7 @@ class Stack:
         batch = ["--max-batch", str(args.max_batch), "--max-batch-rows", str(args.max_batch_rows)]
         model = ["--dtype", dtype(args)] + (["--target", args.target] if args.target else [])
         deadline = time.monotonic() + 900
-        chunk = ["--prefill-chunk", str(args.prefill_chunk)] if getattr(args, "prefill_chunk", 0) else []
+        chunk = [] if getattr(args, "prefill_chunk", None) is None else ["--prefill-chunk", str(args.prefill_chunk)]
         verifier = self._start(Service("verifier", common + batch + model + chunk, work, HOST), deadline)
         draft = (["--draft", args.draft] if args.draft else []) + \
             (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \

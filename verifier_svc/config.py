@@ -44,7 +44,7 @@ class VerifierConfig:
     kv_budget_share: float = 0.5  # without kv_budget_mb: this share of the device's free memory at start; 0 = unbounded
     kv_wait_s: float = 5.0  # how long a Prefill whose KV does not fit waits for KV to be released
     kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
-    prefill_chunk: int = 0  # prompt tokens per prefill forward (0 = the whole prompt in one)
+    prefill_chunk: int = 512  # prompt tokens per prefill forward (0 = the whole prompt in one)
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
@@ -117,9 +117,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "loaded) that KV may use (AERIE_KV_BUDGET_SHARE; default: 0.5; 0 = unbounded)")
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
-    g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 0),
+    g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 512),
                    help="prompt tokens per prefill forward; other sequences' rounds run between the chunks "
-                        "(AERIE_PREFILL_CHUNK, 0 = off: the whole prompt in one forward)")
+                        "(AERIE_PREFILL_CHUNK; default: 512; 0 = off: the whole prompt in one forward)")
     g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
                    help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),

@@ -50,7 +50,7 @@ NOT_SET_BY_CHART = {
     "AERIE_KV_BUDGET_SHARE": "verifier KV budget as a share of free memory at start; the default 0.5 fits a pod",
     "AERIE_KV_WAIT_S": "KV admission wait under --kv-budget-mb; the default fits",
     "AERIE_KV_QUEUE": "KV admission queue under --kv-budget-mb; the default fits",
-    "AERIE_PREFILL_CHUNK": "chunked prefill is off by default (opt-in, measured only briefly)",
+    "AERIE_PREFILL_CHUNK": "chunked prefill: the code's measured default (512 tokens per chunk) fits",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
