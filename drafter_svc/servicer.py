@@ -11,21 +11,21 @@ of extending the draft KV twice.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from dataclasses import dataclass
 
-from services.engine.batcher import Batcher, BatchStats
+from services.engine.batcher import Batcher
 from services.engine.drafter import DraftCall, Drafter
 from services.errors import InvalidRequest
 from services.spec.budget import CostCurve
 from services.spec.tree import TreeParams
-from services.metrics import BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
+from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
 from services.rpc.reaper import IdleSequences, Reaper
+from services.rpc.server import batch_observer, timed
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import drafter_grpc
@@ -53,7 +53,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
         self.batcher: Batcher[_Work] = Batcher("drafter", self._run_batch, rows=self._rows,
                                                key=lambda w: w.call.seq_id, limits=config.batch,
-                                               on_batch=_observe_batch, expect=lambda: self.drafter.num_sequences)
+                                               on_batch=batch_observer(SERVICE), expect=lambda: self.drafter.num_sequences)
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
@@ -86,7 +86,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         if first is None:
             raise InvalidRequest("the Prefill stream carried no message")
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features.result(), params)
-        return await _timed(DRAFT_SECONDS.labels(SERVICE),
+        return await timed(DRAFT_SECONDS.labels(SERVICE),
                             self.batcher.call_async(_Work(call, 1, first.max_rows, first.sampling)))
 
     @rpc_errors
@@ -101,7 +101,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                                        shape=(len(tokens), self.feature_size))
         params = self._params(request)
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, params)
-        return await _timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, request.round_index)))
+        return await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, request.round_index)))
 
     @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -198,17 +198,3 @@ class _Work:
     max_rows: int | None = None  # a Prefill: the draft KV to reserve
     sampling: bool = False  # a Prefill: sampling paths order
 
-
-async def _timed(histogram, awaitable):
-    """Await and observe the wall time (queueing and batching included) in `histogram`."""
-    t0 = time.perf_counter()
-    try:
-        return await awaitable
-    finally:
-        histogram.observe(time.perf_counter() - t0)
-
-
-def _observe_batch(stats: BatchStats) -> None:
-    BATCH_SIZE.labels(SERVICE).observe(stats.size)
-    BATCH_ROWS.labels(SERVICE).observe(stats.rows)
-    BATCH_QUEUE.labels(SERVICE).set(stats.waiting)

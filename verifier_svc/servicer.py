@@ -21,17 +21,17 @@ from dataclasses import replace
 import torch
 
 from services.device import free_memory_bytes
-from services.engine.batcher import Batcher, BatchStats
+from services.engine.batcher import Batcher
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
-from services.metrics import (BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, PREFILL_SECONDS, SEQUENCES_IN_FLIGHT,
-                              VERIFY_SECONDS)
+from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.runner import ModelRunner
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
 from services.rpc.reaper import IdleSequences, Reaper
+from services.rpc.server import batch_observer, timed
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
@@ -72,7 +72,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
-                                              on_batch=_observe_batch, expect=lambda: len(self._kind))
+                                              on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
@@ -106,7 +106,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not n < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
-        result = await _timed(PREFILL_SECONDS.labels(SERVICE), self._prefill(
+        result = await timed(PREFILL_SECONDS.labels(SERVICE), self._prefill(
             PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
@@ -162,7 +162,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
-        return await _timed(VERIFY_SECONDS.labels(SERVICE),
+        return await timed(VERIFY_SECONDS.labels(SERVICE),
                             self.batcher.call_async(VerifyCall(seq_id, tree, request.round_index)))
 
     @rpc_errors
@@ -170,7 +170,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         token = codec.token_ids([request.token], self.vocab_size, "decode")[0]
-        return await _timed(VERIFY_SECONDS.labels(SERVICE),
+        return await timed(VERIFY_SECONDS.labels(SERVICE),
                             self.batcher.call_async(DecodeCall(seq_id, token, request.round_index)))
 
     @rpc_errors
@@ -260,20 +260,6 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             return last[1]
         raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest round {last[0]}")
 
-
-async def _timed(histogram, awaitable):
-    """Await and observe the wall time (queueing and batching included) in `histogram`."""
-    t0 = time.perf_counter()
-    try:
-        return await awaitable
-    finally:
-        histogram.observe(time.perf_counter() - t0)
-
-
-def _observe_batch(stats: BatchStats) -> None:
-    BATCH_SIZE.labels(SERVICE).observe(stats.size)
-    BATCH_ROWS.labels(SERVICE).observe(stats.rows)
-    BATCH_QUEUE.labels(SERVICE).set(stats.waiting)
 
 
 def _check_round(round_index: int) -> None:

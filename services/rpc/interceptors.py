@@ -21,15 +21,12 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
     pass
 
 
-class ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    @staticmethod
-    def _details(d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        if not telemetry.enabled():
-            return d
-        metadata = list(d.metadata or ())
-        telemetry.inject(metadata)
-        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+class _ClientDetails(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """A client interceptor that rewrites every call's details (`_details`), whatever its kind."""
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return d  # subclasses add their metadata
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
@@ -42,6 +39,16 @@ class ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return continuation(self._details(client_call_details), request_iterator)
+
+
+class ClientTracing(_ClientDetails):
+    @staticmethod
+    def _details(d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        if not telemetry.enabled():
+            return d
+        metadata = list(d.metadata or ())
+        telemetry.inject(metadata)
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
 
 class ServerTracing(grpc.aio.ServerInterceptor):
@@ -209,8 +216,7 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
     return grpc.stream_stream_rpc_method_handler(stream, **keep)
 
 
-class ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class ClientMetadata(_ClientDetails):
     """Adds `authorization: Bearer <token>` to every call of a channel."""
 
     def __init__(self, token: str) -> None:
@@ -220,14 +226,3 @@ class ClientMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         metadata = [m for m in (d.metadata or ()) if m[0] != "authorization"] + [self.header]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services import telemetry
-from services.metrics import serve_metrics
+from services.metrics import BATCH_QUEUE, BATCH_ROWS, BATCH_SIZE, serve_metrics
 from services.rpc.config import ServiceConfig
 from services.rpc.interceptors import ServerAuth, ServerDecoding, ServerTracing
 from services.rpc.security import Security
@@ -184,34 +185,20 @@ async def serve_forever(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int
     log.info("%s stopped", service)
 
 
-class ModelWorker:
-    """One worker thread for a service's model calls: the asyncio server stays responsive while a
-    forward runs, and the model (and its per-sequence KV) sees one call at a time."""
+async def timed(histogram, awaitable):
+    """Await and observe the wall time (queueing and batching included) in `histogram`."""
+    t0 = time.perf_counter()
+    try:
+        return await awaitable
+    finally:
+        histogram.observe(time.perf_counter() - t0)
 
-    def __init__(self, name: str) -> None:
-        from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+def batch_observer(service: str):
+    """A Batcher `on_batch` hook that exports each forward's batch size, rows and queue length."""
+    def observe(stats) -> None:
+        BATCH_SIZE.labels(service).observe(stats.size)
+        BATCH_ROWS.labels(service).observe(stats.rows)
+        BATCH_QUEUE.labels(service).set(stats.waiting)
 
-    async def __call__(self, fn, *args):
-        import asyncio
-
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def timed(self, histogram, fn, *args):
-        """Run `fn` on the worker and observe its wall time (queueing included) in `histogram`."""
-        import time
-
-        t0 = time.perf_counter()
-        try:
-            return await self(fn, *args)
-        finally:
-            histogram.observe(time.perf_counter() - t0)
-
-    def run(self, fn, *args):
-        """From another (non-asyncio) thread: run `fn` on the worker and wait for its result."""
-        return self._pool.submit(fn, *args).result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
+    return observe
