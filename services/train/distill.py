@@ -144,10 +144,11 @@ def ids_shift(ids: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def _draft_ids(head: DraftHead, target_ids: torch.Tensor) -> torch.Tensor:
-    """Map target ids to the head's draft vocabulary (-1 where a token has no draft id)."""
-    d2t = getattr(head, "d2t", None)
-    if d2t is None:
+    """Map target ids to the columns of `head.logits` (-1 where a token has no draft id): the
+    head's own d2t (EAGLE-3) or the reduced vocabulary it drafts from (`restrict_vocab`)."""
+    if getattr(head, "d2t", None) is None and head.vocab_d2t is None:
         return target_ids
+    cols = head.to_target(torch.arange(head.draft_vocab_size, device=target_ids.device))
     lookup = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-    lookup[d2t + torch.arange(d2t.shape[0])] = torch.arange(d2t.shape[0])
+    lookup[cols.cpu()] = torch.arange(cols.shape[0])
     return lookup[target_ids]

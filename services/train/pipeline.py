@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
     k = args.draft_vocab or t.vocab_size
     used = draft_vocab.select(counts, k)
     if args.init:
-        head = load_head(args.init, target, torch.float32)
+        head = load_head(args.init, target, torch.float32, draft_vocab=0)  # train on the full projection
         if (head.config.kind == "eagle") != (args.kind == "eagle"):
             raise InvalidRequest(f"--init {args.init} is a {head.config.kind} head, not {args.kind}")
         head.requires_grad_(False)

@@ -102,3 +102,25 @@ def test_pipeline_writes_eagle3_head_with_draft_vocab_that_loads(tmp_path):
     head = load_head(out, native)
     assert head.config.draft_vocab == 48 and torch.equal(head.to_target(torch.arange(48)), used)
     assert report["data"]["train_answer_tokens"] > 0 and len(report["dev"]["top1"]) == 2
+
+
+def test_evaluate_scores_a_head_restricted_to_a_draft_vocabulary_as_served(tmp_path):
+    # a served EAGLE-2 head projects onto K rows (restrict_vocab): its logits' columns are draft ids,
+    # and evaluation maps the target's tokens onto them (a token outside the K counts as a miss)
+    target = to_native(tiny_hf("llama", layers=2, seed=3))
+    train, held = samples(target, 12, 1), samples(target, 6, 2)
+    head = fresh(target)
+    train_head(head, train, TrainConfig(steps=60, batch_size=4, lr=3e-3, warmup=5, ttt_steps=1), tmp_path)
+    full = evaluate(head, held, depth=2)
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    for s in held:
+        counts += torch.bincount(s.next_tokens.clamp(min=0), minlength=VOCAB)
+    head.restrict_vocab(counts, int((counts > 0).sum()))  # every token the held-out answers need
+    assert head.draft_vocab_size < VOCAB
+    restricted = evaluate(head, held, depth=2)
+    # the same hits or more: the restricted argmax can only gain where the full one picked a token
+    # that is never the answer
+    assert restricted["tokens"] == full["tokens"]
+    assert restricted["top1"][0] >= full["top1"][0] > 0.3
+    head.restrict_vocab(counts, 1)  # one token: most answers are outside it, so agreement collapses
+    assert evaluate(head, held, depth=2)["top1"][0] < full["top1"][0] / 2
