@@ -53,9 +53,10 @@ BACKOFF_S = (0.2, 2.0)  # the wait before the first Resume try, doubling up to t
 def parse_addresses(value: str | Sequence[str], what: str = "--coordinator") -> tuple[str, ...]:
     """`"a:1,b:2"` (or a list) -> ("a:1", "b:2"): HOST:PORT entries, an IPv6 host in brackets
     (`[::1]:50051`). Raises InvalidRequest naming the entry that is not one."""
+    text = value if isinstance(value, str) else ",".join(value)
     entries = value.split(",") if isinstance(value, str) else list(value)
     if not entries or all(not e.strip() for e in entries):
-        raise InvalidRequest(f"{what} is empty: give HOST:PORT, or several as HOST:PORT,HOST:PORT")
+        raise InvalidRequest(f"{what} {text!r} is empty: give HOST:PORT, or several as HOST:PORT,HOST:PORT")
     out = []
     for raw in entries:
         entry = raw.strip()
@@ -71,8 +72,7 @@ def parse_addresses(value: str | Sequence[str], what: str = "--coordinator") -> 
         else:
             out.append(entry)
             continue
-        raise InvalidRequest(f"{what} {value if isinstance(value, str) else ','.join(value)!r}: "
-                             f"entry {raw!r} is {problem}")
+        raise InvalidRequest(f"{what} {text!r}: entry {raw!r} is {problem}")
     return tuple(out)
 
 
@@ -115,6 +115,7 @@ class RemoteEngine:
                         raise RemoteError(code, details) from None
                     if outage is None:
                         outage = _Outage(time.monotonic() + s.resume_s, received)
+                        s.breaks.append(details)
                     wait = outage.next_wait()
                     if time.monotonic() + wait > outage.give_up:
                         raise RemoteError(code, f"{details} (gave up resuming sequence {s.sequence_id!r} at "
@@ -173,6 +174,7 @@ class RemoteSession:
         self.placement: tuple[str, str] | None = None
         self.resumed_at: list[tuple[str, int]] = []  # (address, from_token_index) of each Resume that answered
         self.resume_tries = 0  # Resume calls made, the failed ones included
+        self.breaks: list[str] = []  # the UNAVAILABLE message that broke the stream, once per outage
         self.engine = RemoteEngine(self)
         self.use(0)
 
