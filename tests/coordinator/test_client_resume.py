@@ -37,33 +37,60 @@ def pipeline(model_dirs, redis_url):
     p.close()
 
 
-@pytest.fixture(scope="module")
-def coordinators(pipeline, redis_url, tmp_path_factory):
-    """Three coordinator processes on the pipeline's verifier and drafter: {address: Popen}."""
-    root = tmp_path_factory.mktemp("coordinators")
-    env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING"}
-    procs = []
-    for i in range(3):
-        argv = [sys.executable, "-m", "aerie_cli", "coordinator", "--host", "127.0.0.1", "--port", "0",
-                "--port-file", str(root / f"c{i}.json"), "--verifiers", pipeline.addresses["verifier"],
-                "--drafters", pipeline.addresses["drafter"], "--redis-url", redis_url, "--discover", "0",
-                "--lease-ttl-s", str(LEASE_TTL_S), "--drain-s", "0"]  # hand over at once: mid-stream
-        procs.append((root / f"c{i}.json", subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)))
-    out = {}
-    try:
+class Coordinators:
+    """Coordinator processes on the pipeline's verifier and drafter, by address."""
+
+    def __init__(self, pipeline, redis_url: str, root) -> None:
+        self.pipeline, self.redis_url, self.root = pipeline, redis_url, root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._n = 0
+
+    def start(self, count: int, port: int = 0) -> list[str]:
+        """Start `count` processes (in parallel) and wait until they serve; their addresses."""
+        env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING"}
+        started = []
+        for _ in range(count):
+            port_file = self.root / f"c{self._n}.json"
+            self._n += 1
+            argv = [sys.executable, "-m", "aerie_cli", "coordinator", "--host", "127.0.0.1", "--port", str(port),
+                    "--port-file", str(port_file), "--verifiers", self.pipeline.addresses["verifier"],
+                    "--drafters", self.pipeline.addresses["drafter"], "--redis-url", self.redis_url,
+                    "--discover", "0", "--lease-ttl-s", str(LEASE_TTL_S),
+                    "--drain-s", "0"]  # SIGTERM hands over at once: mid-stream
+            started.append((port_file, subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)))
         deadline = time.monotonic() + 120
-        for port_file, proc in procs:
-            while not port_file.exists() or not port_file.read_text().strip():
+        addresses = []
+        for port_file, proc in started:
+            while not port_file.exists():
                 assert proc.poll() is None, f"a coordinator exited with {proc.returncode}"
                 assert time.monotonic() < deadline, "a coordinator did not start in 120 s"
                 time.sleep(0.05)
-            out[f"127.0.0.1:{json.loads(port_file.read_text())['port']}"] = proc
-        yield out
-    finally:
-        for _, proc in procs:
+            address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+            self.procs[address] = proc
+            addresses.append(address)
+        return addresses
+
+    def __getitem__(self, address: str) -> subprocess.Popen:
+        return self.procs[address]
+
+    def __contains__(self, address: str) -> bool:
+        return address in self.procs
+
+    def close(self) -> None:
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
             proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def coordinators(pipeline, redis_url, tmp_path_factory):
+    c = Coordinators(pipeline, redis_url, tmp_path_factory.mktemp("coordinators"))
+    try:
+        c.start(4)
+        yield c
+    finally:
+        c.close()
 
 
 def expected_tokens(model_dirs, req):
@@ -75,7 +102,7 @@ def test_a_session_resumes_through_a_drain_and_a_kill(pipeline, coordinators, mo
     of the one it resumed on: one stream, exactly the undisturbed run's tokens."""
     req = GenerationRequest(PROMPT, NEW_TOKENS, SamplingParams(), ignore_eos=True)
     expected = expected_tokens(model_dirs, req)
-    first, second, _ = coordinators
+    first, second = list(coordinators.procs)[:2]
     # the in-process coordinator last: it is the one left after the two faults
     session = RemoteSession([first, second, pipeline.addresses["coordinator"]], None, "", timeout_s=120)
     got, reason, faults = [], None, []
@@ -104,7 +131,7 @@ def test_a_session_resumes_through_a_drain_and_a_kill(pipeline, coordinators, mo
 
 def test_without_resume_the_same_fault_fails_the_stream(pipeline, coordinators, model_dirs):
     """resume_s=0: the old behaviour, the stream's UNAVAILABLE reaches the caller (kill -9)."""
-    _, _, third = coordinators
+    third = list(coordinators.procs)[2]
     session = RemoteSession(f"{third},{pipeline.addresses['coordinator']}", None, "", timeout_s=120, resume_s=0)
     req = GenerationRequest(PROMPT, NEW_TOKENS, SamplingParams(), ignore_eos=True)
     got = []
@@ -123,6 +150,29 @@ def test_without_resume_the_same_fault_fails_the_stream(pipeline, coordinators, 
                or pipeline.coordinator.store.get(seq_id).status != "running", 30)
     other.cancel(seq_id)
     other.close()
+
+
+def test_one_address_is_retried_until_a_new_coordinator_serves_there(pipeline, coordinators, model_dirs):
+    """One address (a Kubernetes Service, or a pod replaced at the same address): kill -9 of the
+    coordinator there, a new one starts on the same port some seconds later; the stream resumes there."""
+    address = list(coordinators.procs)[3]
+    req = GenerationRequest(PROMPT, NEW_TOKENS, SamplingParams(), ignore_eos=True)
+    expected = expected_tokens(model_dirs, req)
+    session = RemoteSession(address, None, "", timeout_s=120)
+    got, restarted, restart = [], [], None
+    for step in session.engine.generate(req):  # the client retries while the new process starts
+        got += step.tokens
+        if len(got) >= 10 and restart is None:
+            coordinators[address].kill()
+            coordinators[address].wait(30)
+            restart = threading.Thread(target=lambda: restarted.extend(
+                coordinators.start(1, port=int(address.rsplit(":", 1)[1]))))
+            restart.start()
+    restart.join(120)
+    assert restarted == [address]
+    assert got == expected
+    assert session.resumes == 1 and session.resumed_at[0][0] == address and session.resume_tries > 1
+    session.close()
 
 
 def test_an_in_process_drain_is_resumed_by_aerie_generate(pipeline, model_dirs, redis_url, capsys):
