@@ -85,6 +85,8 @@ class RemoteEngine:
         UNAVAILABLE after the sequence id is known (a coordinator that drains or dies), it calls
         Resume(sequence_id, from_token_index=<tokens received>) on the next address (backoff 0.2 s
         doubling to 2 s, for up to `session.resume_s` per outage), so no token is missed or repeated.
+        A sequence that itself failed with UNAVAILABLE (no verifier left) costs one Resume try, which
+        answers ABORTED at once: the stream's own error is raised then, unchanged.
         A Resume stream's messages carry no round statistics (their accept_length is 0)."""
         s = self._session
         s.sequence_id = None  # until this stream's first message names it
@@ -111,10 +113,14 @@ class RemoteEngine:
                     return
                 except grpc.RpcError as e:
                     code, details = e.code(), e.details() or str(e)
+                    if code == grpc.StatusCode.ABORTED and outage is not None:
+                        # a Resume that says the sequence failed before it delivered anything: the
+                        # break was the sequence's own failure (e.g. no verifier), not its coordinator's
+                        raise outage.error from None
                     if code != grpc.StatusCode.UNAVAILABLE or not s.sequence_id or s.resume_s <= 0:
                         raise RemoteError(code, details) from None
                     if outage is None:
-                        outage = _Outage(time.monotonic() + s.resume_s, received)
+                        outage = _Outage(time.monotonic() + s.resume_s, received, RemoteError(code, details))
                         s.breaks.append(details)
                     wait = outage.next_wait()
                     if time.monotonic() + wait > outage.give_up:
@@ -133,11 +139,12 @@ class RemoteEngine:
 
 
 class _Outage:
-    """One break of the stream: when to give up, where it broke, the backoff."""
+    """One break of the stream: when to give up, where it broke, its error, the backoff."""
 
-    def __init__(self, give_up: float, from_index: int) -> None:
+    def __init__(self, give_up: float, from_index: int, error: RemoteError) -> None:
         self.give_up = give_up
         self.from_index = from_index
+        self.error = error
         self.tries = 0
         self._wait = BACKOFF_S[0]
 
