@@ -10,7 +10,11 @@ tensor-parallel transform can slice it (rows = column-parallel outputs; `PackedL
 each projection's row range so it can be sliced per projection). `freeze("transposed")` (inference
 only) replaces the storage by one contiguous [in, out] copy, `weight_t`, that `x @ weight_t` reads:
 MKL's `F.linear` path is slow at one row for wide outputs on this CPU (README "Cheaper rounds");
-`weight` is then a view of `weight_t`.
+`weight` is then a view of `weight_t`. `freeze("onednn")` keeps that one [in, out] copy for a single
+row and a oneDNN-prepacked copy for 2+ rows (`torch.ops.mkldnn._linear_pointwise`, the kernel
+torch.compile's CPU backend uses): MKL's sgemm costs ~2x per added row at 2-16 rows here, the packed
+kernel about the same at 1-16 rows (README "Cheaper rounds"); it falls back to "both" off the CPU or
+without oneDNN.
 
 A module owning a PackedLinear calls `keep_part_names(self, attr)`: its state_dict shows the parts
 under their own names (`q_proj.weight`, ...) and loading accepts them, concatenating at load time.
@@ -24,6 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
+ONEDNN_MIN_ROWS = 4  # fewer rows are padded with zero rows (README "Cheaper rounds")
+
+
 class Linear(nn.Module):
     """nn.Linear's parameters and numerics (fp32 accumulation by the same BLAS), with an optional
     pre-transposed storage for inference."""
@@ -35,6 +42,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weight_t: torch.Tensor | None = None  # [in, out] contiguous once frozen transposed
         self.max_rows_t = 1 << 30  # rows up to this use weight_t; more use F.linear (layout "both")
+        self.weight_packed: torch.Tensor | None = None  # oneDNN-packed copy for more rows (layout "onednn")
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # nn.Linear's init (training from scratch)
         if self.bias is not None:
             bound = 1 / in_features ** 0.5 if in_features else 0
@@ -44,6 +52,13 @@ class Linear(nn.Module):
         if self.weight_t is not None and x.shape[0] <= self.max_rows_t:
             y = x @ self.weight_t
             return y if self.bias is None else y + self.bias
+        packed = self.weight_packed
+        if packed is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == packed.dtype:
+            rows = x.shape[0]
+            if rows < ONEDNN_MIN_ROWS:  # its 2-3-row path is slower than its 4-row one here
+                x = F.pad(x, (0, 0, 0, ONEDNN_MIN_ROWS - rows))
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [], "")
+            return y[:rows]
         return F.linear(x, self.weight, self.bias)
 
     def freeze(self, layout: str, max_rows_t: int = 1) -> None:
@@ -51,19 +66,28 @@ class Linear(nn.Module):
         "hf"          keep [out, in]; F.linear for every row count
         "transposed"  ONE copy, [in, out] contiguous, `x @ weight_t` for every row count; `weight`
                       becomes a view of it (state_dict and slicing still see [out, in])
-        "both"        two copies: `x @ weight_t` up to `max_rows_t` rows, F.linear above"""
+        "both"        two copies: `x @ weight_t` up to `max_rows_t` rows, F.linear above
+        "onednn"      two copies: `x @ weight_t` up to `max_rows_t` rows, the oneDNN-packed copy
+                      above; `weight` becomes a view of `weight_t` (CPU fp32/bf16 only, else "both")"""
         if layout == "hf" or self.weight_t is not None or self.weight.is_meta:
             return
-        assert layout in ("transposed", "both"), layout
+        assert layout in ("transposed", "both", "onednn"), layout
+        packed = None
+        if layout == "onednn":
+            packed = onednn_pack(self.weight.detach())
+            if packed is None:
+                layout = "both"
         wt = self.weight.detach().t().contiguous()
         self.weight_t = wt
-        if layout == "transposed":
+        if layout in ("transposed", "onednn"):
             self.weight = nn.Parameter(wt.t(), requires_grad=False)
-        else:
+        if layout in ("both", "onednn"):
             self.max_rows_t = max_rows_t
+        self.weight_packed = packed
 
     def extra_repr(self) -> str:
         layout = "[in, out]" if self.weight_t is not None else "[out, in]"
+        layout += " + oneDNN-packed" if self.weight_packed is not None else ""
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, layout={layout}"
 
 
@@ -136,12 +160,27 @@ def keep_part_names(owner: nn.Module, attr: str) -> None:
     owner.register_load_state_dict_pre_hook(from_parts)
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] prepacked for oneDNN's linear, or None where that kernel is unavailable
+    (not a CPU tensor, not fp32/bf16, a torch build without oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def parse_layout(layout: str) -> tuple[str, int]:
-    """"hf" | "transposed" | "both" | "both:N" -> (layout, max_rows_t); "both" alone means N = 2."""
+    """"hf" | "transposed" | "both[:N]" | "onednn[:N]" -> (layout, max_rows_t); N (rows read from
+    the [in, out] copy) defaults to 2 for "both" and 1 for "onednn"."""
     name, _, rows = layout.partition(":")
-    if name not in ("hf", "transposed", "both") or (rows and (name != "both" or not rows.isdigit())):
-        raise ValueError(f"weight layout must be hf, transposed, both or both:N; got {layout!r}")
-    return name, int(rows or 2)
+    if name not in ("hf", "transposed", "both", "onednn") or (
+            rows and (name not in ("both", "onednn") or not rows.isdigit())):
+        raise ValueError(f"weight layout must be hf, transposed, both[:N] or onednn[:N]; got {layout!r}")
+    return name, int(rows or (1 if name == "onednn" else 2))
 
 
 def freeze_linears(module: nn.Module, layout: str) -> None:

@@ -68,10 +68,12 @@ class LoadedTarget:
 
 
 # Inference weight layout of the linears (linear.py `parse_layout`; measured in README "Cheaper
-# rounds"): "both:2" keeps [in, out] for 1-2 rows (decode, short chains) and [out, in] for F.linear
-# from 3 rows, at twice the linears' memory; "transposed/both:2" keeps one copy of the body
-# (+ the lm_head's second copy only) for large models. AERIE_WEIGHT_LAYOUT overrides.
-DEFAULT_LAYOUT = "both:2"
+# rounds"): "onednn" keeps [in, out] for one row (decode) and a oneDNN-packed copy for 2+ rows
+# (verification, batches, prefill), at twice the linears' memory (on a GPU or without oneDNN it is
+# "both:1"); "both:2" was the default before (MKL's F.linear from 3 rows: ~1.7x slower at 4-16 rows
+# here); "transposed/onednn" keeps one copy of the body (+ the lm_head's second copy only) for large
+# models. AERIE_WEIGHT_LAYOUT overrides.
+DEFAULT_LAYOUT = "onednn"
 
 
 def default_layout() -> str:

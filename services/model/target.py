@@ -62,6 +62,7 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.layout = "hf"  # the linears' inference layout (freeze_layout)
 
     def freeze_layout(self, layout: str = "transposed") -> None:
         """Inference weight layout of the linears (linear.py `parse_layout`): "BODY" for all, or
@@ -69,6 +70,7 @@ class TargetModel(nn.Module):
         other than "hf" stops sharing the embedding's tensor (the embedding keeps [V, H])."""
         body, _, head = layout.partition("/")
         head = head or body
+        self.layout = layout  # part of the budget's cost-calibration key
         if self.config.tie_word_embeddings and parse_layout(head)[0] != "hf":
             self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach(), requires_grad=False)
         freeze_linears(self.model, body)

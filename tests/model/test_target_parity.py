@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from services.model.config import rope_inv_freq
@@ -167,7 +168,7 @@ def test_rotary_inv_freq_key_in_checkpoint_is_ignored(tiny, tmp_path) -> None:
                                tiny.hf_forward(hf, ids)[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["hf", "transposed", "both"])
+@pytest.mark.parametrize("layout", ["hf", "transposed", "both", "onednn"])
 @pytest.mark.parametrize("spec", ["llama_gqa", "qwen2_bias", "tied_smollm2"])
 def test_fused_layouts_match_transformers_on_every_path(tiny, spec: str, layout: str, tmp_path) -> None:
     """Fused q/k/v + gate/up in every weight layout, through the three attention paths: maskless
@@ -179,9 +180,11 @@ def test_fused_layouts_match_transformers_on_every_path(tiny, spec: str, layout:
     cache = model.new_cache(20)
     pre = model(ids[:12], cache)  # empty cache: no mask (is_causal)
     torch.testing.assert_close(pre.logits, ref_logits[:12], atol=ATOL, rtol=0)
-    for i in range(12, 16):  # T == 1: no mask
+    for i in range(12, 14):  # T == 1: no mask
         step = model(ids[i:i + 1], cache, logits_for="last")
         torch.testing.assert_close(step.logits[0], ref_logits[i], atol=ATOL, rtol=0)
+    pair = model(ids[14:16], cache)  # 2 rows (onednn: padded to ONEDNN_MIN_ROWS inside each linear)
+    torch.testing.assert_close(pair.logits, ref_logits[14:16], atol=ATOL, rtol=0)
     chunk = model(ids[16:20], cache)  # prefix 16, 4 causal rows: dense mask
     torch.testing.assert_close(chunk.logits, ref_logits[16:20], atol=ATOL, rtol=0)
     torch.testing.assert_close(chunk.hidden, ref_hidden[-1][16:20], atol=ATOL, rtol=0)
@@ -208,3 +211,21 @@ def test_packed_weights_keep_hugging_face_names(tiny, tmp_path) -> None:
     assert mlp.gate_up_proj.names == ("gate_proj", "up_proj")
     torch.testing.assert_close(mlp.gate_up_proj.part_weight("up_proj"), hf.model.layers[0].mlp.up_proj.weight,
                                atol=0, rtol=0)
+
+
+def test_onednn_layout_packs_on_the_cpu_and_falls_back_elsewhere() -> None:
+    from services.model.linear import Linear
+
+    torch.manual_seed(0)
+    ref = Linear(24, 40)
+    x = torch.randn(7, 24)
+    for rows in (1, 2, 3, 7):
+        lin = Linear(24, 40)
+        lin.load_state_dict(ref.state_dict())
+        lin.freeze("onednn", 1)
+        assert lin.weight_packed is not None and lin.weight.shape == (40, 24)
+        torch.testing.assert_close(lin(x[:rows]), ref(x[:rows]), atol=1e-5, rtol=0)
+    wide = Linear(24, 40).double()  # no oneDNN kernel for fp64: the "both" layout, same numbers
+    wide.freeze("onednn", 1)
+    assert wide.weight_packed is None and wide.weight_t is not None and wide.max_rows_t == 1
+    torch.testing.assert_close(wide(x.double()), F.linear(x.double(), wide.weight, wide.bias))
