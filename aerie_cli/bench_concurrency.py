@@ -42,7 +42,10 @@ class Stack:
         model = ["--dtype", dtype(args)] + (["--target", args.target] if args.target else [])
         deadline = time.monotonic() + 900
         chunk = [] if getattr(args, "prefill_chunk", None) is None else ["--prefill-chunk", str(args.prefill_chunk)]
-        verifier = self._start(Service("verifier", common + batch + model + chunk, work, HOST), deadline)
+        self.roles: dict = {}  # role name -> its process (CPU seconds per level in the detail)
+        verifier = self._start(Service("verifier", common + batch + model + chunk + ["--metrics-port", "0"], work, HOST), deadline)
+        self.roles["verifier"] = self.procs[-1].proc
+        self.verifier_metrics = self.procs[-1].metrics_port
         draft = (["--draft", args.draft] if args.draft else []) + \
             (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \
             (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
@@ -50,13 +53,41 @@ class Stack:
             "tree": self._start(Service("drafter", common + batch + model + draft + [
                 "--tree-top-k", str(fixed.top_k), "--tree-depth", str(fixed.depth),
                 "--tree-tokens", str(fixed.total_tokens)], work, HOST, 1), deadline),
-            "adaptive": self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline),
         }
+        self.roles["drafter-tree"] = self.procs[-1].proc
+        drafters["adaptive"] = self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline)
+        self.roles["drafter-adaptive"] = self.procs[-1].proc
         self.addresses = {}
         for i, name in enumerate(METHODS):
             argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
                              "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
             self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
+            self.roles[f"coordinator-{name}"] = self.procs[-1].proc
+
+    def verifier_batches(self) -> dict[str, float]:
+        """The verifier's forwards so far: {"forwards", "calls", "rows"} from its /metrics ({} when
+        it has no metrics port)."""
+        import urllib.request
+
+        from services.bench.concurrency import batch_totals
+
+        if not self.verifier_metrics:
+            return {}
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{self.verifier_metrics}/metrics", timeout=10) as r:
+                return batch_totals(r.read().decode(), "verifier")
+        except OSError:
+            return {}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Role -> CPU seconds (user + system) its process has used so far (Linux /proc; {} elsewhere)."""
+        from services.bench.concurrency import process_cpu_s
+
+        import os
+
+        out = {role: process_cpu_s(proc.pid) for role, proc in self.roles.items()}
+        out["client"] = process_cpu_s(os.getpid())  # this process: the streams the bench reads
+        return {role: s for role, s in out.items() if s is not None}
 
     def _start(self, service, deadline: float) -> str:
         self.procs.append(service)
@@ -86,7 +117,7 @@ def parse_levels(text: str) -> list[int]:
 
 def run_concurrency(args: argparse.Namespace, prompts) -> dict:
     """-> {"concurrency": [rows], "concurrency_detail": [...], "concurrency_crossover": N | None}."""
-    from services.bench.concurrency import crossover, level_detail, run_level, summarize_level, table
+    from services.bench.concurrency import cpu_per_token, crossover, forward_shape, level_detail, run_level, summarize_level, table
     from services.engine.engine import GenerationRequest
     from services.rpc.coordinator_client import RemoteEngine, RemoteSession
     from services.spec.tree import TreeParams
@@ -115,13 +146,20 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
             for n in levels:
                 for m in (methods if (rep + n) % 2 == 0 else list(reversed(methods))):
                     picks = [prompts[(i + n + rep) % len(prompts)] for i in range(n)]
+                    cpu0, batches0 = stack.cpu_seconds(), stack.verifier_batches()
                     level = run_level([start(m, p) for p in picks])
+                    cpu = cpu_per_token(cpu0, stack.cpu_seconds(), level)
+                    forwards = forward_shape(batches0, stack.verifier_batches())
                     row = summarize_level(m, n, level)
                     rows.append(row)
-                    detail.append({**row, "repeat": rep, **level_detail(level)})
+                    detail.append({**row, "repeat": rep, **level_detail(level), "cpu_ms_per_token": cpu,
+                                   "verifier_forwards": forwards})
                     print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
                           f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
-                          f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}"
+                          f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}, "
+                          f"CPU ms/token {' '.join(f'{k} {v:.1f}' for k, v in cpu.items() if v >= 0.05)}, "
+                          f"verifier forwards {forwards.get('forwards', '-')} "
+                          f"(calls/forward {forwards.get('calls_per_forward', '-')})"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
     finally:
         for s in sessions:
