@@ -143,8 +143,9 @@ class RemoteVerifier:
             response = self.client.call(self.client.stub.Verify, request)
         return codec.decode_verify_result(response, self.feature_kind != "none")
 
-    def decode(self, seq_id: str, token: int, round_index: int) -> int:
-        request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token)
+    def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token,
+                                    keep_features=keep_features)
         with self.phases.phase(round_index, "verify"):
             return int(self.client.call(self.client.stub.Decode, request).token)
 
