@@ -115,6 +115,19 @@ def batch_totals(metrics_text: str, service: str) -> dict[str, float]:
     return out
 
 
+def metric_delta(before: str, after: str, sample: str) -> float:
+    """How much one sample line (`name{labels}`) of Prometheus text grew between two scrapes (0 when
+    absent: a counter never incremented is not exported)."""
+    def value(text: str) -> float:
+        for line in text.splitlines():
+            name, _, v = line.rpartition(" ")
+            if name == sample:
+                return float(v)
+        return 0.0
+
+    return value(after) - value(before)
+
+
 def forward_shape(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The forwards run between two `batch_totals`: count, calls and rows per forward ({} unknown)."""
     if not before or not after or set(before) != set(after):

@@ -128,6 +128,11 @@ def test_bench_concurrency_through_the_services(setup, capsys):
         assert 2 <= f["forwards"] <= 8 * n and 1 <= f["calls_per_forward"] <= n
         if m == "plain":  # n prefills + 7 decode steps each: 8n calls
             assert round(f["forwards"] * f["calls_per_forward"]) == 8 * n
+            assert d["drafter_forwards"] == {} and d["detached_rounds"] == 0
+        elif m == "tree":  # a fixed shape drafts every round: never detached
+            assert d["drafter_forwards"]["forwards"] >= 1 and d["detached_rounds"] == 0
+        else:
+            assert 0 <= d["detached_rounds"] <= 7 * n
     assert "decode tok/s" in out
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
@@ -146,3 +151,11 @@ def test_forward_shape_from_two_metric_scrapes():
     after = {"forwards": 14.0, "calls": 72.0, "rows": 432.0}
     assert forward_shape(before, after) == {"forwards": 4, "calls_per_forward": 8.0, "rows_per_forward": 8.0}
     assert forward_shape({}, after) == {} and forward_shape(after, after) == {"forwards": 0}
+
+
+def test_metric_delta_reads_one_sample_of_two_scrapes():
+    from services.bench.concurrency import metric_delta
+
+    sample = 'aerie_detached_rounds_total{service="coordinator"}'
+    assert metric_delta("", f"{sample} 7.0\n", sample) == 7.0  # absent before: never incremented
+    assert metric_delta(f"{sample} 3.0", f"# HELP x\n{sample} 10.0", sample) == 7.0
