@@ -162,6 +162,9 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
         "dev": evaluate(served, dev, args.eval_depth) if dev else None,
         **base,
     }
+    # the budget's prior (services/spec/budget.prior_stats): position-1 agreement on what users ask
+    # (the dev answers) when there are any, else on the held-out self-distilled data
+    report["top1_agreement"] = (report["dev"] or report["heldout"])["top1"][0]
     compare = args.compare or args.init
     if compare:
         other = load_head(compare, target)

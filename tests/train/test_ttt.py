@@ -5,6 +5,7 @@ published EAGLE-3 format and loads in aerie."""
 
 import json
 
+import pytest
 import torch
 
 from services.model import draft_vocab
@@ -102,6 +103,10 @@ def test_pipeline_writes_eagle3_head_with_draft_vocab_that_loads(tmp_path):
     head = load_head(out, native)
     assert head.config.draft_vocab == 48 and torch.equal(head.to_target(torch.arange(48)), used)
     assert report["data"]["train_answer_tokens"] > 0 and len(report["dev"]["top1"]) == 2
+    # the budget's prior comes from the dev answers' position-1 agreement
+    assert report["top1_agreement"] == report["dev"]["top1"][0]
+    from services.spec.budget import load_report, prior_stats
+    assert prior_stats(load_report(out)).depth[0] == pytest.approx(min(0.95, max(0.01, report["top1_agreement"])))
 
 
 def test_evaluate_scores_a_head_restricted_to_a_draft_vocabulary_as_served(tmp_path):
