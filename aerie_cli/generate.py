@@ -2,6 +2,7 @@
 
     aerie generate --prompt "..." [--target DIR|FILE.gguf] [--draft DIR|none] [--json] ...
     aerie generate --coordinator HOST:PORT --prompt "..."     stream from `aerie up` / a cluster
+    aerie generate --coordinator A:1,B:2 --prompt "..."       ... resuming on B when A drains or dies
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from aerie_cli.flags import add_command, add_model_flags, device, add_sampling_f
 from services.errors import InvalidRequest
 from services.rpc.config import env
 
+RESUME_S = 60.0  # = services.rpc.coordinator_client.RESUME_S (not imported here: it pulls in grpc)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     gen = add_command(sub, "generate", "generate from a prompt (in this process, or through --coordinator)",
@@ -22,10 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_flags(gen)
     add_sampling_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument("--coordinator", default=env("AERIE_COORDINATOR"), metavar="HOST:PORT",
+    gen.add_argument("--coordinator", default=env("AERIE_COORDINATOR"), metavar="HOST:PORT[,HOST:PORT...]",
                      help="stream from a running pipeline (aerie up / a cluster) instead of loading the models "
-                          "here; --target then only names the tokenizer, which must be the served target's "
+                          "here; --target then only names the tokenizer, which must be the served target's. "
+                          "Several addresses: a stream whose coordinator drains or dies Resumes on the next one "
                           "(AERIE_COORDINATOR; default: load the models in this process)")
+    gen.add_argument("--resume-s", type=float, default=env("AERIE_RESUME_S", RESUME_S), metavar="S",
+                     help="with --coordinator: how long a broken stream keeps trying to Resume, with backoff, "
+                          "before it fails; 0 = never (AERIE_RESUME_S; default: %(default)s)")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -75,6 +82,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.coordinator:
         refuse_pipeline_fixed_flags(args)
+        if args.resume_s < 0:
+            raise InvalidRequest(f"--resume-s must be >= 0 (0 = never resume); got {args.resume_s:g}")
     tree = tree_params(args)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.prompt_ids is not None:
@@ -82,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     if args.coordinator:  # stream from a running pipeline
         from services.rpc.coordinator_client import connect
-        local = connect(args.coordinator, args.target, timeout_s=3600)
+        local = connect(args.coordinator, args.target, timeout_s=3600, resume_s=args.resume_s)
     else:
         from services.engine.local import build_local_engine
         local = build_local_engine(args.target, args.draft, dtype(args), tree, args.draft_vocab, args.draft_dtype,
@@ -105,7 +114,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for step in local.engine.generate(request):
         tokens += step.tokens
         reason = step.finish_reason
-        if step.stats.index == 0:
+        if step.stats.accept_length == 0:
+            pass  # a Resume stream's message: tokens without round statistics
+        elif step.stats.index == 0:
             prefill_s = step.stats.verify_s
         else:
             accepts.append(step.stats.accept_length)
@@ -146,6 +157,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "tokens_per_s": round(len(tokens) / total_s, 3) if total_s > 0 else None,
         },
     }
+    if getattr(local, "resumes", 0):
+        where = ", ".join(f"at token {i} on {a}" for a, i in local.resumed_at)
+        print(f"[the coordinator became unavailable; resumed {local.resumes}x ({where}); tau counts only the "
+              f"rounds streamed before the first break: a Resume stream carries no round statistics]", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     else:

@@ -234,6 +234,9 @@ def test_verifier_past_its_deadline_fails_over_then_unavailable(pipeline, redis_
         assert str(e.value).startswith("sequence 'slow-1' lost its verifier (verifier at "
                                        f"127.0.0.1:{port} did not answer in time"), str(e.value)
         assert "no verifier available" in str(e.value)
+        # the client tried one Resume (the UNAVAILABLE might have been its coordinator's), which said
+        # the sequence failed: the stream's own error is what it raised
+        assert session.resume_tries == 1 and session.resumes == 0
         state = slow.store.get("slow-1")
         assert (state.status, state.finish_reason) == ("failed", "error") and "did not answer in time" in state.error
         assert state.tokens and state.round == 0  # the prefill's token committed, no round after it
