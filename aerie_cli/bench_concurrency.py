@@ -37,12 +37,14 @@ class Stack:
         self._tmp = tempfile.TemporaryDirectory(prefix="aerie-bench-")
         work = Path(self._tmp.name)
         self.redis, url = start_redis(work)
-        common = ["--host", HOST, "--max-sequences", str(max_sequences)]
+        common = ["--host", HOST, "--max-sequences", str(max_sequences), "--metrics-port", "0"]
         batch = ["--max-batch", str(args.max_batch), "--max-batch-rows", str(args.max_batch_rows)]
         model = ["--dtype", dtype(args)] + (["--target", args.target] if args.target else [])
         deadline = time.monotonic() + 900
         chunk = [] if getattr(args, "prefill_chunk", None) is None else ["--prefill-chunk", str(args.prefill_chunk)]
+        self.roles: dict = {}  # role name -> its process (CPU seconds per level in the detail)
         verifier = self._start(Service("verifier", common + batch + model + chunk, work, HOST), deadline)
+        self.roles["verifier"] = self.procs[-1].proc
         draft = (["--draft", args.draft] if args.draft else []) + \
             (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \
             (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
@@ -50,13 +52,44 @@ class Stack:
             "tree": self._start(Service("drafter", common + batch + model + draft + [
                 "--tree-top-k", str(fixed.top_k), "--tree-depth", str(fixed.depth),
                 "--tree-tokens", str(fixed.total_tokens)], work, HOST, 1), deadline),
-            "adaptive": self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline),
         }
+        self.roles["drafter-tree"] = self.procs[-1].proc
+        drafters["adaptive"] = self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline)
+        self.roles["drafter-adaptive"] = self.procs[-1].proc
         self.addresses = {}
         for i, name in enumerate(METHODS):
             argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
                              "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
             self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
+            self.roles[f"coordinator-{name}"] = self.procs[-1].proc
+
+    def metrics(self) -> dict[str, str]:
+        """Role -> its /metrics text now ("" when it has none or does not answer)."""
+        import urllib.request
+
+        out = {}
+        for service in self.procs:
+            role = next((r for r, p in self.roles.items() if p is service.proc), None)
+            text = ""
+            if role is not None and service.metrics_port:
+                try:
+                    with urllib.request.urlopen(f"http://{HOST}:{service.metrics_port}/metrics", timeout=10) as r:
+                        text = r.read().decode()
+                except OSError:
+                    pass
+            if role is not None:
+                out[role] = text
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Role -> CPU seconds (user + system) its process has used so far (Linux /proc; {} elsewhere)."""
+        from services.bench.concurrency import process_cpu_s
+
+        import os
+
+        out = {role: process_cpu_s(proc.pid) for role, proc in self.roles.items()}
+        out["client"] = process_cpu_s(os.getpid())  # this process: the streams the bench reads
+        return {role: s for role, s in out.items() if s is not None}
 
     def _start(self, service, deadline: float) -> str:
         self.procs.append(service)
@@ -86,7 +119,8 @@ def parse_levels(text: str) -> list[int]:
 
 def run_concurrency(args: argparse.Namespace, prompts) -> dict:
     """-> {"concurrency": [rows], "concurrency_detail": [...], "concurrency_crossover": N | None}."""
-    from services.bench.concurrency import crossover, level_detail, run_level, summarize_level, table
+    from services.bench.concurrency import (batch_totals, cpu_per_token, crossover, forward_shape, level_detail,
+                                            metric_delta, run_level, summarize_level, table)
     from services.engine.engine import GenerationRequest
     from services.rpc.coordinator_client import RemoteEngine, RemoteSession
     from services.spec.tree import TreeParams
@@ -115,13 +149,28 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
             for n in levels:
                 for m in (methods if (rep + n) % 2 == 0 else list(reversed(methods))):
                     picks = [prompts[(i + n + rep) % len(prompts)] for i in range(n)]
+                    cpu0, metrics0 = stack.cpu_seconds(), stack.metrics()
                     level = run_level([start(m, p) for p in picks])
+                    cpu, metrics1 = cpu_per_token(cpu0, stack.cpu_seconds(), level), stack.metrics()
+                    forwards = forward_shape(batch_totals(metrics0.get("verifier", ""), "verifier"),
+                                             batch_totals(metrics1.get("verifier", ""), "verifier"))
+                    drafter = f"drafter-{m}"
+                    draft_forwards = forward_shape(batch_totals(metrics0.get(drafter, ""), "drafter"),
+                                                   batch_totals(metrics1.get(drafter, ""), "drafter"))
+                    detached = metric_delta(metrics0.get(f"coordinator-{m}", ""), metrics1.get(f"coordinator-{m}", ""),
+                                            'aerie_detached_rounds_total{service="coordinator"}')
                     row = summarize_level(m, n, level)
                     rows.append(row)
-                    detail.append({**row, "repeat": rep, **level_detail(level)})
+                    detail.append({**row, "repeat": rep, **level_detail(level), "cpu_ms_per_token": cpu,
+                                   "verifier_forwards": forwards, "drafter_forwards": draft_forwards,
+                                   "detached_rounds": detached})
                     print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
                           f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
-                          f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}"
+                          f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}, "
+                          f"CPU ms/token {' '.join(f'{k} {v:.1f}' for k, v in cpu.items() if v >= 0.05)}, "
+                          f"verifier forwards {forwards.get('forwards', '-')} "
+                          f"(calls/forward {forwards.get('calls_per_forward', '-')}), "
+                          f"drafter forwards {draft_forwards.get('forwards', '-')}, detached rounds {detached}"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
     finally:
         for s in sessions:

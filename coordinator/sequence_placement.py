@@ -13,6 +13,10 @@ methods of the engine's roles (`services.engine.roles`), so `Engine` runs unchan
       -> on_move(drafter, verifier) records the new placement in Redis
       -> the failed call is repeated with the same round index
 
+A detached drafter (plain steps: Decode with keep_features) leaves the features of those rows on the
+verifier until the next Verify returns them. A verifier that fails meanwhile loses them; the rebuild's
+own features hold the same rows, so the next Verify's answer gets them back in front (nothing lost).
+
 `committed` here is every token the verifier has produced (what Redis holds plus the round in
 flight, which the engine commits next): the same list a coordinator taking a sequence over would
 read from Redis. With no drafter available the drafter side returns a root-only tree: the verifier
@@ -26,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -119,6 +123,8 @@ class SequencePlacement:
         self._restart = False  # a take-over of a sequence that never committed: its old KV may be here
         self.round_base = 0
         self._abandoned = False
+        self._kept = 0  # rows the current verifier keeps for the next Verify (Decode keep_features)
+        self._lost: torch.Tensor | None = None  # [k, F] kept rows a failed verifier took with it
         self.verifier = _VerifierSide(self)
         self.drafter = _DrafterSide(self) if drafters is not None else None
 
@@ -181,12 +187,19 @@ class SequencePlacement:
         round_index += self.round_base
         res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
         self.committed += res.acceptance.new_tokens
+        self._kept = 0
+        if self._lost is not None:  # rows a failed verifier kept: in front, as it would have sent them
+            if res.features.shape[0]:
+                res = replace(res, features=torch.cat([self._lost.to(res.features.dtype), res.features]))
+            self._lost = None
         return res
 
-    def decode(self, seq_id: str, token: int, round_index: int) -> int:
+    def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         round_index += self.round_base
-        out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index))
+        out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index, keep_features))
         self.committed.append(out)
+        if keep_features:
+            self._kept += 1
         return out
 
     def _on_verifier(self, call):
@@ -195,7 +208,13 @@ class SequencePlacement:
                 return call(self._rv)
             except Exception as e:  # noqa: BLE001 - is_failover decides
                 self._verifier_failed(e)
-                self._reprefill()
+                pre = self._reprefill()
+                if self._kept:
+                    # the kept rows are the last rows rebuilt: prompt + committed[:-1] ends with the
+                    # tokens those Decode calls fed
+                    lost = pre.features[-self._kept:]
+                    self._lost = lost if self._lost is None else torch.cat([self._lost, lost])
+                    self._kept = 0
 
     def _verifier_failed(self, e: Exception) -> None:
         """Mark the verifier failed and acquire another (waiting up to verifier_wait_s), or raise."""
@@ -381,8 +400,8 @@ class _VerifierSide:
     def verify(self, seq_id, tree, round_index):
         return self._p.verify(seq_id, tree, round_index)
 
-    def decode(self, seq_id, token, round_index):
-        return self._p.decode(seq_id, token, round_index)
+    def decode(self, seq_id, token, round_index, keep_features=False):
+        return self._p.decode(seq_id, token, round_index, keep_features)
 
     def release(self, seq_id):
         self._p.release()

@@ -139,6 +139,8 @@ def _observe(step: StepOutput, commit_s: float) -> None:
     metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)
     metrics.ACCEPT_LENGTH.labels(SERVICE).observe(s.accept_length)
     metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    if s.detached:
+        metrics.DETACHED_ROUNDS.labels(SERVICE).inc()
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)
     if s.tree_size:
         metrics.DRAFT_SECONDS.labels(SERVICE).observe(s.draft_s)

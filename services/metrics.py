@@ -66,6 +66,8 @@ BATCH_ROWS = Histogram("aerie_batch_rows", "Rows (prompt tokens, tree nodes, dec
 BUDGET_NODES = Histogram("aerie_budget_nodes", "Nodes the draft budget chose to verify per round (1 = a plain "
                          "decode step; with batching: sized for the whole batch)", ["service"],
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+DETACHED_ROUNDS = Counter("aerie_detached_rounds", "Plain steps with the drafter detached (Decode keeping the "
+                          "features on the verifier: no draft call, no features sent)", ["service"])
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
 FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
                     ["service", "role", "reason"])

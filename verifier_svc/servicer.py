@@ -171,7 +171,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         _check_round(request.round_index)
         token = codec.token_ids([request.token], self.vocab_size, "decode")[0]
         return await timed(VERIFY_SECONDS.labels(SERVICE),
-                            self.batcher.call_async(DecodeCall(seq_id, token, request.round_index)))
+                            self.batcher.call_async(DecodeCall(seq_id, token, request.round_index,
+                                                               request.keep_features)))
 
     @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:

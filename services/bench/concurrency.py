@@ -80,6 +80,65 @@ def run_level(starts: list[Callable[[], Iterator[StepOutput]]]) -> LevelRun:
     return LevelRun([r for r in results if r is not None], errors)
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used so far; None where /proc cannot tell."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], run: LevelRun) -> dict[str, float]:
+    """Role -> CPU milliseconds its process spent per output token of the level (every process,
+    the idle ones too: a level's cost is all of it). Example: 0.9 s over 48 tokens -> 18.75."""
+    tokens = sum(s.tokens for s in run.sequences)
+    if not tokens:
+        return {}
+    return {role: round(1000 * (after[role] - before[role]) / tokens, 2) for role in after if role in before}
+
+
+def batch_totals(metrics_text: str, service: str) -> dict[str, float]:
+    """{"forwards", "calls", "rows"} so far from a service's Prometheus text (aerie_batch_size and
+    aerie_batch_rows histograms of `service`)."""
+    want = {f'aerie_batch_size_count{{service="{service}"}}': "forwards",
+            f'aerie_batch_size_sum{{service="{service}"}}': "calls",
+            f'aerie_batch_rows_sum{{service="{service}"}}': "rows"}
+    out = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in want:
+            out[want[name]] = float(value)
+    return out
+
+
+def metric_delta(before: str, after: str, sample: str) -> float:
+    """How much one sample line (`name{labels}`) of Prometheus text grew between two scrapes (0 when
+    absent: a counter never incremented is not exported)."""
+    def value(text: str) -> float:
+        for line in text.splitlines():
+            name, _, v = line.rpartition(" ")
+            if name == sample:
+                return float(v)
+        return 0.0
+
+    return value(after) - value(before)
+
+
+def forward_shape(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The forwards run between two `batch_totals`: count, calls and rows per forward ({} unknown)."""
+    if not before or not after or set(before) != set(after):
+        return {}
+    d = {k: after[k] - before[k] for k in after}
+    if d["forwards"] <= 0:
+        return {"forwards": 0}
+    return {"forwards": int(d["forwards"]), "calls_per_forward": round(d["calls"] / d["forwards"], 2),
+            "rows_per_forward": round(d["rows"] / d["forwards"], 1)}
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100]. percentile([1, 2, 3, 4], 50) = 2.5."""
     if not values:

@@ -36,8 +36,8 @@ class BatchedVerifier:
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
         return self.batcher.call(VerifyCall(seq_id, tree, round_index))
 
-    def decode(self, seq_id: str, token: int, round_index: int) -> int:
-        return self.batcher.call(DecodeCall(seq_id, token, round_index))
+    def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        return self.batcher.call(DecodeCall(seq_id, token, round_index, keep_features))
 
     def release(self, seq_id: str) -> None:
         self.batcher.run(self.inner.release, seq_id)

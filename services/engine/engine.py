@@ -15,6 +15,14 @@ top_k / depth / size, a retrieved chain (services/spec/sam.py; the engine holds 
 suffix index, so over gRPC the coordinator does), both merged, or nothing. A round that drafts
 nothing verifies the root alone (= one plain decode step that also returns the root's feature):
 the committed rows the drafter has not seen wait in `pending` and extend its KV with the next draft.
+
+Detaching: while the budget keeps choosing plain steps, the drafter is left alone. Those rounds are
+Decode calls with `keep_features` (the cheapest target step; the verifier keeps each row's features),
+with no draft call and no features sent anywhere. The round before the budget's next probe, or before
+a tree the load made worth drafting again, is a root-only Verify, whose answer carries every kept
+row's features: the next draft catches the drafter's KV up in one call, as after the prefill. The
+target computes every token either way, so this is lossless; and since it follows the sequence's own
+plans (a seeded sequence's plans do not depend on the load), a seed replays the same tokens.
 The budget changes the tree, never the acceptance rule: output stays the target's. A budget with a
 load board (continuous batching) sizes each sequence's tree for the whole batch: the sequences
 sharing the verifier's forwards post their plans there, keyed by sequence id.
@@ -60,6 +68,7 @@ class RoundStats:
     chain: int = 0  # retrieved chain tokens in the tree (shared with EAGLE nodes or not)
     predicted_tokens: float = 0.0  # the budget's prediction for this round: committed tokens
     predicted_s: float = 0.0  # and round seconds (0 = no prediction: plain decoding)
+    detached: bool = False  # a plain step with the drafter detached (no draft, no features sent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +108,7 @@ class _Draft:
     chain_nodes: list[int]
     eagle_size: int  # nodes 0..eagle_size-1 came from the draft head (or the root alone)
     draft_s: float
+    detached: bool = False  # a plain step through Decode(keep_features): no tree is verified
 
 
 class Engine:
@@ -195,6 +205,10 @@ class Engine:
             if draft is None:  # plain decoding: one token per target forward
                 fresh = [self.verifier.decode(seq_id, last, index)]
                 stats = RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t1)
+            elif draft.detached:  # the budget chose a plain step: the features stay on the verifier
+                fresh = [self.verifier.decode(seq_id, last, index, keep_features=True)]
+                stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t1,
+                                   predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
             else:
                 tree = draft.tree
                 res = self.verifier.verify(seq_id, tree, index)
@@ -210,7 +224,8 @@ class Engine:
             if reason is None and draft is not None:
                 if self.drafter:
                     seq.pending_tokens.append(torch.tensor(fresh))
-                    seq.pending_features.append(res.features)
+                    if not draft.detached:  # (a detached round's feature comes with the next Verify)
+                        seq.pending_features.append(res.features)
                 if seq.index is not None:
                     seq.index.extend(fresh)
                 draft = self._draft(seq_id, seq, last)
@@ -226,6 +241,15 @@ class Engine:
         # with a load board, greedy sequences size their trees for the batch; sampling sequences keep
         # the batch-1 choice so that a seed replays the same tokens whatever the load
         plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths)
+        detached = seq.detached
+        seq.detached = (self.budget.detach and self.drafter is not None and plan.tree is None and plan.chain == 0
+                        and not self.budget.probes_next(seq.stats))
+        if seq.detached:  # a plain step that leaves the drafter alone (see the module doc)
+            return _Draft(root_tree(root), plan, [], 1, time.perf_counter() - t0, detached=True)
+        if plan.tree is not None and detached:
+            # the rows of the detached rounds have no features here yet: this round verifies the
+            # root alone, whose answer brings them; the tree waits for the next round's plan
+            plan = RoundPlan(None, 0, 1.0, 0.0)
         if plan.tree is not None:
             tokens = torch.cat(seq.pending_tokens)
             features = torch.cat(seq.pending_features)
@@ -246,3 +270,4 @@ class _SequenceState:
     sort_paths: bool  # sampling: paths in lexicographic order
     pending_tokens: list[torch.Tensor] = field(default_factory=list)  # committed, not yet in the draft KV
     pending_features: list[torch.Tensor] = field(default_factory=list)
+    detached: bool = False  # the last planned round leaves its features on the verifier

@@ -44,8 +44,9 @@ class VerifierRole(Protocol):
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
         """Tree-attention forward, acceptance with the round's generator, KV compaction."""
 
-    def decode(self, seq_id: str, token: int, round_index: int) -> int:
-        """Plain decoding: commit `token`, return the next one."""
+    def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        """Plain decoding: commit `token`, return the next one. `keep_features` (a detached drafter):
+        the verifier keeps the row's features and the next `verify` returns them first."""
 
     def release(self, seq_id: str) -> None:
         """Free the sequence's KV; unknown ids are ignored. Never raises."""

@@ -4,7 +4,7 @@ verification and plain decode, one target forward for a whole batch of calls.
     v = Verifier(target, feature_kind)                 # or Verifier(None, kind, runner=shared_runner)
     v.prefill(seq_id, prompt [L], sampling, capacity)  -> PrefillResult      (batch 1)
     v.verify(seq_id, tree, round_index)                -> VerifyResult
-    v.decode(seq_id, token, round_index)               -> int
+    v.decode(seq_id, token, round_index, keep_features=False) -> int
     v.run([PrefillCall | VerifyCall | DecodeCall, ...]) -> [result | AerieError, ...]  (one forward)
 
 The in-process implementation of the verifier role; the verifier service wraps this class unchanged.
@@ -19,11 +19,16 @@ sequence's (seed, round) generator, so a sequence's tokens do not depend on its 
 that is invalid (unknown sequence, KV that does not fit, ...) gets its own error in its place and
 never fails the others. Acceptance itself is `services.spec.verify`; this class runs the forward
 around it, compacts the KV to the accepted path and returns the accepted nodes' features.
+
+A sequence whose drafter is detached (the budget chose plain steps) decodes with
+`keep_features=True`: the verifier keeps each such row's features ([1, F], computed by the forward
+anyway) and the next Verify returns them in front of its own, so nothing travels per plain step and
+the drafter catches up in one draft call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,8 +50,9 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     acceptance: Acceptance
-    features: torch.Tensor  # [m + 1, F] target features of the root and the accepted nodes ([0, H]
-    #                         for a sequence prefilled with feature kind "none": no head consumes them)
+    features: torch.Tensor  # [k + m + 1, F] target features of the k rows kept by Decode calls since
+    #                         the previous Verify (keep_features), then of the root and the accepted
+    #                         nodes ([0, H] for a sequence prefilled with feature kind "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +98,7 @@ class DecodeCall:
     seq_id: str
     token: int  # the last committed token (commit it, return the next)
     round_index: int
+    keep_features: bool = False  # keep this row's features for the next Verify (a detached drafter)
 
     @property
     def rows(self) -> int:
@@ -110,6 +117,7 @@ class _Sequence:
     sampling: SamplingParams
     feature_kind: str  # hidden | taps | none
     prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
+    kept: list[torch.Tensor] = field(default_factory=list)  # [1, F] per Decode with keep_features
 
 
 class Verifier:
@@ -137,9 +145,10 @@ class Verifier:
         """Run the tree in one forward, accept, keep the accepted path's KV."""
         return self._one(VerifyCall(seq_id, tree, round_index))
 
-    def decode(self, seq_id: str, token: int, round_index: int) -> int:
-        """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one."""
-        return self._one(DecodeCall(seq_id, token, round_index))
+    def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one.
+        `keep_features`: keep the row's features for the next Verify (see the module doc)."""
+        return self._one(DecodeCall(seq_id, token, round_index, keep_features))
 
     def _one(self, call: Call):
         out = self.run([call])[0]
@@ -248,6 +257,8 @@ class Verifier:
                    else round_generator(seq.sampling.seed, call.round_index, out.logits[j].device))
             if isinstance(call, DecodeCall):
                 seq.length += 1
+                if call.keep_features and features.shape[0]:
+                    seq.kept.append(features.clone())  # one row: not a view holding the batch's hidden
                 results.append(int(argmax[j][-1]) if j in argmax else next_token(out.logits[j][-1], seq.sampling, gen))
                 continue
             tree = call.tree
@@ -256,7 +267,11 @@ class Verifier:
                    else accept(tree, out.logits[j], seq.sampling, gen))
             self.runner.keep(seq.slot, seq.length, seq.length + acc.nodes.cpu())
             seq.length += int(acc.nodes.numel())
-            results.append(VerifyResult(acc, features[acc.nodes] if features.shape[0] else features))
+            features = features[acc.nodes] if features.shape[0] else features
+            if seq.kept:
+                features = torch.cat([*seq.kept, features])
+                seq.kept.clear()
+            results.append(VerifyResult(acc, features))
         return results
 
     def _kind(self, call: Call) -> str:

@@ -116,6 +116,7 @@ class RemoteVerifier:
         self.feature_kind = feature_kind
         self.phases = phases
         self.vocab_size = int(client.info().vocab_size)
+        self._kept = 0  # Decode calls since the last Verify that kept their row's features there
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
                 rebuild: bool = False) -> PrefillResult:
@@ -141,12 +142,18 @@ class RemoteVerifier:
         request = vpb.VerifyRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree))
         with self.phases.phase(round_index, "verify"):
             response = self.client.call(self.client.stub.Verify, request)
-        return codec.decode_verify_result(response, self.feature_kind != "none")
+        result = codec.decode_verify_result(response, self.feature_kind != "none", self._kept)
+        self._kept = 0
+        return result
 
-    def decode(self, seq_id: str, token: int, round_index: int) -> int:
-        request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token)
+    def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token,
+                                    keep_features=keep_features)
         with self.phases.phase(round_index, "verify"):
-            return int(self.client.call(self.client.stub.Decode, request).token)
+            token = int(self.client.call(self.client.stub.Decode, request).token)
+        if keep_features and self.feature_kind != "none":
+            self._kept += 1
+        return token
 
     def release(self, seq_id: str) -> None:
         self.client.release(seq_id)

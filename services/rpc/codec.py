@@ -329,15 +329,18 @@ def encode_verify_result(res: VerifyResult) -> vpb.VerifyResponse:
                               tokens=acc.tokens.tolist(), bonus=acc.bonus, features=encode_tensor(res.features))
 
 
-def decode_verify_result(msg: vpb.VerifyResponse, with_features: bool = True) -> VerifyResult:
-    """`with_features` False for a sequence whose drafter consumes none (feature kind "none")."""
+def decode_verify_result(msg: vpb.VerifyResponse, with_features: bool = True, kept: int = 0) -> VerifyResult:
+    """`with_features` False for a sequence whose drafter consumes none (feature kind "none");
+    `kept`: rows that Decode calls kept on the verifier since the previous Verify (their features
+    come first)."""
     m = msg.accept_length
     if len(msg.nodes) != m + 1 or len(msg.tokens) != m + 1:
         raise InvalidRequest(f"verify result has {len(msg.nodes)} nodes and {len(msg.tokens)} tokens for "
                              f"accept_length {m}")
     acc = Acceptance(path=msg.path, accept_length=m, nodes=torch.tensor(list(msg.nodes), dtype=torch.long),
                      tokens=torch.tensor(list(msg.tokens), dtype=torch.long), bonus=msg.bonus)
-    return VerifyResult(acc, decode_tensor(msg.features, "features", shape=(m + 1 if with_features else 0, None)))
+    return VerifyResult(acc, decode_tensor(msg.features, "features",
+                                           shape=(kept + m + 1 if with_features else 0, None)))
 
 
 # ---- the public API ------------------------------------------------------------------------------

@@ -339,10 +339,16 @@ class Budget:
     chain_limit: int = CHAIN_LIMIT  # retrieved tokens joined at most (0 = no retrieval)
     probe_every: int = 16  # after this many rounds without drafting, draft one token to re-measure
     stop_depth: bool = True  # dynamic depth (stop_logprob)
+    detach: bool = True  # plain steps leave the drafter alone until the next probe (Engine: detaching)
     load: LoadBoard | None = field(default=None, compare=False)  # batching: the sequences sharing forwards
 
     def new_stats(self) -> AcceptanceStats:
         return self.prior.copy()
+
+    def probes_next(self, stats: AcceptanceStats) -> bool:
+        """Whether the next plan drafts to re-measure acceptance if it would otherwise be plain (the
+        engine attaches the drafter one round ahead of it). Always True for a fixed shape."""
+        return self.fixed is not None or stats.idle_rounds + 1 >= self.probe_every
 
     def max_nodes(self) -> int:
         """The most nodes a round can verify (KV reservation on the verifier)."""

@@ -119,8 +119,43 @@ def test_bench_concurrency_through_the_services(setup, capsys):
     assert detail[("plain", 3)]["mean_nodes"] == 1.0 and detail[("tree", 3)]["mean_nodes"] > 1
     assert all(d["steady_tokens_per_s"] >= 0 for d in detail.values())
     assert {(d["method"], d["concurrency"]) for d in res["concurrency_decode"]} == set(detail)
+    # where the time goes: every service's CPU per token, and the verifier's forwards (its /metrics)
+    for (m, n), d in detail.items():
+        cpu = d["cpu_ms_per_token"]
+        assert {"verifier", f"coordinator-{m}", "client"} <= set(cpu) and cpu["verifier"] > 0
+        f = d["verifier_forwards"]
+        # a prefill and at least one round per sequence, at most n calls per forward
+        assert 2 <= f["forwards"] <= 8 * n and 1 <= f["calls_per_forward"] <= n
+        if m == "plain":  # n prefills + 7 decode steps each: 8n calls
+            assert round(f["forwards"] * f["calls_per_forward"]) == 8 * n
+            assert d["drafter_forwards"] == {} and d["detached_rounds"] == 0
+        elif m == "tree":  # a fixed shape drafts every round: never detached
+            assert d["drafter_forwards"]["forwards"] >= 1 and d["detached_rounds"] == 0
+        else:
+            assert 0 <= d["detached_rounds"] <= 7 * n
     assert "decode tok/s" in out
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
                  "--concurrency", "0,2"]) == 2
     assert "--concurrency levels must be >= 1; got '0,2'" in capsys.readouterr().err
+
+
+def test_forward_shape_from_two_metric_scrapes():
+    from services.bench.concurrency import batch_totals, forward_shape
+
+    text = "\n".join(['aerie_batch_size_count{service="verifier"} 10.0', 'aerie_batch_size_sum{service="verifier"} 40.0',
+                      'aerie_batch_rows_sum{service="verifier"} 400.0', 'aerie_batch_size_count{service="drafter"} 99.0',
+                      '# HELP aerie_batch_size Calls gathered'])
+    before = batch_totals(text, "verifier")
+    assert before == {"forwards": 10.0, "calls": 40.0, "rows": 400.0}
+    after = {"forwards": 14.0, "calls": 72.0, "rows": 432.0}
+    assert forward_shape(before, after) == {"forwards": 4, "calls_per_forward": 8.0, "rows_per_forward": 8.0}
+    assert forward_shape({}, after) == {} and forward_shape(after, after) == {"forwards": 0}
+
+
+def test_metric_delta_reads_one_sample_of_two_scrapes():
+    from services.bench.concurrency import metric_delta
+
+    sample = 'aerie_detached_rounds_total{service="coordinator"}'
+    assert metric_delta("", f"{sample} 7.0\n", sample) == 7.0  # absent before: never incremented
+    assert metric_delta(f"{sample} 3.0", f"# HELP x\n{sample} 10.0", sample) == 7.0

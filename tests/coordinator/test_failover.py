@@ -191,3 +191,42 @@ def test_new_requests_avoid_a_dead_replica_whatever_getinfo_cached(pool, referen
     # all loads equal: the first goes to the lowest address, the dead one (its GetInfo is cached);
     # its call fails, it fails over, and the dead replica is never chosen again
     assert placed == [dead] + live * 3 and dead in drafters.failed(), (dead, live, placed)
+
+
+def test_a_verifier_lost_while_the_drafter_is_detached_loses_no_kept_features(pool, reference):
+    """Detached plain steps (Decode with keep_features) leave their rows' features on the verifier;
+    when it goes away, the rebuild on the other verifier restores them, so the next Verify still
+    returns every row since the previous one, in order (as root-only Verify rounds would have)."""
+    import torch
+
+    from coordinator.sequence_placement import SequencePlacement
+    from services.engine.verifier import Verifier
+    from services.spec.tree import root_tree
+
+    seqs = pool.coordinator.sequences
+    placement = SequencePlacement("detached-1", seqs.verifiers, seqs.drafters, verifier_wait_s=2)
+    local = Verifier(reference.verifier.target, "hidden")
+    prompt, sampling = torch.tensor(PROMPT), SamplingParams()
+    try:
+        v = placement.verifier
+        tok = v.prefill("detached-1", prompt, sampling, 64).first_token
+        ref = local.prefill("ref", prompt, sampling, 64).first_token
+        expected = []
+        for r in range(1, 7):  # the attached path: root-only Verify rounds, features every round
+            out = local.verify("ref", root_tree(ref), r)
+            expected.append(out.features)
+            ref = out.acceptance.new_tokens[-1]
+        first = placement.verifier_client.address
+        for r in range(1, 4):
+            tok = v.decode("detached-1", tok, r, keep_features=True)
+        pool.stop_server(pool.replicas[first][1])  # takes three kept rows with it
+        for r in range(4, 6):
+            tok = v.decode("detached-1", tok, r, keep_features=True)
+        assert placement.verifier_client.address != first
+        res = v.verify("detached-1", root_tree(tok), 6)
+        assert res.acceptance.new_tokens[-1] == ref
+        assert res.features.shape == (6, expected[0].shape[1])
+        # rows 0-2 come from the rebuild (one prefill forward), rows 3-5 from single-row forwards
+        torch.testing.assert_close(res.features, torch.cat(expected), rtol=1e-4, atol=1e-4)
+    finally:
+        placement.close()

@@ -222,3 +222,51 @@ def test_chunked_prefill_equals_one_forward_and_lets_rounds_in_between(pipeline,
         tokens = long.result(60)
     assert tokens == run(whole, "long-whole")
     assert mid.token >= 0 and servicer.batcher.batches >= before + 3 + 3  # 3 chunks + 3 decodes (+ other's)
+
+
+def test_an_adaptive_sequence_detaches_its_drafter_through_the_services(pipeline, model_dirs, redis_url):
+    """An auto-budget drafter whose head costs more than it can win: the coordinator's budget picks
+    plain steps, so the sequence's rounds are Decode calls that keep their features on the verifier
+    and the drafter sees a draft call only at each probe (every 16 rounds); the tokens are plain
+    decoding's (greedy) and replay (seeded), and aerie_detached_rounds_total counts the rounds."""
+    from prometheus_client import REGISTRY
+
+    from drafter_svc.config import DrafterConfig
+    from drafter_svc.server import create_server as create_drafter
+    from drafter_svc.server import load_servicer as load_drafter
+    from services.spec.budget import CostCurve
+
+    config = DrafterConfig(pipeline.service, draft=str(model_dirs.head), target=str(model_dirs.target), dtype="fp32",
+                           tree=None, max_sequences=4)
+    drafter = load_drafter(config)
+    drafter.costs = (CostCurve((1, 16), (5.0, 6.0)), CostCurve((1, 16), (5.0, 6.0)))  # a head that never pays
+    drafts = []
+    inner = drafter.drafter.draft_many
+    drafter.drafter.draft_many = lambda calls: (drafts.extend(calls), inner(calls))[1]
+    server, port = pipeline.loop.run(create_drafter(f"{HOST}:0", config, drafter))
+    pipeline.servers.append((server, drafter))
+    saved = pipeline.verifier.verify_cost
+    pipeline.verifier.verify_cost = CostCurve((1, 2, 4, 8, 16, 32, 64), (0.05, 0.051, 0.052, 0.055, 0.06, 0.07, 0.09))
+    try:
+        _, address = pipeline.add_coordinator(redis_url, drafters=(f"{HOST}:{port}",))
+        plain = local_engine(model_dirs, with_drafter=False)
+        count = lambda: REGISTRY.get_sample_value("aerie_detached_rounds_total", {"service": "coordinator"}) or 0.0
+        for sampling in (SamplingParams(), SamplingParams(0.8, 0.9, 0, 4)):
+            req = GenerationRequest((5, 17, 99, 3, 42, 8), 40, sampling, ignore_eos=True)
+            before, drafts[:] = count(), []
+            runs = []
+            for _ in range(2):
+                s = RemoteSession(address, None, "", timeout_s=120)
+                runs.append([t for step in s.engine.generate(req) for t in step.tokens])
+                s.close()
+            assert runs[0] == runs[1]  # a seed replays
+            if sampling.greedy:
+                assert runs[0] == local_run(plain, req)[0]
+            detached = count() - before
+            assert detached >= 2 * 30, detached  # 39 rounds each: all plain steps but 2 per probe
+            assert 2 <= len(drafts) <= 2 * 3, len(drafts)  # a draft call per probe only
+            # each probe's draft brings every row since the last one: the prompt and the rounds between
+            assert sum(int(c.tokens.shape[0]) for c in drafts) <= 2 * (6 + 40)
+    finally:
+        pipeline.verifier.verify_cost = saved
+    wait_until(lambda: pipeline.verifier.num_sequences == 0 and drafter.drafter.num_sequences == 0)

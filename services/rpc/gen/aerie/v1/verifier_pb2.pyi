@@ -58,14 +58,16 @@ class VerifyResponse(_message.Message):
     def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("sequence_id", "round_index", "token")
+    __slots__ = ("sequence_id", "round_index", "token", "keep_features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     round_index: int
     token: int
-    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+    keep_features: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token",)
