@@ -40,7 +40,7 @@ def test_tp_equals_tp1(tiny, tmp_path, spec, world):
     vocabulary-parallel embedding and lm_head. qwen2_bias has q/k/v biases."""
     _, model_dir = tiny.saved_model(spec, tmp_path / spec)
     reference = run(load_target(str(model_dir)).model, [int(x) for x in PROMPT.split(",")], 8)
-    got = run_group(model_dir, world, tmp_path / "out.pt", "transposed" if world == 4 else "both:2")
+    got = run_group(model_dir, world, tmp_path / "out.pt", "transposed" if world == 4 else "onednn")
     assert got["tokens"] == reference["tokens"]
     cfg = tiny.make_config(spec)
     assert got["kv_heads"] == max(1, cfg.num_key_value_heads // world)  # this rank's KV heads only
