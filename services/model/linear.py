@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-ONEDNN_MIN_ROWS = 4  # fewer rows are padded with zero rows (README "Cheaper rounds")
+ONEDNN_ROW_STEP = 4  # the packed kernel sees row counts padded (zero rows) to a multiple of this
+ONEDNN_MAX_ROWS = 64  # more rows (prefill chunks) go to F.linear: at most 16 oneDNN shapes per weight
 
 
 class Linear(nn.Module):
@@ -53,10 +54,14 @@ class Linear(nn.Module):
             y = x @ self.weight_t
             return y if self.bias is None else y + self.bias
         packed = self.weight_packed
-        if packed is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == packed.dtype:
-            rows = x.shape[0]
-            if rows < ONEDNN_MIN_ROWS:  # its 2-3-row path is slower than its 4-row one here
-                x = F.pad(x, (0, 0, 0, ONEDNN_MIN_ROWS - rows))
+        rows = x.shape[0]
+        if (packed is not None and rows <= ONEDNN_MAX_ROWS and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype == packed.dtype):
+            # rows rounded up to a multiple of ONEDNN_ROW_STEP (2-3 rows: its 4-row kernel is faster):
+            # oneDNN keeps a primitive (and memory) per distinct shape, so the shapes must be few
+            padded = -(-rows // ONEDNN_ROW_STEP) * ONEDNN_ROW_STEP
+            if padded != rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))
             y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [], "")
             return y[:rows]
         return F.linear(x, self.weight, self.bias)

@@ -183,7 +183,7 @@ def test_fused_layouts_match_transformers_on_every_path(tiny, spec: str, layout:
     for i in range(12, 14):  # T == 1: no mask
         step = model(ids[i:i + 1], cache, logits_for="last")
         torch.testing.assert_close(step.logits[0], ref_logits[i], atol=ATOL, rtol=0)
-    pair = model(ids[14:16], cache)  # 2 rows (onednn: padded to ONEDNN_MIN_ROWS inside each linear)
+    pair = model(ids[14:16], cache)  # 2 rows (onednn: padded to ONEDNN_ROW_STEP rows inside each linear)
     torch.testing.assert_close(pair.logits, ref_logits[14:16], atol=ATOL, rtol=0)
     chunk = model(ids[16:20], cache)  # prefix 16, 4 causal rows: dense mask
     torch.testing.assert_close(chunk.logits, ref_logits[16:20], atol=ATOL, rtol=0)

@@ -5,6 +5,8 @@ verify a tree; rank 0 writes the tokens and the tree's logits/hidden/taps to OUT
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
@@ -30,7 +32,10 @@ def main() -> None:
     if a.rank == 0:
         torch.save(result, a.out)
     comm.barrier()
-    comm.close()
+    # as services/dist/worker.py: no destroy_process_group at exit (tearing a gloo group down while
+    # a peer leaves can abort with "terminate called without an active exception")
+    sys.stdout.flush()
+    os._exit(0)
 
 
 @torch.no_grad()
