@@ -20,7 +20,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.rpc.security import redact
-from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, env, service_config
+from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, endpoint_problem, env, service_config
 
 DEFAULT_PORT = 50051
 
@@ -29,8 +29,7 @@ def parse_endpoints(text: str, name: str) -> tuple[str, ...]:
     """'a:1, b:2' -> ('a:1', 'b:2'); '[::1]:50052' is an IPv6 literal."""
     entries = tuple(e.strip() for e in (text or "").split(",") if e.strip())
     for e in entries:
-        host, sep, port = e.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if endpoint_problem(e):
             raise ConfigError(f"{name} entries must be host:port; got {e!r}")
     return entries
 

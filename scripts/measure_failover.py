@@ -27,6 +27,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from up_process import start_up  # noqa: E402  (scripts/)
 from services.rpc.channel import open_channel  # noqa: E402
 from services.rpc.stubs import coordinator as cpb  # noqa: E402
 from services.rpc.stubs import coordinator_grpc  # noqa: E402
@@ -36,18 +37,11 @@ FAULTS = ("drafter", "verifier", "coordinator", "redis", "drain")  # drain: SIGT
 DRAIN_S = 2.0  # AERIE_DRAIN_S of the coordinators: sequences still running after it are handed over
 
 
-def start_up(state: Path, extra: list[str]) -> subprocess.Popen:
+def start(state: Path, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "AERIE_LOG_LEVEL": "ERROR", "AERIE_PROBE_INTERVAL_S": "1", "AERIE_LEASE_TTL_S": "3",
            "AERIE_HEARTBEAT_S": "1", "AERIE_HEARTBEAT_TTL_S": "3", "AERIE_DRAIN_S": str(DRAIN_S)}
-    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", "--port", "0", "--verifiers", "2",
-                           "--drafters", "2", "--coordinators", "2", "--state-file", str(state), *TREE, *extra],
-                          stdout=subprocess.PIPE, text=True, env=env)
-    while True:
-        line = up.stdout.readline()
-        if not line and up.poll() is not None:
-            raise SystemExit(f"aerie up exited with {up.returncode}")
-        if line.startswith("ready:"):
-            return up
+    return start_up(["--port", "0", "--verifiers", "2", "--drafters", "2", "--coordinators", "2",
+                     "--state-file", str(state), *TREE, *extra], env)
 
 
 def procs(state: Path, role: str) -> list[dict]:
@@ -104,7 +98,7 @@ def run_streams(coordinators, prompts, n):
 
 def faults(args) -> dict:
     state = Path(args.workdir) / "state.json"
-    up = start_up(state, args.up_args)
+    up = start(state, args.up_args)
     report: dict = {"faults": {}}
     try:
         coordinators = [p["address"] for p in procs(state, "coordinator")]

@@ -27,20 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.rpc.channel import open_channel  # noqa: E402
+from up_process import start_up  # noqa: E402  (scripts/)
 from services.rpc.stubs import coordinator as cpb  # noqa: E402
 from services.rpc.stubs import coordinator_grpc  # noqa: E402
 
 
-def start_up(state: Path, chunk: int) -> subprocess.Popen:
+def start(state: Path, chunk: int) -> subprocess.Popen:
     env = {**os.environ, "AERIE_LOG_LEVEL": "ERROR", "AERIE_PREFILL_CHUNK": str(chunk)}
-    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", "--port", "0", "--state-file", str(state)],
-                          stdout=subprocess.PIPE, text=True, env=env)
-    while True:
-        line = up.stdout.readline()
-        if not line and up.poll() is not None:
-            raise SystemExit(f"aerie up exited with {up.returncode}")
-        if line.startswith("ready:"):
-            return up
+    return start_up(["--port", "0", "--state-file", str(state)], env)
 
 
 def generate(address: str, prompt: list[int], n: int, times: list[float], stop: threading.Event | None = None) -> None:
@@ -65,7 +59,7 @@ def generate(address: str, prompt: list[int], n: int, times: list[float], stop: 
 def one_setting(chunk: int, long_len: int, vocab: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state.json"
-        up = start_up(state, chunk)
+        up = start(state, chunk)
         try:
             coord = next(p["address"] for p in json.loads(state.read_text())["processes"] if p["role"] == "coordinator")
             rng = random.Random(0)

@@ -28,6 +28,18 @@ class ConfigError(AerieError, ValueError):
     """A flag or AERIE_* variable with a value the service cannot run with (exit code 2)."""
 
 
+def endpoint_problem(entry: str) -> str | None:
+    """Why `entry` is not HOST:PORT (an IPv6 host in brackets: `[::1]:50051`), or None when it is."""
+    host, colon, port = entry.rpartition(":")
+    if not colon or not host:
+        return "not HOST:PORT"
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        return "not HOST:PORT (an IPv6 host goes in brackets: [::1]:50051)"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"port {port!r} is not a number in [1, 65535]"
+    return None
+
+
 def env(name: str, default: object = None) -> object:
     """The variable's raw string when set and non-empty, else `default` (argparse converts it)."""
     value = os.environ.get(name)

@@ -31,7 +31,7 @@ from services.errors import AerieError, InvalidRequest
 from services.rpc import codec
 from services.rpc.channel import open_channel
 from services.rpc.security import Security
-from services.rpc.config import DEFAULT_MAX_MESSAGE_BYTES
+from services.rpc.config import DEFAULT_MAX_MESSAGE_BYTES, endpoint_problem
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
@@ -60,19 +60,10 @@ def parse_addresses(value: str | Sequence[str], what: str = "--coordinator") -> 
     out = []
     for raw in entries:
         entry = raw.strip()
-        host, colon, port = entry.rpartition(":")
-        if not entry:
-            problem = "an empty entry (two commas, or a comma at an end)"
-        elif not colon or not host:
-            problem = "not HOST:PORT"
-        elif host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-            problem = "not HOST:PORT (an IPv6 host goes in brackets: [::1]:50051)"
-        elif not port.isdigit() or not 1 <= int(port) <= 65535:
-            problem = f"port {port!r} is not a number in [1, 65535]"
-        else:
-            out.append(entry)
-            continue
-        raise InvalidRequest(f"{what} {text!r}: entry {raw!r} is {problem}")
+        problem = endpoint_problem(entry) if entry else "an empty entry (two commas, or a comma at an end)"
+        if problem:
+            raise InvalidRequest(f"{what} {text!r}: entry {raw!r} is {problem}")
+        out.append(entry)
     return tuple(out)
 
 

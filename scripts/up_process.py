@@ -1,0 +1,19 @@
+"""Start `aerie up` as a child process and wait for its "ready:" line (the measurement scripts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def start_up(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """`python -m aerie_cli up *argv` with `env`; returns once it printed "ready:" (SystemExit if it
+    exits first)."""
+    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
+                          env=env)
+    while True:
+        line = up.stdout.readline()
+        if not line and up.poll() is not None:
+            raise SystemExit(f"aerie up exited with {up.returncode}")
+        if line.startswith("ready:"):
+            return up
