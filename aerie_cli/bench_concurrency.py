@@ -120,7 +120,8 @@ def parse_levels(text: str) -> list[int]:
 def run_concurrency(args: argparse.Namespace, prompts) -> dict:
     """-> {"concurrency": [rows], "concurrency_detail": [...], "concurrency_crossover": N | None}."""
     from services.bench.concurrency import (batch_totals, cpu_per_token, crossover, forward_shape, level_detail,
-                                            metric_delta, run_level, summarize_level, table)
+                                            metric_delta, round_ms, round_totals, run_level, summarize_level,
+                                            table)
     from services.engine.engine import GenerationRequest
     from services.rpc.coordinator_client import RemoteEngine, RemoteSession
     from services.spec.tree import TreeParams
@@ -159,18 +160,22 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                                                    batch_totals(metrics1.get(drafter, ""), "drafter"))
                     detached = metric_delta(metrics0.get(f"coordinator-{m}", ""), metrics1.get(f"coordinator-{m}", ""),
                                             'aerie_detached_rounds_total{service="coordinator"}')
+                    coord = f"coordinator-{m}"
+                    rounds = round_ms(round_totals(metrics0.get(coord, "")), round_totals(metrics1.get(coord, "")))
                     row = summarize_level(m, n, level)
                     rows.append(row)
                     detail.append({**row, "repeat": rep, **level_detail(level), "cpu_ms_per_token": cpu,
                                    "verifier_forwards": forwards, "drafter_forwards": draft_forwards,
-                                   "detached_rounds": detached})
+                                   "detached_rounds": detached, "round_ms": rounds})
                     print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
                           f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
                           f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}, "
                           f"CPU ms/token {' '.join(f'{k} {v:.1f}' for k, v in cpu.items() if v >= 0.05)}, "
                           f"verifier forwards {forwards.get('forwards', '-')} "
                           f"(calls/forward {forwards.get('calls_per_forward', '-')}), "
-                          f"drafter forwards {draft_forwards.get('forwards', '-')}, detached rounds {detached}"
+                          f"drafter forwards {draft_forwards.get('forwards', '-')}, detached rounds {detached}, "
+                          f"ms/round draft {rounds.get('draft', 0):.1f} verify {rounds.get('verify', 0):.1f} "
+                          f"commit {rounds.get('commit', 0):.1f} round {rounds.get('round', 0):.1f}"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
     finally:
         for s in sessions:

@@ -128,6 +128,39 @@ def metric_delta(before: str, after: str, sample: str) -> float:
     return value(after) - value(before)
 
 
+ROUND_PARTS = ("round", "draft", "verify", "commit")  # the coordinator's aerie_<part>_seconds histograms
+
+
+def round_totals(metrics_text: str, service: str = "coordinator") -> dict[str, float]:
+    """{"<part>_sum", "<part>_count"} so far for each of ROUND_PARTS from a coordinator's Prometheus
+    text (the per-round latencies its engine measures: drafting, the verify call with its wait in
+    the verifier's batch, the Redis commit, and their sum)."""
+    want = {}
+    for part in ROUND_PARTS:
+        for kind in ("sum", "count"):
+            want[f'aerie_{part}_seconds_{kind}{{service="{service}"}}'] = f"{part}_{kind}"
+    out = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in want:
+            out[want[name]] = float(value)
+    return out
+
+
+def round_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per round of each part between two `round_totals` (the draft over the
+    rounds that drafted; verify, commit and round over every decode round). Example: verify sums
+    1.0 -> 2.5 s over 30 more rounds -> {"verify": 50.0, ...}."""
+    out = {}
+    for part in ROUND_PARTS:
+        n = after.get(f"{part}_count", 0.0) - before.get(f"{part}_count", 0.0)
+        s = after.get(f"{part}_sum", 0.0) - before.get(f"{part}_sum", 0.0)
+        if n > 0:
+            out[part] = round(1000 * s / n, 2)
+            out[f"{part}_rounds"] = int(n)
+    return out
+
+
 def forward_shape(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The forwards run between two `batch_totals`: count, calls and rows per forward ({} unknown)."""
     if not before or not after or set(before) != set(after):

@@ -209,10 +209,12 @@ class Engine:
                 fresh = [self.verifier.decode(seq_id, last, index, keep_features=True)]
                 stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t1,
                                    predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
+                self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
             else:
                 tree = draft.tree
                 res = self.verifier.verify(seq_id, tree, index)
                 verify_s = time.perf_counter() - t1
+                self.budget.observe_verify(draft.plan, verify_s)
                 fresh = res.acceptance.new_tokens
                 observe(seq.stats, tree, res.acceptance.nodes.tolist(), draft.chain_nodes, draft.eagle_size)
                 stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
@@ -255,7 +257,9 @@ class Engine:
             features = torch.cat(seq.pending_features)
             seq.pending_tokens.clear()
             seq.pending_features.clear()
+            t_call = time.perf_counter()
             tree = self.drafter.draft(seq_id, tokens, features, plan.tree)
+            self.budget.observe_draft(plan.tree, int(tokens.shape[0]), time.perf_counter() - t_call)
         else:
             tree = root_tree(root)
         eagle_size = tree.size

@@ -149,10 +149,11 @@ class AcceptanceStats:
     confidence: float = 0.5  # mean draft probability of the top child at depth 1
     alpha: float = 0.15
     idle_rounds: int = 0  # consecutive rounds that drafted nothing (for probing)
+    probe_gap: int = 0  # idle rounds before the next probe (0 = the budget's probe_every; backs off)
 
     def copy(self) -> "AcceptanceStats":
         return AcceptanceStats(list(self.depth), list(self.rank), list(self.chain), self.confidence,
-                               self.alpha, 0)
+                               self.alpha, 0, 0)
 
     def calibration(self) -> float:
         """Acceptance probability per unit of draft probability (a_1 / mean top-1 draft probability)."""
@@ -229,20 +230,54 @@ class Load:
     rows: float = 0.0  # rows they verify per forward (1 for a plain decode step)
     tokens: float = 0.0  # tokens they are predicted to commit per forward
     draft_s: float = 0.0  # their draft seconds per round
+    draft_extra: float = 0.0  # measured: a draft's latency beyond the cost model's compute, seconds
+    verify_extra: float = 0.0  # measured: a round's verify latency beyond the modelled forward, seconds
 
 
 class LoadBoard:
     """The sequences that share one verifier's forwards (continuous batching), each with its latest
-    plan. Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
+    plan, and two latencies measured on the rounds they run (EMAs, weight `alpha`): how much longer a
+    draft takes than the cost model's compute for it (the draft call's round trip, the drafter's
+    queue, catching up the draft KV) and how much longer a verify call takes than the modelled
+    forward (the verify call's round trip, the batch's gathering, a batch forward's per-sequence
+    attention). The calibrated curves are one sequence's forward in process; these extras are what
+    the services add on this machine, and the chooser charges them (Budget._choose).
+    Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
 
-    def __init__(self) -> None:
+    def __init__(self, alpha: float = 0.1) -> None:
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[float, float, float]] = {}  # key -> (rows, tokens, draft_s)
+        self.alpha = alpha
+        self._draft_extra: float | None = None  # None until measured
+        self._verify_extra: float | None = None
 
     def others(self, key: str) -> Load:
         with self._lock:
             rest = [v for k, v in self._plans.items() if k != key]
-        return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest))
+            de, ve = self._draft_extra or 0.0, self._verify_extra or 0.0
+        return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
+                    de, ve)
+
+    def observe_draft(self, excess_s: float) -> None:
+        """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""
+        self._observe("_draft_extra", excess_s)
+
+    def observe_verify(self, excess_s: float) -> None:
+        """One verify (or decode) call's measured seconds minus the modelled batch forward."""
+        self._observe("_verify_extra", excess_s)
+
+    def _observe(self, name: str, x: float) -> None:
+        if not math.isfinite(x):
+            return
+        x = max(0.0, x)
+        with self._lock:
+            old = getattr(self, name)
+            setattr(self, name, x if old is None else ema(old, x, self.alpha))
+
+    def extras(self) -> tuple[float, float]:
+        """(draft extra, verify extra) seconds, 0 until measured."""
+        with self._lock:
+            return self._draft_extra or 0.0, self._verify_extra or 0.0
 
     def post(self, key: str, rows: float, tokens: float, draft_s: float) -> None:
         with self._lock:
@@ -276,6 +311,7 @@ class RoundPlan:
     chain: int  # retrieved tokens to join (0 = none)
     tokens: float  # predicted committed tokens (accepted + bonus)
     seconds: float  # predicted round time
+    verify_s: float = 0.0  # of which the modelled target forward (the batch's), measured extras excluded
 
     @property
     def rate(self) -> float:
@@ -341,6 +377,10 @@ class Budget:
     stop_depth: bool = True  # dynamic depth (stop_logprob)
     detach: bool = True  # plain steps leave the drafter alone until the next probe (Engine: detaching)
     load: LoadBoard | None = field(default=None, compare=False)  # batching: the sequences sharing forwards
+    load_margin: float = 0.05  # with other sequences in the batch, a draft must beat plain by this share
+    probe_accept: float | None = 0.8  # a probe runs only if drafting would pay at this acceptance
+    #                                   (per depth); None = probe every gap unconditionally
+    probe_backoff: int = 8  # probe gap doubles after a probe that changes nothing, up to this x probe_every
 
     def new_stats(self) -> AcceptanceStats:
         return self.prior.copy()
@@ -348,7 +388,7 @@ class Budget:
     def probes_next(self, stats: AcceptanceStats) -> bool:
         """Whether the next plan drafts to re-measure acceptance if it would otherwise be plain (the
         engine attaches the drafter one round ahead of it). Always True for a fixed shape."""
-        return self.fixed is not None or stats.idle_rounds + 1 >= self.probe_every
+        return self.fixed is not None or stats.idle_rounds + 1 >= (stats.probe_gap or self.probe_every)
 
     def max_nodes(self) -> int:
         """The most nodes a round can verify (KV reservation on the verifier)."""
@@ -369,40 +409,105 @@ class Budget:
         if self.load is not None and key is not None:
             rows = (best.tree.total_tokens if best.tree is not None else 1) + best.chain
             verify = batch_verify(self.costs, load.rows, rows) if load.sequences else self.costs.t_verify(rows)
-            self.load.post(key, rows, best.tokens, max(0.0, best.seconds - verify - load.draft_s))
+            self.load.post(key, rows, best.tokens,
+                           max(0.0, best.seconds - verify - load.verify_extra - load.draft_s))
         return best
 
+    def observe_draft(self, params: TreeParams, commit_rows: int, seconds: float) -> None:
+        """A draft call of `params` that extended the draft KV with `commit_rows` rows took `seconds`
+        (measured by the caller, round trip included): its excess over the model feeds the board."""
+        if self.load is not None and self.fixed is None:
+            self.load.observe_draft(seconds - self.costs.draft_seconds(params, commit_rows))
+
+    def observe_verify(self, plan: RoundPlan, seconds: float) -> None:
+        """The verify (or decode) call of a round planned as `plan` took `seconds`."""
+        if self.load is not None and self.fixed is None and plan.verify_s > 0:
+            self.load.observe_verify(seconds - plan.verify_s)
+
     def _plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> RoundPlan:
-        """RoundPlan.seconds is the batch's round: the others' drafts, this draft, and one target
-        forward over the others' rows plus this sequence's; rates count the others' tokens too."""
+        """`_choose`, then probing: after `probe_gap` rounds without drafting, draft one token (and
+        the whole retrieved chain) to re-measure acceptance, but only if drafting would pay at the
+        optimistic acceptance `probe_accept` under this load (decided one round ahead, so the
+        engine attaches the drafter only for a probe that runs). A probe after which the budget
+        stays plain doubles the gap (up to probe_backoff x probe_every); a drafting round resets it."""
+        best, smallest, tv, chain_gain = self._choose(stats, chain, commit_rows, load)
+        if self.fixed is not None:
+            return best  # the same shape every round: no probing, no dynamic depth
+        gap = stats.probe_gap or self.probe_every
+        if best.drafts:
+            stats.idle_rounds = 0
+            stats.probe_gap = 0
+        else:
+            stats.idle_rounds += 1
+            if stats.idle_rounds >= gap:  # re-measure acceptance now and then
+                stats.idle_rounds = 0
+                stats.probe_gap = min(2 * gap, self.probe_every * max(1, self.probe_backoff))
+                # one draft token, and the whole retrieved chain (so every chain depth is re-measured)
+                if smallest is not None:
+                    best = replace(smallest, chain=chain, tokens=smallest.tokens + chain_gain[chain],
+                                   seconds=smallest.seconds + tv[2 + chain] - tv[2],
+                                   verify_s=smallest.verify_s + tv[2 + chain] - tv[2])
+                elif chain:
+                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], tv[1 + chain], best.verify_s)
+            elif stats.idle_rounds + 1 >= gap and not self._worth_probing(stats, chain, commit_rows, load):
+                stats.idle_rounds = 0  # the probe could not change the choice: skip it
+                stats.probe_gap = min(2 * gap, self.probe_every * max(1, self.probe_backoff))
+        if best.tree is not None and self.stop_depth:
+            best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best, load)))
+        return best
+
+    def _worth_probing(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> bool:
+        """Whether the choice would draft if acceptance were `probe_accept` at every depth (where
+        it is not already higher): else a probe costs the batch a draft and can change nothing."""
+        if self.probe_accept is None:
+            return True
+        hopeful = stats.copy()
+        hopeful.depth = [max(a, self.probe_accept) for a in hopeful.depth]
+        hopeful.chain = [max(s, self.probe_accept) for s in hopeful.chain]
+        return self._choose(hopeful, chain, commit_rows, load)[0].drafts
+
+    def _choose(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load
+                ) -> tuple[RoundPlan, RoundPlan | None, tuple[float, ...], list[float]]:
+        """-> (the best plan, the smallest EAGLE plan (a probe), tv, chain gains). Pure.
+
+        RoundPlan.seconds is the batch's round on its critical path: the others' drafts, this
+        sequence's draft (the model's compute plus the board's measured draft extra), and one target
+        forward over the others' rows plus this sequence's (plus the measured verify extra); rates
+        count the others' tokens too, so a draft that delays the batch's forward is charged for
+        every sequence's tokens it delays. With others in the batch, a drafting shape must beat the
+        best plain (or retrieval-only) rate by `load_margin` (the model's error is larger than the
+        gains at stake there)."""
         chain = min(chain, self.chain_limit)
         c = self.costs
+        extra_draft, extra_verify = load.draft_extra, load.verify_extra
 
         def rate(p: RoundPlan) -> float:
             return (load.tokens + p.tokens) / p.seconds if p.seconds > 0 else 0.0
 
+        n_max = (self.fixed or self.largest).total_tokens + chain + 1
+        # fv[n]: the batch's modelled target forward with this sequence's n rows
+        fv = (_verify_table(c, n_max) if not load.sequences else
+              (0.0,) + tuple(batch_verify(c, load.rows, r) for r in range(1, n_max + 1)))
+        # tv[n]: the round without this sequence's draft: others' drafts, the forward, the measured extra
+        tv = (0.0,) + tuple(f + load.draft_s + extra_verify for f in fv[1:])
+        chain_gain = [chain_accept(stats.chain, n) for n in range(chain + 1)]
         if self.fixed is not None:
             e = expected_accept(stats.depth, stats.rank, self.fixed.top_k, self.fixed.depth + 1,
                                 [self.fixed.total_tokens - 1])[0] if self.eagle else 0.0
-            e += chain_accept(stats.chain, chain)
-            t = (c.draft_seconds(self.fixed, commit_rows) if self.eagle else 0.0) + \
-                batch_verify(c, load.rows, (self.fixed.total_tokens if self.eagle else 1) + chain) + load.draft_s
-            return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, t)
-        chain_gain = [chain_accept(stats.chain, n) for n in range(chain + 1)]
-        # tv[n]: the batch's target forward with this sequence's n rows (and its others' drafts)
-        tv = (_verify_table(c, self.largest.total_tokens + chain + 1) if not load.sequences else
-              (0.0,) + tuple(batch_verify(c, load.rows, r) + load.draft_s
-                             for r in range(1, self.largest.total_tokens + chain + 2)))
-        best = RoundPlan(None, 0, 1.0, tv[1])
+            e += chain_gain[chain]
+            n = (self.fixed.total_tokens if self.eagle else 1) + chain
+            t = (c.draft_seconds(self.fixed, commit_rows) + extra_draft if self.eagle else 0.0) + tv[n]
+            return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, t, fv[n]), None, tv, chain_gain
+        best = RoundPlan(None, 0, 1.0, tv[1], fv[1])
         for n in range(1, chain + 1):  # retrieval alone
-            cand = RoundPlan(None, n, 1.0 + chain_gain[n], tv[1 + n])
+            cand = RoundPlan(None, n, 1.0 + chain_gain[n], tv[1 + n], fv[1 + n])
             best = max(best, cand, key=rate)
         smallest: RoundPlan | None = None
         if self.eagle:
-            base = c.head(commit_rows) + c.logits(1)
+            base = c.head(commit_rows) + c.logits(1) + extra_draft
             lim = self.largest
             extras = (0, chain) if chain else (0,)
-            best_rate, best_key = rate(best), None
+            best_rate, best_key = rate(best) * (1.0 + (self.load_margin if load.sequences else 0.0)), None
             others = load.tokens
             for k in range(1, min(lim.top_k, MAX_RANK) + 1):
                 step = c.t_draft(k)
@@ -434,28 +539,15 @@ class Budget:
                         for extra in extras:
                             r8 = (others + 1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
                             if k == 1 and d == 0 and extra == 0:
-                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2])
+                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2], fv[2])
                             if r8 > best_rate:
                                 best_rate = r8
-                                best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra])
+                                best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra],
+                                            fv[n + extra])
             if best_key is not None:
-                k, d, n, extra, tokens, seconds = best_key
-                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds)
-        if best.drafts:
-            stats.idle_rounds = 0
-        else:
-            stats.idle_rounds += 1
-            if stats.idle_rounds >= self.probe_every:  # re-measure acceptance now and then
-                stats.idle_rounds = 0
-                # one draft token, and the whole retrieved chain (so every chain depth is re-measured)
-                if smallest is not None:
-                    best = replace(smallest, chain=chain, tokens=smallest.tokens + chain_gain[chain],
-                                   seconds=smallest.seconds + tv[2 + chain] - tv[2])
-                elif chain:
-                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], tv[1 + chain])
-        if best.tree is not None and self.stop_depth:
-            best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best, load)))
-        return best
+                k, d, n, extra, tokens, seconds, forward = best_key
+                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds, forward)
+        return best, smallest, tv, chain_gain
 
     def stop_logprob(self, stats: AcceptanceStats, plan: RoundPlan, load: Load = Load()) -> float:
         """Cumulative draft log-probability below which a node does not pay for itself (at the

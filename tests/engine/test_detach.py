@@ -62,8 +62,10 @@ class CountingDrafter(Drafter):
 
 
 def budget(costs: CostModel, detach: bool, probe_every: int, board: LoadBoard | None = None) -> Budget:
+    # probes every `probe_every` rounds unconditionally (no back-off, no check that a probe could
+    # pay): the rounds around each probe are what these tests exercise
     return Budget(costs, prior_stats({"top1_agreement": 0.5}), largest=LARGEST, probe_every=probe_every,
-                  detach=detach, load=board)
+                  detach=detach, load=board, probe_accept=None, probe_backoff=1)
 
 
 def run(engine: Engine, req: GenerationRequest) -> tuple[list[int], list]:

@@ -87,3 +87,108 @@ def test_a_flat_stretch_of_a_noisy_curve_does_not_make_batch_rows_free() -> None
         board.post(f"o{i}", 1.0, 1.0, 0.0)
     assert b.plan(b.new_stats()).tree is None  # alone: a plain step
     assert rows(b.plan(b.new_stats(), key="me")) <= 4
+
+
+# ---- the batch-level policy: measured latencies, the margin under load, probes -------------------
+
+
+def flat(a: float, b: Budget):
+    s = b.new_stats()
+    s.depth = [a] * len(s.depth)
+    s.confidence = a
+    return s
+
+
+def with_extras(board: LoadBoard, draft: float = 0.0, verify: float = 0.0) -> LoadBoard:
+    board.observe_draft(draft)
+    board.observe_verify(verify)
+    return board
+
+
+def test_a_measured_draft_latency_is_charged_to_drafting_shapes() -> None:
+    """Alone, acceptance 0.5 pays for a tree when a draft costs what the model says; when the
+    services' draft round trip is measured at twice a forward, no tree pays and the choice is plain."""
+    b = budget(LoadBoard())
+    assert b.plan(flat(0.5, b), key="me").tree is not None
+    slow = budget(with_extras(LoadBoard(), draft=2.0))
+    assert slow.plan(flat(0.5, slow), key="me").tree is None
+
+
+def test_a_measured_verify_latency_dilutes_the_cost_of_tree_rows() -> None:
+    """Acceptance 0.3 and a draft extra of 0.4 s: against a 1 s forward a chain does not pay; when
+    every verify call is measured 3 s longer than the modelled forward (round trips, batching), the
+    same chain's extra rows and draft are a small share of the round and it pays."""
+    b = budget(with_extras(LoadBoard(), draft=0.4))
+    assert b.plan(flat(0.3, b), key="me").tree is None
+    b = budget(with_extras(LoadBoard(), draft=0.4, verify=3.0))
+    assert b.plan(flat(0.3, b), key="me").tree is not None
+
+
+def test_under_load_a_draft_must_beat_plain_by_the_margin() -> None:
+    """With three plain neighbours: for each measured draft extra, the margin-0 chooser's best draft
+    beats plain by some ratio; where that ratio is below 1.05 the default margin (0.05) keeps the
+    batch plain, where it is above it drafts. Alone, no margin applies."""
+    seen_small = seen_large = False
+    for i in range(200):
+        extra = 0.002 * i
+        board = with_extras(LoadBoard(), draft=extra)
+        for j in range(3):
+            board.post(f"o{j}", 1.0, 1.0, 0.0)
+        no_margin = budget(board)
+        no_margin = Budget(no_margin.costs, no_margin.prior, largest=AUTO_LARGEST, load=board, load_margin=0.0)
+        p = no_margin.plan(flat(0.5, no_margin), key="me")
+        if p.tree is None:
+            continue
+        load = board.others("me")
+        plain_rate = (load.tokens + 1.0) / (no_margin.costs.t_verify(4) + load.verify_extra)
+        ratio = (load.tokens + p.tokens) / p.seconds / plain_rate
+        margin = Budget(no_margin.costs, no_margin.prior, largest=AUTO_LARGEST, load=board)  # default 0.05
+        chosen = margin.plan(flat(0.5, margin), key="me")
+        if ratio < 1.05:
+            seen_small = True
+            assert chosen.tree is None, (extra, ratio)
+        else:
+            seen_large = True
+            assert chosen.tree is not None, (extra, ratio)
+    assert seen_small and seen_large
+    alone = budget(with_extras(LoadBoard(), draft=0.3))
+    alone_no_margin = Budget(alone.costs, alone.prior, largest=AUTO_LARGEST, load=alone.load, load_margin=0.0)
+    assert alone.plan(flat(0.5, alone), key="me") == alone_no_margin.plan(flat(0.5, alone_no_margin), key="me")
+
+
+def test_probes_stop_where_even_good_acceptance_could_not_pay() -> None:
+    """64 plain neighbours make the forward compute-bound: a probe could not change the choice even
+    at acceptance 0.8, so none runs (each one would delay the whole batch). Alone, the same
+    statistics probe, and `probes_next` announces every probe one round ahead (the engine attaches
+    the drafter for it) and no other round."""
+    board = LoadBoard()
+    b = budget(board, per_row=0.2)
+    for i in range(64):
+        board.post(f"o{i}", 1.0, 1.0, 0.0)
+    s = flat(0.05, b)
+    assert not any(b.plan(s, key="me").drafts for _ in range(200))
+    alone = budget(LoadBoard(), per_row=0.2)
+    s = flat(0.05, alone)
+    drafted, announced = [], []
+    for _ in range(200):
+        drafted.append(alone.plan(s, key="me").drafts)
+        announced.append(alone.probes_next(s))
+    assert sum(drafted) >= 3
+    assert drafted[1:] == announced[:-1]
+
+
+def test_the_board_keeps_an_ema_of_measured_excess_latency() -> None:
+    board = LoadBoard(alpha=0.5)
+    assert board.extras() == (0.0, 0.0)
+    board.observe_draft(0.02)
+    board.observe_draft(0.04)
+    board.observe_verify(-0.01)  # faster than the model: no negative extra
+    assert board.extras() == (0.03, 0.0)
+    b = budget(board)
+    p = AUTO_LARGEST
+    b.observe_draft(p, 4, b.costs.draft_seconds(p, 4) + 0.07)  # the excess over the model is observed
+    assert abs(board.extras()[0] - 0.05) < 1e-9
+    plan = b.plan(b.new_stats(), key="me")
+    b.observe_verify(plan, plan.verify_s + 0.01)
+    assert abs(board.extras()[1] - 0.005) < 1e-9
+    assert board.others("x").draft_extra == board.extras()[0]

@@ -2,6 +2,7 @@
 (it must pick the known best shape, plain decoding included), dynamic depth and the cost cache."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -97,13 +98,22 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     fixed = TreeParams(2, 3, 10)
     b = Budget(CostModel(linear(0.3, 1.0)), largest=fixed, fixed=fixed)
     assert b.plan(stats([0.01])).tree == fixed
-    b = Budget(CostModel(linear(0.3, 1.0), linear(0, 0.05), linear(0, 0.05)), probe_every=4)
+    b = Budget(CostModel(linear(0.3, 1.0), linear(0, 0.05), linear(0, 0.05)), probe_every=4, probe_backoff=1)
     s = stats([0.05])
     plans = [b.plan(s) for _ in range(8)]
     assert [p.drafts for p in plans] == [False, False, False, True] * 2
     assert plans[3].tree.total_tokens == 2 and plans[3].chain == 0
+    # a probe after which the budget stays plain doubles the gap, up to probe_backoff x probe_every
+    b = replace(b, probe_backoff=4)
+    s = stats([0.05])
+    probes = [i for i in range(40) if b.plan(s).drafts]
+    assert probes == [3, 11, 27, 43 - 4][:3], probes  # gaps 4, 8, 16 (then 16: capped)
+    assert [i for i in range(40, 80) if b.plan(s).drafts] == [43, 59, 75]
+    # a drafting round resets the gap
+    s.depth = [0.95] * B.MAX_LEVELS
+    assert b.plan(s).drafts and s.probe_gap == 0 and s.idle_rounds == 0
     # a probe with a retrieved chain verifies all of it, so every chain depth is re-measured
-    b = Budget(CostModel(linear(0.3, 1.0)), eagle=False, chain_limit=8, probe_every=2)
+    b = Budget(CostModel(linear(0.3, 1.0)), eagle=False, chain_limit=8, probe_every=2, probe_backoff=1)
     s = stats([0.05], s=0.05)
     assert [b.plan(s, chain=6).chain for _ in range(4)] == [0, 6, 0, 6]
 
