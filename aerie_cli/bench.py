@@ -53,6 +53,9 @@ def register(sub) -> None:
     c.add_argument("--prefill-chunk", type=int, default=None,
                    help="the verifier's prompt tokens per prefill forward, 0 = whole prompts "
                         "(default: the verifier's own default, 512)")
+    c.add_argument("--verifier-threads", type=int, default=None,
+                   help="torch threads of the verifier process alone (its AERIE_TORCH_THREADS); the drafters and "
+                        "coordinators keep this process's AERIE_TORCH_THREADS (default: the same for all)")
     p.add_argument("--json-out", default=None, help="write the results as JSON here (default: not written)")
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
@@ -80,6 +83,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                  f"got {args.concurrency_methods!r}")
         if args.repeats < 1:
             raise InvalidRequest(f"--repeats must be >= 1; got {args.repeats}")
+        if args.verifier_threads is not None and args.verifier_threads < 1:
+            raise InvalidRequest(f"--verifier-threads must be >= 1; got {args.verifier_threads}")
     default = "" if args.concurrency else "hf,native,eagle,sam,eagle+sam"
     methods = [m.strip() for m in (default if args.methods is None else args.methods).split(",") if m.strip()]
     if not methods and args.concurrency:

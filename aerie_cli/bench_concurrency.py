@@ -15,6 +15,7 @@ all alike. services/bench/concurrency.py measures; docs/distributed.md explains 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +44,9 @@ class Stack:
         deadline = time.monotonic() + 900
         chunk = [] if getattr(args, "prefill_chunk", None) is None else ["--prefill-chunk", str(args.prefill_chunk)]
         self.roles: dict = {}  # role name -> its process (CPU seconds per level in the detail)
-        verifier = self._start(Service("verifier", common + batch + model + chunk, work, HOST), deadline)
+        threads = getattr(args, "verifier_threads", None)
+        env = {"AERIE_TORCH_THREADS": str(threads)} if threads else None  # the verifier alone
+        verifier = self._start(Service("verifier", common + batch + model + chunk, work, HOST, env=env), deadline)
         self.roles["verifier"] = self.procs[-1].proc
         draft = (["--draft", args.draft] if args.draft else []) + \
             (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []) + \
@@ -84,8 +87,6 @@ class Stack:
     def cpu_seconds(self) -> dict[str, float]:
         """Role -> CPU seconds (user + system) its process has used so far (Linux /proc; {} elsewhere)."""
         from services.bench.concurrency import process_cpu_s
-
-        import os
 
         out = {role: process_cpu_s(proc.pid) for role, proc in self.roles.items()}
         out["client"] = process_cpu_s(os.getpid())  # this process: the streams the bench reads
@@ -196,6 +197,8 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                                    "tree": [fixed.total_tokens, fixed.depth, fixed.top_k],
                                    "max_batch": args.max_batch, "max_batch_rows": args.max_batch_rows,
                                    "prefill_chunk": getattr(args, "prefill_chunk", 0),
+                                   "verifier_threads": getattr(args, "verifier_threads", None),
+                                   "torch_threads": os.environ.get("AERIE_TORCH_THREADS"),
                                    "max_new_tokens": args.max_new_tokens}}
 
 

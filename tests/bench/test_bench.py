@@ -104,7 +104,7 @@ def test_bench_concurrency_through_the_services(setup, capsys):
     out_json, out_png = setup / "conc.json", setup / "conc.png"
     assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"), "--dtype", "fp32",
                  "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "8", "--concurrency", "1,3",
-                 "--json-out", str(out_json), "--chart", str(out_png)]) == 0
+                 "--verifier-threads", "1", "--json-out", str(out_json), "--chart", str(out_png)]) == 0
     out = capsys.readouterr().out
     assert "ITL p50 ms" in out and "crossover" in out
     res = json.loads(out_json.read_text())
@@ -126,11 +126,16 @@ def test_bench_concurrency_through_the_services(setup, capsys):
         f = d["verifier_forwards"]
         # a prefill and at least one round per sequence, at most n calls per forward
         assert 2 <= f["forwards"] <= 8 * n and 1 <= f["calls_per_forward"] <= n
+        # the coordinator's per-round latencies: at most 7 decode rounds per sequence (7 when plain)
+        r = d["round_ms"]
+        assert n <= r["verify_rounds"] == r["round_rounds"] <= 7 * n and 0 < r["verify"] <= r["round"]
         if m == "plain":  # n prefills + 7 decode steps each: 8n calls
             assert round(f["forwards"] * f["calls_per_forward"]) == 8 * n
+            assert r["verify_rounds"] == 7 * n and "draft" not in r
             assert d["drafter_forwards"] == {} and d["detached_rounds"] == 0
         elif m == "tree":  # a fixed shape drafts every round: never detached
             assert d["drafter_forwards"]["forwards"] >= 1 and d["detached_rounds"] == 0
+            assert r["draft_rounds"] == r["verify_rounds"] and r["draft"] > 0
         else:
             assert 0 <= d["detached_rounds"] <= 7 * n
     assert "decode tok/s" in out
@@ -138,6 +143,22 @@ def test_bench_concurrency_through_the_services(setup, capsys):
     assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
                  "--concurrency", "0,2"]) == 2
     assert "--concurrency levels must be >= 1; got '0,2'" in capsys.readouterr().err
+    assert res["concurrency_config"]["verifier_threads"] == 1
+    assert main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
+                 "--concurrency", "1,2", "--verifier-threads", "0"]) == 2
+    assert "--verifier-threads must be >= 1; got 0" in capsys.readouterr().err
+
+
+def test_round_ms_from_two_coordinator_scrapes():
+    from services.bench.concurrency import round_ms, round_totals
+
+    svc = '{service="coordinator"}'
+    before = round_totals(f"aerie_verify_seconds_sum{svc} 1.0\naerie_verify_seconds_count{svc} 10.0\n"
+                          f"aerie_draft_seconds_sum{svc} 0.5\naerie_draft_seconds_count{svc} 5.0\n"
+                          'aerie_verify_seconds_sum{service="verifier"} 99.0')
+    assert before == {"verify_sum": 1.0, "verify_count": 10.0, "draft_sum": 0.5, "draft_count": 5.0}
+    after = {"verify_sum": 2.5, "verify_count": 40.0, "draft_sum": 0.5, "draft_count": 5.0}
+    assert round_ms(before, after) == {"verify": 50.0, "verify_rounds": 30}  # no new draft: absent
 
 
 def test_forward_shape_from_two_metric_scrapes():
