@@ -150,6 +150,8 @@ class AcceptanceStats:
     alpha: float = 0.15
     idle_rounds: int = 0  # consecutive rounds that drafted nothing (for probing)
     probe_gap: int = 0  # idle rounds before the next probe (0 = the budget's probe_every; backs off)
+    memo: tuple | None = None  # (inputs, output) of the last choice (Budget._plan): a round whose
+    #                            statistics and load did not change is not planned again
 
     def copy(self) -> "AcceptanceStats":
         return AcceptanceStats(list(self.depth), list(self.rank), list(self.chain), self.confidence,
@@ -255,8 +257,10 @@ class LoadBoard:
         with self._lock:
             rest = [v for k, v in self._plans.items() if k != key]
             de, ve = self._draft_extra or 0.0, self._verify_extra or 0.0
-        return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
-                    de, ve)
+        # rounded (0.1 ms, 0.001 rows/tokens: far below the noise) so that a steady batch's load
+        # compares equal round after round and the choice is not recomputed (Budget._plan's memo)
+        return Load(len(rest), round(sum(r for r, _, _ in rest), 3), round(sum(t for _, t, _ in rest), 3),
+                    round(sum(d for _, _, d in rest), 4), round(de, 4), round(ve, 4))
 
     def observe_draft(self, excess_s: float) -> None:
         """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""
@@ -430,7 +434,12 @@ class Budget:
         optimistic acceptance `probe_accept` under this load (decided one round ahead, so the
         engine attaches the drafter only for a probe that runs). A probe after which the budget
         stays plain doubles the gap (up to probe_backoff x probe_every); a drafting round resets it."""
-        best, smallest, tv, chain_gain = self._choose(stats, chain, commit_rows, load)
+        key = (tuple(stats.depth), tuple(stats.rank), tuple(stats.chain), stats.confidence, chain, commit_rows, load)
+        if stats.memo is not None and stats.memo[0] == key:
+            best, smallest, tv, chain_gain = stats.memo[1]
+        else:
+            best, smallest, tv, chain_gain = choice = self._choose(stats, chain, commit_rows, load)
+            stats.memo = (key, choice)
         if self.fixed is not None:
             return best  # the same shape every round: no probing, no dynamic depth
         gap = stats.probe_gap or self.probe_every

@@ -192,3 +192,23 @@ def test_the_board_keeps_an_ema_of_measured_excess_latency() -> None:
     b.observe_verify(plan, plan.verify_s + 0.01)
     assert abs(board.extras()[1] - 0.005) < 1e-9
     assert board.others("x").draft_extra == board.extras()[0]
+
+
+def test_an_unchanged_round_reuses_the_choice_and_a_changed_one_does_not() -> None:
+    """A steady batch (same statistics, same load) is not planned again; new acceptance or a new load
+    is (the memo's key holds both)."""
+    board = LoadBoard()
+    b = budget(board)
+    for i in range(3):
+        board.post(f"o{i}", 1.0, 1.0, 0.0)
+    s = flat(0.5, b)
+    first = b.plan(s, key="me")
+    memo = s.memo
+    assert b.plan(s, key="me") == first and s.memo is memo  # reused
+    s.depth = [0.02] * len(s.depth)  # acceptance collapsed: plain now
+    assert first.tree is not None and b.plan(s, key="me").tree is None and s.memo is not memo
+    s.depth = [0.5] * len(s.depth)
+    assert b.plan(s, key="me").tree is not None
+    for i in range(3, 64):  # a compute-bound batch: plain
+        board.post(f"o{i}", 1.0, 1.0, 0.0)
+    assert b.plan(s, key="me").tree is None
