@@ -150,8 +150,8 @@ class AcceptanceStats:
     alpha: float = 0.15
     idle_rounds: int = 0  # consecutive rounds that drafted nothing (for probing)
     probe_gap: int = 0  # idle rounds before the next probe (0 = the budget's probe_every; backs off)
-    memo: tuple | None = None  # (inputs, output) of the last choice (Budget._plan): a round whose
-    #                            statistics and load did not change is not planned again
+    memo: tuple | None = None  # (statistics, load, output) of the last choice (Budget._plan): a round
+    #                            whose statistics and load did not change is not planned again
 
     def copy(self) -> "AcceptanceStats":
         return AcceptanceStats(list(self.depth), list(self.rank), list(self.chain), self.confidence,
@@ -236,6 +236,18 @@ class Load:
     verify_extra: float = 0.0  # measured: a round's verify latency beyond the modelled forward, seconds
 
 
+def same_load(a: Load, b: Load, tolerance: float = 0.1) -> bool:
+    """Whether two loads are the same batch for planning: the same sequences, rows and tokens (to
+    0.001) and seconds within `tolerance` relative (or 0.5 ms): the measured extras move by less
+    than their noise from round to round, and a steady batch must not be re-planned for that."""
+    def near(x: float, y: float) -> bool:
+        return abs(x - y) <= max(5e-4, tolerance * max(abs(x), abs(y)))
+
+    return (a.sequences == b.sequences and abs(a.rows - b.rows) < 1e-3 and abs(a.tokens - b.tokens) < 1e-3
+            and near(a.draft_s, b.draft_s) and near(a.draft_extra, b.draft_extra)
+            and near(a.verify_extra, b.verify_extra))
+
+
 class LoadBoard:
     """The sequences that share one verifier's forwards (continuous batching), each with its latest
     plan, and two latencies measured on the rounds they run (EMAs, weight `alpha`): how much longer a
@@ -257,10 +269,8 @@ class LoadBoard:
         with self._lock:
             rest = [v for k, v in self._plans.items() if k != key]
             de, ve = self._draft_extra or 0.0, self._verify_extra or 0.0
-        # rounded (0.1 ms, 0.001 rows/tokens: far below the noise) so that a steady batch's load
-        # compares equal round after round and the choice is not recomputed (Budget._plan's memo)
-        return Load(len(rest), round(sum(r for r, _, _ in rest), 3), round(sum(t for _, t, _ in rest), 3),
-                    round(sum(d for _, _, d in rest), 4), round(de, 4), round(ve, 4))
+        return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
+                    de, ve)
 
     def observe_draft(self, excess_s: float) -> None:
         """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""
@@ -316,6 +326,7 @@ class RoundPlan:
     tokens: float  # predicted committed tokens (accepted + bonus)
     seconds: float  # predicted round time
     verify_s: float = 0.0  # of which the modelled target forward (the batch's), measured extras excluded
+    draft_s: float = 0.0  # of which this sequence's own draft (the model's compute + the measured extra)
 
     @property
     def rate(self) -> float:
@@ -412,9 +423,7 @@ class Budget:
         best = self._plan(stats, chain, commit_rows, load)
         if self.load is not None and key is not None:
             rows = (best.tree.total_tokens if best.tree is not None else 1) + best.chain
-            verify = batch_verify(self.costs, load.rows, rows) if load.sequences else self.costs.t_verify(rows)
-            self.load.post(key, rows, best.tokens,
-                           max(0.0, best.seconds - verify - load.verify_extra - load.draft_s))
+            self.load.post(key, rows, best.tokens, best.draft_s)
         return best
 
     def observe_draft(self, params: TreeParams, commit_rows: int, seconds: float) -> None:
@@ -434,12 +443,13 @@ class Budget:
         optimistic acceptance `probe_accept` under this load (decided one round ahead, so the
         engine attaches the drafter only for a probe that runs). A probe after which the budget
         stays plain doubles the gap (up to probe_backoff x probe_every); a drafting round resets it."""
-        key = (tuple(stats.depth), tuple(stats.rank), tuple(stats.chain), stats.confidence, chain, commit_rows, load)
-        if stats.memo is not None and stats.memo[0] == key:
-            best, smallest, tv, chain_gain = stats.memo[1]
+        key = (tuple(stats.depth), tuple(stats.rank), tuple(stats.chain), stats.confidence, chain, commit_rows)
+        memo = stats.memo
+        if memo is not None and memo[0] == key and same_load(memo[1], load):
+            best, smallest, tv, chain_gain = memo[2]  # the load it was planned for stays the reference
         else:
             best, smallest, tv, chain_gain = choice = self._choose(stats, chain, commit_rows, load)
-            stats.memo = (key, choice)
+            stats.memo = (key, load, choice)
         if self.fixed is not None:
             return best  # the same shape every round: no probing, no dynamic depth
         gap = stats.probe_gap or self.probe_every
@@ -505,8 +515,8 @@ class Budget:
                                 [self.fixed.total_tokens - 1])[0] if self.eagle else 0.0
             e += chain_gain[chain]
             n = (self.fixed.total_tokens if self.eagle else 1) + chain
-            t = (c.draft_seconds(self.fixed, commit_rows) + extra_draft if self.eagle else 0.0) + tv[n]
-            return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, t, fv[n]), None, tv, chain_gain
+            own = c.draft_seconds(self.fixed, commit_rows) + extra_draft if self.eagle else 0.0
+            return RoundPlan(self.fixed if self.eagle else None, chain, 1 + e, own + tv[n], fv[n], own), None, tv, chain_gain
         best = RoundPlan(None, 0, 1.0, tv[1], fv[1])
         for n in range(1, chain + 1):  # retrieval alone
             cand = RoundPlan(None, n, 1.0 + chain_gain[n], tv[1 + n], fv[1 + n])
@@ -548,14 +558,14 @@ class Budget:
                         for extra in extras:
                             r8 = (others + 1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
                             if k == 1 and d == 0 and extra == 0:
-                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2], fv[2])
+                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2], fv[2], t_draft)
                             if r8 > best_rate:
                                 best_rate = r8
                                 best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra],
-                                            fv[n + extra])
+                                            fv[n + extra], t_draft)
             if best_key is not None:
-                k, d, n, extra, tokens, seconds, forward = best_key
-                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds, forward)
+                k, d, n, extra, tokens, seconds, forward, own = best_key
+                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds, forward, own)
         return best, smallest, tv, chain_gain
 
     def stop_logprob(self, stats: AcceptanceStats, plan: RoundPlan, load: Load = Load()) -> float:

@@ -4,7 +4,9 @@ board tracks each sequence's latest plan. (Lossless whatever it picks: tests/eng
 
 from __future__ import annotations
 
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, LoadBoard, prior_stats
+from dataclasses import replace
+
+from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, Load, LoadBoard, prior_stats, same_load
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -212,3 +214,8 @@ def test_an_unchanged_round_reuses_the_choice_and_a_changed_one_does_not() -> No
     for i in range(3, 64):  # a compute-bound batch: plain
         board.post(f"o{i}", 1.0, 1.0, 0.0)
     assert b.plan(s, key="me").tree is None
+    # measured extras that move by less than 10% are the same batch; more is a new one
+    base = Load(3, 3.0, 3.0, 0.0, 0.010, 0.050)
+    assert same_load(base, replace(base, verify_extra=0.054)) and same_load(base, replace(base, draft_s=0.0004))
+    assert not same_load(base, replace(base, verify_extra=0.060)) and not same_load(base, replace(base, rows=4.0))
+    assert not same_load(base, replace(base, sequences=4)) and not same_load(base, replace(base, draft_extra=0.02))
