@@ -277,8 +277,13 @@ class LoadBoard:
         self._observe("_draft_extra", excess_s)
 
     def observe_verify(self, excess_s: float) -> None:
-        """One verify (or decode) call's measured seconds minus the modelled batch forward."""
+        """One verify (or decode) call's measured seconds minus the modelled batch forward. The draft
+        extra is forgotten slowly meanwhile (by alpha / 16 per call): measured under another load
+        (a burst of catch-up drafts), it must not rule out drafting, and probing, for good."""
         self._observe("_verify_extra", excess_s)
+        with self._lock:
+            if self._draft_extra:
+                self._draft_extra *= 1.0 - self.alpha / 16
 
     def _observe(self, name: str, x: float) -> None:
         if not math.isfinite(x):

@@ -184,16 +184,22 @@ def test_the_board_keeps_an_ema_of_measured_excess_latency() -> None:
     assert board.extras() == (0.0, 0.0)
     board.observe_draft(0.02)
     board.observe_draft(0.04)
-    board.observe_verify(-0.01)  # faster than the model: no negative extra
     assert board.extras() == (0.03, 0.0)
+    board.observe_verify(-0.01)  # faster than the model: no negative extra (the draft extra decays)
+    assert board.extras() == (0.03 * (1 - 0.5 / 16), 0.0)
     b = budget(board)
     p = AUTO_LARGEST
     b.observe_draft(p, 4, b.costs.draft_seconds(p, 4) + 0.07)  # the excess over the model is observed
-    assert abs(board.extras()[0] - 0.05) < 1e-9
+    assert abs(board.extras()[0] - (0.03 * (1 - 0.5 / 16) + 0.07) / 2) < 1e-9
     plan = b.plan(b.new_stats(), key="me")
     b.observe_verify(plan, plan.verify_s + 0.01)
     assert abs(board.extras()[1] - 0.005) < 1e-9
     assert board.others("x").draft_extra == board.extras()[0]
+    # rounds without drafts forget the draft extra slowly (alpha / 16 per verify call)
+    before = board.extras()[0]
+    for _ in range(32):
+        board.observe_verify(0.0)
+    assert abs(board.extras()[0] - before * (1 - 0.5 / 16) ** 32) < 1e-12
 
 
 def test_an_unchanged_round_reuses_the_choice_and_a_changed_one_does_not() -> None:
