@@ -444,8 +444,8 @@ class Budget:
 
     def _plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> RoundPlan:
         """`_choose`, then probing: after `probe_gap` rounds without drafting, draft one token (and
-        the whole retrieved chain) to re-measure acceptance, but only if drafting would pay at the
-        optimistic acceptance `probe_accept` under this load (decided one round ahead, so the
+        the whole retrieved chain) to re-measure acceptance, but under load only if drafting would
+        pay at the optimistic acceptance `probe_accept` (decided one round ahead, so the
         engine attaches the drafter only for a probe that runs). A probe after which the budget
         stays plain doubles the gap (up to probe_backoff x probe_every); a drafting round resets it."""
         key = (tuple(stats.depth), tuple(stats.rank), tuple(stats.chain), stats.confidence, chain, commit_rows)
@@ -482,8 +482,10 @@ class Budget:
 
     def _worth_probing(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> bool:
         """Whether the choice would draft if acceptance were `probe_accept` at every depth (where
-        it is not already higher): else a probe costs the batch a draft and can change nothing."""
-        if self.probe_accept is None:
+        it is not already higher): else a probe costs the batch a draft and can change nothing.
+        Alone (no other sequence in the forward) a probe costs only this sequence one draft per gap,
+        so it always runs."""
+        if self.probe_accept is None or not load.sequences:
             return True
         hopeful = stats.copy()
         hopeful.depth = [max(a, self.probe_accept) for a in hopeful.depth]
