@@ -244,12 +244,16 @@ class Batcher(Generic[C]):
                 for item in live:
                     item.future.set_exception(e)
                 continue
+            self._last_s = time.perf_counter() - t0
+            if self._on_batch is not None:  # before the results: a caller that reads the metrics after
+                #                             its call returns sees its batch counted
+                try:
+                    self._on_batch(BatchStats(len(live), sum(self._rows(i.call) for i in live), self._calls_waiting,
+                                              self._last_s))
+                except Exception:  # noqa: BLE001 (a metrics hook never withholds the results)
+                    pass
             for item, result in zip(live, results):
                 if isinstance(result, BaseException):
                     item.future.set_exception(result)
                 else:
                     item.future.set_result(result)
-            self._last_s = time.perf_counter() - t0
-            if self._on_batch is not None:
-                self._on_batch(BatchStats(len(live), sum(self._rows(i.call) for i in live), self._calls_waiting,
-                                          self._last_s))
