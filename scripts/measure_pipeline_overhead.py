@@ -70,6 +70,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each: pipeline, then in process)")
     p.add_argument("--up-args", default="", help="extra `aerie up` flags, space separated")
     p.add_argument("--no-local", action="store_true", help="skip the in-process runs")
+    p.add_argument("--baseline", default=None,
+                   help="another checkout (`git archive BASE | tar -x -C DIR`): its `aerie up` runs the same "
+                        "prompts, interleaved with this one's (A/B)")
     p.add_argument("--out", default=None, help="JSON here")
     args = p.parse_args()
 
@@ -82,7 +85,7 @@ def main() -> None:
     set_torch_threads()
     env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING"}
     lines: list[str] = []
-    up = start_up(["--port", "0", *args.up_args.split()], env, lines)
+    up = start_up(["--port", "0", "--http-port", "0", *args.up_args.split()], env, lines)
     try:
         procs = {}
         for line in lines:
@@ -94,15 +97,26 @@ def main() -> None:
         tokenizer = local.tokenizer if local else build_local_engine(None, "none", "fp32").tokenizer
         prompts = load_prompts(args.prompts, tokenizer, args.limit, args.per_category)
         session = RemoteSession(coordinator, None, "", None)
+        base_session = None
+        if args.baseline:
+            base_lines: list[str] = []
+            python = Path(args.baseline) / ".venv/bin/python"  # else this interpreter, run from that directory
+            base_up = start_up(["--port", "0", "--http-port", "0", *args.up_args.split()], env, base_lines,
+                               str(python) if python.exists() else sys.executable, args.baseline)
+            base_address = next(m.group(1) for line in base_lines
+                                if (m := re.match(r"^coordinator\s+(\S+) \(pid", line)))
+            base_session = RemoteSession(base_address, None, "", None)
 
-        def pipeline(prompt):
+        def pipeline(prompt, s=session):
             req = GenerationRequest(prompt.ids, args.max_new_tokens)
-            return run_steps(lambda: RemoteEngine(session).generate(req))
+            return run_steps(lambda: RemoteEngine(s).generate(req))
 
+        if base_session is not None:
+            pipeline(prompts[0], base_session)
         pipeline(prompts[0])  # warm-up: first-call allocations in every process
         if local:
             run_engine(local.engine, prompts[0], 4)
-        agg = {"pipeline": [], "local": []}
+        agg = {"pipeline": [], "local": [], "baseline": []}
         svc0 = {r: scrape(p["metrics"]) for r, p in procs.items()}
         cpu = {r: 0.0 for r in [*procs, "client"]}
         threads = {r: {} for r in procs}
@@ -118,15 +132,22 @@ def main() -> None:
                     cpu[r] += cpu_s(p["pid"]) - c0[r]
                     for t, v in thread_cpu_s(p["pid"]).items():
                         threads[r][t] = threads[r].get(t, 0.0) + v - t0[r].get(t, 0.0)
+                if base_session is not None:
+                    agg["baseline"].append(pipeline(prompt, base_session))
                 if local:
                     s0 = time.process_time()
                     agg["local"].append(run_engine(local.engine, prompt, args.max_new_tokens))
                     local_cpu += time.process_time() - s0
         svc1 = {r: scrape(p["metrics"]) for r, p in procs.items()}
         session.close()
+        if base_session is not None:
+            base_session.close()
     finally:
         up.terminate()
         up.wait(60)
+        if args.baseline and "base_up" in locals():
+            base_up.terminate()
+            base_up.wait(60)
 
     report: dict = {"prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
                     "threads": os.environ.get("AERIE_TORCH_THREADS"), "up_args": args.up_args}
@@ -147,6 +168,9 @@ def main() -> None:
         report["exact"] = all(a.tokens == b.tokens for a, b in zip(agg["pipeline"], agg["local"]))
         report["local"]["cpu_ms_per_round"] = 1e3 * local_cpu / report["local"]["rounds"]
         report["ratio"] = report["pipeline"]["tokens_per_s"] / report["local"]["tokens_per_s"]
+        if agg["baseline"]:
+            report["baseline_ratio"] = report["baseline"]["tokens_per_s"] / report["local"]["tokens_per_s"]
+            report["baseline_exact"] = all(a.tokens == b.tokens for a, b in zip(agg["baseline"], agg["local"]))
     rounds = report["pipeline"]["rounds"]
     svc = {}
     for role in procs:

@@ -6,11 +6,13 @@ import subprocess
 import sys
 
 
-def start_up(argv: list[str], env: dict[str, str], lines: list[str] | None = None) -> subprocess.Popen:
+def start_up(argv: list[str], env: dict[str, str], lines: list[str] | None = None, python: str = sys.executable,
+             cwd: str | None = None) -> subprocess.Popen:
     """`python -m aerie_cli up *argv` with `env`; returns once it printed "ready:" (SystemExit if it
-    exits first). `lines`: gets the lines printed until then (addresses, pids, metrics URLs)."""
-    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
-                          env=env)
+    exits first). `lines`: gets the lines printed until then (addresses, pids, metrics URLs);
+    `python`, `cwd`: another checkout's interpreter and directory (an A/B against its code)."""
+    up = subprocess.Popen([python, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
+                          env=env, cwd=cwd)
     while True:
         line = up.stdout.readline()
         if not line and up.poll() is not None:
