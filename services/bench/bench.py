@@ -11,7 +11,15 @@ Methods (greedy, batch 1, the same weights and the same stopping rule: EOS or ma
 Per method and per category: tokens/s (generated tokens over wall time, prefill included), speed-up
 over hf, tau (tokens per target forward after the prefill), mean round latency split into draft /
 verify / other, and the share of prompts whose tokens equal hf's (exact in fp32; the bf16 share is
-reported, not asserted). It does not print or plot: `report.py` does.
+reported, not asserted). Next to the end-to-end numbers, the decode-only ones (the prefill excluded:
+speculation cannot speed the prefill up, and on long prompts it is much of the wall time):
+  vs_plain         end-to-end tokens/s over aerie plain decoding's (method `native`) in the same run
+  decode_tokens_per_s   tokens after the first / (wall time - prefill), prefill = the engine's own
+                   prefill time (round 0's verify_s; hf's generate exposes none: None)
+  decode_vs_plain  that rate over plain decoding's; prefill_share = prefill / wall time
+and per round what the budget chose: retrieved chain tokens proposed / accepted, the shares of rounds
+with a retrieved chain, with a draft-head tree, and with neither (plain steps).
+It does not print or plot: `report.py` does.
 """
 
 from __future__ import annotations
@@ -49,6 +57,12 @@ class Run:
     pred_s: float = 0.0
     pred_rounds_s: float = 0.0  # measured wall time of those rounds
     pred_rounds_tokens: int = 0  # and their committed tokens
+    prefill_s: float = 0.0  # the engine's prefill (0 = not measured: hf)
+    chain_proposed: int = 0  # retrieved chain tokens verified over all rounds
+    chain_accepted: int = 0  # and accepted
+    chain_rounds: int = 0  # rounds that verified a retrieved chain
+    eagle_rounds: int = 0  # rounds that verified a draft-head tree
+    drafted_rounds: int = 0  # rounds that verified either (the rest were plain steps)
 
 
 @dataclass(slots=True)
@@ -65,6 +79,12 @@ class Summary:
     pred_s: float = 0.0
     pred_rounds_s: float = 0.0
     pred_rounds_tokens: int = 0
+    prefill_s: float = 0.0
+    chain_proposed: int = 0
+    chain_accepted: int = 0
+    chain_rounds: int = 0
+    eagle_rounds: int = 0
+    drafted_rounds: int = 0
     exact: int = 0
     per_prompt_tps: list[float] = field(default_factory=list)
 
@@ -81,12 +101,28 @@ class Summary:
         self.pred_s += run.pred_s
         self.pred_rounds_s += run.pred_rounds_s
         self.pred_rounds_tokens += run.pred_rounds_tokens
+        self.prefill_s += run.prefill_s
+        self.chain_proposed += run.chain_proposed
+        self.chain_accepted += run.chain_accepted
+        self.chain_rounds += run.chain_rounds
+        self.eagle_rounds += run.eagle_rounds
+        self.drafted_rounds += run.drafted_rounds
         self.exact += int(exact)
         self.per_prompt_tps.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
 
-    def row(self, baseline: "Summary | None") -> dict:
+    def decode_rate(self) -> float | None:
+        """Tokens after the first per second of wall time after the prefill (None: prefill not measured)."""
+        decode_s = self.seconds - self.prefill_s
+        if self.prefill_s <= 0 or decode_s <= 0:
+            return None
+        return (self.tokens - self.prompts) / decode_s
+
+    def row(self, baseline: "Summary | None", plain: "Summary | None" = None) -> dict:
         tps = self.tokens / self.seconds if self.seconds else 0.0
         base = baseline.tokens / baseline.seconds if baseline and baseline.seconds else None
+        plain_tps = plain.tokens / plain.seconds if plain and plain.seconds else None
+        dec, plain_dec = self.decode_rate(), plain.decode_rate() if plain else None
+        per_rd = (lambda x: round(x / self.rounds, 3)) if self.rounds and self.prefill_s > 0 else (lambda x: None)
         # tau: tokens per target forward after the prefill (the prefill makes the first token)
         tau = (self.tokens - self.prompts) / self.rounds if self.rounds else None
         # a time that sums to exactly 0 s was not measured: transformers' generate exposes no rounds (hf),
@@ -107,6 +143,17 @@ class Summary:
             "predicted_tokens_per_s": round(self.pred_tokens / self.pred_s, 3) if self.pred_s else None,
             "measured_round_tokens_per_s":
                 round(self.pred_rounds_tokens / self.pred_rounds_s, 3) if self.pred_rounds_s else None,
+            # end to end over aerie plain decoding, then the decode-only rate (prefill excluded)
+            "vs_plain": round(tps / plain_tps, 4) if plain_tps else None,
+            "prefill_share": round(self.prefill_s / self.seconds, 4) if self.prefill_s > 0 and self.seconds else None,
+            "decode_tokens_per_s": round(dec, 3) if dec is not None else None,
+            "decode_vs_plain": round(dec / plain_dec, 4) if dec is not None and plain_dec else None,
+            # what the budget chose, per round after the prefill
+            "chain_per_round": per_rd(self.chain_proposed),
+            "chain_accepted_per_round": per_rd(self.chain_accepted),
+            "chain_round_share": per_rd(self.chain_rounds),
+            "eagle_round_share": per_rd(self.eagle_rounds),
+            "plain_round_share": per_rd(self.rounds - self.drafted_rounds),
         }
 
 
@@ -144,7 +191,14 @@ def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
     for step in start():
         now = time.perf_counter()
         run.tokens += step.tokens
+        if step.stats.index == 0:
+            run.prefill_s = step.stats.verify_s
         if step.stats.index > 0:
+            run.chain_proposed += step.stats.chain
+            run.chain_accepted += step.stats.chain_accepted
+            run.chain_rounds += int(step.stats.chain > 0)
+            run.eagle_rounds += int(step.stats.eagle_nodes > 0)
+            run.drafted_rounds += int(step.stats.chain > 0 or step.stats.eagle_nodes > 0)
             run.rounds += 1
             run.round_s += now - last
             if step.stats.index == 1:
@@ -189,8 +243,10 @@ class HFBaseline:
         return Run(tokens=tokens, seconds=seconds, rounds=max(len(tokens) - 1, 0))
 
 
-def summarize(runs: dict[str, list[Run]], prompts: list[Prompt], baseline: str = "hf") -> dict:
-    """{"methods": {m: row}, "categories": {cat: {m: row}}} with exact match against `baseline`."""
+def summarize(runs: dict[str, list[Run]], prompts: list[Prompt], baseline: str = "hf", plain: str = "native"
+              ) -> dict:
+    """{"methods": {m: row}, "categories": {cat: {m: row}}} with exact match and `speedup` against
+    `baseline`, and `vs_plain` / `decode_vs_plain` against `plain` (None when it did not run)."""
     methods: dict[str, Summary] = {m: Summary() for m in runs}
     cats: dict[str, dict[str, Summary]] = {}
     for i, prompt in enumerate(prompts):
@@ -200,7 +256,8 @@ def summarize(runs: dict[str, list[Run]], prompts: list[Prompt], baseline: str =
             methods[m].add(rs[i], exact)
             cats.setdefault(prompt.category, {}).setdefault(m, Summary()).add(rs[i], exact)
     return {
-        "methods": {m: s.row(methods[baseline]) for m, s in methods.items()},
-        "categories": {c: {m: s.row(ms[baseline]) for m, s in ms.items()} for c, ms in sorted(cats.items())},
+        "methods": {m: s.row(methods[baseline], methods.get(plain)) for m, s in methods.items()},
+        "categories": {c: {m: s.row(ms[baseline], ms.get(plain)) for m, s in ms.items()}
+                       for c, ms in sorted(cats.items())},
     }
 

@@ -8,7 +8,12 @@ COLUMNS = [("tokens_per_s", "tok/s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"
            ("round_ms", "round ms", "{:.1f}"), ("draft_ms", "draft ms", "{:.1f}"),
            ("verify_ms", "verify ms", "{:.1f}"), ("other_ms", "other ms", "{:.1f}"),
            ("exact_match", "exact", "{:.0%}"), ("mean_tree", "nodes", "{:.1f}"),
-           ("predicted_tokens_per_s", "pred tok/s", "{:.2f}"), ("measured_round_tokens_per_s", "meas tok/s", "{:.2f}")]
+           ("predicted_tokens_per_s", "pred tok/s", "{:.2f}"), ("measured_round_tokens_per_s", "meas tok/s", "{:.2f}"),
+           # end to end over aerie plain; then prefill excluded (decode only); retrieval per round
+           ("vs_plain", "e2e/plain", "{:.2f}x"), ("prefill_share", "prefill", "{:.0%}"),
+           ("decode_tokens_per_s", "dec tok/s", "{:.2f}"), ("decode_vs_plain", "dec/plain", "{:.2f}x"),
+           ("chain_per_round", "chain/rd", "{:.2f}"), ("chain_accepted_per_round", "ch acc/rd", "{:.2f}"),
+           ("plain_round_share", "plain rds", "{:.0%}")]
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:

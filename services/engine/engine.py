@@ -69,6 +69,8 @@ class RoundStats:
     predicted_tokens: float = 0.0  # the budget's prediction for this round: committed tokens
     predicted_s: float = 0.0  # and round seconds (0 = no prediction: plain decoding)
     detached: bool = False  # a plain step with the drafter detached (no draft, no features sent)
+    chain_accepted: int = 0  # of the retrieved chain tokens, accepted this round
+    eagle_nodes: int = 0  # draft-head nodes in the tree, root excluded (0 = the head drafted nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,10 +216,13 @@ class Engine:
                 res = self.verifier.verify(seq_id, tree, index)
                 verify_s = time.perf_counter() - t1
                 fresh = res.acceptance.new_tokens
-                observe(seq.stats, tree, res.acceptance.nodes.tolist(), draft.chain_nodes, draft.eagle_size)
+                accepted = res.acceptance.nodes.tolist()
+                observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
                 stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
                                    tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
-                                   draft.plan.tokens, draft.plan.seconds)
+                                   draft.plan.tokens, draft.plan.seconds,
+                                   chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
+                                   eagle_nodes=draft.eagle_size - 1)
             new, reason = check_stop(fresh, produced, req.max_new_tokens, stop_ids)
             produced += len(new)
             last = fresh[-1]

@@ -60,6 +60,7 @@ PRIOR_C = (0.2, 0.12, 0.08, 0.06, 0.05, 0.04, 0.03)  # c_2 .. c_8
 PRIOR_S = 0.5  # s_d: a retrieved continuation of an exact match
 DEEPER_DECAY = 0.9  # prior a_{d+1} = a_d * decay: deeper draft steps read draft features
 CHAIN_LIMIT = 16  # longest retrieved chain the budget joins
+PROBE_CHAIN = 4  # retrieved tokens a probe verifies at most (deeper depths: when a plan chooses them)
 COST_VERSION = 2
 
 
@@ -447,12 +448,16 @@ class Budget:
             stats.idle_rounds += 1
             if stats.idle_rounds >= self.probe_every:  # re-measure acceptance now and then
                 stats.idle_rounds = 0
-                # one draft token, and the whole retrieved chain (so every chain depth is re-measured)
+                # one draft token, and the first PROBE_CHAIN retrieved tokens: a probe of the whole
+                # chain (16 rows, ~1.7 plain steps here) cost more than its answers were worth on
+                # long prompts whose matches rarely continue; deeper chain depths are re-measured
+                # whenever the shallower ones make a plan choose them
+                probe = min(chain, PROBE_CHAIN)
                 if smallest is not None:
-                    best = replace(smallest, chain=chain, tokens=smallest.tokens + chain_gain[chain],
-                                   seconds=smallest.seconds + tv[2 + chain] - tv[2])
-                elif chain:
-                    best = RoundPlan(None, chain, 1.0 + chain_gain[chain], tv[1 + chain])
+                    best = replace(smallest, chain=probe, tokens=smallest.tokens + chain_gain[probe],
+                                   seconds=smallest.seconds + tv[2 + probe] - tv[2])
+                elif probe:
+                    best = RoundPlan(None, probe, 1.0 + chain_gain[probe], tv[1 + probe])
         if best.tree is not None and self.stop_depth:
             best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best, load)))
         return best
@@ -491,16 +496,19 @@ HEAD_ROWS = (1, 2, 4, 8, 16)
 def time_calls(fn: Callable[[int], None], rows: Sequence[int], repeats: int = 5) -> CostCurve:
     """The fastest of `repeats` timed calls of `fn(rows)` for each row count (one untimed warm-up
     call each): on a shared machine the minimum is the least disturbed, so the ratios between row
-    counts (what the chooser compares) stay stable; made non-decreasing in rows."""
-    out = []
+    counts (what the chooser compares) stay stable; made non-decreasing in rows. The repeats are
+    interleaved (pass 1 times every row count, then pass 2, ...): a burst of load from another
+    process then slows one pass of every row count rather than all repeats of one (which used to
+    leave a step in the curve, e.g. 2 rows at 1.8x one row, that made every draft look too dear)."""
     for r in rows:
         fn(r)
-        ts = []
-        for _ in range(repeats):
+    ts: dict[int, list[float]] = {r: [] for r in rows}
+    for _ in range(repeats):
+        for r in rows:
             t0 = time.perf_counter()
             fn(r)
-            ts.append(time.perf_counter() - t0)
-        out.append(min(ts))
+            ts[r].append(time.perf_counter() - t0)
+    out = [min(ts[r]) for r in rows]
     return CostCurve(tuple(rows), tuple(itertools.accumulate(out, max)))
 
 

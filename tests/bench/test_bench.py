@@ -48,6 +48,20 @@ def test_bench_fp32_exact_and_reports(setup, capsys):
     assert cells["hf"][3:7] == ["-"] * 4 and cells["native"][4] == "-" and cells["eagle"][4] != "-"
     assert set(res["categories"]) == {"writing", "math"}
     assert res["categories"]["math"]["eagle"]["prompts"] == 2
+    # end to end vs plain next to decode only (prefill excluded); hf exposes no prefill time
+    assert native["vs_plain"] == 1.0 and native["decode_vs_plain"] == 1.0
+    assert hf["decode_tokens_per_s"] is None and hf["prefill_share"] is None
+    for m in ("native", "eagle", "sam", "eagle+sam"):
+        row = res["methods"][m]
+        assert 0 < row["prefill_share"] < 1 and row["decode_tokens_per_s"] > 0, m
+        # decode-only rate: tokens after the first over the wall time after the prefill
+        decode_s = row["seconds"] * (1 - row["prefill_share"])
+        assert row["decode_tokens_per_s"] == pytest.approx((row["tokens"] - row["prompts"]) / decode_s, rel=0.01)
+    assert native["chain_per_round"] == 0 and native["plain_round_share"] == 1.0
+    assert res["methods"]["eagle"]["eagle_round_share"] == 1.0  # a fixed tree: every round drafts
+    sam = res["methods"]["sam"]
+    assert sam["chain_accepted_per_round"] <= sam["chain_per_round"]
+    assert sam["plain_round_share"] == pytest.approx(1 - sam["chain_round_share"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
