@@ -120,6 +120,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for m, eng in retrieval.items():
         if m in methods:
             run_engine(eng, prompts[0], 4)
+    if "pipeline" in methods:  # the services' first sequence too (their first-call allocations)
+        _pipeline_run(args, prompts[0], 4)
 
     # sweep: fixed shapes through the same cost model (predictions), and the auto budget itself
     shapes = [TreeParams(k, d, n) for n, d, k in SWEEP] + [None] if args.sweep else \
@@ -223,12 +225,12 @@ def _eagle_name(shape, sweep: bool) -> str:
     return "eagle-auto" if shape is None else f"eagle{shape.total_tokens}/{shape.depth}/{shape.top_k}"
 
 
-def _pipeline_run(args, prompt):
+def _pipeline_run(args, prompt, max_new_tokens: int | None = None):
     from services.bench.bench import run_steps
     from services.engine.engine import GenerationRequest
     from services.rpc.coordinator_client import RemoteEngine, RemoteSession
 
-    req = GenerationRequest(prompt.ids, args.max_new_tokens)
+    req = GenerationRequest(prompt.ids, max_new_tokens or args.max_new_tokens)
     session = RemoteSession(args.coordinator, None, "", None)
     try:
         return run_steps(lambda: RemoteEngine(session).generate(req))

@@ -6,14 +6,18 @@ import subprocess
 import sys
 
 
-def start_up(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+def start_up(argv: list[str], env: dict[str, str], lines: list[str] | None = None, python: str = sys.executable,
+             cwd: str | None = None) -> subprocess.Popen:
     """`python -m aerie_cli up *argv` with `env`; returns once it printed "ready:" (SystemExit if it
-    exits first)."""
-    up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
-                          env=env)
+    exits first). `lines`: gets the lines printed until then (addresses, pids, metrics URLs);
+    `python`, `cwd`: another checkout's interpreter and directory (an A/B against its code)."""
+    up = subprocess.Popen([python, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
+                          env=env, cwd=cwd)
     while True:
         line = up.stdout.readline()
         if not line and up.poll() is not None:
             raise SystemExit(f"aerie up exited with {up.returncode}")
+        if lines is not None:
+            lines.append(line.rstrip("\n"))
         if line.startswith("ready:"):
             return up

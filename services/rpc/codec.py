@@ -273,51 +273,48 @@ def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NO
     token_ids(tokens.tolist(), vocab_size, "tree")
     parents = decode_tensor(msg.parents, "tree.parents", dtype=torch.int64, shape=(n,))
     scores = decode_tensor(msg.scores, "tree.scores", dtype=torch.float32, shape=(n,), allow_inf=True)
+    # checked on Python lists: a tree has a few to a few hundred nodes, and per-element torch ops
+    # cost more than the loops here (this runs twice per round: coordinator and verifier)
     plist = parents.tolist()
     if plist[0] != -1:
         raise InvalidRequest(f"tree.parents[0] must be -1 (node 0 is the root); got {plist[0]}")
     for i, p in enumerate(plist[1:], start=1):
         if not 0 <= p < i:
             raise InvalidRequest(f"tree.parents[{i}] must be in [0, {i}) (parents precede children); got {p}")
-    depths, mask = _ancestors(parents)
+    depths, mask = _ancestors(plist)
     width = int(depths.max()) + 1
     paths = decode_tensor(msg.paths, "tree.paths", dtype=torch.int64, shape=(None, width))
     if paths.shape[0] < 1:
         raise InvalidRequest("tree.paths must hold at least one path")
-    if bool(((paths < -1) | (paths >= n)).any()):
+    rows = paths.tolist()
+    if any(not -1 <= v < n for row in rows for v in row):
         raise InvalidRequest(f"tree.paths entries must be node indices in [0, {n}) or -1 (padding)")
-    if bool((paths[:, 0] != 0).any()):
+    if any(row[0] != 0 for row in rows):
         raise InvalidRequest("every row of tree.paths must start at the root (node 0)")
-    real = paths >= 0
-    if bool((real[:, 1:] & ~real[:, :-1]).any()):
+    if any(row[j] >= 0 and row[j - 1] < 0 for row in rows for j in range(1, width)):
         raise InvalidRequest("tree.paths rows may be padded with -1 only at the end")
-    cur, prev = paths[:, 1:], paths[:, :-1]
-    linked = torch.where(cur >= 0, parents[cur.clamp(min=0)] == prev, torch.ones_like(real[:, 1:]))
-    if not bool(linked.all()):
-        row = int((~linked).any(dim=1).nonzero()[0])
-        raise InvalidRequest(f"tree.paths row {row} is not a root-to-leaf chain of tree.parents")
+    for r, row in enumerate(rows):
+        if any(row[j] >= 0 and plist[row[j]] != row[j - 1] for j in range(1, width)):
+            raise InvalidRequest(f"tree.paths row {r} is not a root-to-leaf chain of tree.parents")
     return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask, paths=paths, scores=scores)
 
 
-def _ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """parents [N] (parents precede children) -> (depths [N], mask [N, N] ancestors-or-self).
-    Walks every node's chain to the root at once: max_depth hops of vectorised gathers.
+def _ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [N] (checked: parents precede children) -> (depths [N], mask [N, N] ancestors-or-self).
+    One pass: a node's ancestors are its parent's plus itself (O(N * depth) list work).
     Example: parents [-1, 0, 0, 1] -> depths [0, 1, 1, 2]; mask row 3 = [1, 1, 0, 1]."""
-    n = parents.shape[0]
-    up = parents.clone()
-    up[0] = 0
-    rows = torch.arange(n)
-    mask = torch.eye(n, dtype=torch.bool)
-    mask[:, 0] = True
-    depths = torch.zeros(n, dtype=torch.long)
-    cur = rows
-    while True:
-        moving = cur != 0
-        if not bool(moving.any()):
-            return depths, mask
-        depths += moving
-        cur = up[cur]
-        mask[rows, cur] = True
+    n = len(parents)
+    depth = [0] * n
+    chains: list[list[int]] = [[0]] * n
+    flat = [0]  # mask entries set, as row * n + column
+    for i in range(1, n):
+        p = parents[i]
+        depth[i] = depth[p] + 1
+        chains[i] = chains[p] + [i]
+        flat.extend(i * n + j for j in chains[i])
+    mask = torch.zeros(n * n, dtype=torch.bool)
+    mask[torch.tensor(flat)] = True
+    return torch.tensor(depth, dtype=torch.long), mask.view(n, n)
 
 
 # ---- verification --------------------------------------------------------------------------------
