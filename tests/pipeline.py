@@ -29,6 +29,7 @@ from services.engine.local import build_local_engine
 from services.model.head_checkpoint import save_head
 from services.rpc import server as rpc_server
 from services.rpc.channel import open_channel
+from services.rpc.coordinator_client import RemoteSession
 from services.rpc.config import ServiceConfig
 from services.rpc.stubs import coordinator_grpc, drafter_grpc, verifier_grpc
 from services.spec.tree import TreeParams
@@ -220,3 +221,13 @@ def local_run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str | 
         if step.stats.index > 0:
             accepts.append(step.stats.accept_length)
     return tokens, reason, accepts
+
+
+def remote_run(pipeline, req: GenerationRequest) -> tuple[list[int], str | None, list[int]]:
+    """One generation through the pipeline's coordinator: (tokens, finish reason, accept lengths)."""
+    session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=120)
+    try:
+        steps = list(session.engine.generate(req))
+    finally:
+        session.close()
+    return [t for s in steps for t in s.tokens], steps[-1].finish_reason, [s.stats.accept_length for s in steps[1:]]

@@ -107,6 +107,12 @@ def batch_totals(metrics_text: str, service: str) -> dict[str, float]:
     want = {f'aerie_batch_size_count{{service="{service}"}}': "forwards",
             f'aerie_batch_size_sum{{service="{service}"}}': "calls",
             f'aerie_batch_rows_sum{{service="{service}"}}': "rows"}
+    return prometheus_samples(metrics_text, want)
+
+
+def prometheus_samples(metrics_text: str, want: dict[str, str]) -> dict[str, float]:
+    """{want[sample]: value} for each sample line (`name{labels} value`) of Prometheus text whose
+    `name{labels}` is a key of `want` (absent samples are left out)."""
     out = {}
     for line in metrics_text.splitlines():
         name, _, value = line.rpartition(" ")
@@ -119,11 +125,7 @@ def metric_delta(before: str, after: str, sample: str) -> float:
     """How much one sample line (`name{labels}`) of Prometheus text grew between two scrapes (0 when
     absent: a counter never incremented is not exported)."""
     def value(text: str) -> float:
-        for line in text.splitlines():
-            name, _, v = line.rpartition(" ")
-            if name == sample:
-                return float(v)
-        return 0.0
+        return prometheus_samples(text, {sample: "v"}).get("v", 0.0)
 
     return value(after) - value(before)
 
@@ -139,12 +141,7 @@ def round_totals(metrics_text: str, service: str = "coordinator") -> dict[str, f
     for part in ROUND_PARTS:
         for kind in ("sum", "count"):
             want[f'aerie_{part}_seconds_{kind}{{service="{service}"}}'] = f"{part}_{kind}"
-    out = {}
-    for line in metrics_text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name in want:
-            out[want[name]] = float(value)
-    return out
+    return prometheus_samples(metrics_text, want)
 
 
 def round_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

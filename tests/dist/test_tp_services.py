@@ -16,22 +16,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.engine import GenerationRequest
 from services.model.head_checkpoint import save_head
-from services.rpc.coordinator_client import RemoteSession
 from services.spec.sampling import SamplingParams
-from tests.pipeline import ModelDirs, local_engine, local_run, start_pipeline, wait_until
+from tests.pipeline import ModelDirs, local_engine, local_run, remote_run, start_pipeline, wait_until
 
 PROMPT = (5, 17, 99, 3, 42, 8)
 TP = {"tp": 2, "tp_timeout_s": 10.0}
 SAMPLINGS = [SamplingParams(), SamplingParams(0.8, 0.95, 0, 11)]
 
 
-def remote(pipeline, req):
-    session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=120)
-    try:
-        steps = list(session.engine.generate(req))
-    finally:
-        session.close()
-    return [t for s in steps for t in s.tokens], steps[-1].finish_reason, [s.stats.accept_length for s in steps[1:]]
+remote = remote_run
 
 
 def test_tp2_eagle2_equals_tp1(model_dirs, redis_url):

@@ -10,13 +10,12 @@ import torch
 from services.engine.engine import GenerationRequest
 from services.engine.local import build_local_engine
 from services.rpc import codec
-from services.rpc.coordinator_client import RemoteSession
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.spec.budget import AUTO_LARGEST
 from services.spec.tree import TreeParams
 from tests.helpers import hf_greedy
-from tests.pipeline import local_run, start_pipeline
+from tests.pipeline import local_run, remote_run, start_pipeline
 
 PROMPT = (5, 17, 99, 3, 42, 8, 5, 17, 99, 3)
 
@@ -49,12 +48,7 @@ def test_auto_budget_with_retrieval_streams_what_the_in_process_engine_does(pipe
     req = GenerationRequest(PROMPT, 40)
 
     def remote():
-        session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=120)
-        try:
-            steps = list(session.engine.generate(req))
-        finally:
-            session.close()
-        return [t for s in steps for t in s.tokens], steps[-1].finish_reason, [s.stats.accept_length for s in steps[1:]]
+        return remote_run(pipeline, req)
 
     with monkeypatch.context() as m:  # first, on a board that has measured nothing yet
         m.setattr(LoadBoard, "_observe", lambda self, name, x: None)
