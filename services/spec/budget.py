@@ -518,8 +518,7 @@ class Budget:
 
         n_max = (self.fixed or self.largest).total_tokens + chain + 1
         # fv[n]: the batch's modelled target forward with this sequence's n rows
-        fv = (_verify_table(c, n_max) if not load.sequences else
-              (0.0,) + tuple(batch_verify(c, load.rows, r) for r in range(1, n_max + 1)))
+        fv = _batch_verify_table(c, load.rows, n_max) if load.sequences else _verify_table(c, n_max)
         # tv[n]: the round without this sequence's draft: others' drafts, the forward, the measured extra
         tv = (0.0,) + tuple(f + load.draft_s + extra_verify for f in fv[1:])
         chain_gain = [chain_accept(stats.chain, n) for n in range(chain + 1)]
@@ -541,7 +540,10 @@ class Budget:
             extras = (0, chain) if chain else (0,)
             best_rate, best_key = rate(best) * (1.0 + (self.load_margin if load.sequences else 0.0)), None
             others = load.tokens
-            for k in range(1, min(lim.top_k, MAX_RANK) + 1):
+            # the one-token draft (k=1, depth 0: one node, accepted with a_1): a probe's shape
+            smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + stats.depth[0], base + tv[2], fv[2], base)
+            search = _eagle_bound(stats, c, lim, base, tv, chain_gain, extras, others) > best_rate
+            for k in range(1, min(lim.top_k, MAX_RANK) + 1 if search else 1):
                 step = c.t_draft(k)
                 hit = [1.0] + [stats.rank[min(r - 1, len(stats.rank) - 1)] for r in range(1, k)]
                 frontier, probs = [1.0], []
@@ -570,8 +572,6 @@ class Budget:
                         g = prefix[min(n - 1, len(ranked))]
                         for extra in extras:
                             r8 = (others + 1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
-                            if k == 1 and d == 0 and extra == 0:
-                                smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + g, t_draft + tv[2], fv[2], t_draft)
                             if r8 > best_rate:
                                 best_rate = r8
                                 best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra],
@@ -602,10 +602,50 @@ class Budget:
 # ---- calibration on the device -------------------------------------------------------------------
 
 
+def _eagle_bound(stats: AcceptanceStats, c: CostModel, lim: TreeParams, base: float, tv: Sequence[float],
+                 chain_gain: Sequence[float], extras: Sequence[int], others: float) -> float:
+    """An upper bound of the rate of every EAGLE shape `Budget._choose` searches, in O(depth x
+    expected tokens): when it cannot beat the best plain rate (the usual case under load), the
+    search is skipped.
+
+    A shape (k, depth d, n nodes) commits 1 + g tokens, g the sum of its n - 1 most likely nodes'
+    acceptance probabilities, each at most the likeliest depth-1 node's (a child's probability is
+    its parent's times a factor <= 1), so g <= (n - 1) p_max; those nodes lie in levels 0..d of the full tree with
+    the largest top_k K, whose level l sums to prod_{j<=l} c_j, c_j = 1 - (1 - a_j) prod_r (1 - c_r)
+    (some child accepted), so g <= G_d = sum_{l<=d} prod_{j<=l} c_j. Its round takes at least
+    base + d * min_k t_draft(k) + min_{m >= n + extra} tv[m] (a measured tv need not grow with rows),
+    which grows with n: past n = G_d / p_max + 1 only the time grows, so larger n need no check."""
+    top = min(lim.top_k, MAX_RANK)
+    hits = [stats.rank[min(r - 1, len(stats.rank) - 1)] for r in range(1, top)]
+    none_hit = math.prod(1.0 - h for h in hits)
+    a0 = stats.depth[0]
+    largest = max([a0] + [(1.0 - a0) * math.prod(1.0 - h for h in hits[:i]) * hits[i] for i in range(len(hits))])
+    step = min(c.t_draft(k) for k in range(1, top + 1))
+    floor = list(tv)  # floor[m] = min(tv[m:])
+    for m in range(len(floor) - 2, -1, -1):
+        floor[m] = min(floor[m], floor[m + 1])
+    reach, levels, bound = 1.0, 0.0, 0.0
+    for d in range(min(lim.depth, MAX_LEVELS - 1) + 1):
+        a = stats.depth[min(d, len(stats.depth) - 1)]
+        reach *= 1.0 - (1.0 - a) * none_hit
+        levels += reach
+        for e in extras:
+            for n in range(2, min(len(floor) - 1 - e, math.ceil(levels / max(largest, 1e-9)) + 1) + 1):
+                g = min(levels, (n - 1.0) * largest)
+                bound = max(bound, (others + 1.0 + g + chain_gain[e]) / (base + d * step + floor[n + e]))
+    return bound * (1.0 + 1e-9)  # (rounding: never skip a shape the search would pick)
+
+
 @functools.lru_cache(maxsize=16)
 def _verify_table(costs: CostModel, n: int) -> tuple[float, ...]:
     """(0, t_verify(1), ..., t_verify(n))."""
     return (0.0,) + tuple(costs.t_verify(r) for r in range(1, n + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_verify_table(costs: CostModel, others: float, n: int) -> tuple[float, ...]:
+    """(0, batch_verify(others, 1), ..., batch_verify(others, n)): the others' rows take few values."""
+    return (0.0,) + tuple(batch_verify(costs, others, r) for r in range(1, n + 1))
 
 
 VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -32,7 +32,8 @@ It does not talk to the target or decide acceptance (`verify.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -299,9 +300,14 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 def root_tree(root: int) -> DraftTree:
     """The tree of no draft at all: verifying it is one plain decode step that also returns the
-    root's target feature (so the draft KV can catch up later)."""
-    return build_tree(torch.tensor([root], device="cpu"), torch.tensor([-1], device="cpu"),
-                      torch.zeros(1, device="cpu"), False)
+    root's target feature (so the draft KV can catch up later). Its structure tensors are one shared
+    (read-only) template: a detached round plans one of these per token."""
+    return replace(_root_template(), tokens=torch.tensor([root], device="cpu"))
+
+
+@functools.cache
+def _root_template() -> DraftTree:
+    return build_tree(torch.tensor([0]), torch.tensor([-1]), torch.zeros(1), False)
 
 
 def merge_chain(tree: DraftTree, chain: list[int], sort_paths: bool) -> tuple[DraftTree, list[int]]:

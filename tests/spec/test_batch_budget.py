@@ -225,3 +225,44 @@ def test_an_unchanged_round_reuses_the_choice_and_a_changed_one_does_not() -> No
     assert same_load(base, replace(base, verify_extra=0.054)) and same_load(base, replace(base, draft_s=0.0004))
     assert not same_load(base, replace(base, verify_extra=0.060)) and not same_load(base, replace(base, rows=4.0))
     assert not same_load(base, replace(base, sequences=4)) and not same_load(base, replace(base, draft_extra=0.02))
+
+
+def test_the_search_bound_never_changes_a_choice_and_skips_under_load(monkeypatch) -> None:
+    """`_eagle_bound` lets `_choose` skip the tree search when no shape can beat plain: on random
+    statistics, curves (not monotone) and loads the choice equals the full search's; under a
+    compute-bound batch the bound is below the plain rate (the skip happens)."""
+    import math
+    import random
+
+    import services.spec.budget as budget_mod
+    from services.spec.budget import AUTO_LARGEST
+
+    rng = random.Random(7)
+    full = lambda *a: math.inf  # noqa: E731 - the search always runs
+    skipped = 0
+    for _ in range(300):
+        base, per = rng.uniform(0.01, 0.1), rng.uniform(1e-4, 1e-2)
+        costs = CostModel(CostCurve(ROWS, tuple(base + per * (r - 1) * rng.uniform(0.7, 1.3) for r in ROWS)),
+                          CostCurve((1, 16), (rng.uniform(1e-4, 5e-3), rng.uniform(5e-3, 2e-2))),
+                          CostCurve((1, 16), (rng.uniform(1e-4, 5e-3), 0.01)))
+        b = Budget(costs, prior_stats({"top1_agreement": rng.uniform(0.05, 0.95)}), largest=AUTO_LARGEST,
+                   chain_limit=rng.choice([0, 8]))
+        stats = b.new_stats()
+        stats.depth = [min(1.0, a * rng.uniform(0.5, 1.5)) for a in stats.depth]
+        stats.rank = [rng.uniform(0.0, 0.5) for _ in stats.rank]
+        n = rng.choice([0, 0, 1, 3, 8, 15])
+        load = Load(n, n * rng.choice([1, 2, 5]), n * rng.uniform(1, 2), rng.uniform(0, 0.01),
+                    rng.uniform(0, 0.02), rng.uniform(0, 0.02)) if n else Load()
+        chain = rng.choice([0, 3, 8])
+        fast = b._choose(stats, chain, 2.0, load)
+        with monkeypatch.context() as m:
+            m.setattr(budget_mod, "_eagle_bound", full)
+            slow = b._choose(stats, chain, 2.0, load)
+        assert fast[:2] == slow[:2]
+    b = budget(None, per_row=0.2)  # 15 plain rows already make the forward compute-bound
+    stats = b.new_stats()
+    load = Load(15, 15.0, 15.0)
+    best, _, tv, gains = b._choose(stats, 0, 2.0, load)
+    c = b.costs
+    bound = budget_mod._eagle_bound(stats, c, b.largest, c.head(2.0) + c.logits(1), tv, gains, (0,), 15.0)
+    assert best.tree is None and bound <= (15.0 + best.tokens) / best.seconds * (1 + b.load_margin)
