@@ -40,7 +40,8 @@ import torch
 from services.engine.drafter import Drafter
 from services.engine.verifier import Verifier
 from services.errors import InvalidRequest
-from services.spec.budget import AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, observe
+from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, observe,
+                                  observe_realized)
 from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
@@ -220,6 +221,7 @@ class Engine:
                 fresh = res.acceptance.new_tokens
                 accepted = res.acceptance.nodes.tolist()
                 observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
+                observe_realized(seq.stats, draft.plan, len(fresh))
                 stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
                                    tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
                                    draft.plan.tokens, draft.plan.seconds,

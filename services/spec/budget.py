@@ -7,6 +7,7 @@ acceptance statistics, to maximise expected committed tokens per second.
     plan = budget.plan(stats, chain=len(retrieved))     # -> RoundPlan(tree | None, chain, predicted)
     ... draft plan.tree, merge plan.chain retrieved tokens, verify ...
     observe(stats, tree, accepted_nodes, chain_nodes)  # per-depth acceptance update
+    observe_realized(stats, plan, accepted_tokens)      # how much of the predicted gain came true
 
 Vocabulary:
   * cost model   t_verify(rows): one target forward over `rows` tree nodes (tree attention) on this
@@ -61,6 +62,7 @@ PRIOR_S = 0.5  # s_d: a retrieved continuation of an exact match
 DEEPER_DECAY = 0.9  # prior a_{d+1} = a_d * decay: deeper draft steps read draft features
 CHAIN_LIMIT = 16  # longest retrieved chain the budget joins
 PROBE_CHAIN = 4  # retrieved tokens a probe verifies at most (deeper depths: when a plan chooses them)
+REALIZED_MIN, REALIZED_MAX = 0.2, 1.5  # bounds of AcceptanceStats.realized
 COST_VERSION = 2
 
 
@@ -149,6 +151,10 @@ class AcceptanceStats:
     chain: list[float]  # [MAX_LEVELS] s_d for the retrieved chain
     confidence: float = 0.5  # mean draft probability of the top child at depth 1
     alpha: float = 0.15
+    realized: float = 1.0  # accepted head tokens per predicted one, on rounds that drafted (EMA;
+    #                        the model's expected gain assumes the best nodes by its own probabilities,
+    #                        the head drafts by its scores and dynamic depth prunes: measured 0.5-0.7
+    #                        on the shipped head). Scales every predicted head gain (Budget._choose).
     idle_rounds: int = 0  # consecutive rounds that drafted nothing (for probing)
     probe_gap: int = 0  # idle rounds before the next probe (0 = the budget's probe_every; backs off)
     memo: tuple | None = None  # (statistics, load, output) of the last choice (Budget._plan): a round
@@ -156,7 +162,7 @@ class AcceptanceStats:
 
     def copy(self) -> "AcceptanceStats":
         return AcceptanceStats(list(self.depth), list(self.rank), list(self.chain), self.confidence,
-                               self.alpha, 0, 0)
+                               self.alpha, self.realized, 0, 0)
 
     def calibration(self) -> float:
         """Acceptance probability per unit of draft probability (a_1 / mean top-1 draft probability)."""
@@ -187,6 +193,17 @@ def load_report(head_dir: str | Path | None) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def observe_realized(stats: AcceptanceStats, plan: "RoundPlan", accepted_tokens: int) -> None:
+    """A round planned as `plan` (a head draft and no retrieved chain, with the model's uncorrected
+    head gain `plan.head_gain` > 0) committed `accepted_tokens` (bonus included): the realized share
+    of the predicted gain feeds `stats.realized` (clamped to [REALIZED_MIN, REALIZED_MAX]).
+    WARNING: mutates `stats`."""
+    if plan.tree is None or plan.chain or plan.head_gain <= 1e-6:
+        return
+    ratio = (accepted_tokens - 1) / plan.head_gain
+    stats.realized = min(REALIZED_MAX, max(REALIZED_MIN, ema(stats.realized, ratio, stats.alpha)))
 
 
 def observe(stats: AcceptanceStats, tree: DraftTree, accepted: Sequence[int],
@@ -333,6 +350,7 @@ class RoundPlan:
     seconds: float  # predicted round time
     verify_s: float = 0.0  # of which the modelled target forward (the batch's), measured extras excluded
     draft_s: float = 0.0  # of which this sequence's own draft (the model's compute + the measured extra)
+    head_gain: float = 0.0  # the model's expected accepted head tokens, before the `realized` correction
 
     @property
     def rate(self) -> float:
@@ -449,7 +467,8 @@ class Budget:
         pay at the optimistic acceptance `probe_accept` (decided one round ahead, so the
         engine attaches the drafter only for a probe that runs). A probe after which the budget
         stays plain doubles the gap (up to probe_backoff x probe_every); a drafting round resets it."""
-        key = (tuple(stats.depth), tuple(stats.rank), tuple(stats.chain), stats.confidence, chain, commit_rows)
+        key = (tuple(stats.depth), tuple(stats.rank), tuple(stats.chain), stats.confidence, stats.realized, chain,
+               commit_rows)
         memo = stats.memo
         if memo is not None and memo[0] == key and same_load(memo[1], load):
             best, smallest, tv, chain_gain = memo[2]  # the load it was planned for stays the reference
@@ -541,7 +560,9 @@ class Budget:
             best_rate, best_key = rate(best) * (1.0 + (self.load_margin if load.sequences else 0.0)), None
             others = load.tokens
             # the one-token draft (k=1, depth 0: one node, accepted with a_1): a probe's shape
-            smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + stats.depth[0], base + tv[2], fv[2], base)
+            real = stats.realized
+            smallest = RoundPlan(TreeParams(1, 0, 2), 0, 1.0 + real * stats.depth[0], base + tv[2], fv[2], base,
+                                 stats.depth[0])
             search = _eagle_bound(stats, c, lim, base, tv, chain_gain, extras, others) > best_rate
             for k in range(1, min(lim.top_k, MAX_RANK) + 1 if search else 1):
                 step = c.t_draft(k)
@@ -571,14 +592,14 @@ class Budget:
                     for n in counts:
                         g = prefix[min(n - 1, len(ranked))]
                         for extra in extras:
-                            r8 = (others + 1.0 + g + chain_gain[extra]) / (t_draft + tv[n + extra])
+                            r8 = (others + 1.0 + real * g + chain_gain[extra]) / (t_draft + tv[n + extra])
                             if r8 > best_rate:
                                 best_rate = r8
-                                best_key = (k, d, n, extra, 1.0 + g + chain_gain[extra], t_draft + tv[n + extra],
-                                            fv[n + extra], t_draft)
+                                best_key = (k, d, n, extra, 1.0 + real * g + chain_gain[extra],
+                                            t_draft + tv[n + extra], fv[n + extra], t_draft, g)
             if best_key is not None:
-                k, d, n, extra, tokens, seconds, forward, own = best_key
-                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds, forward, own)
+                k, d, n, extra, tokens, seconds, forward, own, g = best_key
+                best = RoundPlan(TreeParams(k, d, n), extra, tokens, seconds, forward, own, g)
         return best, smallest, tv, chain_gain
 
     def stop_logprob(self, stats: AcceptanceStats, plan: RoundPlan, load: Load = Load()) -> float:
@@ -608,13 +629,14 @@ def _eagle_bound(stats: AcceptanceStats, c: CostModel, lim: TreeParams, base: fl
     expected tokens): when it cannot beat the best plain rate (the usual case under load), the
     search is skipped.
 
-    A shape (k, depth d, n nodes) commits 1 + g tokens, g the sum of its n - 1 most likely nodes'
+    A shape (k, depth d, n nodes) commits 1 + realized x g tokens, g the sum of its n - 1 most likely nodes'
     acceptance probabilities, each at most the likeliest depth-1 node's (a child's probability is
     its parent's times a factor <= 1), so g <= (n - 1) p_max; those nodes lie in levels 0..d of the full tree with
     the largest top_k K, whose level l sums to prod_{j<=l} c_j, c_j = 1 - (1 - a_j) prod_r (1 - c_r)
     (some child accepted), so g <= G_d = sum_{l<=d} prod_{j<=l} c_j. Its round takes at least
     base + d * min_k t_draft(k) + min_{m >= n + extra} tv[m] (a measured tv need not grow with rows),
     which grows with n: past n = G_d / p_max + 1 only the time grows, so larger n need no check."""
+    real = stats.realized
     top = min(lim.top_k, MAX_RANK)
     hits = [stats.rank[min(r - 1, len(stats.rank) - 1)] for r in range(1, top)]
     none_hit = math.prod(1.0 - h for h in hits)
@@ -631,7 +653,7 @@ def _eagle_bound(stats: AcceptanceStats, c: CostModel, lim: TreeParams, base: fl
         levels += reach
         for e in extras:
             for n in range(2, min(len(floor) - 1 - e, math.ceil(levels / max(largest, 1e-9)) + 1) + 1):
-                g = min(levels, (n - 1.0) * largest)
+                g = real * min(levels, (n - 1.0) * largest)
                 bound = max(bound, (others + 1.0 + g + chain_gain[e]) / (base + d * step + floor[n + e]))
     return bound * (1.0 + 1e-9)  # (rounding: never skip a shape the search would pick)
 

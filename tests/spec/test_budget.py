@@ -9,8 +9,8 @@ import torch
 
 from services.errors import InvalidRequest
 from services.spec import budget as B
-from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, chain_accept, ema,
-                                  expected_accept, observe, prior_stats)
+from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, chain_accept, ema,
+                                  expected_accept, observe, observe_realized, prior_stats)
 from services.spec.tree import TreeParams, build_tree, expand, extend, grow_tree, rerank
 from tests.spec.test_tree import random_head
 
@@ -83,6 +83,33 @@ def test_chooser_picks_the_known_best_shape(case):
     else:  # the top child is a coin flip, the runner-up is usually right: branch
         plan = Budget(FLAT_GPU).plan(stats([0.5], c=[0.8]))
         assert plan.tree.top_k >= 2 and plan.tree.total_tokens > plan.tree.depth + 2
+
+
+def test_realized_gain_scales_predictions_and_turns_an_overestimated_tree_plain():
+    """`realized` (the measured share of the predicted head gain) moves by EMA on drafting rounds
+    only, stays in its bounds, and scales the chooser's gains: the one_token case above (1.6
+    predicted tokens, pays) is plain once only a tenth of its gain comes true."""
+    s = stats([0.6], c=[0.0])
+    plan = RoundPlan(TreeParams(1, 0, 2), 0, 1.6, 1.1, head_gain=0.6)
+    observe_realized(s, plan, 1)  # nothing accepted: ratio 0
+    assert s.realized == pytest.approx(ema(1.0, 0.0, s.alpha))
+    before = s.realized
+    observe_realized(s, replace(plan, chain=2), 3)  # a retrieved chain joined: not the head's alone
+    observe_realized(s, RoundPlan(None, 0, 1.0, 1.0), 1)  # plain
+    assert s.realized == before
+    for _ in range(100):
+        observe_realized(s, plan, 3)  # 2 accepted against 0.6 predicted
+    assert s.realized == B.REALIZED_MAX
+    for _ in range(100):
+        observe_realized(s, plan, 1)
+    assert s.realized == B.REALIZED_MIN
+    costs = CostModel(CostCurve((1, 2, 3, 64), (1.0, 1.1, 2.0, 50.0)), linear(0, 0.0), linear(0, 0.02))
+    full = Budget(costs).plan(stats([0.6], c=[0.0]))
+    assert full.tree is not None and full.head_gain == pytest.approx(0.6)
+    tenth = stats([0.6], c=[0.0])
+    tenth.realized = 0.1  # 1 + 0.06 tokens for 1.12 s: below plain's 1 token per second
+    assert Budget(costs).plan(tenth).tree is None
+    assert tenth.copy().realized == tenth.realized
 
 
 def test_chooser_joins_a_chain_when_it_pays_and_drops_it_when_not():
