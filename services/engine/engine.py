@@ -129,6 +129,11 @@ class Engine:
         # what the budget may use is what this engine has: a head, retrieval
         self.budget = replace(budget, eagle=budget.eagle and drafter is not None,
                               chain_limit=budget.chain_limit if retrieval else 0)
+        # the latest `realized` of any greedy sequence (of this engine, or with a load board of every
+        # engine sharing the verifier): where the next greedy sequence starts (it would otherwise
+        # relearn it from the prior, drafting at a loss meanwhile); sampling sequences start from
+        # the prior, so that a seed replays the same trees whatever ran before
+        self.realized = self.budget.prior.realized
         largest = self.budget.fixed or self.budget.largest
         if self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
@@ -188,6 +193,9 @@ class Engine:
         new, reason = check_stop([pre.first_token], produced, req.max_new_tokens, stop_ids)
         seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
                              sort_paths=not req.sampling.greedy)
+        if req.sampling.greedy:
+            board = self.budget.load
+            seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
         draft = None
         if reason is None and self.speculates:
             if self.drafter:
@@ -222,6 +230,10 @@ class Engine:
                 accepted = res.acceptance.nodes.tolist()
                 observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
                 observe_realized(seq.stats, draft.plan, len(fresh))
+                if not seq.sort_paths:
+                    self.realized = seq.stats.realized
+                    if self.budget.load is not None:
+                        self.budget.load.realized = seq.stats.realized
                 stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
                                    tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
                                    draft.plan.tokens, draft.plan.seconds,

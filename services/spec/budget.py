@@ -282,6 +282,8 @@ class LoadBoard:
         self.alpha = alpha
         self._draft_extra: float | None = None  # None until measured
         self._verify_extra: float | None = None
+        self.realized: float | None = None  # the latest AcceptanceStats.realized of a greedy sequence
+        #                                     here (None until one drafted): where new ones start
 
     def others(self, key: str) -> Load:
         with self._lock:

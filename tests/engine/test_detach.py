@@ -18,7 +18,7 @@ from services.engine.batcher import BatchLimits
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine, GenerationRequest
 from services.engine.verifier import DecodeCall, PrefillCall, Verifier, VerifyCall
-from services.spec.budget import Budget, CostCurve, CostModel, LoadBoard, prior_stats
+from services.spec.budget import REALIZED_MAX, REALIZED_MIN, Budget, CostCurve, CostModel, LoadBoard, prior_stats
 from services.spec.sampling import SamplingParams
 from services.spec.tree import TreeParams, root_tree
 from tests.helpers import VOCAB
@@ -186,3 +186,34 @@ def test_a_tree_that_the_load_brings_back_waits_one_round_for_the_kept_features(
     first_tree = kinds.index("tree")
     assert kinds[first_tree - 1] == "root", kinds  # the catch-up round before the first tree
     assert d.drafts == kinds.count("tree")
+
+
+def test_realized_gain_carries_to_the_next_greedy_sequence_but_not_to_a_seeded_one(llama_pair) -> None:
+    """A greedy sequence that drafted leaves its measured realized share on the engine and the load
+    board, where the next greedy sequence starts; a seeded sampling sequence starts from the prior,
+    so it draws the same trees and tokens on a used engine as on a fresh one."""
+    _, target, head = llama_pair
+    board = LoadBoard()
+
+    def engine() -> Engine:
+        return Engine(Verifier(target, head.feature_kind), Drafter(head, LARGEST), 512, VOCAB,
+                      budget=budget(MIXED, True, 4, board))
+
+    used = engine()
+    greedy = GenerationRequest(PROMPT, 30, SamplingParams(), ignore_eos=True)
+    tokens, stats = run(used, greedy)
+    assert any(s.tree_size > 1 for s in stats[1:])
+    assert used.realized != 1.0 and board.realized == used.realized
+    used.realized = board.realized = REALIZED_MIN  # as if the head's gains had rarely come true
+    again, again_stats = run(used, greedy)
+    assert again == tokens  # greedy: the same tokens whatever the budget learned
+    drafting = sum(s.tree_size > 1 for s in stats[1:])
+    assert sum(s.tree_size > 1 for s in again_stats[1:]) < drafting  # it started from the learned share
+    used.realized = board.realized = REALIZED_MAX  # and as if they had come true beyond the model's
+    seeded = GenerationRequest(PROMPT, 30, SamplingParams(temperature=0.9, seed=3), ignore_eos=True)
+    board_fresh = LoadBoard()
+    fresh = Engine(Verifier(target, head.feature_kind), Drafter(head, LARGEST), 512, VOCAB,
+                   budget=budget(MIXED, True, 4, board_fresh))
+    want, want_stats = run(fresh, seeded)
+    got, got_stats = run(used, seeded)
+    assert got == want and [s.tree_size for s in got_stats] == [s.tree_size for s in want_stats]
