@@ -134,3 +134,32 @@ def test_a_lease_let_go_is_claimable_at_once_and_cannot_be_revived(store):
     assert not store.renew("h1", "a")
     assert store.claim("h1", "b") and store.get("h1").owner == "b"
     assert "h1" not in store.expired_leases()
+
+
+def test_the_lease_index_is_written_once_per_quarter_lease_and_never_late(redis_url, monkeypatch):
+    """Every commit renews the lease in the hash; the index (a hint for take-over scans) is written
+    again only once the expiry moved by a quarter lease, so it is at most that early, never late,
+    and a finished sequence leaves it."""
+    import time
+
+    from coordinator import sequence_store
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.flushdb()
+    s = SequenceStore(client, ttl_s=120, lease_ttl_s=0.4)  # a quarter lease: 100 ms
+    s.create(SequenceRecord("q1", (1, 2), {"max_new_tokens": 50}, 0, "", "v:1", owner="a"))
+    writes = []
+    real_zadd = client.zadd
+    monkeypatch.setattr(client, "zadd", lambda *a, **k: writes.append(a) or real_zadd(*a, **k))
+    t0 = time.monotonic()
+    for r in range(40):  # rounds 20 ms apart
+        time.sleep(0.02)
+        s.commit("q1", r, [7], None, owner="a")
+        indexed = client.zscore(sequence_store.LEASES, "q1")
+        lease_until = int(client.hget(s.keys("q1")[0], "lease_until"))
+        assert lease_until - 100 - 20 <= indexed <= lease_until + 20  # (20 ms: client vs server clock)
+    quarters = (time.monotonic() - t0) / 0.1
+    assert 0.5 * quarters <= len(writes) <= quarters + 2 < 40
+    s.commit("q1", 40, [7], "length", owner="a")
+    assert client.zscore(sequence_store.LEASES, "q1") is None
+    client.close()
