@@ -74,7 +74,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [heads, T, hd]; cos, sin [T, hd]
+    # x [heads, T, hd] with cos, sin [T, hd]; or x [T, heads, hd] with cos, sin [T, 1, hd]
     return x * cos + _rotate_half(x) * sin
 
 
@@ -116,13 +116,14 @@ class Attention(nn.Module):
                       caches: list[KVCache], layer: int, masks: list[torch.Tensor | None],
                       offsets: list[int]) -> torch.Tensor:
         """Many sequences in one pass: x [R, in_dim] holds entry i's rows at [offsets[i],
-        offsets[i+1]); the q/k/v and output projections run once over all R rows, attention runs per
-        entry against its own cache with its own mask (as `forward`) -> [R, hidden]."""
+        offsets[i+1]); the q/k/v and output projections and RoPE run once over all R rows,
+        attention runs per entry against its own cache with its own mask (as `forward`) -> [R, hidden]."""
         qkv = self.qkv_proj(x)
         if len(caches) == 1:
             out = self.attend(qkv, cos, sin, caches[0], layer, masks[0])
         else:
-            out = torch.cat([self.attend(qkv[a:b], cos[a:b], sin[a:b], cache, layer, mask)
+            q, k, v = self.rotated(qkv, cos, sin)
+            out = torch.cat([self.attend_rotated(q[a:b], k[a:b], v[a:b], cache, layer, mask)
                              for cache, mask, a, b in zip(caches, masks, offsets, offsets[1:])])
         return self.o_proj(out)
 
@@ -130,12 +131,25 @@ class Attention(nn.Module):
                layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         """qkv [T, q+k+v] (the packed projection of T new rows) -> attention output [T, heads*hd];
         writes the rows' K/V into `cache` at its next free rows (not advancing its length)."""
+        return self.attend_rotated(*self.rotated(qkv, cos, sin), cache, layer, mask)
+
+    def rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, q+k+v], cos/sin [T, hd] -> q [T, heads, hd], k and v [T, kv_heads, hd], RoPE
+        applied to q and k (elementwise per row: the same values for a row alone or in a batch)."""
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)
-        k = k.view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = v.view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None], sin[:, None]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        """q [T, heads, hd], k/v [T, kv_heads, hd] (rotated) -> [T, heads*hd]; writes k/v into `cache`."""
+        t = q.shape[0]
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         prefix = cache.length
         k_all, v_all = cache.write(layer, k, v)  # [nKV, S, hd], S = length + T
         gqa = self.num_heads != self.num_kv_heads
