@@ -176,6 +176,8 @@ class Engine:
         tree_nodes = self.budget.max_nodes() if self.speculates else 1
         capacity = len(req.prompt_ids) + req.max_new_tokens + tree_nodes
         stop_ids = self.stop_ids(req)
+        if self.budget.load is not None:
+            self.budget.load.join(seq_id)
         try:
             yield from self._run(req, seq_id, prompt, capacity, stop_ids)
         finally:
@@ -257,11 +259,13 @@ class Engine:
         row), the retrieved chain, both, or the root alone."""
         t0 = time.perf_counter()
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
-        # the rows waiting for the draft KV are paid whenever the head next drafts (a sunk cost):
-        # the decision uses a steady round's extension (root + about one accepted token)
+        # alone, the rows waiting for the draft KV are paid whenever the head next drafts (a sunk
+        # cost): the decision uses a steady round's extension (root + about one accepted token); in a
+        # batch they are charged (Budget.plan's pending_rows)
         # with a load board, greedy sequences size their trees for the batch; sampling sequences keep
         # the batch-1 choice so that a seed replays the same tokens whatever the load
-        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths)
+        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
+                                pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
         detached = seq.detached
         seq.detached = (self.budget.detach and self.drafter is not None and plan.tree is None and plan.chain == 0
                         and not self.budget.probes_next(seq.stats))

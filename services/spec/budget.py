@@ -322,6 +322,12 @@ class LoadBoard:
         with self._lock:
             self._plans[key] = (rows, tokens, draft_s)
 
+    def join(self, key: str) -> None:
+        """A sequence starts (before its prefill): until it plans, the others count it as a plain
+        step, so sequences that start together see each other from their first plan on."""
+        with self._lock:
+            self._plans.setdefault(key, (1.0, 1.0, 0.0))
+
     def leave(self, key: str) -> None:
         with self._lock:
             self._plans.pop(key, None)
@@ -437,15 +443,22 @@ class Budget:
         return eagle + self.chain_limit
 
     def plan(self, stats: AcceptanceStats, chain: int = 0, commit_rows: float = 2.0, key: str | None = None,
-             adapt: bool = True) -> RoundPlan:
+             adapt: bool = True, pending_rows: int = 0) -> RoundPlan:
         """The shape with the highest predicted committed tokens per second, given `chain` retrieved
         tokens available. With a load board and the sequence's `key`: the shape that maximises the
         whole batch's predicted committed tokens per second, the other sequences' latest plans
         fixed (their rows join this one's in the target forward), and this plan is posted for them.
         `adapt` False: the batch-1 choice, still posted (a seeded sampling sequence keeps shapes that
         do not depend on the load, so its seed replays identically; greedy output is exact anyway).
+        `pending_rows`: committed rows the draft KV has not seen (the prompt before the first draft,
+        the rounds since the last): alone they are a sunk cost (the head pays them whenever it next
+        drafts, so a steady round's `commit_rows` decides), but with others in the batch the draft
+        that catches them up delays every sequence's forward, and a sequence that stays plain never
+        pays them: there the plan is charged for them.
         WARNING: counts idle rounds in `stats` (probing)."""
         load = self.load.others(key) if self.load is not None and key is not None and adapt else Load()
+        if load.sequences:
+            commit_rows = max(commit_rows, float(pending_rows))
         best = self._plan(stats, chain, commit_rows, load)
         if self.load is not None and key is not None:
             rows = (best.tree.total_tokens if best.tree is not None else 1) + best.chain

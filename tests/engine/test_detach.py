@@ -217,3 +217,16 @@ def test_realized_gain_carries_to_the_next_greedy_sequence_but_not_to_a_seeded_o
     want, want_stats = run(fresh, seeded)
     got, got_stats = run(used, seeded)
     assert got == want and [s.tree_size for s in got_stats] == [s.tree_size for s in want_stats]
+
+
+def test_a_sequence_is_on_the_load_board_from_its_prefill(llama_pair) -> None:
+    _, target, head = llama_pair
+    board = LoadBoard()
+    e = Engine(Verifier(target, head.feature_kind), Drafter(head, LARGEST), 512, VOCAB,
+               budget=budget(MIXED, True, 4, board))
+    steps = e.generate(GenerationRequest(PROMPT, 6, SamplingParams(), ignore_eos=True), "s1")
+    assert "s1" not in board.rows()
+    next(steps)  # the prefill ran
+    assert "s1" in board.rows()
+    list(steps)
+    assert "s1" not in board.rows()

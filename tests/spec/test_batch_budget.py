@@ -266,3 +266,33 @@ def test_the_search_bound_never_changes_a_choice_and_skips_under_load(monkeypatc
     c = b.costs
     bound = budget_mod._eagle_bound(stats, c, b.largest, c.head(2.0) + c.logits(1), tv, gains, (0,), 15.0)
     assert best.tree is None and bound <= (15.0 + best.tokens) / best.seconds * (1 + b.load_margin)
+
+
+def test_rows_the_draft_kv_has_not_seen_are_charged_only_in_a_batch() -> None:
+    """Alone, the pending rows (a prompt before the first draft, rounds spent detached) are a sunk
+    cost: the plan is the same whatever their number. With others in the forward, the draft that
+    catches them up delays everyone and a plain sequence never pays them: enough of them make the
+    plan plain."""
+    alone = budget(LoadBoard(), per_row=0.0005)
+    stats = alone.new_stats()
+    assert alone.plan(stats, key="me", pending_rows=5000).tree == alone.plan(stats, key="me").tree is not None
+    board = LoadBoard()
+    b = budget(board, per_row=0.0005)
+    for i in range(4):
+        board.post(f"o{i}", 1.0, 1.0, 0.0)
+    assert b.plan(b.new_stats(), key="me", pending_rows=100).tree is not None
+    assert b.plan(b.new_stats(), key="me", pending_rows=5000).tree is None
+
+
+def test_a_sequence_joins_the_board_before_its_first_plan() -> None:
+    """Sequences that start together see each other from their first plan on: a joined sequence
+    counts as one plain step; its own plan replaces that, leaving removes it."""
+    board = LoadBoard()
+    board.join("a")
+    board.join("b")
+    assert board.others("a") == Load(1, 1.0, 1.0, 0.0)
+    board.post("b", 5.0, 1.8, 0.01)
+    board.join("b")  # a late join does not overwrite a plan
+    assert board.rows() == {"a": 1.0, "b": 5.0}
+    board.leave("b")
+    assert board.others("a").sequences == 0
