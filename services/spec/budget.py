@@ -153,7 +153,7 @@ class AcceptanceStats:
     alpha: float = 0.15
     realized: float = 1.0  # accepted head tokens per predicted one, on rounds that drafted (EMA;
     #                        the model's expected gain assumes the best nodes by its own probabilities,
-    #                        the head drafts by its scores and dynamic depth prunes: measured 0.5-0.7
+    #                        the head drafts by its scores and dynamic depth prunes: measured 0.4-0.7
     #                        on the shipped head). Scales every predicted head gain (Budget._choose).
     idle_rounds: int = 0  # consecutive rounds that drafted nothing (for probing)
     probe_gap: int = 0  # idle rounds before the next probe (0 = the budget's probe_every; backs off)
