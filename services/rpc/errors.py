@@ -56,6 +56,11 @@ class DownstreamError(AerieError):
                        lost_sequence=True)
         if code == grpc.StatusCode.UNAVAILABLE:
             return cls(code, f"{role} at {address} is unavailable: {details}")
+        if code == grpc.StatusCode.CANCELLED:
+            # this process never cancels its downstream calls: the peer's server stopped with the
+            # call in flight (a replica going away), which is what UNAVAILABLE means to the caller
+            return cls(grpc.StatusCode.UNAVAILABLE, f"{role} at {address} cancelled the call in flight "
+                                                    f"(its server stopped): {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return cls(code, f"{role} at {address} did not answer in time: {details}")
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -261,3 +261,22 @@ def test_a_failing_sequence_does_not_disturb_others(pipeline, model_dirs):
         assert status_of(lambda: stub.Generate(request_, timeout=30))[0] == code
     thread.join(60)
     assert result["tokens"] == local_run(local_engine(model_dirs), req)[0]
+
+
+def test_a_call_cancelled_by_a_stopping_peer_fails_over() -> None:
+    """A replica whose server stops with a call in flight ends that call CANCELLED (the caller never
+    cancels its downstream calls): to the coordinator that is UNAVAILABLE, a fail-over, like a
+    refused connection; the message names the replica."""
+    from coordinator.sequence_placement import is_failover
+    from services.rpc.errors import DownstreamError
+
+    class Cancelled(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.CANCELLED
+
+        def details(self):
+            return "CANCELLED"
+
+    e = DownstreamError.from_rpc(Cancelled(), "verifier", "127.0.0.1:1")
+    assert e.code == grpc.StatusCode.UNAVAILABLE and is_failover(e)
+    assert "verifier at 127.0.0.1:1" in str(e) and "cancelled" in str(e)
