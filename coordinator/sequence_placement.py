@@ -3,7 +3,7 @@
 The engine's round loop drives `placement.verifier` and `placement.drafter`, which have the
 methods of the engine's roles (`services.engine.roles`), so `Engine` runs unchanged. Behind them:
 
-    call fails (UNAVAILABLE, deadline, or the replica lost the sequence)
+    call fails (UNAVAILABLE, deadline, cancelled by a stopping replica, or the replica lost the sequence)
       -> mark_failed(replica) in its pool (placement skips it whatever GetInfo said before)
       -> acquire another replica (verifier: wait up to `verifier_wait_s`; drafter: do not wait)
       -> rebuild(): the verifier re-runs prompt + committed[:-1] (its KV invariant: every committed
