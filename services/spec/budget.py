@@ -493,6 +493,7 @@ class Budget:
         if self.fixed is not None:
             return best  # the same shape every round: no probing, no dynamic depth
         gap = stats.probe_gap or self.probe_every
+        backed_off = min(2 * gap, self.probe_every * max(1, self.probe_backoff))  # after a probe (run or skipped)
         if best.drafts:
             stats.idle_rounds = 0
             stats.probe_gap = 0
@@ -500,7 +501,7 @@ class Budget:
             stats.idle_rounds += 1
             if stats.idle_rounds >= gap:  # re-measure acceptance now and then
                 stats.idle_rounds = 0
-                stats.probe_gap = min(2 * gap, self.probe_every * max(1, self.probe_backoff))
+                stats.probe_gap = backed_off
                 # one draft token, and the first PROBE_CHAIN retrieved tokens: a probe of the whole
                 # chain (16 rows, ~1.7 plain steps here) cost more than its answers were worth on
                 # long prompts whose matches rarely continue; deeper chain depths are re-measured
@@ -515,7 +516,7 @@ class Budget:
                                      best.verify_s + tv[1 + probe] - tv[1])
             elif stats.idle_rounds + 1 >= gap and not self._worth_probing(stats, chain, commit_rows, load):
                 stats.idle_rounds = 0  # the probe could not change the choice: skip it
-                stats.probe_gap = min(2 * gap, self.probe_every * max(1, self.probe_backoff))
+                stats.probe_gap = backed_off
         if best.tree is not None and self.stop_depth:
             best = replace(best, tree=replace(best.tree, stop_logprob=self.stop_logprob(stats, best, load)))
         return best
