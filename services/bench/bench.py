@@ -63,6 +63,7 @@ class Run:
     chain_rounds: int = 0  # rounds that verified a retrieved chain
     eagle_rounds: int = 0  # rounds that verified a draft-head tree
     drafted_rounds: int = 0  # rounds that verified either (the rest were plain steps)
+    drafted_tokens: int = 0  # tokens those rounds gave the stream (as tau counts them)
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class Summary:
     chain_rounds: int = 0
     eagle_rounds: int = 0
     drafted_rounds: int = 0
+    drafted_tokens: int = 0
     exact: int = 0
     per_prompt_tps: list[float] = field(default_factory=list)
 
@@ -107,6 +109,7 @@ class Summary:
         self.chain_rounds += run.chain_rounds
         self.eagle_rounds += run.eagle_rounds
         self.drafted_rounds += run.drafted_rounds
+        self.drafted_tokens += run.drafted_tokens
         self.exact += int(exact)
         self.per_prompt_tps.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
 
@@ -134,6 +137,8 @@ class Summary:
             "tokens_per_s": round(tps, 3),
             "speedup": round(tps / base, 4) if base else None,
             "tau": round(tau, 4) if tau is not None else None,
+            # tau over the rounds that verified a draft (the others commit exactly one token)
+            "tau_drafted": round(self.drafted_tokens / self.drafted_rounds, 4) if self.drafted_rounds else None,
             "round_ms": per_round(self.round_s), "draft_ms": per_round(self.draft_s),
             "verify_ms": per_round(self.verify_s),
             "other_ms": per_round(self.round_s - self.draft_s - self.verify_s) if self.round_s > 0 else None,
@@ -198,7 +203,9 @@ def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
             run.chain_accepted += step.stats.chain_accepted
             run.chain_rounds += int(step.stats.chain > 0)
             run.eagle_rounds += int(step.stats.eagle_nodes > 0)
-            run.drafted_rounds += int(step.stats.chain > 0 or step.stats.eagle_nodes > 0)
+            drafted = step.stats.chain > 0 or step.stats.eagle_nodes > 0
+            run.drafted_rounds += int(drafted)
+            run.drafted_tokens += len(step.tokens) if drafted else 0
             run.rounds += 1
             run.round_s += now - last
             if step.stats.index == 1:

@@ -26,7 +26,7 @@ from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
 from services.spec.budget import CostCurve
-from services.spec.tree import DraftTree, TreeParams
+from services.spec.tree import DraftTree, TreeParams, ancestors
 from services.spec.verify import Acceptance
 
 assert sys.byteorder == "little", "the tensor codec writes native byte order, which must be little-endian"
@@ -281,7 +281,7 @@ def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NO
     for i, p in enumerate(plist[1:], start=1):
         if not 0 <= p < i:
             raise InvalidRequest(f"tree.parents[{i}] must be in [0, {i}) (parents precede children); got {p}")
-    depths, mask = _ancestors(plist)
+    depths, mask = ancestors(plist)
     width = int(depths.max()) + 1
     paths = decode_tensor(msg.paths, "tree.paths", dtype=torch.int64, shape=(None, width))
     if paths.shape[0] < 1:
@@ -297,24 +297,6 @@ def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NO
         if any(row[j] >= 0 and plist[row[j]] != row[j - 1] for j in range(1, width)):
             raise InvalidRequest(f"tree.paths row {r} is not a root-to-leaf chain of tree.parents")
     return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask, paths=paths, scores=scores)
-
-
-def _ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """parents [N] (checked: parents precede children) -> (depths [N], mask [N, N] ancestors-or-self).
-    One pass: a node's ancestors are its parent's plus itself (O(N * depth) list work).
-    Example: parents [-1, 0, 0, 1] -> depths [0, 1, 1, 2]; mask row 3 = [1, 1, 0, 1]."""
-    n = len(parents)
-    depth = [0] * n
-    chains: list[list[int]] = [[0]] * n
-    flat = [0]  # mask entries set, as row * n + column
-    for i in range(1, n):
-        p = parents[i]
-        depth[i] = depth[p] + 1
-        chains[i] = chains[p] + [i]
-        flat.extend(i * n + j for j in chains[i])
-    mask = torch.zeros(n * n, dtype=torch.bool)
-    mask[torch.tensor(flat)] = True
-    return torch.tensor(depth, dtype=torch.long), mask.view(n, n)
 
 
 # ---- verification --------------------------------------------------------------------------------

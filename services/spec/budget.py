@@ -313,11 +313,6 @@ class LoadBoard:
             old = getattr(self, name)
             setattr(self, name, x if old is None else ema(old, x, self.alpha))
 
-    def extras(self) -> tuple[float, float]:
-        """(draft extra, verify extra) seconds, 0 until measured."""
-        with self._lock:
-            return self._draft_extra or 0.0, self._verify_extra or 0.0
-
     def post(self, key: str, rows: float, tokens: float, draft_s: float) -> None:
         with self._lock:
             self._plans[key] = (rows, tokens, draft_s)

@@ -59,6 +59,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-depth", type=int, default=4, help="draft positions in the report")
     p.add_argument("--compare", default=None,
                    help="also evaluate this head directory (default: --init) on the same data, for the report")
+    p.add_argument("--tau-prompts", default=None,
+                   help="Spec-Bench-style JSONL: after training, measure tau with the cost-model budget "
+                        "(services/train/tau.py) on its first --tau-per-category prompts of each category")
+    p.add_argument("--tau-per-category", type=int, default=1)
+    p.add_argument("--tau-tokens", type=int, default=48, help="new tokens per prompt for the tau measurement")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
 
@@ -173,6 +178,11 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
         report["compare"] = {"head": compare, "heldout": evaluate(other, held_all, args.eval_depth),
                              "dev": evaluate(other, dev, args.eval_depth) if dev else None}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if args.tau_prompts:  # after report.json exists: the budget's prior reads it
+        from services.train import tau
+
+        report = tau.write(out, tau.measure(out, args.tau_prompts, args.target, args.tau_per_category,
+                                            max_new_tokens=args.tau_tokens))
     print(json.dumps(report), file=log, flush=True)
     return report
 

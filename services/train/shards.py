@@ -3,6 +3,7 @@
     list_shards(dir)                         -> shard paths in write order
     load_samples(paths, kind, split)         -> [Sample] for an EAGLE-1/2 ("eagle") or EAGLE-3 head
     token_counts(paths, vocab_size)          -> [V] counts of the training split's tokens (draft vocab)
+    written_prompt_ids(paths)                -> the prompt id of each sample of the "all" split
 
 The split is by prompt (datagen.is_heldout on the prompt's id), so a held-out prompt never has any
 of its tokens in training. Features stay bf16 in memory (converted per sample in the loss).
@@ -45,6 +46,18 @@ def shard_samples(path: Path, kind: str, split: str = "train", heldout_every: in
         mask = torch.zeros(b - a)
         mask[p - 1:] = 1.0
         out.append(Sample(tokens[a:b].long(), feats[a:b], hidden[a:b], nxt[a:b].long().clamp(min=0), mask))
+    return out
+
+
+def written_prompt_ids(paths: list[Path]) -> list[str]:
+    """The prompt id of every sample `load_samples(paths, kind, "all")` returns, in the same order."""
+    from safetensors import safe_open
+
+    out: list[str] = []
+    for p in paths:
+        with safe_open(str(p), "pt") as f:
+            meta, n = f.metadata(), f.get_slice("offsets").get_shape()[0] - 1
+        out += _written_ids(json.loads(meta["prompts"]), n)
     return out
 
 

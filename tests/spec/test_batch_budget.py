@@ -179,27 +179,32 @@ def test_probes_stop_where_even_good_acceptance_could_not_pay() -> None:
     assert drafted[1:] == announced[:-1]
 
 
+def extras(board: LoadBoard) -> tuple[float, float]:
+    """(draft extra, verify extra) as a plan sees them: a key nobody posted sees every sequence."""
+    load = board.others("not-a-sequence")
+    return load.draft_extra, load.verify_extra
+
+
 def test_the_board_keeps_an_ema_of_measured_excess_latency() -> None:
     board = LoadBoard(alpha=0.5)
-    assert board.extras() == (0.0, 0.0)
+    assert extras(board) == (0.0, 0.0)
     board.observe_draft(0.02)
     board.observe_draft(0.04)
-    assert board.extras() == (0.03, 0.0)
+    assert extras(board) == (0.03, 0.0)
     board.observe_verify(-0.01)  # faster than the model: no negative extra (the draft extra decays)
-    assert board.extras() == (0.03 * (1 - 0.5 / 16), 0.0)
+    assert extras(board) == (0.03 * (1 - 0.5 / 16), 0.0)
     b = budget(board)
     p = AUTO_LARGEST
     b.observe_draft(p, 4, b.costs.draft_seconds(p, 4) + 0.07)  # the excess over the model is observed
-    assert abs(board.extras()[0] - (0.03 * (1 - 0.5 / 16) + 0.07) / 2) < 1e-9
+    assert abs(extras(board)[0] - (0.03 * (1 - 0.5 / 16) + 0.07) / 2) < 1e-9
     plan = b.plan(b.new_stats(), key="me")
     b.observe_verify(plan, plan.verify_s + 0.01)
-    assert abs(board.extras()[1] - 0.005) < 1e-9
-    assert board.others("x").draft_extra == board.extras()[0]
+    assert abs(extras(board)[1] - 0.005) < 1e-9
     # rounds without drafts forget the draft extra slowly (alpha / 16 per verify call)
-    before = board.extras()[0]
+    before = extras(board)[0]
     for _ in range(32):
         board.observe_verify(0.0)
-    assert abs(board.extras()[0] - before * (1 - 0.5 / 16) ** 32) < 1e-12
+    assert abs(extras(board)[0] - before * (1 - 0.5 / 16) ** 32) < 1e-12
 
 
 def test_an_unchanged_round_reuses_the_choice_and_a_changed_one_does_not() -> None:

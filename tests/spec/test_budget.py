@@ -174,12 +174,59 @@ def test_dynamic_depth_stops_expansion_and_drops_unlikely_nodes():
     assert tree.size == 2 and tree.tokens[1] == full.tokens[1], "one draft node is always kept"
     below = TreeParams(3, 4, 20, stop_logprob=best - 1e-4)  # only the best first-level node pays
     cand = expand(head, cache, last, below)
-    assert cand.scores.shape[0] == 3 + 9, "the best node was expanded, its children fall below: stop"
+    assert cand.scores.shape[0] == 3 + 3, "only the best node's branch was expanded, its children fall below: stop"
     assert rerank(cand, 7, below, False).size == 2
     assert cache.length == 6
     # -inf = the plain EAGLE-2 tree
     same = grow_tree(head, head.new_cache(100), feats, toks, TreeParams(3, 4, 20), False)
     assert torch.equal(same.tokens[1:], full.tokens[1:])
+
+
+def test_dynamic_depth_prunes_branches_and_keeps_the_tree_that_dropping_afterwards_gives():
+    """Per branch: only frontier nodes at or above the stop feed the next head step. The tree is the
+    one that expanding every branch to the same depth and then dropping the nodes below the stop
+    gives (a pruned node's children score lower still), with fewer head rows."""
+    import services.spec.tree as tree_mod
+
+    head = random_head()
+    g = torch.Generator().manual_seed(5)
+    rows_fed = []
+    forward = head.forward_batch
+
+    def counting(features, *args, **kwargs):
+        rows_fed.append(int(features.shape[0]))
+        return forward(features, *args, **kwargs)
+
+    head.forward_batch = counting
+    fewer = 0
+    for trial in range(12):
+        feats, toks = torch.randn(5, 32, generator=g), torch.randint(0, 50, (5,), generator=g)
+        cache = head.new_cache(100)
+        last = extend(head, cache, feats, toks)
+        base = TreeParams(4, 4, 30)
+        scores = expand(head, cache, last, base).scores
+        # a stop between two candidates' scores (well away from both: fewer rows per head step round
+        # differently in the last bits), cutting inside levels
+        ranked = scores.sort(descending=True).values
+        j = [3, 6, 10, 16][trial % 4]
+        while float(ranked[j] - ranked[j + 1]) < 1e-3:
+            j += 1
+        stop = float(ranked[j] + ranked[j + 1]) / 2
+        pruned = TreeParams(4, 4, 30, stop_logprob=stop)
+        rows_fed.clear()
+        cand = tree_mod.expand(head, cache, last, pruned)
+        pruned_rows, levels = sum(rows_fed), len(rows_fed)
+        got = rerank(cand, 7, pruned, False)
+        rows_fed.clear()
+        full = tree_mod.expand(head, cache, last, TreeParams(4, levels, 30))  # every branch, same levels
+        assert sum(rows_fed) == 4 * levels
+        want = rerank(full, 7, pruned, False)
+        for name in ("tokens", "parents", "depths", "mask", "paths"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
+        assert torch.allclose(got.scores, want.scores, atol=1e-5)
+        assert pruned_rows <= 4 * levels and cache.length == 5
+        fewer += pruned_rows < 4 * levels
+    assert fewer >= 6, "the stop prunes branches inside a level, not only whole levels"
 
 
 def test_bad_inputs_are_named():

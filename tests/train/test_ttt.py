@@ -81,12 +81,18 @@ def test_pipeline_writes_eagle3_head_with_draft_vocab_that_loads(tmp_path):
              for _ in range(16)]
     datagen.run(tmp_path / "data", specs, hf, tok, max_tokens=10_000, batch=8, max_new_tokens=24,
                 max_prompt_tokens=64)
+    rows = [{"question_id": i, "category": "qa", "turns": [specs[i].text]} for i in range(2)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = pipeline.build_parser().parse_args([
         "--data", str(tmp_path / "data"), "--dev-data", str(tmp_path / "data"), "--out", str(tmp_path / "head"),
         "--target", str(model_dir), "--kind", "eagle3", "--draft-vocab", "48", "--steps", "6",
-        "--batch-size", "2", "--eval-every", "3", "--eval-depth", "2"])
+        "--batch-size", "2", "--eval-every", "3", "--eval-depth", "2",
+        "--tau-prompts", str(tmp_path / "prompts.jsonl"), "--tau-tokens", "8"])
     report = pipeline.run(args)
     out = tmp_path / "head"
+    # tau with the cost-model budget: the saved head served by aerie's engine, token-exact
+    assert json.loads((out / "report.json").read_text()) == report
+    assert report["tau"]["prompts"] == 1 and report["tau"]["exact_match"] == 1.0 and report["tau"]["tau"] >= 1.0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 48
     from safetensors import safe_open
@@ -129,3 +135,42 @@ def test_evaluate_scores_a_head_restricted_to_a_draft_vocabulary_as_served(tmp_p
     assert restricted["top1"][0] >= full["top1"][0] > 0.3
     head.restrict_vocab(counts, 1)  # one token: most answers are outside it, so agreement collapses
     assert evaluate(head, held, depth=2)["top1"][0] < full["top1"][0] / 2
+
+
+def test_evaluate_per_category_splits_the_dev_answers_by_their_prompt_file(tmp_path, capsys):
+    """`evaluate --categories`: each sample goes to its prompt's category (by the first turn, as datagen
+    --prompts reads it), so the categories' token counts add up to the whole; a sample whose prompt is
+    not in the file is left out."""
+    from services.model.head_checkpoint import save_head
+    from services.train import datagen
+    from services.train import evaluate as ev
+    from services.train.prompt_source import PromptSpec
+    from services.train.shards import list_shards, written_prompt_ids
+    from transformers import AutoTokenizer
+
+    hf = tiny_hf("llama", layers=8, seed=6)  # datagen records the EAGLE-3 taps too
+    model_dir = tmp_path / "model"
+    hf.save_pretrained(str(model_dir))
+    save_tiny_tokenizer(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = [" ".join(f"t{3 + (7 * i + j) % 120}" for j in range(5)) for i in range(6)]
+    rows = [{"question_id": i, "category": ["qa", "rag", "qa"][i % 3], "turns": [t, "follow-up"]}
+            for i, t in enumerate(texts[:5])]  # the sixth prompt is not in the file
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    datagen.run(tmp_path / "data", [PromptSpec(t, "file") for t in texts], hf, tok, max_tokens=10_000, batch=4,
+                max_new_tokens=12, max_prompt_tokens=64)
+    ids = written_prompt_ids(list_shards(tmp_path / "data"))
+    assert sorted(ids) == sorted(datagen.prompt_id(t) for t in texts)
+    groups = ev.categories(str(tmp_path / "dev.jsonl"), ids)
+    assert {c: len(v) for c, v in groups.items()} == {"qa": 3, "rag": 2}
+    assert ids[groups["rag"][0]] in {datagen.prompt_id(texts[1]), datagen.prompt_id(texts[4])}
+    save_head(fresh(to_native(hf)), tmp_path / "head")
+    assert ev.main(["--head", str(tmp_path / "head"), "--data", str(tmp_path / "data"), "--target",
+                    str(model_dir), "--depth", "2", "--categories", str(tmp_path / "dev.jsonl")]) == 0
+    row = json.loads(capsys.readouterr().out)
+    per = row["categories"]
+    assert set(per) == {"qa", "rag"} and all(len(v["top1"]) == 2 for v in per.values())
+    assert 0 < per["qa"]["tokens"] + per["rag"]["tokens"] < row["tokens"]  # the sixth prompt's tokens
+    with pytest.raises(Exception, match="--categories needs --split all"):
+        ev.main(["--head", str(tmp_path / "head"), "--data", str(tmp_path / "data"), "--split", "heldout",
+                 "--categories", str(tmp_path / "dev.jsonl")])

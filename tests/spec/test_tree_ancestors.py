@@ -1,8 +1,9 @@
-"""`ancestor_mask` (no per-node Python loop) equals the per-node definition on random trees."""
+"""`ancestors` (one pass over parent chains) equals the per-node definition of the ancestor mask, and
+its depths are the mask's row sums minus one, on random, chain and star trees."""
 
 import torch
 
-from services.spec.tree import ancestor_mask
+from services.spec.tree import ancestors
 
 
 def reference_mask(parents: list[int]) -> torch.Tensor:
@@ -14,7 +15,7 @@ def reference_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def test_ancestor_mask_equals_the_per_node_loop():
+def test_ancestors_equal_the_per_node_loop():
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 3, 7, 16, 60, 200):
         for shape in ("random", "chain", "star"):
@@ -24,5 +25,7 @@ def test_ancestor_mask_equals_the_per_node_loop():
                 parents = [-1] + [0] * (n - 1)
             else:
                 parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            got = ancestor_mask(torch.tensor(parents))
-            assert torch.equal(got, reference_mask(parents)), (n, shape)
+            depths, got = ancestors(parents)
+            want = reference_mask(parents)
+            assert torch.equal(got, want), (n, shape)
+            assert torch.equal(depths, want.sum(dim=1) - 1), (n, shape)
