@@ -32,6 +32,8 @@ def register(sub) -> None:
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (question_id, category, turns); required")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
+    p.add_argument("--categories", default=None,
+                   help="comma list of categories to run, e.g. summarization,rag (default: all of the file's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--methods", default=None,
                    help="comma list of hf,native,eagle,sam,eagle+sam,pipeline (default: hf,native,eagle,sam,"
@@ -101,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                recalibrate=args.recalibrate, device=device(args))
     if local.engine.drafter is None and ({"eagle", "eagle+sam"} & set(methods) or args.sweep):
         raise InvalidRequest("methods 'eagle' and 'eagle+sam' need a draft head: pass --draft DIR")
-    prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
+    prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category, categories(args))
     engine = local.engine
     e = engine
     plain = Engine(e.verifier, None, e.max_context, e.vocab_size, e.eos_token_ids)
@@ -155,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = summarize(runs, prompts)
     result["config"] = {"target": local.target_path, "draft": local.draft_path, "dtype": dtype(args),
                         "device": device(args), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-                        "limit": args.limit, "per_category": args.per_category,
+                        "limit": args.limit, "per_category": args.per_category, "categories": list(categories(args)),
                         "torch_threads": __import__("torch").get_num_threads(),
                         "tree": "auto" if tree is None else [tree.total_tokens, tree.depth, tree.top_k],
                         "cost_model": e.budget.costs.to_dict()}
@@ -186,6 +188,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def categories(args: argparse.Namespace) -> tuple[str, ...]:
+    """--categories as a tuple (empty: every category)."""
+    return tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
+
+
 def _concurrency_only(args: argparse.Namespace) -> int:
     """`--concurrency` without --methods: only the sweep through the services."""
     import torch
@@ -195,7 +202,7 @@ def _concurrency_only(args: argparse.Namespace) -> int:
     from services.engine.local import build_local_engine
 
     tokenizer = build_local_engine(args.target, "none", dtype(args)).tokenizer  # the target's own
-    prompts = load_prompts(args.prompts, tokenizer, args.limit, args.per_category)
+    prompts = load_prompts(args.prompts, tokenizer, args.limit, args.per_category, categories(args))
     result = {"config": {"target": args.target, "draft": args.draft, "dtype": dtype(args),
                          "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "limit": args.limit,
                          "per_category": args.per_category, "torch_threads": torch.get_num_threads()}}

@@ -1,22 +1,25 @@
 """Cost-model view of issue 9's goals: the budget's best predicted speed-up over plain decoding for a
 per-depth acceptance a (all depths), alone and with a 16-token retrieved chain of acceptance s, from
-the cost curves the last calibration cached (one thread count).
+the cost curves the newest calibration cached (one thread count; the draft curve of the head whose
+directory path contains HEAD, if given).
 
-    python bench/budget_goals.py ~/.cache/aerie/costs 1     # the curves measured with 1 torch thread
+    python bench/budget_goals.py ~/.cache/aerie/costs 1 [HEAD]   # the curves measured with 1 torch thread
 """
-import glob, json, sys
+import glob, json, os, sys
 from services.spec.budget import CostCurve, CostModel, build_budget, prior_stats, MAX_LEVELS
 
-curves = {}
+curves, used = {}, {}
 threads = sys.argv[2] if len(sys.argv) > 2 else "1"
-for f in glob.glob(sys.argv[1] + "/*.json"):
+head = sys.argv[3] if len(sys.argv) > 3 else ""
+for f in sorted(glob.glob(sys.argv[1] + "/*.json"), key=os.path.getmtime, reverse=True):  # newest first
     d = json.load(open(f))
-    if not d["key"].endswith(f"threads={threads}"):
+    fields = d["key"].split("|")
+    role = fields[1]
+    if f"threads={threads}" not in fields or role in curves or (role == "draft" and head not in d["key"]):
         continue
-    version, role = d["key"].split("|")[:2]
-    if role not in curves or version > curves[role][0]:  # the newest calibration per role
-        curves[role] = (version, d["costs"])
-curves = {role: c for role, (_, c) in curves.items()}
+    curves[role], used[role] = d["costs"], d["key"]
+for role, key in sorted(used.items()):
+    print(f"{role}: {key}")
 costs = CostModel(CostCurve.from_dict(curves["verify"]), CostCurve.from_dict(curves["draft"]["head"]),
                   CostCurve.from_dict(curves["draft"]["logits"]))
 b = build_budget(costs, None, None, True, True)

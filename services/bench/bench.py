@@ -25,7 +25,7 @@ It does not print or plot: `report.py` does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,23 +162,33 @@ class Summary:
         }
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int = 0, per_category: int = 0) -> list[Prompt]:
+def load_prompts(path: str | Path, tokenizer, limit: int = 0, per_category: int = 0,
+                 categories: Sequence[str] = ()) -> list[Prompt]:
     """Spec-Bench JSONL: question_id, category, turns (first turn, chat template applied).
-    `per_category` keeps the first N of each category (the file is ordered by category)."""
+    `per_category` keeps the first N of each category (the file is ordered by category);
+    `categories` (empty = all) keeps only those categories, each of which must occur in the file."""
     from services.train.data import chat_ids, read_jsonl
 
     out = []
+    seen: set[str] = set()
     for i, row in read_jsonl(path):
         try:
             text = row["turns"][0]
         except (KeyError, IndexError, TypeError):
             raise InvalidRequest(f"{path}:{i} is not a Spec-Bench row (question_id, category, turns)") from None
         category = str(row.get("category", "all"))
+        seen.add(category)
+        if categories and category not in categories:
+            continue
         if per_category and sum(p.category == category for p in out) >= per_category:
             continue
         out.append(Prompt(str(row.get("question_id", i)), category, tuple(chat_ids(tokenizer, text))))
         if limit and len(out) >= limit:
             break
+    missing = sorted(set(categories) - seen) if not limit or len(out) < limit else []
+    if missing:
+        raise InvalidRequest(f"prompt file {path} has no category {', '.join(map(repr, missing))}; "
+                             f"it has {', '.join(sorted(seen))}")
     if not out:
         raise InvalidRequest(f"prompt file {path} has no prompts")
     return out

@@ -51,8 +51,10 @@ def measure(head_dir: str | Path, prompts: str | Path, target: str | None = None
         return {k: r[k] for k in ("prompts", "tau", "tau_drafted", "eagle_round_share", "vs_plain",
                                   "exact_match")}
 
+    import torch
+
     return {"prompts": str(prompts), "per_category": per_category, "limit": limit,
-            "max_new_tokens": max_new_tokens, "target_dtype": "fp32",
+            "max_new_tokens": max_new_tokens, "target_dtype": "fp32", "torch_threads": torch.get_num_threads(),
             "budget": "auto (cost model)" if tree is None else f"fixed {tree.total_tokens}/{tree.depth}/{tree.top_k}",
             **row(s["methods"]["eagle"]),
             "categories": {c: row(ms["eagle"]) for c, ms in s["categories"].items()}}

@@ -194,3 +194,22 @@ def test_metric_delta_reads_one_sample_of_two_scrapes():
     sample = 'aerie_detached_rounds_total{service="coordinator"}'
     assert metric_delta("", f"{sample} 7.0\n", sample) == 7.0  # absent before: never incremented
     assert metric_delta(f"{sample} 3.0", f"# HELP x\n{sample} 10.0", sample) == 7.0
+
+
+def test_bench_categories_picks_those_and_names_one_the_file_lacks(setup, capsys):
+    from services.bench.bench import load_prompts
+    from services.errors import InvalidRequest
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(setup / "target"))
+    got = load_prompts(setup / "prompts.jsonl", tok, categories=("math",))
+    assert [p.category for p in got] == ["math", "math"] and [p.question_id for p in got] == ["1", "3"]
+    assert len(load_prompts(setup / "prompts.jsonl", tok, per_category=1, categories=("math", "writing"))) == 2
+    with pytest.raises(InvalidRequest, match=r"has no category 'rag'; it has math, writing"):
+        load_prompts(setup / "prompts.jsonl", tok, categories=("math", "rag"))
+    code = main(["bench", "--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl"),
+                 "--categories", "writing", "--methods", "hf,native", "--max-new-tokens", "4",
+                 "--json-out", str(setup / "cat.json")])
+    assert code == 0
+    res = json.loads((setup / "cat.json").read_text())
+    assert set(res["categories"]) == {"writing"} and res["config"]["categories"] == ["writing"]
