@@ -107,3 +107,20 @@ def save_tiny_tokenizer(path, eos: str = "t2") -> None:
 def tiny_text(seed: int, n: int) -> str:
     g = torch.Generator().manual_seed(seed)
     return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=g))
+
+
+def save_bench_dirs(pair, root):
+    """The tiny (hf, native, head) pair as `root/target` (with the word-level tokenizer, eos "t127"),
+    `root/head`, and `root/prompts.jsonl`: four Spec-Bench rows, categories writing and math."""
+    import json
+
+    from services.model.head_checkpoint import save_head
+
+    hf, _, head = pair
+    hf.save_pretrained(root / "target")
+    save_tiny_tokenizer(root / "target", eos="t127")
+    save_head(head, root / "head")
+    rows = [{"question_id": i, "category": ["writing", "math"][i % 2], "turns": [tiny_text(i, 6), "x"]}
+            for i in range(4)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root

@@ -5,22 +5,13 @@ import json
 import pytest
 
 from aerie_cli.main import main
-from services.model.head_checkpoint import save_head
-from tests.helpers import save_tiny_tokenizer, tiny_text
+from tests.helpers import save_bench_dirs
 from tests.pipeline import redis_url  # noqa: F401  (a real Redis for the pipeline method)
 
 
 @pytest.fixture(scope="module")
 def setup(llama_pair, tmp_path_factory):
-    hf, _, head = llama_pair
-    root = tmp_path_factory.mktemp("bench")
-    hf.save_pretrained(root / "target")
-    save_tiny_tokenizer(root / "target", eos="t127")
-    save_head(head, root / "head")
-    rows = [{"question_id": i, "category": ["writing", "math"][i % 2], "turns": [tiny_text(i, 6), "x"]}
-            for i in range(4)]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return save_bench_dirs(llama_pair, tmp_path_factory.mktemp("bench"))
 
 
 def test_bench_fp32_exact_and_reports(setup, capsys):

@@ -5,21 +5,13 @@ import json
 
 import pytest
 
-from services.model.head_checkpoint import save_head
 from services.train import tau
-from tests.helpers import save_tiny_tokenizer, tiny_text
+from tests.helpers import save_bench_dirs
 
 
 @pytest.fixture(scope="module")
 def dirs(llama_pair, tmp_path_factory):
-    hf, _, head = llama_pair
-    root = tmp_path_factory.mktemp("tau")
-    hf.save_pretrained(root / "target")
-    save_tiny_tokenizer(root / "target", eos="t127")
-    save_head(head, root / "head")
-    rows = [{"question_id": i, "category": ["writing", "math"][i % 2], "turns": [tiny_text(i, 6)]} for i in range(4)]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return save_bench_dirs(llama_pair, tmp_path_factory.mktemp("tau"))
 
 
 def test_tau_of_a_distilled_head_through_the_engine_is_written_into_its_report(dirs, capsys):
