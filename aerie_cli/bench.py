@@ -205,7 +205,8 @@ def _concurrency_only(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, tokenizer, args.limit, args.per_category, categories(args))
     result = {"config": {"target": args.target, "draft": args.draft, "dtype": dtype(args),
                          "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "limit": args.limit,
-                         "per_category": args.per_category, "torch_threads": torch.get_num_threads()}}
+                         "per_category": args.per_category, "categories": list(categories(args)),
+                         "torch_threads": torch.get_num_threads()}}
     result.update(run_concurrency(args, prompts))
     if args.json_out:
         with open(args.json_out, "w") as f:
