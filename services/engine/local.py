@@ -69,6 +69,22 @@ def resolve_draft(draft: str | None, target: str | None) -> str | None:
     return draft
 
 
+def checkpoint_shape_id(path: str | Path) -> str:
+    """What a head's cost depends on, as a short hash: its config.json and the name and size of each
+    weight file. A head replaced in place by one of another shape (EAGLE-2 by EAGLE-3, another dtype)
+    gets its own calibration; new weights of the same shape, or a new report.json, keep the cached one."""
+    import hashlib
+
+    h = hashlib.sha1()
+    root = Path(path)
+    for f in sorted(root.iterdir()) if root.is_dir() else [root]:
+        if f.name == "config.json":
+            h.update(f.read_bytes())
+        elif f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".pth"):
+            h.update(f"{f.name}:{f.stat().st_size};".encode())
+    return h.hexdigest()[:12]
+
+
 def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
                        tree: TreeParams | None = None, draft_vocab: int | None = None,
                        draft_dtype: str | None = None, *, recalibrate: bool = False,
@@ -108,7 +124,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
         model_id = f"{loaded.path}|{dtype}"
         costs = CostModel(target_costs(model, model_id, recalibrate))
         if head is not None:
-            head_id = f"{model_id}|{draft_path}|vocab={draft_vocab}|{draft_dtype}"
+            head_id = f"{model_id}|{draft_path}|{checkpoint_shape_id(draft_path)}|vocab={draft_vocab}|{draft_dtype}"
             costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)
     verifier = Verifier(model, feature_kind)

@@ -290,3 +290,22 @@ def test_time_calls_takes_the_fastest_and_is_made_non_decreasing():
 
     curve = B.time_calls(lambda r: _t.sleep(delays[r].pop()), (1, 2, 4), repeats=5)
     assert curve.seconds[1] >= 0.004 and curve.seconds[2] == curve.seconds[1]
+
+
+def test_a_head_replaced_in_place_by_another_shape_gets_its_own_calibration(tmp_path, llama_pair, eagle3_pair):
+    """The head's cost key names its shape (config and weight-file sizes), not only its path: the
+    default head's directory held an EAGLE-2 head and now holds an EAGLE-3 one."""
+    import shutil
+
+    from services.engine.local import checkpoint_shape_id
+    from services.model.head_checkpoint import save_head
+
+    save_head(llama_pair[2], tmp_path / "a")
+    save_head(eagle3_pair[2], tmp_path / "b")
+    before = checkpoint_shape_id(tmp_path / "a")
+    (tmp_path / "a" / "report.json").write_text('{"top1_agreement": 0.5}')
+    assert checkpoint_shape_id(tmp_path / "a") == before  # a report does not change the cost
+    shutil.rmtree(tmp_path / "a")
+    shutil.copytree(tmp_path / "b", tmp_path / "a")
+    assert checkpoint_shape_id(tmp_path / "a") != before
+    assert checkpoint_shape_id(tmp_path / "a") == checkpoint_shape_id(tmp_path / "b")
