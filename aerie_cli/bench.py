@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category, categories(args))
     engine = local.engine
     e = engine
-    plain = Engine(e.verifier, None, e.max_context, e.vocab_size, e.eos_token_ids)
+    plain = e.plain()
     with_chain = replace(e.budget, chain_limit=CHAIN_LIMIT)
     retrieval = {
         "sam": Engine(e.verifier, None, e.max_context, e.vocab_size, e.eos_token_ids, with_chain, retrieval=True),

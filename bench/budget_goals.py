@@ -3,7 +3,8 @@ per-depth acceptance a (all depths), alone and with a 16-token retrieved chain o
 the cost curves the newest calibration cached (one thread count; the draft curve of the head whose
 directory path contains HEAD, if given).
 
-    python bench/budget_goals.py ~/.cache/aerie/costs 1 [HEAD]   # the curves measured with 1 torch thread
+    python bench/budget_goals.py ~/.cache/aerie/costs 1 ['smollm2-135m-eagle|']   # 1 torch thread; HEAD ends
+                                                                  # with '|' to match one directory exactly
 """
 import glob, json, os, sys
 from services.spec.budget import CostCurve, CostModel, build_budget, prior_stats, MAX_LEVELS

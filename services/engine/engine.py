@@ -141,6 +141,10 @@ class Engine:
                                  f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
                                  f"tokens={drafter.tree.total_tokens})")
 
+    def plain(self) -> "Engine":
+        """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""
+        return Engine(self.verifier, None, self.max_context, self.vocab_size, self.eos_token_ids)
+
     @property
     def speculates(self) -> bool:
         return self.drafter is not None or self.retrieval

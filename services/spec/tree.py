@@ -305,7 +305,7 @@ def build_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor
 def ancestors(parents: list[int], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """parents [N] (-1 for the root; parents precede children) -> (depths [N] long, mask [N, N] bool),
     mask[i, j] = j is i or an ancestor of i. One pass: a node's ancestors are its parent's plus itself
-    (O(N x depth) list work, then one scatter: 18 us for 8 nodes, 170 us for 60 on this CPU).
+    (O(N x depth) list work, then one scatter onto `device`).
     Example: parents [-1, 0, 0, 1] -> depths [0, 1, 1, 2]; mask row 3 = [1, 1, 0, 1]."""
     n = len(parents)
     depth = [0] * n

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.model.head_checkpoint import load_head
     from services.model.loading import find_default_gguf, load_target
     from services.train.shards import list_shards, load_samples, written_prompt_ids
-    from services.train.trainer import evaluate
+    from services.train.trainer import evaluate_groups
 
     if args.categories and args.split != "all":
         raise InvalidRequest(f"--categories needs --split all; got {args.split!r}")
@@ -52,10 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.limit:
                 cache[kind] = cache[kind][: args.limit]
         samples = cache[kind]
-        row = {"head": d, **evaluate(head, samples, args.depth)}
-        if groups:
-            row["categories"] = {c: evaluate(head, [samples[i] for i in idx if i < len(samples)], args.depth)
-                                 for c, idx in groups.items()}
+        within = {c: [i for i in idx if i < len(samples)] for c, idx in groups.items()}
+        whole, per = evaluate_groups(head, samples, within, args.depth)
+        row = {"head": d, **whole, **({"categories": per} if groups else {})}
         print(json.dumps(row), flush=True)
     return 0
 

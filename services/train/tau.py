@@ -30,14 +30,13 @@ def measure(head_dir: str | Path, prompts: str | Path, target: str | None = None
             limit: int = 0, max_new_tokens: int = 48, tree: "TreeParams | None" = None) -> dict:
     """`tree` None: the auto budget, as served; a TreeParams: that fixed shape in every round."""
     from services.bench.bench import load_prompts, run_engine, summarize
-    from services.engine.engine import Engine
     from services.engine.local import build_local_engine
 
     if max_new_tokens < 1:
         raise InvalidRequest(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     local = build_local_engine(target, str(head_dir), tree=tree)
     e = local.engine
-    plain = Engine(e.verifier, None, e.max_context, e.vocab_size, e.eos_token_ids)
+    plain = e.plain()
     ps = load_prompts(prompts, local.tokenizer, limit, per_category)
     run_engine(plain, ps[0], 4)  # first-call allocations and kernel choice, for both
     run_engine(e, ps[0], 4)

@@ -153,22 +153,34 @@ def agreement(head: DraftHead, samples: list[Sample]) -> float:
     return hits / max(total, 1.0)
 
 
-@torch.no_grad()
 def evaluate(head: DraftHead, samples: list[Sample], depth: int = 4, topk: int = 4,
              vocab: VocabSubset | None = None) -> dict:
     """Teacher-forced agreement per draft position 1..depth on answer tokens: position k feeds the
     head its own outputs for k-1 steps with the target's tokens (an accepted chain), as inference
     does. Returns {"top1": [depth], f"top{topk}": [depth], "tokens": answer tokens scored}."""
+    return evaluate_groups(head, samples, {}, depth, topk, vocab)[0]
+
+
+@torch.no_grad()
+def evaluate_groups(head: DraftHead, samples: list[Sample], groups: dict[str, list[int]], depth: int = 4,
+                    topk: int = 4, vocab: VocabSubset | None = None) -> tuple[dict, dict[str, dict]]:
+    """`evaluate` of all samples and of each group (indices into `samples`), every sample scored once."""
     was_training = head.training
     head.eval()
-    stats: list[StepStats] = []
+    per_sample: list[list[StepStats]] = []
     for s in samples:
-        head_loss(head, s, steps=depth, vocab=vocab, topk=topk, stats=stats)
+        per_sample.append([])
+        head_loss(head, s, steps=depth, vocab=vocab, topk=topk, stats=per_sample[-1])
     head.train(was_training)
-    if not stats:
-        return {"top1": [0.0] * depth, f"top{topk}": [0.0] * depth, "tokens": 0}
-    rows = sum(st.rows for st in stats)
-    top1 = sum(st.top1 for st in stats) / rows.clamp(min=1)
-    topk_ = sum(st.topk for st in stats) / rows.clamp(min=1)
-    return {"top1": [round(float(x), 4) for x in top1], f"top{topk}": [round(float(x), 4) for x in topk_],
-            "tokens": int(rows[0]) if len(stats) else 0}
+
+    def summary(stats: list[StepStats]) -> dict:
+        if not stats:
+            return {"top1": [0.0] * depth, f"top{topk}": [0.0] * depth, "tokens": 0}
+        rows = sum(st.rows for st in stats)
+        top1 = sum(st.top1 for st in stats) / rows.clamp(min=1)
+        topk_ = sum(st.topk for st in stats) / rows.clamp(min=1)
+        return {"top1": [round(float(x), 4) for x in top1], f"top{topk}": [round(float(x), 4) for x in topk_],
+                "tokens": int(rows[0])}
+
+    every = [st for stats in per_sample for st in stats]
+    return summary(every), {g: summary([st for i in idx for st in per_sample[i]]) for g, idx in groups.items()}
