@@ -202,6 +202,10 @@ class SequencePlacement:
             self._kept += 1
         return out
 
+    def take_logprobs(self, seq_id: str):
+        """The current verifier's log-probabilities of the latest call's tokens (RemoteVerifier)."""
+        return self._rv.take_logprobs(seq_id)
+
     def _on_verifier(self, call):
         while True:
             try:
@@ -402,6 +406,9 @@ class _VerifierSide:
 
     def decode(self, seq_id, token, round_index, keep_features=False):
         return self._p.decode(seq_id, token, round_index, keep_features)
+
+    def take_logprobs(self, seq_id):
+        return self._p.take_logprobs(seq_id)
 
     def release(self, seq_id):
         self._p.release()

@@ -89,8 +89,7 @@ class SequenceRun:
                 if self.round_base is not None:
                     if step.stats.index == 0:
                         continue  # a take-over: the rebuilt state's first token is committed already
-                    step = StepOutput(step.tokens, replace(step.stats, index=step.stats.index + self.round_base),
-                                      step.finish_reason)
+                    step = replace(step, stats=replace(step.stats, index=step.stats.index + self.round_base))
                 t0 = time.perf_counter()
                 with self.spans.phase(step.stats.index, "commit"):
                     result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason,
@@ -100,7 +99,7 @@ class SequenceRun:
                 _observe(step, commit_s)
                 if step.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
                     self.store.finish(self.seq_id, "cancelled", "cancel")
-                    step = StepOutput(step.tokens, step.stats, "cancel")
+                    step = replace(step, finish_reason="cancel")
                 self.emit(Committed(step, commit_s))
                 if step.finish_reason is not None:
                     return

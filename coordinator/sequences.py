@@ -102,7 +102,8 @@ class Sequences:
             self.store.create(SequenceRecord(
                 sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
                 params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                        "top_k": s.top_k, "stop_token_ids": list(request.stop_token_ids),
+                        "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
+                        "logprobs": s.logprobs, "stop_token_ids": list(request.stop_token_ids),
                         "ignore_eos": request.ignore_eos, **(text or {})},
                 drafter=drafter_address, verifier=verifier_address, owner=self.owner, client=client))
         except BaseException:
@@ -164,7 +165,8 @@ class Sequences:
             resumed = bool(state.tokens)  # else it died before its prefill was committed: start over
             request = GenerationRequest(
                 tuple(state.prompt_ids) + tuple(state.tokens[:-1]), p["max_new_tokens"] - max(len(state.tokens) - 1, 0),
-                SamplingParams(p["temperature"], p["top_p"], p["top_k"], state.seed),
+                SamplingParams(p["temperature"], p["top_p"], p["top_k"], state.seed, p.get("min_p", 0.0),
+                               p.get("repetition_penalty", 1.0), p.get("logprobs")),
                 tuple(p["stop_token_ids"]), p["ignore_eos"])
             spans = RoundSpans(seq_id, None)
             placement = SequencePlacement(

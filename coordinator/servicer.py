@@ -167,7 +167,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                 request_metrics.round(step.stats, len(step.tokens))
                 response = cpb.GenerateResponse(sequence_id=admitted.run.seq_id, tokens=step.tokens,
                                                 stats=codec.encode_stats(step.stats, item.commit_s),
-                                                finish_reason=step.finish_reason or "", text=delta)
+                                                finish_reason=step.finish_reason or "", text=delta,
+                                                logprobs=codec.encode_logprobs(step.logprobs))
                 if first:
                     response.info.CopyFrom(admitted.info)
                     response.info.target, response.info.draft = public_name(response.info.target), \

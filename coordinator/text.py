@@ -16,6 +16,7 @@ deltas. Both are deterministic, so they agree on where the text ends.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,8 @@ class StopStringEngine:
             for step in steps:
                 _text, cut = stream.push(step.tokens)
                 if cut is not None:
-                    yield StepOutput(step.tokens[:cut + 1], step.stats, "stop")
+                    yield replace(step, tokens=step.tokens[:cut + 1], finish_reason="stop",
+                                  logprobs=step.logprobs.head(cut + 1) if step.logprobs is not None else None)
                     return
                 yield step
                 if step.finish_reason is not None:

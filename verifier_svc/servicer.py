@@ -108,8 +108,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
         result = await timed(PREFILL_SECONDS.labels(SERVICE), self._prefill(
             PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
+        logprobs = codec.encode_logprobs(self.verifier.take_logprobs(seq_id))  # None unless asked for
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
-            yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
+            yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk,
+                                              logprobs=logprobs if i == 0 else None)
 
     async def _prefill(self, call: PrefillCall) -> PrefillResult:
         """The whole prompt in one forward, or (--prefill-chunk C) in chunks of C tokens, each its own
@@ -231,10 +233,13 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             self.idle.touch(call.seq_id)
             SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
             return out
+        logprobs = codec.encode_logprobs(self.verifier.take_logprobs(call.seq_id))  # None unless asked for
         if isinstance(call, VerifyCall):
             response = codec.encode_verify_result(out)
+            if logprobs is not None:
+                response.logprobs.CopyFrom(logprobs)
         else:
-            response = vpb.DecodeResponse(token=out)
+            response = vpb.DecodeResponse(token=out, logprobs=logprobs)
         self._last[call.seq_id] = (call.round_index, response)
         return response
 

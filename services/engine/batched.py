@@ -39,6 +39,10 @@ class BatchedVerifier:
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         return self.batcher.call(DecodeCall(seq_id, token, round_index, keep_features))
 
+    def take_logprobs(self, seq_id: str):
+        """Verifier.take_logprobs (one call of a sequence is in flight at a time)."""
+        return self.inner.take_logprobs(seq_id)
+
     def release(self, seq_id: str) -> None:
         self.batcher.run(self.inner.release, seq_id)
 

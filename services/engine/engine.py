@@ -43,6 +43,7 @@ from services.errors import InvalidRequest
 from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, observe,
                                   observe_realized)
 from services.spec.sam import SuffixIndex
+from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
 
@@ -79,6 +80,7 @@ class StepOutput:
     tokens: list[int]  # newly committed tokens, stop-truncated
     stats: RoundStats
     finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
+    logprobs: TokenLogprobs | None = None  # of `tokens` (n = len(tokens)), when sampling.logprobs is set
 
 
 def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: frozenset[int]
@@ -213,7 +215,7 @@ class Engine:
                 seq.index.extend([pre.first_token])
             draft = self._draft(seq_id, seq, pre.first_token)
         produced += len(new)
-        yield StepOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason)
+        yield StepOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason, self._logprobs(req, seq_id, len(new)))
         last = pre.first_token
         for index in itertools.count(1):
             if reason is not None:
@@ -246,6 +248,7 @@ class Engine:
                                    chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
                                    eagle_nodes=draft.eagle_size - 1)
             new, reason = check_stop(fresh, produced, req.max_new_tokens, stop_ids)
+            logprobs = self._logprobs(req, seq_id, len(new))
             produced += len(new)
             last = fresh[-1]
             if reason is None and draft is not None:
@@ -256,7 +259,16 @@ class Engine:
                 if seq.index is not None:
                     seq.index.extend(fresh)
                 draft = self._draft(seq_id, seq, last)
-            yield StepOutput(new, stats, reason)
+            yield StepOutput(new, stats, reason, logprobs)
+
+    def _logprobs(self, req: GenerationRequest, seq_id: str, n: int) -> TokenLogprobs | None:
+        """The target's log-probabilities of the first n tokens the verifier's latest call produced
+        (the step's tokens after the stop rules), when the request asks for them."""
+        if req.sampling.logprobs is None:
+            return None
+        lp = self.verifier.take_logprobs(seq_id)
+        assert lp is not None, "the verifier returned no logprobs for a sequence that asked for them"
+        return lp.head(n)
 
     def _draft(self, seq_id: str, seq: "_SequenceState", root: int) -> _Draft:
         """Plan the next round and build its tree: EAGLE (extending the draft KV with every pending

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from services.engine.verifier import PrefillResult, VerifyResult
+from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams
 
@@ -47,6 +48,10 @@ class VerifierRole(Protocol):
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         """Plain decoding: commit `token`, return the next one. `keep_features` (a detached drafter):
         the verifier keeps the row's features and the next `verify` returns them first."""
+
+    def take_logprobs(self, seq_id: str) -> TokenLogprobs | None:
+        """The target's log-probabilities of the tokens the latest prefill / verify / decode produced
+        (None unless the sequence's SamplingParams.logprobs is set); read once."""
 
     def release(self, seq_id: str) -> None:
         """Free the sequence's KV; unknown ids are ignored. Never raises."""

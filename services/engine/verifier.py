@@ -24,6 +24,12 @@ A sequence whose drafter is detached (the budget chose plain steps) decodes with
 `keep_features=True`: the verifier keeps each such row's features ([1, F], computed by the forward
 anyway) and the next Verify returns them in front of its own, so nothing travels per plain step and
 the drafter catches up in one draft call.
+
+Two per-sequence options act here: a repetition penalty (services/spec/penalty.py) rewrites each
+scored row's logits with that row's own context before acceptance, so greedy and sampled acceptance
+both see the target's penalised distribution; `logprobs` (services/spec/logprobs.py) keeps the
+target's log-probabilities of the tokens a call produced, read once with `take_logprobs(seq_id)`
+(the results' types stay as they are).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from services.errors import AerieError, CapacityExceeded, InvalidRequest, Sequen
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
+from services.spec.logprobs import TokenLogprobs, token_logprobs
+from services.spec.penalty import SeenTokens, penalize
 from services.spec.sampling import SamplingParams, next_token, round_generator
 from services.spec.tree import DraftTree
 from services.spec.verify import Acceptance, accept, accept_greedy_argmax
@@ -118,6 +126,7 @@ class _Sequence:
     feature_kind: str  # hidden | taps | none
     prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
     kept: list[torch.Tensor] = field(default_factory=list)  # [1, F] per Decode with keep_features
+    seen: SeenTokens | None = None  # the committed context, when the sequence has a repetition penalty
 
 
 class Verifier:
@@ -132,6 +141,12 @@ class Verifier:
         self.feature_kind = feature_kind
         self.max_sequences = max_sequences
         self._seqs: dict[str, _Sequence] = {}
+        self._logprobs: dict[str, TokenLogprobs] = {}  # the latest call's, for sequences that ask
+
+    def take_logprobs(self, seq_id: str) -> TokenLogprobs | None:
+        """The target's log-probabilities of the tokens the latest prefill / verify / decode of
+        `seq_id` produced (None unless its SamplingParams.logprobs is set); read once."""
+        return self._logprobs.pop(seq_id, None)
 
     # ---- batch 1 ---------------------------------------------------------------------------------
 
@@ -223,10 +238,13 @@ class Verifier:
     def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int]
                 ) -> list[Result]:
         # greedy: one argmax over every greedy entry's logits rows
+        seen = {j: self._seen(c, out.logits[j]) for j, c in enumerate(calls)
+                if self._sampling(c).repetition_penalty != 1.0}
+        logits = [self._penalized(c, out.logits[j], seen.get(j)) for j, c in enumerate(calls)]
         greedy = [j for j, c in enumerate(calls) if self._sampling(c).greedy]
         argmax: dict[int, torch.Tensor] = {}
         if greedy:
-            rows = [out.logits[j] for j in greedy]
+            rows = [logits[j] for j in greedy]
             flat = torch.argmax(torch.cat(rows) if len(rows) > 1 else rows[0], dim=-1)
             for j, a in zip(greedy, flat.split([r.shape[0] for r in rows])):
                 argmax[j] = a
@@ -236,10 +254,11 @@ class Verifier:
             if isinstance(call, PrefillCall):
                 slot = new_slots[index[j]]
                 self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling,
-                                                    self._kind(call), prefilling=call.more)
+                                                    self._kind(call), prefilling=call.more, seen=seen.get(j))
                 first = -1 if call.more else (int(argmax[j][-1]) if j in argmax
-                         else next_token(out.logits[j][-1], call.sampling,
+                         else next_token(logits[j][-1], call.sampling,
                                      round_generator(call.sampling.seed, 0, out.logits[j].device)))
+                self._keep_logprobs(call.seq_id, out.logits[j][-1:], [first] if first >= 0 else [])
                 results.append(PrefillResult(first, features))
                 continue
             seq = self._seqs[call.seq_id]
@@ -249,8 +268,9 @@ class Verifier:
                 if call.last:
                     seq.prefilling = False
                     first = (int(argmax[j][-1]) if j in argmax
-                             else next_token(out.logits[j][-1], seq.sampling,
+                             else next_token(logits[j][-1], seq.sampling,
                                              round_generator(seq.sampling.seed, 0, out.logits[j].device)))
+                    self._keep_logprobs(call.seq_id, out.logits[j][-1:], [first])
                 results.append(PrefillResult(first, features))
                 continue
             gen = (None if seq.sampling.greedy  # drawn on the logits' device: a CPU generator cannot draw from CUDA
@@ -259,12 +279,17 @@ class Verifier:
                 seq.length += 1
                 if call.keep_features and features.shape[0]:
                     seq.kept.append(features.clone())  # one row: not a view holding the batch's hidden
-                results.append(int(argmax[j][-1]) if j in argmax else next_token(out.logits[j][-1], seq.sampling, gen))
+                token = int(argmax[j][-1]) if j in argmax else next_token(logits[j][-1], seq.sampling, gen)
+                self._keep_logprobs(call.seq_id, out.logits[j][-1:], [token])
+                results.append(token)
                 continue
             tree = call.tree
             # greedy: the tree joins the argmax on the model's device; one host copy of the accepted path
             acc = (accept_greedy_argmax(tree, argmax[j]) if j in argmax
-                   else accept(tree, out.logits[j], seq.sampling, gen))
+                   else accept(tree, logits[j], seq.sampling, gen))
+            self._keep_logprobs(call.seq_id, out.logits[j][acc.nodes.to(out.logits[j].device)], acc.new_tokens)
+            if seq.seen is not None:
+                seq.seen.add(acc.tokens)  # the root and the accepted tokens are committed now
             self.runner.keep(seq.slot, seq.length, seq.length + acc.nodes.cpu())
             seq.length += int(acc.nodes.numel())
             features = features[acc.nodes] if features.shape[0] else features
@@ -273,6 +298,36 @@ class Verifier:
                 seq.kept.clear()
             results.append(VerifyResult(acc, features))
         return results
+
+    def _seen(self, call: Call, logits: torch.Tensor) -> SeenTokens:
+        """The committed context of a penalised sequence, with what this call commits before its
+        logits are read (the prompt, a prefill chunk, a decode step's token); a tree's own tokens
+        are added per node by `_penalized` and kept after acceptance."""
+        if isinstance(call, PrefillCall):
+            seen = SeenTokens(logits.shape[-1], logits.device)
+        else:
+            seen = self._seqs[call.seq_id].seen
+        if isinstance(call, (PrefillCall, PrefillMoreCall)):
+            seen.add(call.prompt)
+        elif isinstance(call, DecodeCall):
+            seen.add([call.token])
+        return seen
+
+    def _penalized(self, call: Call, logits: torch.Tensor, seen: SeenTokens | None) -> torch.Tensor:
+        """logits [R, V] -> the rows the acceptance reads ([R, V]; unchanged without a penalty)."""
+        if seen is None:
+            return logits
+        if isinstance(call, VerifyCall):
+            rows = seen.tree_rows(call.tree.tokens, call.tree.mask)  # [N, V]
+        else:
+            rows = seen.mask[None].expand(logits.shape[0], -1)
+        return penalize(logits, rows, self._sampling(call).repetition_penalty)
+
+    def _keep_logprobs(self, seq_id: str, logits: torch.Tensor, tokens: list[int]) -> None:
+        """logits [n, V]: the target's raw logits of the rows that produced tokens [n]."""
+        top = self._seqs[seq_id].sampling.logprobs
+        if top is not None and tokens:
+            self._logprobs[seq_id] = token_logprobs(logits, tokens, top)
 
     def _kind(self, call: Call) -> str:
         if isinstance(call, PrefillCall):
@@ -284,6 +339,7 @@ class Verifier:
 
     def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
+        self._logprobs.pop(seq_id, None)
         if seq is not None:
             self.runner.release(seq.slot)
 

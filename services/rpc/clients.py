@@ -31,6 +31,7 @@ from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import drafter_grpc
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
+from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams
 
@@ -117,6 +118,12 @@ class RemoteVerifier:
         self.phases = phases
         self.vocab_size = int(client.info().vocab_size)
         self._kept = 0  # Decode calls since the last Verify that kept their row's features there
+        self._logprobs: TokenLogprobs | None = None  # the latest call's (sampling.logprobs set)
+
+    def take_logprobs(self, seq_id: str) -> TokenLogprobs | None:
+        """The target's log-probabilities of the latest call's tokens (see Verifier.take_logprobs)."""
+        out, self._logprobs = self._logprobs, None
+        return out
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
                 rebuild: bool = False) -> PrefillResult:
@@ -133,6 +140,8 @@ class RemoteVerifier:
                 for msg in self.client.stub.Prefill(request, timeout=self.client.timeout_s):
                     if first_token is None:
                         first_token = int(msg.first_token)
+                        if msg.HasField("logprobs"):
+                            self._logprobs = codec.decode_logprobs(msg.logprobs, [first_token])
                     features.add(msg.features)
             except grpc.RpcError as e:
                 raise DownstreamError.from_rpc(e, self.client.role, self.client.address) from None
@@ -144,13 +153,18 @@ class RemoteVerifier:
             response = self.client.call(self.client.stub.Verify, request)
         result = codec.decode_verify_result(response, self.feature_kind != "none", self._kept)
         self._kept = 0
+        if response.HasField("logprobs"):
+            self._logprobs = codec.decode_logprobs(response.logprobs, result.acceptance.new_tokens)
         return result
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token,
                                     keep_features=keep_features)
         with self.phases.phase(round_index, "verify"):
-            token = int(self.client.call(self.client.stub.Decode, request).token)
+            response = self.client.call(self.client.stub.Decode, request)
+        token = int(response.token)
+        if response.HasField("logprobs"):
+            self._logprobs = codec.decode_logprobs(response.logprobs, [token])
         if keep_features and self.feature_kind != "none":
             self._kept += 1
         return token

@@ -24,6 +24,7 @@ from services.errors import InvalidRequest
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import verifier as vpb
+from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
 from services.spec.budget import CostCurve
 from services.spec.tree import DraftTree, TreeParams, ancestors
@@ -183,7 +184,11 @@ class TensorAssembler:
 
 
 def encode_sampling(p: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+    msg = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, min_p=p.min_p,
+                            repetition_penalty=p.repetition_penalty)
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
 
 
 def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
@@ -191,7 +196,30 @@ def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
     if msg.top_k > MAX_TOP_K:
         raise InvalidRequest(f"top_k must be <= {MAX_TOP_K} (0 = off); got {msg.top_k}")
     return SamplingParams(temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-                          top_k=msg.top_k, seed=msg.seed)
+                          top_k=msg.top_k, seed=msg.seed, min_p=msg.min_p,
+                          repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def encode_logprobs(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
+    if lp is None:
+        return None
+    return pb.TokenLogprobs(token_ids=lp.token_ids.tolist(), logprobs=lp.logprobs.tolist(),
+                            top=int(lp.top_ids.shape[1]), top_ids=lp.top_ids.flatten().tolist(),
+                            top_logprobs=lp.top_logprobs.flatten().tolist())
+
+
+def decode_logprobs(msg: pb.TokenLogprobs, tokens: Sequence[int]) -> TokenLogprobs:
+    """The log-probabilities of `tokens` (a response's own): InvalidRequest when they do not match."""
+    n, k = len(msg.token_ids), msg.top
+    if list(msg.token_ids) != list(tokens) or len(msg.logprobs) != n or k < 0 or \
+            len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k:
+        raise InvalidRequest(f"logprobs of {n} tokens (top {k}) do not match the {len(tokens)} tokens they "
+                             f"come with")
+    return TokenLogprobs(torch.tensor(list(msg.token_ids), dtype=torch.long),
+                         torch.tensor(list(msg.logprobs), dtype=torch.float32),
+                         torch.tensor(list(msg.top_ids), dtype=torch.long).reshape(n, k),
+                         torch.tensor(list(msg.top_logprobs), dtype=torch.float32).reshape(n, k))
 
 
 def encode_tree_params(t: TreeParams) -> pb.TreeParams:

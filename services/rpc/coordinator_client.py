@@ -98,7 +98,9 @@ class RemoteEngine:
                             s.resumed_at.append((s.address, outage.from_index))
                             outage = None
                         received += len(msg.tokens)
-                        yield StepOutput(list(msg.tokens), codec.decode_stats(msg.stats), msg.finish_reason or None)
+                        yield StepOutput(list(msg.tokens), codec.decode_stats(msg.stats), msg.finish_reason or None,
+                                         codec.decode_logprobs(msg.logprobs, msg.tokens)
+                                         if msg.HasField("logprobs") else None)
                     if outage is not None:  # a Resume stream that ended at once: the sequence had ended
                         s.resumed_at.append((s.address, outage.from_index))
                     return

@@ -1,8 +1,13 @@
 """Sampling parameters, the logits processor, and the per-round random generator.
 
 The processor matches the reference's `prepare_logits_processor` (transformers warpers in the order
-temperature -> top-p -> top-k); the same processed distribution serves acceptance and the bonus token,
-which losslessness needs (eagle.md 3.3 (c)). Draws come from a `torch.Generator` seeded by
+temperature -> top-p -> top-k), then min-p (transformers' MinPLogitsWarper; it keeps the tokens whose
+probability is at least min_p times the largest, a ratio the earlier filters do not change, so its
+place in the order does not matter); the same processed distribution serves acceptance and the bonus
+token, which losslessness needs (eagle.md 3.3 (c)). The repetition penalty depends on the context
+(services/spec/penalty.py): the verifier applies it to the target's logits of every tree node, each
+with its own context, before this processor, so acceptance still compares against the target's
+processed distribution. Draws come from a `torch.Generator` seeded by
 (sequence seed, round index), so any round can be replayed after a failure. The draft is never
 tempered: temperature only shapes the target distribution.
 """
@@ -18,6 +23,7 @@ import torch
 from services.errors import InvalidRequest
 
 GREEDY_TEMPERATURE = 1e-5  # the reference treats temperature <= 1e-5 as greedy
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit for top_logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +32,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # 0 = off
     seed: int = 0
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 = off
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context; 1 = off
+    logprobs: int | None = None  # None = off; k >= 0: the chosen token's log-probability and the top k
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -36,6 +45,12 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be >= 0 (0 = off); got {self.top_k}")
         if not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2**63); got {self.seed}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1]; got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off); got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +75,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         k = min(params.top_k, x.shape[-1])
         kth = torch.topk(x, k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -math.inf)
+    if params.min_p > 0:
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
     return x
 
 

@@ -1,6 +1,8 @@
 """Sampling verification is lossless: a chi-square test over the first three emitted tokens that the
 real rule passes and a deliberately wrong rule (bonus drawn from the un-residualised distribution)
-fails; plus seeded determinism and the logits processor."""
+fails; plus seeded determinism and the logits processor. With min-p and a repetition penalty the
+target distribution is the processed one; the penalty's context is per tree node (its root-to-node
+path), and penalising every node with the committed context alone (a wrong context) fails."""
 
 import itertools
 import math
@@ -10,6 +12,7 @@ import torch
 from scipy import stats
 
 from services.errors import InvalidRequest
+from services.spec.penalty import SeenTokens, penalize
 from services.spec.sampling import SamplingParams, process_logits, round_generator, sample, target_probs
 from services.spec.tree import DraftTree
 from services.spec.verify import accept_sampling
@@ -67,9 +70,33 @@ def node_prefix(tree: DraftTree, node: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def first_three(params: SamplingParams, draw: int, wrong: bool) -> tuple[int, ...]:
+def target_logits(prefix: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
+    """The mock target's logits after `prefix`, penalised independently of services/spec/penalty.py:
+    transformers' RepetitionPenaltyLogitsProcessor over the whole prefix."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    x = mock_logits(prefix)
+    if params.repetition_penalty == 1.0:
+        return x
+    return RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(torch.tensor([prefix]), x[None])[0]
+
+
+def tree_logits(params: SamplingParams, wrong_context: bool = False) -> torch.Tensor:
+    """[N, V]: what the verifier hands acceptance: the raw logits of every tree node, penalised with
+    the node's own context (SeenTokens.tree_rows), or (wrong_context) with the root's alone."""
+    raw = torch.stack([mock_logits(node_prefix(TREE, i)) for i in range(TREE.size)])
+    seen = SeenTokens(V, "cpu")
+    ancestors = TREE.mask
+    if wrong_context:  # every node sees the root only
+        ancestors = torch.zeros_like(TREE.mask)
+        ancestors[:, 0] = True
+    rows = seen.tree_rows(TREE.tokens, ancestors)
+    return penalize(raw, rows, params.repetition_penalty)
+
+
+def first_three(params: SamplingParams, draw: int, wrong: bool, wrong_context: bool = False) -> tuple[int, ...]:
     gen = round_generator(params.seed, draw)
-    logits = torch.stack([mock_logits(node_prefix(TREE, i)) for i in range(TREE.size)])
+    logits = tree_logits(params, wrong_context)
     acc = accept_sampling(TREE, logits, params, gen)
     if wrong and bool((TREE.parents == int(acc.nodes[-1])).any()):
         # every child of the last accepted node was rejected: a wrong rule ignores the residual
@@ -79,7 +106,7 @@ def first_three(params: SamplingParams, draw: int, wrong: bool) -> tuple[int, ..
         out = acc.new_tokens
     prefix = node_prefix(TREE, 0) + tuple(out)
     while len(out) < 3:  # continue with plain target sampling
-        tok = sample(target_probs(mock_logits(prefix), params), gen)
+        tok = sample(target_probs(target_logits(prefix, params), params), gen)
         out.append(tok)
         prefix += (tok,)
     return tuple(out[:3])
@@ -90,16 +117,16 @@ def exact_joint(params: SamplingParams) -> dict[tuple[int, ...], float]:
     for y in itertools.product(range(V), repeat=3):
         p, prefix = 1.0, (0,)
         for tok in y:
-            p *= float(target_probs(mock_logits(prefix), params)[tok])
+            p *= float(target_probs(target_logits(prefix, params), params)[tok])
             prefix += (tok,)
         joint[y] = p
     return joint
 
 
-def chi_square_p(params: SamplingParams, wrong: bool, n: int = 12000) -> float:
+def chi_square_p(params: SamplingParams, wrong: bool, n: int = 12000, wrong_context: bool = False) -> float:
     counts: dict[tuple[int, ...], int] = {}
     for i in range(n):
-        y = first_three(params, i, wrong)
+        y = first_three(params, i, wrong, wrong_context)
         counts[y] = counts.get(y, 0) + 1
     joint = exact_joint(params)
     obs, exp, rest_obs, rest_exp = [], [], 0, 0.0
@@ -111,23 +138,33 @@ def chi_square_p(params: SamplingParams, wrong: bool, n: int = 12000) -> float:
             rest_obs += counts.get(y, 0)
             rest_exp += p * n
     assert sum(counts.get(y, 0) for y, p in joint.items() if p == 0) == 0, "emitted a filtered token"
-    obs.append(rest_obs)
-    exp.append(rest_exp)
+    if rest_exp > 0:  # (min-p can filter every rare outcome: then there is no rest bucket)
+        obs.append(rest_obs)
+        exp.append(rest_exp)
     exp = [e * sum(obs) / sum(exp) for e in exp]  # guard float drift in the totals
     return float(stats.chisquare(obs, exp).pvalue)
 
 
 SETTINGS = [SamplingParams(1.0, seed=1), SamplingParams(0.8, top_p=0.95, seed=2),
-            SamplingParams(1.0, top_k=3, seed=3)]
+            SamplingParams(1.0, top_k=3, seed=3), SamplingParams(1.0, min_p=0.2, seed=4),
+            SamplingParams(1.0, repetition_penalty=1.8, seed=5),
+            SamplingParams(0.9, top_k=4, min_p=0.1, repetition_penalty=1.5, seed=6)]
+IDS = ["T=1", "T=0.8,top_p=0.95", "T=1,top_k=3", "T=1,min_p=0.2", "T=1,rep=1.8", "T=0.9,top_k=4,min_p=0.1,rep=1.5"]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=["T=1", "T=0.8,top_p=0.95", "T=1,top_k=3"])
+@pytest.mark.parametrize("params", SETTINGS, ids=IDS)
 def test_rejection_sampling_preserves_the_target_distribution(params):
     assert chi_square_p(params, wrong=False) > 1e-3
 
 
 def test_the_test_detects_a_wrong_rule():
     assert chi_square_p(SETTINGS[0], wrong=True) < 1e-6
+
+
+def test_the_test_detects_a_penalty_with_the_wrong_context():
+    """Penalising every tree node with the committed context only (not its own path) is not the
+    target's distribution: the same harness rejects it."""
+    assert chi_square_p(SETTINGS[4], wrong=False, wrong_context=True) < 1e-6
 
 
 def test_rounds_replay_from_seed_and_round():
@@ -149,9 +186,36 @@ def test_processor_matches_transformers_warpers():
     assert torch.allclose(ours[~torch.isinf(ours)], ref[~torch.isinf(ref)])
 
 
+def test_min_p_and_penalty_match_transformers():
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(0.7, min_p=0.15)
+    ref = MinPLogitsWarper(0.15)(None, logits / 0.7)
+    ours = process_logits(logits, params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref)) and torch.isinf(ours).any()
+    assert torch.allclose(ours[~torch.isinf(ours)], ref[~torch.isinf(ref)])
+    context = torch.tensor([[3, 7, 7, 40]] * 3)
+    seen = SeenTokens(50, "cpu")
+    seen.add(context[0])
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(context, logits.clone())
+    assert torch.allclose(penalize(logits, seen.mask[None].expand(3, -1), 1.3), ref)
+
+
+def test_tree_rows_hold_each_nodes_path():
+    """tokens [7, 3, 9, 4], parents [-1, 0, 0, 1], context {1}: node 3's row is {1, 7, 3, 4}."""
+    tree = make_tree([7, 3, 9, 4], [-1, 0, 0, 1])
+    seen = SeenTokens(10, "cpu")
+    seen.add([1])
+    rows = seen.tree_rows(tree.tokens, tree.mask)
+    assert [sorted(r.nonzero().flatten().tolist()) for r in rows] == [[1, 7], [1, 3, 7], [1, 7, 9], [1, 3, 4, 7]]
+
+
 @pytest.mark.parametrize("kw,word", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
                                       ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-                                      ({"temperature": math.nan}, "temperature"), ({"seed": -1}, "seed")])
+                                      ({"temperature": math.nan}, "temperature"), ({"seed": -1}, "seed"),
+                                      ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                                      ({"logprobs": 21}, "logprobs")])
 def test_bad_sampling_parameters(kw, word):
     with pytest.raises(InvalidRequest, match=word):
         SamplingParams(**kw)

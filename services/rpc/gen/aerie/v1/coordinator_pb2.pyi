@@ -21,8 +21,56 @@ SEQUENCE_STATUS_FINISHED: SequenceStatus
 SEQUENCE_STATUS_CANCELLED: SequenceStatus
 SEQUENCE_STATUS_FAILED: SequenceStatus
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "skip_chat_template", "add_special_tokens")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    skip_chat_template: bool
+    add_special_tokens: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., skip_chat_template: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("tokens", "token_strs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("tokens", "skip_special_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class GenerationDefaults(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+
 class CoordinatorInfo(_message.Message):
-    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree", "model", "max_context", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured")
+    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree", "model", "max_context", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured", "generation_defaults")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +84,7 @@ class CoordinatorInfo(_message.Message):
     VERIFIERS_READY_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_READY_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     target: str
     dtype: str
     vocab_size: int
@@ -49,7 +98,8 @@ class CoordinatorInfo(_message.Message):
     verifiers_ready: int
     drafters_ready: int
     drafters_configured: int
-    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ...) -> None: ...
+    generation_defaults: GenerationDefaults
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id", "prompt", "messages", "skip_chat_template", "stop", "skip_special_tokens")
@@ -126,20 +176,22 @@ class SequenceInfo(_message.Message):
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info", "text")
+    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info", "text", "logprobs")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     stats: RoundStats
     finish_reason: str
     info: SequenceInfo
     text: str
-    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -60,6 +60,16 @@ class CoordinatorStub:
                 request_serializer=aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=aerie_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/aerie.v1.Coordinator/Tokenize',
+                request_serializer=aerie_dot_v1_dot_coordinator__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_coordinator__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/aerie.v1.Coordinator/Detokenize',
+                request_serializer=aerie_dot_v1_dot_coordinator__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_coordinator__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -107,6 +117,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Text <-> token ids with the target's tokenizer (vLLM's /tokenize and /detokenize).
+        FAILED_PRECONDITION when the coordinator has no tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +158,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.FromString,
                     response_serializer=aerie_dot_v1_dot_coordinator__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=aerie_dot_v1_dot_coordinator__pb2.TokenizeRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_coordinator__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=aerie_dot_v1_dot_coordinator__pb2.DetokenizeRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_coordinator__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +305,60 @@ class Coordinator:
             '/aerie.v1.Coordinator/Resume',
             aerie_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
             aerie_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aerie.v1.Coordinator/Tokenize',
+            aerie_dot_v1_dot_coordinator__pb2.TokenizeRequest.SerializeToString,
+            aerie_dot_v1_dot_coordinator__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aerie.v1.Coordinator/Detokenize',
+            aerie_dot_v1_dot_coordinator__pb2.DetokenizeRequest.SerializeToString,
+            aerie_dot_v1_dot_coordinator__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

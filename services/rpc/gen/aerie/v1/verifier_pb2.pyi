@@ -24,12 +24,14 @@ class VerifierPrefillRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., rebuild: _Optional[bool] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("first_token", "features")
+    __slots__ = ("first_token", "features", "logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     features: _common_pb2.Tensor
-    def __init__(self, first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "tree")
@@ -42,20 +44,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("path", "accept_length", "nodes", "tokens", "bonus", "features")
+    __slots__ = ("path", "accept_length", "nodes", "tokens", "bonus", "features", "logprobs")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     path: int
     accept_length: int
     nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     features: _common_pb2.Tensor
-    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "token", "keep_features")
@@ -70,10 +74,12 @@ class DecodeRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token",)
+    __slots__ = ("token", "logprobs")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token: int
-    def __init__(self, token: _Optional[int] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
     __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens", "verify_cost")

@@ -1,0 +1,47 @@
+"""The target's log-probabilities of the tokens a round commits (OpenAI's `logprobs` / `top_logprobs`).
+
+    lp = token_logprobs(logits[rows], tokens, top)   # logits [n, V] of the rows that produced tokens [n]
+    lp.logprobs[i], lp.top_ids[i], lp.top_logprobs[i]
+
+The distribution is the target's own: log_softmax of its logits in fp32 before any sampling
+processor (temperature, top-p/k, min-p, repetition penalty), as vLLM's default `raw_logprobs`, so the
+numbers do not depend on the sampling settings and equal transformers' `log_softmax(model(x).logits)`.
+Never the draft's: the verifier computes them from the target logits of the rows its acceptance read
+(the root and the accepted nodes; the bonus comes from the last of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_ids: torch.Tensor  # [n] long: the committed tokens, in order
+    logprobs: torch.Tensor  # [n] fp32: log p(token_ids[i] | its prefix)
+    top_ids: torch.Tensor  # [n, k] long: the k most likely tokens at each position, most likely first
+    top_logprobs: torch.Tensor  # [n, k] fp32: their log-probabilities
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def head(self, n: int) -> "TokenLogprobs":
+        """The first n positions (a round cut by a stop token or the token budget)."""
+        return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
+
+    @staticmethod
+    def cat(parts: list["TokenLogprobs"]) -> "TokenLogprobs":
+        return TokenLogprobs(*(torch.cat([getattr(p, f) for p in parts])
+                               for f in ("token_ids", "logprobs", "top_ids", "top_logprobs")))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int], top: int) -> TokenLogprobs:
+    """logits [n, V] (row i produced tokens[i]), tokens [n], top k >= 0 -> TokenLogprobs on the host
+    (one copy)."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).to(logits.device)
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = lp.gather(1, ids[:, None])[:, 0]  # [n]
+    values, indices = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)  # [n, k]
+    return TokenLogprobs(ids.cpu(), chosen.cpu(), indices.cpu(), values.cpu())

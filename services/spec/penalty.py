@@ -1,0 +1,55 @@
+"""The repetition penalty (transformers' RepetitionPenaltyLogitsProcessor, vLLM's `repetition_penalty`),
+applied to the target's logits of every row a verifier forward scores, each row with its own context.
+
+    seen = SeenTokens(vocab_size, device); seen.add(prompt)   # the tokens of the sequence's context
+    rows = seen.tree_rows(tree.tokens, tree.mask)              # [N, V]: context of each tree node
+    logits = penalize(logits, rows, params.repetition_penalty) # then process_logits / acceptance
+    seen.add(accepted tokens)                                  # after the round
+
+A token already in the context has its logit divided by the penalty when positive and multiplied by
+it when negative (penalty > 1 discourages repeats). The context of tree node n is the sequence's
+committed tokens (prompt included, as transformers and vLLM count it) plus the root-to-n path, n
+included: the tokens the target has seen when its logits at n predict the next token. Penalising each
+node with exactly the context plain decoding would have keeps speculative sampling lossless: the
+acceptance rule compares draft tokens against this penalised target distribution. This module does
+not temper or filter (services/spec/sampling.py does, after it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SeenTokens:
+    """The token ids in a sequence's committed context, as a mask [V] bool on the logits' device."""
+
+    def __init__(self, vocab_size: int, device: str | torch.device) -> None:
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+
+    def add(self, tokens: torch.Tensor | list[int]) -> None:
+        """tokens [n] long: now part of the committed context."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.mask.device)
+        self.mask[ids] = True
+
+    def with_tokens(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        """[1, V]: the context plus `tokens` (a decode step's committed token), not kept."""
+        row = self.mask.clone()
+        row[torch.as_tensor(tokens, dtype=torch.long).to(row.device)] = True
+        return row[None]
+
+    def tree_rows(self, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """tokens [N] long, ancestors [N, N] bool (row i: node i and its ancestors) -> [N, V] bool:
+        the context of each node. Example: tokens [7, 3, 9], parents [-1, 0, 0] -> row 2 adds {7, 9}."""
+        ancestors = ancestors.to(self.mask.device)
+        rows = self.mask[None].repeat(tokens.shape[0], 1)  # [N, V]
+        node, anc = ancestors.nonzero(as_tuple=True)  # pairs (node, one of its ancestors or itself)
+        rows[node, tokens.to(self.mask.device)[anc]] = True
+        return rows
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [N, V], seen [N, V] bool -> penalised logits [N, V] fp32 (a new tensor)."""
+    x = logits.float()
+    if penalty == 1.0:
+        return x
+    return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
