@@ -29,6 +29,7 @@ from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
 from coordinator.sequences import Sequences
 from coordinator.request_metrics import RequestMetrics
+from coordinator.generation_defaults import generation_defaults
 from coordinator.text import Text, served_name
 
 RESUME_POLL_S = 0.02  # Resume follows Redis at this interval (backing off to 0.25 s while idle)
@@ -168,7 +169,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                 response = cpb.GenerateResponse(sequence_id=admitted.run.seq_id, tokens=step.tokens,
                                                 stats=codec.encode_stats(step.stats, item.commit_s),
                                                 finish_reason=step.finish_reason or "", text=delta,
-                                                logprobs=codec.encode_logprobs(step.logprobs))
+                                                logprobs=text.logprobs(step.logprobs))
                 if first:
                     response.info.CopyFrom(admitted.info)
                     response.info.target, response.info.draft = public_name(response.info.target), \
@@ -246,6 +247,22 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             poll_s = min(poll_s * 1.5, 0.25)
 
     @rpc_errors
+    async def Tokenize(self, request: cpb.TokenizeRequest, context) -> cpb.TokenizeResponse:
+        text = await asyncio.to_thread(self.text)
+        return await asyncio.to_thread(text.tokenize, request)
+
+    @rpc_errors
+    async def Detokenize(self, request: cpb.DetokenizeRequest, context) -> cpb.DetokenizeResponse:
+        text = await asyncio.to_thread(self.text)
+        return await asyncio.to_thread(text.detokenize, request, await asyncio.to_thread(self._vocab_size))
+
+    def _vocab_size(self) -> int:
+        verifiers = _answering(self.sequences.verifiers)
+        if not verifiers:
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE, "no verifier answers: the vocabulary size is unknown")
+        return int(verifiers[0].vocab_size)
+
+    @rpc_errors
     async def GetInfo(self, request: pb.InfoRequest, context) -> cpb.CoordinatorInfo:
         return await asyncio.to_thread(self._info)
 
@@ -264,7 +281,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                                    max_context=v.max_context, text=text.tokenizer is not None,
                                    chat_template=text.has_chat_template, max_new_tokens=self.config.max_new_tokens,
                                    verifiers_ready=len(verifiers), drafters_ready=len(drafters),
-                                   drafters_configured=len(self.config.drafters))
+                                   drafters_configured=len(self.config.drafters),
+                                   generation_defaults=generation_defaults(text.source))
         if drafters:
             info.draft = public_name(drafters[0].draft)
             info.tree.CopyFrom(drafters[0].tree)

@@ -26,7 +26,10 @@ import grpc
 from services.engine.engine import GenerationRequest, StepOutput
 from services.errors import CheckpointError, InvalidRequest
 from services.rpc.errors import DownstreamError
+from services.rpc.codec import encode_logprobs
+from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
+from services.spec.logprobs import TokenLogprobs
 from services.stop_strings import StopMatcher, check_stops
 from services.text import IncrementalDetokenizer, load_tokenizer
 
@@ -163,6 +166,38 @@ class Text:
         except Exception as e:  # noqa: BLE001 - jinja's raise_exception: the template refused the roles
             raise InvalidRequest(f"the chat template refused the messages: {e}") from None
         return list(tok.encode(text, add_special_tokens=False))
+
+    def tokenize(self, msg: cpb.TokenizeRequest) -> cpb.TokenizeResponse:
+        """A prompt or chat messages -> the token ids Generate would run (and each token's string)."""
+        if msg.HasField("add_special_tokens") and msg.messages:
+            raise InvalidRequest("add_special_tokens applies to prompt only (messages use the chat template)")
+        if not msg.HasField("prompt") and not msg.messages:
+            raise InvalidRequest("give prompt or messages")
+        request = cpb.GenerateRequest(messages=msg.messages, skip_chat_template=msg.skip_chat_template)
+        if msg.HasField("prompt"):
+            request.prompt = msg.prompt
+        tok = self._need_tokenizer("messages" if msg.messages else "prompt")
+        if msg.HasField("add_special_tokens") and not msg.add_special_tokens:
+            ids = list(tok.encode(msg.prompt, add_special_tokens=False))
+        else:
+            ids = self.prompt_ids(request)  # (the checks of Generate: one of prompt and messages, ...)
+        return cpb.TokenizeResponse(tokens=ids, token_strs=[str(s) for s in tok.convert_ids_to_tokens(ids)])
+
+    def detokenize(self, msg: cpb.DetokenizeRequest, vocab_size: int) -> cpb.DetokenizeResponse:
+        tok = self._need_tokenizer("detokenize")
+        for i, t in enumerate(msg.tokens):
+            if not 0 <= t < vocab_size:
+                raise InvalidRequest(f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+        skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else False
+        return cpb.DetokenizeResponse(text=tok.decode(list(msg.tokens), skip_special_tokens=skip))
+
+    def logprobs(self, lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
+        """A step's log-probabilities on the wire, each token also decoded alone (with a tokenizer)."""
+        msg = encode_logprobs(lp)
+        if msg is not None and self.tokenizer is not None:
+            msg.token_texts.extend(self.tokenizer.decode([t]) for t in msg.token_ids)
+            msg.top_texts.extend(self.tokenizer.decode([t]) for t in msg.top_ids)
+        return msg
 
     def stops(self, msg: cpb.GenerateRequest) -> tuple[str, ...]:
         stops = check_stops(list(msg.stop))

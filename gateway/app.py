@@ -5,6 +5,8 @@
     GET  /v1/models              the served model
     GET  /health                 200 when a verifier (and, unless plain decoding, a drafter) answers
     GET  /metrics                Prometheus text of this process (the coordinator's metrics)
+    POST /tokenize, /detokenize  vLLM's, with the coordinator's tokenizer; GET /version (gateway/extras.py)
+    404 / 405                    JSON in OpenAI's error shape, like every other error
 
 With API tokens (services/rpc/security.py) every route but /health and /metrics needs
 `Authorization: Bearer <token>` (401 otherwise); the header travels on to the coordinator, which
@@ -28,12 +30,15 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.errors import error_body, from_rpc
-from gateway.openai_request import BadParameter, Parsed, parse_chat, parse_completion
+from gateway.errors import error_body, from_rpc, name_param
+from gateway.extras import Extras, http_error
+from gateway.openai_logprobs import chat_logprobs, completion_logprobs
+from gateway.openai_request import BadParameter, Parsed, check_limits, parse_chat, parse_completion, with_defaults
 from services.rpc.security import NONE, Security, token_identity
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
@@ -89,13 +94,17 @@ class Gateway:
             await self.channel.close()
 
     def app(self) -> Starlette:
+        extras = Extras(self)
         return Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ])
+            Route("/tokenize", extras.tokenize, methods=["POST"]),
+            Route("/detokenize", extras.detokenize, methods=["POST"]),
+            Route("/version", extras.version, methods=["GET"]),
+        ], exception_handlers={HTTPException: http_error})
 
     # ---- coordinator info ----------------------------------------------------------------------
 
@@ -155,7 +164,7 @@ class Gateway:
             return _error(e.status, e.body)
         return JSONResponse({"object": "list", "data": [{
             "id": info.model, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
-            "max_model_len": info.max_context}]})
+            "max_model_len": info.max_context, "max_tokens": info.max_new_tokens}]})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion, chat=False)
@@ -178,6 +187,8 @@ class Gateway:
             metadata = self._caller(request)
             parsed = parse(body)
             info = await self._served(parsed.model)
+            with_defaults(parsed, info.generation_defaults)
+            check_limits(parsed, info)
         except BadParameter as e:
             return _error(400, error_body(str(e), "invalid_request_error", e.param))
         except HttpError as e:
@@ -188,7 +199,7 @@ class Gateway:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
             watcher.cancel()
-            return _error(*from_rpc(e))
+            return _error(*name_param(*from_rpc(e), parsed.max_tokens_param))
         except asyncio.CancelledError:
             watcher.cancel()
             if watcher.done() and call.cancelled():
@@ -197,7 +208,7 @@ class Gateway:
         if first is grpc.aio.EOF:
             watcher.cancel()
             return _error(500, error_body("the coordinator ended the stream without a message", "internal_error"))
-        reply = _Reply(chat, info.model, first)
+        reply = _Reply(chat, info.model, first, parsed.request.sampling.HasField("logprobs"))
         if parsed.stream:
             return StreamingResponse(self._sse(call, first, reply, parsed.include_usage, watcher),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -225,8 +236,9 @@ class Gateway:
             while msg is not grpc.aio.EOF:
                 reply.add(msg)
                 reason = FINISH.get(msg.finish_reason) if msg.finish_reason else None
-                if msg.text or reason:
-                    yield _event(reply.chunk({"content": msg.text} if msg.text else {}, reason))
+                lp = msg.logprobs if msg.HasField("logprobs") and msg.logprobs.token_ids else None
+                if msg.text or reason or lp is not None:
+                    yield _event(reply.chunk({"content": msg.text} if msg.text else {}, reason, lp))
                 msg = await call.read()
             if include_usage:
                 yield _event(reply.usage_chunk())
@@ -261,8 +273,11 @@ def _event(obj: dict) -> str:
 class _Reply:
     """Accumulates one request's answer in OpenAI's shapes (completion or chat)."""
 
-    def __init__(self, chat: bool, model: str, first: cpb.GenerateResponse) -> None:
+    def __init__(self, chat: bool, model: str, first: cpb.GenerateResponse, logprobs: bool = False) -> None:
         self.chat = chat
+        self.want_logprobs = logprobs
+        self.logprobs: list[pb.TokenLogprobs] = []  # per message, when asked for
+        self.sent = 0  # completion text characters streamed so far (the next chunk's text_offset)
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + first.sequence_id
         self.created = int(time.time())
@@ -274,6 +289,8 @@ class _Reply:
     def add(self, msg: cpb.GenerateResponse) -> None:
         self.completion_tokens += len(msg.tokens)
         self.text.append(msg.text)
+        if msg.HasField("logprobs"):
+            self.logprobs.append(msg.logprobs)
         if msg.finish_reason:
             self.finish_reason = FINISH.get(msg.finish_reason, msg.finish_reason)
 
@@ -284,11 +301,15 @@ class _Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, delta: dict, finish_reason: str | None) -> dict:
+    def chunk(self, delta: dict, finish_reason: str | None, lp: pb.TokenLogprobs | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs([lp]) if lp is not None else None,
+                      "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
-        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+        text = delta.get("content", "")
+        logprobs = completion_logprobs([lp], self.sent) if lp is not None else None
+        self.sent += len(text)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
 
     def usage_chunk(self) -> dict:
@@ -298,8 +319,11 @@ class _Reply:
     def whole(self) -> dict:
         text = "".join(self.text)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": chat_logprobs(self.logprobs) if self.want_logprobs else None,
                       "finish_reason": self.finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        choice = {"index": 0, "text": text,
+                  "logprobs": completion_logprobs(self.logprobs) if self.want_logprobs else None,
+                  "finish_reason": self.finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}

@@ -35,6 +35,30 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# The coordinator's INVALID_ARGUMENT messages that concern one OpenAI field: (words in the message,
+# param). `max_new_tokens` is the coordinator's word; the body's own name replaces it.
+_PARAMS = (("exceeds the model context", "{max_tokens}"), ("max_new_tokens", "{max_tokens}"),
+           ("stop token id", "stop_token_ids"), ("prompt token id", "prompt"), ("prompt is empty", "prompt"),
+           ("chat template", "messages"), ("stop string", "stop"), ("stop may hold", "stop"), ("stop[", "stop"))
+
+
+def name_param(status: int, body: dict, max_tokens_param: str = "max_tokens") -> tuple[int, dict]:
+    """A coordinator's 400 in OpenAI's words: `param` names the request field it concerns and the
+    message uses the field's OpenAI name (max_tokens, not max_new_tokens)."""
+    err = body["error"]
+    if status != 400 or err.get("param") is not None:
+        return status, body
+    message = err["message"]
+    for words, param in _PARAMS:
+        if words in message:
+            err["param"] = param.format(max_tokens=max_tokens_param)
+            break
+    err["message"] = message.replace("max_new_tokens", max_tokens_param)
+    if "exceeds the model context" in message:
+        err["code"] = "context_length_exceeded"  # OpenAI's code for it
+    return status, body
+
+
 def from_rpc(e: grpc.RpcError) -> tuple[int, dict]:
     """(HTTP status, body) for a failed Coordinator call."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN

@@ -1,12 +1,20 @@
 """OpenAI request bodies -> a Coordinator GenerateRequest, checked field by field.
 
-Every field is either used or refused: an unknown field, or a known one aerie does not support
-(n > 1, logprobs, penalties, tools, ...), is a `BadParameter` naming the field and its value, which
-the app answers with HTTP 400 in OpenAI's error shape. Nothing here talks to the coordinator.
+Every field is either used, accepted for its neutral value, or refused: an unknown field, or a known
+one aerie does not support (n > 1, presence/frequency penalties, tools, ...), is a `BadParameter`
+naming the field and its value, which the app answers with HTTP 400 in OpenAI's error shape.
+Nothing here talks to the coordinator.
 
     parsed = parse_completion(body)      # POST /v1/completions
     parsed = parse_chat(body)            # POST /v1/chat/completions
     parsed.request                       # cpb.GenerateRequest (text, stop strings, sampling)
+    with_defaults(parsed, info.generation_defaults)   # the model's defaults for what the body left out
+
+Used: the OpenAI sampling fields, `logprobs` / `top_logprobs`, and vLLM's extensions `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`. Accepted and ignored
+(neutral for one stateless completion): `user`, `metadata`, `store` (aerie stores nothing beyond the
+sequence record every request has), `response_format: {"type": "text"}`, `tool_choice: "none"`,
+`tools: []`, `parallel_tool_calls`, and an assistant message's `refusal: null` / `tool_calls: []`.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
+from services.spec.sampling import MAX_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _UNSET = object()
@@ -36,13 +45,21 @@ class Parsed:
     model: str | None  # as asked (None = the served model)
     stream: bool
     include_usage: bool  # stream_options.include_usage
+    unset: frozenset[str] = frozenset()  # sampling fields the body left out (the model's defaults fill them)
+    max_tokens_param: str = "max_tokens"  # the body's name for the new-token limit (max_completion_tokens too)
+
+
+# The sampling fields a model's generation_config.json may default, with OpenAI's own default.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 # Fields accepted by both endpoints; the value checks are below.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
            "stream_options", "logprobs", "user", "ignore_eos", "skip_special_tokens",
-           "presence_penalty", "frequency_penalty", "logit_bias", "best_of"}
+           "presence_penalty", "frequency_penalty", "logit_bias", "best_of", "min_p", "repetition_penalty",
+           "stop_token_ids", "metadata", "store"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "response_format", "parallel_tool_calls", "add_generation_prompt", "skip_chat_template"}
 
@@ -102,11 +119,15 @@ def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | Non
         raise BadParameter("model", f"model must be a string; got {_show(model)}")
     _refuse_unless(body, "n", (1,), "aerie returns one choice per request (n=1)")
     _refuse_unless(body, "best_of", (1,), "aerie returns one choice per request (best_of=1)")
-    _refuse_unless(body, "logprobs", (False,), "aerie does not return log-probabilities")
     _refuse_unless(body, "presence_penalty", (0, 0.0), "aerie samples without penalties (use 0)")
     _refuse_unless(body, "frequency_penalty", (0, 0.0), "aerie samples without penalties (use 0)")
     if body.get("logit_bias"):
         raise BadParameter("logit_bias", f"logit_bias={_show(body['logit_bias'])} is not supported")
+    _bool(body, "store")  # accepted either way: nothing is stored for later retrieval
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise BadParameter("metadata", f"metadata must be an object of strings; got {_show(metadata)}")
     stream = _bool(body, "stream") or False
     include_usage = False
     opts = body.get("stream_options")
@@ -122,13 +143,21 @@ def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | Non
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", -1, 2**31 - 1)
-    seed = _int(body, "seed", 0, 2**64 - 1)
+    seed = _int(body, "seed", 0, 2**63 - 1)
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    repetition_penalty = _number(body, "repetition_penalty", 0.0, 100.0, lo_open=True)
     sampling = pb.SamplingParams(temperature=1.0 if temperature is None else temperature,
                                  top_k=0 if top_k in (None, -1) else top_k,
-                                 seed=secrets.randbits(63) if seed is None else seed)
+                                 seed=secrets.randbits(63) if seed is None else seed,
+                                 min_p=min_p or 0.0, repetition_penalty=repetition_penalty or 1.0)
     if top_p is not None:
         sampling.top_p = top_p
     req = cpb.GenerateRequest(sampling=sampling)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise BadParameter("stop_token_ids", f"stop_token_ids must be a list of token ids (>= 0); got {_show(ids)}")
+        req.stop_token_ids.extend(ids)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -144,6 +173,38 @@ def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | Non
     if (v := _bool(body, "skip_special_tokens")) is not None:
         req.skip_special_tokens = v
     return req, model, stream, include_usage
+
+
+def _unset(body: dict) -> frozenset[str]:
+    return frozenset(name for name in OPENAI_DEFAULTS if body.get(name) is None
+                     and not (name == "top_k" and body.get("top_k") == -1))
+
+
+def with_defaults(parsed: Parsed, defaults: cpb.GenerationDefaults) -> None:
+    """Fill the sampling fields the body left out from the model's generation_config.json (vLLM's
+    behaviour); the rest keep OpenAI's defaults, set by the parser."""
+    sampling = parsed.request.sampling
+    for name in parsed.unset:
+        if defaults.HasField(name):
+            setattr(sampling, name, getattr(defaults, name))
+
+
+def check_limits(parsed: Parsed, info: cpb.CoordinatorInfo) -> None:
+    """The new-token limit against the server's cap (AERIE_MAX_NEW_TOKENS, /v1/models' max_tokens),
+    named as the body named it (the coordinator would say max_new_tokens)."""
+    req, name = parsed.request, parsed.max_tokens_param
+    if req.HasField("max_new_tokens") and info.max_new_tokens and req.max_new_tokens > info.max_new_tokens:
+        raise BadParameter(name, f"{name} must be <= {info.max_new_tokens} (this server's limit on new tokens); "
+                           f"got {req.max_new_tokens}")
+
+
+def _max_tokens_param(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def _logprobs(req: cpb.GenerateRequest, top: int | None) -> None:
+    if top is not None:
+        req.sampling.logprobs = top
 
 
 def _max_tokens(body: dict, req: cpb.GenerateRequest, names: tuple[str, ...], default: int | None) -> None:
@@ -177,7 +238,8 @@ def parse_completion(body: Any) -> Parsed:
     else:
         raise BadParameter("prompt", f"prompt must be a string or a list of token ids; got {_show(prompt)}")
     _max_tokens(body, req, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return Parsed(req, model, stream, include_usage)
+    _logprobs(req, _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS))  # legacy: an int, the top-k count
+    return Parsed(req, model, stream, include_usage, _unset(body), _max_tokens_param(body))
 
 
 def _content(i: int, content: Any) -> str:
@@ -197,10 +259,19 @@ def _content(i: int, content: Any) -> str:
 
 def parse_chat(body: Any) -> Parsed:
     req, model, stream, include_usage = _common(body, _CHAT)
-    for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls"):
-        if body.get(name) is not None:
-            raise BadParameter(name, f"{name}={_show(body[name])} is not supported: aerie generates plain text")
-    _refuse_unless(body, "top_logprobs", (0,), "aerie does not return log-probabilities")
+    if body.get("tools"):
+        raise BadParameter("tools", f"tools={_show(body['tools'])} is not supported: aerie generates plain text")
+    _refuse_unless(body, "tool_choice", ("none",), "aerie generates plain text (tool_choice 'none' only)")
+    _bool(body, "parallel_tool_calls")  # no tools, so nothing runs in parallel either way
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadParameter("response_format", f"response_format={_show(fmt)} is not supported: aerie generates "
+                           f"plain text ({{'type': 'text'}})")
+    logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise BadParameter("top_logprobs", f"top_logprobs={top} needs logprobs=true")
+    _logprobs(req, (top or 0) if logprobs else None)
     _refuse_unless(body, "add_generation_prompt", (True,), "the chat template always ends with the assistant's turn")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -208,9 +279,10 @@ def parse_chat(body: Any) -> Parsed:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadParameter(f"messages[{i}]", f"messages[{i}] must be an object; got {_show(m)}")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name"} - {k for k in ("refusal", "tool_calls") if not m.get(k)})
         if extra:
-            raise BadParameter(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]} is not supported")
+            raise BadParameter(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]}={_show(m[extra[0]])} "
+                               f"is not supported")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise BadParameter(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string; got {_show(role)}")
@@ -218,4 +290,4 @@ def parse_chat(body: Any) -> Parsed:
     if (v := _bool(body, "skip_chat_template")) is not None:
         req.skip_chat_template = v
     _max_tokens(body, req, ("max_tokens", "max_completion_tokens"), None)
-    return Parsed(req, model, stream, include_usage)
+    return Parsed(req, model, stream, include_usage, _unset(body), _max_tokens_param(body))

@@ -98,8 +98,6 @@ def test_stop_strings(client):
 BAD = [  # (endpoint, fields, param, text the message must contain)
     ("completions", {"n": 2}, "n", "n=2"),
     ("completions", {"best_of": 3}, "best_of", "best_of=3"),
-    ("completions", {"logprobs": 1}, "logprobs", "logprobs=1"),
-    ("chat", {"logprobs": True}, "logprobs", "logprobs=True"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "top_logprobs=2"),
     ("completions", {"temperature": 3}, "temperature", "got 3"),
     ("completions", {"top_p": 0}, "top_p", "got 0"),

@@ -1,0 +1,140 @@
+"""The HTTP API's routes beyond completions (vLLM's, so its clients and scripts work unchanged) and
+its JSON errors for unknown routes and methods:
+
+    POST /tokenize      {"prompt": "..."} | {"messages": [...]}  -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize    {"tokens": [...]}                        -> {"prompt": "..."}
+    GET  /version                                               -> {"version": "<aerie's version>"}
+    404 / 405           {"error": {"message": "Invalid URL (GET /v1/nothing)", "type": "invalid_request_error", ...}}
+
+/tokenize applies the chat template exactly as a chat completion does, so its count is the prompt
+length a chat completion would report. Both need the coordinator's tokenizer (a coordinator without
+one answers 400). Request fields are checked as openai_request.py checks them: an unknown one is a
+400 naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from typing import Any
+
+import grpc
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway.errors import error_body, from_rpc
+from gateway.openai_request import BadParameter, _bool, _content, _show
+from services.rpc.stubs import coordinator as cpb
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("aerie")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's 404 (no route) and 405 (a route without this method) in OpenAI's error shape."""
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        message = (f"method {request.method} is not allowed on {request.url.path}; "
+                   f"allowed: {(exc.headers or {}).get('Allow', '?')}")
+    else:
+        message = exc.detail or f"HTTP {exc.status_code}"
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+def _fields(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise BadParameter("body", f"the request body must be a JSON object; got {type(body).__name__}")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadParameter(unknown[0], f"unrecognized request argument: {unknown[0]}={_show(body[unknown[0]])}")
+    return body
+
+
+def tokenize_request(body: Any) -> tuple[cpb.TokenizeRequest, bool]:
+    """-> (the coordinator request, return_token_strs)."""
+    body = _fields(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                          "return_token_strs"})
+    msg = cpb.TokenizeRequest()
+    if ("prompt" in body) == ("messages" in body):
+        raise BadParameter("prompt", "give exactly one of prompt and messages")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str) or not body["prompt"]:
+            raise BadParameter("prompt", f"prompt must be a non-empty string; got {_show(body['prompt'])}")
+        msg.prompt = body["prompt"]
+        if (v := _bool(body, "add_special_tokens")) is not None:
+            msg.add_special_tokens = v
+    else:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise BadParameter("messages", f"messages must be a non-empty list; got {_show(messages)}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadParameter(f"messages[{i}]", f"messages[{i}] must be an object with a role; got {_show(m)}")
+            msg.messages.append(cpb.ChatMessage(role=m["role"], content=_content(i, m.get("content", ""))))
+        if _bool(body, "add_generation_prompt") is False:
+            raise BadParameter("add_generation_prompt", "the chat template always ends with the assistant's turn")
+    return msg, bool(_bool(body, "return_token_strs"))
+
+
+def detokenize_request(body: Any) -> cpb.DetokenizeRequest:
+    body = _fields(body, {"model", "tokens"})
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadParameter("tokens", f"tokens must be a list of token ids; got {_show(tokens)}")
+    return cpb.DetokenizeRequest(tokens=tokens)
+
+
+class Extras:
+    """The handlers of /tokenize, /detokenize and /version over a gateway.app.Gateway."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    async def _call(self, request: Request, parse, method: str):
+        """(parsed body, coordinator answer) or a JSONResponse error."""
+        from gateway.app import HttpError  # (app imports this module)
+
+        try:
+            metadata = self.gateway._caller(request)
+            body = json.loads(await request.body())
+        except HttpError as e:
+            return None, JSONResponse(e.body, status_code=e.status)
+        except ValueError as e:
+            return None, JSONResponse(error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"),
+                                      status_code=400)
+        try:
+            parsed = parse(body)
+            info = await self.gateway._served(body.get("model"))
+            msg = parsed[0] if isinstance(parsed, tuple) else parsed
+            answer = await getattr(self.gateway.stub, method)(msg, metadata=metadata, timeout=30)
+        except BadParameter as e:
+            return None, JSONResponse(error_body(str(e), "invalid_request_error", e.param), status_code=400)
+        except HttpError as e:
+            return None, JSONResponse(e.body, status_code=e.status)
+        except grpc.aio.AioRpcError as e:
+            status, out = from_rpc(e)
+            return None, JSONResponse(out, status_code=status)
+        return (parsed, info), answer
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        ctx, answer = await self._call(request, tokenize_request, "Tokenize")
+        if ctx is None:
+            return answer
+        (_, return_strs), info = ctx
+        return JSONResponse({"count": len(answer.tokens), "max_model_len": info.max_context,
+                             "tokens": list(answer.tokens),
+                             "token_strs": list(answer.token_strs) if return_strs else None})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        ctx, answer = await self._call(request, detokenize_request, "Detokenize")
+        return answer if ctx is None else JSONResponse({"prompt": answer.text})
+
+    async def version(self, request: Request) -> JSONResponse:
+        return JSONResponse({"version": version()})
