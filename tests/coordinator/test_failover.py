@@ -8,10 +8,12 @@ committed."""
 import threading
 
 import grpc
+import torch
 import pytest
 
 from drafter_svc.server import create_server as create_drafter
 from services.engine.engine import GenerationRequest
+from services.rpc import codec
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.spec.sampling import SamplingParams
@@ -52,7 +54,7 @@ def stream(p, req, on_message=None):
     s = req.sampling
     call = stub.Generate(cpb.GenerateRequest(
         prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens, ignore_eos=req.ignore_eos,
-        sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)),
+        sampling=codec.encode_sampling(s)),
         timeout=120)
     tokens, messages = [], []
     for i, response in enumerate(call):
@@ -70,10 +72,16 @@ def failovers(role: str, reason: str) -> float:
                                      {"service": "coordinator", "role": role, "reason": reason}) or 0.0
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 11)], ids=["greedy", "seeded"])
+# "penalised": the rebuilt verifier's repetition-penalty context (prompt + committed tokens) and the
+# log-probabilities continue exactly as in the undisturbed run
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 11),
+                                      SamplingParams(0.8, 0.95, 0, 11, min_p=0.05, repetition_penalty=1.3, logprobs=2)],
+                         ids=["greedy", "seeded", "penalised"])
 def test_drafter_then_verifier_go_away_mid_stream(pool, reference, sampling):
     req = GenerationRequest(PROMPT, 80, sampling, ignore_eos=True)
     expected = local_run(reference, req)[0]
+    if sampling.logprobs is not None:
+        local = [step.logprobs for step in reference.generate(req)]
     first = {}
 
     def kill(i, response):
@@ -87,6 +95,11 @@ def test_drafter_then_verifier_go_away_mid_stream(pool, reference, sampling):
     before = {role: failovers(role, "unavailable") for role in ("drafter", "verifier")}
     tokens, messages = stream(pool, req, kill)
     assert tokens == expected
+    if sampling.logprobs is not None:
+        got = [codec.decode_logprobs(m.logprobs, m.tokens) for m in messages]
+        want = type(local[0]).cat(local)
+        assert torch.allclose(type(got[0]).cat(got).logprobs, want.logprobs, atol=1e-5)
+        assert torch.equal(type(got[0]).cat(got).top_ids, want.top_ids)
     assert messages[-1].finish_reason == "length"
     assert [m.stats.index for m in messages] == list(range(len(messages)))  # the round index continues
     # aerie_failovers_total{role, reason} counted both moves (other tests in this process may add more)
