@@ -11,6 +11,11 @@
  *
  * Field names are the proto's own (keepCase), int64 fields arrive as JS numbers (token ids and
  * counts are far below 2^53), enums as their names. This module does not parse arguments or print.
+ *
+ * TLS and tokens (security.js reads them from AERIE_TLS_CA / AERIE_API_TOKEN ...):
+ *   const sec = clientSecurity();
+ *   const coordinator = connect('aerie.example:50051', { tls: true, ...sec });
+ *   coordinator.Generate(request, callMetadata(sec.token), { deadline: deadlineIn(60) });
  */
 
 const path = require('path');
@@ -39,16 +44,30 @@ function loadPackage(protoDir = process.env.AERIE_PROTO_DIR || DEFAULT_PROTO_DIR
 }
 
 /**
- * A Coordinator client. `address` is host:port; `tls` true uses the system's root certificates.
- * Default message size limits are raised to match the services' AERIE_MAX_MESSAGE_BYTES range.
+ * A Coordinator client. `address` is host:port. TLS when `tls` is true or a `ca` is given: the
+ * server's certificate is checked against `ca` (PEM bytes; default the system's root certificates)
+ * and `serverName` (default the address's host); `cert` + `key` (PEM bytes) present a client
+ * certificate. Default message size limits are raised to match the services' AERIE_MAX_MESSAGE_BYTES range.
  */
-function connect(address, { tls = false, protoDir, maxMessageBytes = 64 * 1024 * 1024 } = {}) {
+function connect(address, { tls = false, ca, cert, key, serverName, protoDir,
+  maxMessageBytes = 64 * 1024 * 1024 } = {}) {
   const aerie = loadPackage(protoDir);
-  const credentials = tls ? grpc.credentials.createSsl() : grpc.credentials.createInsecure();
-  return new aerie.Coordinator(address, credentials, {
+  const secure = tls || ca !== undefined;
+  const credentials = secure ? grpc.credentials.createSsl(ca || null, key || null, cert || null)
+    : grpc.credentials.createInsecure();
+  const options = {
     'grpc.max_receive_message_length': maxMessageBytes,
     'grpc.max_send_message_length': maxMessageBytes,
-  });
+  };
+  if (secure && serverName) options['grpc.ssl_target_name_override'] = serverName;
+  return new aerie.Coordinator(address, credentials, options);
+}
+
+/** The call metadata carrying an API token (`authorization: Bearer <token>`); empty without one. */
+function callMetadata(token) {
+  const metadata = new grpc.Metadata();
+  if (token) metadata.set('authorization', `Bearer ${token}`);
+  return metadata;
 }
 
 /** A deadline `seconds` from now, for the call options of any RPC. */
@@ -61,4 +80,4 @@ function statusName(code) {
   return Object.keys(grpc.status).find((k) => grpc.status[k] === code) || String(code);
 }
 
-module.exports = { connect, loadPackage, deadlineIn, statusName, grpc, DEFAULT_PROTO_DIR };
+module.exports = { connect, callMetadata, loadPackage, deadlineIn, statusName, grpc, DEFAULT_PROTO_DIR };

@@ -16,14 +16,20 @@
  * --json`). --stop (repeatable) ends the text before a stop string. Ctrl-C cancels the sequence on the
  * coordinator. Exit codes: 0 done, 1 RPC error, 2 bad arguments, 130 interrupted. This client needs no
  * tokenizer: the coordinator tokenizes and detokenizes.
+ *
+ * TLS and the API token come from the environment (security.js: AERIE_TLS_CA, AERIE_TLS_CERT/KEY,
+ * AERIE_TLS_SERVER_NAME, AERIE_API_TOKEN), never from arguments; --tls without AERIE_TLS_CA checks the
+ * server against the system's root certificates.
  */
 
-const { connect, deadlineIn, statusName, grpc } = require('./aerie');
+const { connect, callMetadata, deadlineIn, statusName, grpc } = require('./aerie');
+const { clientSecurity, ConfigError } = require('./security');
 
 const USAGE = `usage: generate.js --coordinator HOST:PORT (--prompt TEXT [--chat] | --prompt-ids 1,2,3)
                    [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                    [--stop STRING]... [--stop-token-ids 5,6] [--ignore-eos] [--sequence-id ID]
-                   [--ids] [--timeout SECONDS] [--tls] [--json]`;
+                   [--ids] [--timeout SECONDS] [--tls] [--json]
+TLS and token from the environment: AERIE_TLS_CA, AERIE_TLS_CERT, AERIE_TLS_KEY, AERIE_TLS_SERVER_NAME, AERIE_API_TOKEN`;
 
 class UsageError extends Error {}
 
@@ -119,10 +125,19 @@ async function main(argv) {
     process.stderr.write(`${USAGE}\ngenerate.js: error: ${e.message}\n`);
     return 2;
   }
+  let security;
+  try {
+    security = clientSecurity();
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    process.stderr.write(`generate.js: error: ${e.message}\n`);
+    return 2;
+  }
   const json = opts['--json'];
   const printIds = opts['--ids'] || opts['--prompt'] === undefined;
-  const coordinator = connect(opts['--coordinator'], { tls: opts['--tls'] });
-  const call = coordinator.Generate(buildRequest(opts), { deadline: deadlineIn(opts['--timeout']) });
+  const coordinator = connect(opts['--coordinator'], { tls: opts['--tls'], ...security });
+  const metadata = callMetadata(security.token);
+  const call = coordinator.Generate(buildRequest(opts), metadata, { deadline: deadlineIn(opts['--timeout']) });
 
   const result = { sequence_id: '', tokens: [], text: '', finish_reason: null, accept_lengths: [], rounds: 0, tau: null,
     info: null };
@@ -131,7 +146,7 @@ async function main(argv) {
     interrupted = true;
     // Ask the coordinator to stop the sequence (it frees KV), then drop the stream.
     if (result.sequence_id) {
-      coordinator.Cancel({ sequence_id: result.sequence_id }, { deadline: deadlineIn(5) }, () => call.cancel());
+      coordinator.Cancel({ sequence_id: result.sequence_id }, metadata, { deadline: deadlineIn(5) }, () => call.cancel());
     } else {
       call.cancel();
     }
