@@ -186,3 +186,16 @@ def test_tokenize_detokenize_version_models(served, client):
     assert httpx.get(base + "/version").json() == {"version": "0.1.0"}
     card = httpx.get(base + "/v1/models").json()["data"][0]
     assert (card["max_model_len"], card["max_tokens"]) == (512, CAP)
+
+
+def test_logprobs_follow_the_stop_string_cut(client):
+    """A stop string cuts the round's tokens on the coordinator (coordinator/text.py): the
+    log-probabilities are cut with them, one per committed token."""
+    greedy = complete(client, temperature=0, max_tokens=12, extra_body={"repetition_penalty": 1.0})
+    stop = f"t{greedy[4]}"
+    r = client.completions.create(model="target", prompt="t5 t17 t9", max_tokens=12, temperature=0, logprobs=1,
+                                  stop=[stop], extra_body={**RAW, "repetition_penalty": 1.0})
+    assert r.choices[0].finish_reason == "stop"
+    n = greedy.index(greedy[4]) + 1  # tokens up to and including the one that completes the stop string
+    assert r.usage.completion_tokens == n and len(r.choices[0].logprobs.token_logprobs) == n
+    assert r.choices[0].logprobs.tokens == [f"t{t}" for t in greedy[:n]]
