@@ -28,6 +28,7 @@ from services.rpc.stubs import coordinator as cpb
 from services.spec.sampling import MAX_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 _UNSET = object()
 
 
@@ -59,7 +60,6 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "presence_penalty", "frequency_penalty", "logit_bias", "best_of", "min_p", "repetition_penalty",
            "stop_token_ids", "metadata", "store"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "response_format", "parallel_tool_calls", "add_generation_prompt", "skip_chat_template"}
 

@@ -237,10 +237,11 @@ class Verifier:
 
     def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int]
                 ) -> list[Result]:
-        # greedy: one argmax over every greedy entry's logits rows
+        # the rows acceptance reads: the target's logits, penalised per row for a repetition penalty
         seen = {j: self._seen(c, out.logits[j]) for j, c in enumerate(calls)
                 if self._sampling(c).repetition_penalty != 1.0}
         logits = [self._penalized(c, out.logits[j], seen.get(j)) for j, c in enumerate(calls)]
+        # greedy: one argmax over every greedy entry's rows
         greedy = [j for j, c in enumerate(calls) if self._sampling(c).greedy]
         argmax: dict[int, torch.Tensor] = {}
         if greedy:
