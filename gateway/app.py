@@ -277,7 +277,7 @@ class _Reply:
         self.chat = chat
         self.want_logprobs = logprobs
         self.logprobs: list[pb.TokenLogprobs] = []  # per message, when asked for
-        self.sent = 0  # completion text characters streamed so far (the next chunk's text_offset)
+        self.offset = 0  # text_offset of the next streamed token (completions' logprobs)
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + first.sequence_id
         self.created = int(time.time())
@@ -306,10 +306,10 @@ class _Reply:
             choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs([lp]) if lp is not None else None,
                       "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
-        text = delta.get("content", "")
-        logprobs = completion_logprobs([lp], self.sent) if lp is not None else None
-        self.sent += len(text)
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        logprobs = completion_logprobs([lp], self.offset) if lp is not None else None
+        if logprobs is not None and logprobs["tokens"]:
+            self.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
 
     def usage_chunk(self) -> dict:

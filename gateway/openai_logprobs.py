@@ -38,7 +38,9 @@ def chat_logprobs(lps: list[pb.TokenLogprobs]) -> dict:
 
 
 def completion_logprobs(lps: list[pb.TokenLogprobs], offset: int = 0) -> dict:
-    """`offset`: characters of completion text before these tokens (text_offset counts from there)."""
+    """`offset`: the text_offset of the first of these tokens. A token's text_offset is the summed
+    length of the shown texts of the tokens before it (its position in the completion text when each
+    token decodes alone to its piece of the text, as byte-level BPE tokens of whole characters do)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for text, value, top in _rows(lps):
         out["tokens"].append(text)

@@ -108,6 +108,8 @@ def test_completion_logprobs_are_the_targets(client, llama_pair):
                                             extra_body={**RAW, "repetition_penalty": 1.0}))
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    offsets = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
 
 
 def test_chat_logprobs(client, llama_pair):
