@@ -5,7 +5,7 @@
     GET  /v1/models              the served model
     GET  /health                 200 when a verifier (and, unless plain decoding, a drafter) answers
     GET  /metrics                Prometheus text of this process (the coordinator's metrics)
-    POST /tokenize, /detokenize  vLLM's, with the coordinator's tokenizer; GET /version (gateway/extras.py)
+    POST /tokenize, /detokenize  vLLM's, with the coordinator's tokenizer; GET /version, /openapi.json (gateway/extras.py)
     404 / 405                    JSON in OpenAI's error shape, like every other error
 
 With API tokens (services/rpc/security.py) every route but /health and /metrics needs
@@ -104,6 +104,7 @@ class Gateway:
             Route("/tokenize", extras.tokenize, methods=["POST"]),
             Route("/detokenize", extras.detokenize, methods=["POST"]),
             Route("/version", extras.version, methods=["GET"]),
+            Route("/openapi.json", extras.openapi, methods=["GET"]),
         ], exception_handlers={HTTPException: http_error})
 
     # ---- coordinator info ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ its JSON errors for unknown routes and methods:
     POST /tokenize      {"prompt": "..."} | {"messages": [...]}  -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize    {"tokens": [...]}                        -> {"prompt": "..."}
     GET  /version                                               -> {"version": "<aerie's version>"}
+    GET  /openapi.json                                          -> the OpenAPI document (gateway/openai_schema.py)
     404 / 405           {"error": {"message": "Invalid URL (GET /v1/nothing)", "type": "invalid_request_error", ...}}
 
 /tokenize applies the chat template exactly as a chat completion does, so its count is the prompt
@@ -24,7 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from gateway.errors import error_body, from_rpc
+from gateway import openai_schema
 from gateway.openai_request import BadParameter, _bool, _content, _show
+from gateway.openai_schema import fields
 from services.rpc.stubs import coordinator as cpb
 
 
@@ -59,8 +62,7 @@ def _fields(body: Any, allowed: set[str]) -> dict:
 
 def tokenize_request(body: Any) -> tuple[cpb.TokenizeRequest, bool]:
     """-> (the coordinator request, return_token_strs)."""
-    body = _fields(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                          "return_token_strs"})
+    body = _fields(body, fields(openai_schema.TokenizeRequest))
     msg = cpb.TokenizeRequest()
     if ("prompt" in body) == ("messages" in body):
         raise BadParameter("prompt", "give exactly one of prompt and messages")
@@ -84,7 +86,7 @@ def tokenize_request(body: Any) -> tuple[cpb.TokenizeRequest, bool]:
 
 
 def detokenize_request(body: Any) -> cpb.DetokenizeRequest:
-    body = _fields(body, {"model", "tokens"})
+    body = _fields(body, fields(openai_schema.DetokenizeRequest))
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise BadParameter("tokens", f"tokens must be a list of token ids; got {_show(tokens)}")
@@ -138,3 +140,6 @@ class Extras:
 
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": version()})
+
+    async def openapi(self, request: Request) -> JSONResponse:
+        return JSONResponse(openai_schema.openapi(version()))

@@ -25,10 +25,10 @@ from typing import Any
 
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
+from gateway.openai_schema import MAX_COMPLETION_LOGPROBS, ChatCompletionRequest, CompletionRequest, fields
 from services.spec.sampling import MAX_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 _UNSET = object()
 
 
@@ -54,14 +54,11 @@ class Parsed:
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-# Fields accepted by both endpoints; the value checks are below.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-           "stream_options", "logprobs", "user", "ignore_eos", "skip_special_tokens",
-           "presence_penalty", "frequency_penalty", "logit_bias", "best_of", "min_p", "repetition_penalty",
-           "stop_token_ids", "metadata", "store"}
-_COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "response_format", "parallel_tool_calls", "add_generation_prompt", "skip_chat_template"}
+# The fields each route knows: its typed model's (gateway/openai_schema.py, also the OpenAPI
+# document); the value checks are below.
+_COMPLETION = fields(CompletionRequest)
+_CHAT = fields(ChatCompletionRequest)
+_MESSAGE = frozenset({"role", "content", "name"})  # and refusal / tool_calls when null or empty
 
 
 def _show(value: Any) -> str:
@@ -279,7 +276,7 @@ def parse_chat(body: Any) -> Parsed:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadParameter(f"messages[{i}]", f"messages[{i}] must be an object; got {_show(m)}")
-        extra = sorted(set(m) - {"role", "content", "name"} - {k for k in ("refusal", "tool_calls") if not m.get(k)})
+        extra = sorted(set(m) - _MESSAGE - {k for k in ("refusal", "tool_calls") if not m.get(k)})
         if extra:
             raise BadParameter(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]}={_show(m[extra[0]])} "
                                f"is not supported")

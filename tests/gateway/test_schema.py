@@ -1,0 +1,127 @@
+"""The typed models (gateway/openai_schema.py, served as /openapi.json) and the request parser
+(gateway/openai_request.py) agree: the same fields exist, and bodies on both sides of every bound are
+accepted or refused by both, the refusal naming the same field. Pure: no servers."""
+
+import pytest
+from pydantic import ValidationError
+
+from gateway import openai_schema as schema
+from gateway.extras import detokenize_request, tokenize_request
+from gateway.openai_request import BadParameter, parse_chat, parse_completion
+
+COMPLETION = {"prompt": "t5 t6"}
+CHAT = {"messages": [{"role": "user", "content": "t5"}]}
+USER = {"role": "user", "content": "t5"}
+
+CASES = [  # (route, body changes, accepted?)
+    ("completions", {}, True),
+    ("completions", {"prompt": [5, 6]}, True),
+    ("completions", {"prompt": [[5, 6]]}, True),
+    ("completions", {"prompt": ["a"]}, True),
+    ("completions", {"prompt": ["a", "b"]}, False),
+    ("completions", {"prompt": ""}, False),
+    ("completions", {"prompt": [-1]}, False),
+    ("completions", {"prompt": 7}, False),
+    ("completions", {"temperature": 2}, True), ("completions", {"temperature": 2.01}, False),
+    ("completions", {"temperature": 0}, True), ("completions", {"temperature": -0.1}, False),
+    ("completions", {"temperature": "1"}, False),
+    ("completions", {"top_p": 1}, True), ("completions", {"top_p": 0}, False),
+    ("completions", {"top_k": -1}, True), ("completions", {"top_k": -2}, False), ("completions", {"top_k": 2.0}, False),
+    ("completions", {"min_p": 1}, True), ("completions", {"min_p": 1.5}, False),
+    ("completions", {"repetition_penalty": 0.5}, True), ("completions", {"repetition_penalty": 0}, False),
+    ("completions", {"seed": 2**63 - 1}, True), ("completions", {"seed": 2**63}, False),
+    ("completions", {"seed": -1}, False),
+    ("completions", {"max_tokens": 1}, True), ("completions", {"max_tokens": 0}, False),
+    ("completions", {"logprobs": 5}, True), ("completions", {"logprobs": 6}, False),
+    ("completions", {"stop": "x"}, True), ("completions", {"stop": ["x", "y"]}, True),
+    ("completions", {"stop": [""]}, False), ("completions", {"stop": 7}, False),
+    ("completions", {"stop_token_ids": [0, 5]}, True), ("completions", {"stop_token_ids": [-1]}, False),
+    ("completions", {"stop_token_ids": [True]}, False),
+    ("completions", {"n": 1}, True), ("completions", {"n": 2}, False), ("completions", {"best_of": 3}, False),
+    ("completions", {"presence_penalty": 0.0}, True), ("completions", {"presence_penalty": 0.5}, False),
+    ("completions", {"logit_bias": {}}, True), ("completions", {"logit_bias": {"5": 1.0}}, False),
+    ("completions", {"echo": False}, True), ("completions", {"echo": True}, False),
+    ("completions", {"suffix": "x"}, False),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True}}, True),
+    ("completions", {"stream": 1}, False),
+    ("completions", {"metadata": {"a": "b"}, "store": True, "user": "u"}, True),
+    ("completions", {"metadata": {"a": 1}}, False),
+    ("completions", {"ignore_eos": True, "skip_special_tokens": False}, True),
+    ("completions", {"frobnicate": 1}, False),
+    ("completions", {"top_logprobs": 2}, False),  # a chat field
+    ("chat", {}, True),
+    ("chat", {"messages": []}, False),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "t5"}]}]}, True),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
+    ("chat", {"messages": [{"role": "", "content": "t5"}]}, False),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": "t6", "refusal": None, "tool_calls": []}]}, True),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": "t6", "refusal": "no"}]}, False),
+    ("chat", {"messages": [{"role": "user", "content": "t5", "audio": {}}]}, False),
+    ("chat", {"logprobs": True, "top_logprobs": 20}, True), ("chat", {"logprobs": True, "top_logprobs": 21}, False),
+    ("chat", {"max_completion_tokens": 4}, True), ("chat", {"max_completion_tokens": 0}, False),
+    ("chat", {"tools": []}, True), ("chat", {"tools": [{"type": "function"}]}, False),
+    ("chat", {"tool_choice": "none"}, True), ("chat", {"tool_choice": "auto"}, False),
+    ("chat", {"response_format": {"type": "text"}}, True),
+    ("chat", {"response_format": {"type": "json_object"}}, False),
+    ("chat", {"parallel_tool_calls": False, "skip_chat_template": True}, True),
+    ("chat", {"add_generation_prompt": True}, True), ("chat", {"add_generation_prompt": False}, False),
+    ("chat", {"echo": False}, False),  # a completions field
+]
+
+
+def _parse(route: str, body: dict):
+    if route == "completions":
+        return parse_completion({**COMPLETION, **body}), schema.CompletionRequest, {**COMPLETION, **body}
+    return parse_chat({**CHAT, **body}), schema.ChatCompletionRequest, {**CHAT, **body}
+
+
+def _root(param: str) -> str:
+    return param.split(".")[0].split("[")[0]
+
+
+@pytest.mark.parametrize("route,body,accepted", CASES, ids=[f"{r}-{sorted(b)}-{a}" for r, b, a in CASES])
+def test_models_and_parser_agree(route, body, accepted):
+    model = schema.CompletionRequest if route == "completions" else schema.ChatCompletionRequest
+    full = {**(COMPLETION if route == "completions" else CHAT), **body}
+    parser = parse_completion if route == "completions" else parse_chat
+    if accepted:
+        parser(full)
+        model.model_validate(full)
+        return
+    with pytest.raises(BadParameter) as refused:
+        parser(full)
+    with pytest.raises(ValidationError) as invalid:
+        model.model_validate(full)
+    locs = {str(e["loc"][0]) for e in invalid.value.errors()}
+    assert _root(refused.value.param) in locs, (refused.value.param, invalid.value.errors())
+
+
+def test_vllm_routes_agree():
+    for body, ok in [({"prompt": "x"}, True), ({"messages": [USER]}, True), ({"prompt": ""}, False),
+                     ({"prompt": "x", "bogus": 1}, False)]:
+        if ok:
+            tokenize_request(body)
+            schema.TokenizeRequest.model_validate(body)
+        else:
+            with pytest.raises(BadParameter):
+                tokenize_request(body)
+            with pytest.raises(ValidationError):
+                schema.TokenizeRequest.model_validate(body)
+    detokenize_request({"tokens": [1, 2]})
+    schema.DetokenizeRequest.model_validate({"tokens": [1, 2]})
+    with pytest.raises(BadParameter):
+        detokenize_request({"tokens": "x"})
+    with pytest.raises(ValidationError):
+        schema.DetokenizeRequest.model_validate({"tokens": "x"})
+
+
+def test_openapi_document_lists_every_route_and_field():
+    doc = schema.openapi("0.1.0")
+    assert doc["openapi"].startswith("3.1") and doc["info"]["version"] == "0.1.0"
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models", "/health",
+            "/metrics", "/version"} <= set(doc["paths"])
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert set(chat["properties"]) == schema.fields(schema.ChatCompletionRequest)
+    assert chat["additionalProperties"] is False and chat["required"] == ["messages"]
+    top = chat["properties"]["top_logprobs"]["anyOf"][0]
+    assert (top["minimum"], top["maximum"]) == (0, 20)
