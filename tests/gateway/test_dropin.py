@@ -186,6 +186,8 @@ def test_tokenize_detokenize_version_models(served, client):
     bad = httpx.post(base + "/detokenize", json={"tokens": [999]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
     assert httpx.get(base + "/version").json() == {"version": "0.1.0"}
+    doc = httpx.get(base + "/openapi.json").json()
+    assert "/v1/chat/completions" in doc["paths"] and "CompletionRequest" in doc["components"]["schemas"]
     card = httpx.get(base + "/v1/models").json()["data"][0]
     assert (card["max_model_len"], card["max_tokens"]) == (512, CAP)
 
