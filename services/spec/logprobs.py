@@ -40,7 +40,7 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int], top: int) -> TokenLogprobs:
     """logits [n, V] (row i produced tokens[i]), tokens [n], top k >= 0 -> TokenLogprobs on the host
     (one copy)."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).to(logits.device)
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=logits.device)
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
     chosen = lp.gather(1, ids[:, None])[:, 0]  # [n]
     values, indices = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)  # [n, k]

@@ -28,13 +28,12 @@ class SeenTokens:
 
     def add(self, tokens: torch.Tensor | list[int]) -> None:
         """tokens [n] long: now part of the committed context."""
-        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.mask.device)
-        self.mask[ids] = True
+        self.mask[torch.as_tensor(tokens, dtype=torch.long, device=self.mask.device)] = True
 
     def with_tokens(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
         """[1, V]: the context plus `tokens` (a decode step's committed token), not kept."""
         row = self.mask.clone()
-        row[torch.as_tensor(tokens, dtype=torch.long).to(row.device)] = True
+        row[torch.as_tensor(tokens, dtype=torch.long, device=row.device)] = True
         return row[None]
 
     def tree_rows(self, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:

@@ -122,16 +122,20 @@ class FactoryAudit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_round_factories_name_their_device(llama_pair, temperature):
+@pytest.mark.parametrize("temperature,extra", [(0.0, {}), (0.8, {}),
+                                               (0.0, {"repetition_penalty": 1.3, "logprobs": 2}),
+                                               (0.8, {"repetition_penalty": 1.3, "min_p": 0.05, "logprobs": 2})],
+                         ids=["greedy", "sampled", "greedy-penalty-logprobs", "sampled-penalty-min_p-logprobs"])
+def test_round_factories_name_their_device(llama_pair, temperature, extra):
     """A real draft/verify loop on the CPU (prefill, draft, verify, decode): every tensor created by
-    aerie's hot path names its device, so on a GPU nothing lands on the host by default."""
+    aerie's hot path names its device, so on a GPU nothing lands on the host by default (the
+    repetition penalty's context masks and the log-probabilities included)."""
     _, target, head = llama_pair
     verifier = Verifier(target, head.feature_kind)
     engine = Engine(verifier, Drafter(head, TREE), 512, target.config.vocab_size)
     plain = Engine(verifier, None, 512, target.config.vocab_size)
     req = GenerationRequest((3, 17, 29, 4), max_new_tokens=12,
-                            sampling=SamplingParams(temperature=temperature, seed=7))
+                            sampling=SamplingParams(temperature=temperature, seed=7, **extra))
     # the engine itself builds host tensors (prompt, pending tokens) that the roles move: audit the roles
     audit = FactoryAudit()
     for role, method in ((verifier, "prefill"), (verifier, "verify"), (verifier, "decode"),
