@@ -38,12 +38,14 @@ class SeenTokens:
 
     def tree_rows(self, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """tokens [N] long, ancestors [N, N] bool (row i: node i and its ancestors) -> [N, V] bool:
-        the context of each node. Example: tokens [7, 3, 9], parents [-1, 0, 0] -> row 2 adds {7, 9}."""
-        ancestors = ancestors.to(self.mask.device)
-        rows = self.mask[None].repeat(tokens.shape[0], 1)  # [N, V]
-        node, anc = ancestors.nonzero(as_tuple=True)  # pairs (node, one of its ancestors or itself)
-        rows[node, tokens.to(self.mask.device)[anc]] = True
-        return rows
+        the context of each node. Example: tokens [7, 3, 9], parents [-1, 0, 0] -> row 2 adds {7, 9}.
+        One scatter on the mask's device, no host sync: row i, column tokens[j] takes the max of
+        itself and ancestors[i, j]."""
+        n = tokens.shape[0]
+        rows = self.mask.to(torch.uint8)[None].repeat(n, 1)  # [N, V]
+        index = tokens.to(self.mask.device)[None].expand(n, -1)  # [N, N]: column tokens[j] in every row
+        rows.scatter_reduce_(1, index, ancestors.to(self.mask.device, torch.uint8), reduce="amax")
+        return rows.bool()
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

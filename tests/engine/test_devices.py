@@ -26,6 +26,7 @@ from services.engine.engine import Engine, GenerationRequest
 from services.engine.verifier import Verifier, _Sequence
 from services.errors import InvalidRequest
 from services.model.target import TargetModel
+from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, round_generator
 from services.spec.tree import TreeParams, build_tree
 from services.spec.verify import accept_greedy, accept_sampling
@@ -68,16 +69,19 @@ def test_tree_to_moves_every_tensor():
     assert moved.paths.shape == tree.paths.shape
 
 
-def test_verify_round_on_the_device_until_the_one_host_copy(llama_pair):
+@pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["plain", "repetition-penalty"])
+def test_verify_round_on_the_device_until_the_one_host_copy(llama_pair, penalty):
     """The model, its KV and the tree on `meta`: the round must run with no device mix and no host
-    sync until acceptance copies the accepted path back, in accept_greedy."""
+    sync until acceptance copies the accepted path back, in accept_greedy (a repetition penalty's
+    per-node context masks included)."""
     _, target, _ = llama_pair
     with torch.device("meta"):
         model = TargetModel(target.config).eval().requires_grad_(False)
     verifier = Verifier(model, "hidden")
     slot = verifier.runner.allocate(64)
     verifier.runner.pool.cache(slot).length = 10  # as if a 10-token prompt had been prefilled
-    verifier._seqs["s"] = _Sequence(slot, 10, 64, SamplingParams(), "hidden")
+    seen = SeenTokens(target.config.vocab_size, "meta") if penalty != 1.0 else None
+    verifier._seqs["s"] = _Sequence(slot, 10, 64, SamplingParams(repetition_penalty=penalty), "hidden", seen=seen)
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as info:
         verifier.verify("s", small_tree("cpu"), 1)  # a host tree, as the drafter service sends it
     frames = [f for f in traceback.extract_tb(info.tb) if "/services/" in f.filename]
