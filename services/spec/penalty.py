@@ -30,12 +30,6 @@ class SeenTokens:
         """tokens [n] long: now part of the committed context."""
         self.mask[torch.as_tensor(tokens, dtype=torch.long, device=self.mask.device)] = True
 
-    def with_tokens(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
-        """[1, V]: the context plus `tokens` (a decode step's committed token), not kept."""
-        row = self.mask.clone()
-        row[torch.as_tensor(tokens, dtype=torch.long, device=row.device)] = True
-        return row[None]
-
     def tree_rows(self, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """tokens [N] long, ancestors [N, N] bool (row i: node i and its ancestors) -> [N, V] bool:
         the context of each node. Example: tokens [7, 3, 9], parents [-1, 0, 0] -> row 2 adds {7, 9}.
