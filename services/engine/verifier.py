@@ -43,7 +43,7 @@ from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
 from services.spec.logprobs import TokenLogprobs, token_logprobs
-from services.spec.penalty import SeenTokens, penalize
+from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, next_token, round_generator
 from services.spec.tree import DraftTree
 from services.spec.verify import Acceptance, accept, accept_greedy_argmax
@@ -318,11 +318,10 @@ class Verifier:
         """logits [R, V] -> the rows the acceptance reads ([R, V]; unchanged without a penalty)."""
         if seen is None:
             return logits
+        penalty = self._sampling(call).repetition_penalty
         if isinstance(call, VerifyCall):
-            rows = seen.tree_rows(call.tree.tokens, call.tree.mask)  # [N, V]
-        else:
-            rows = seen.mask[None].expand(logits.shape[0], -1)
-        return penalize(logits, rows, self._sampling(call).repetition_penalty)
+            return seen.penalize(logits, penalty, call.tree.tokens, call.tree.mask)
+        return seen.penalize(logits, penalty)
 
     def _keep_logprobs(self, seq_id: str, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits [n, V]: the target's raw logits of the rows that produced tokens [n]."""

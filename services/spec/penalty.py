@@ -1,10 +1,10 @@
 """The repetition penalty (transformers' RepetitionPenaltyLogitsProcessor, vLLM's `repetition_penalty`),
 applied to the target's logits of every row a verifier forward scores, each row with its own context.
 
-    seen = SeenTokens(vocab_size, device); seen.add(prompt)   # the tokens of the sequence's context
-    rows = seen.tree_rows(tree.tokens, tree.mask)              # [N, V]: context of each tree node
-    logits = penalize(logits, rows, params.repetition_penalty) # then process_logits / acceptance
-    seen.add(accepted tokens)                                  # after the round
+    seen = SeenTokens(vocab_size, device); seen.add(prompt)    # the tokens of the sequence's context
+    logits = seen.penalize(logits, params.repetition_penalty,    # each tree node with its own context,
+                           tree.tokens, tree.mask)               # then process_logits / acceptance
+    seen.add(accepted tokens)                                   # after the round
 
 A token already in the context has its logit divided by the penalty when positive and multiplied by
 it when negative (penalty > 1 discourages repeats). The context of tree node n is the sequence's
@@ -21,30 +21,48 @@ import torch
 
 
 class SeenTokens:
-    """The token ids in a sequence's committed context, as a mask [V] bool on the logits' device."""
+    """The distinct token ids in a sequence's committed context, on the logits' device: as a mask
+    [V] bool and as a list [C] long (C distinct ids), kept in step with a host set."""
 
     def __init__(self, vocab_size: int, device: str | torch.device) -> None:
         self.mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+        self.ids = torch.zeros(0, dtype=torch.long, device=device)  # [C]
+        self._host: set[int] = set()
 
     def add(self, tokens: torch.Tensor | list[int]) -> None:
-        """tokens [n] long: now part of the committed context."""
-        self.mask[torch.as_tensor(tokens, dtype=torch.long, device=self.mask.device)] = True
+        """tokens [n] long on the host (a prompt, committed tokens): now part of the context."""
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        new = [t for t in dict.fromkeys(ids) if t not in self._host]
+        if new:
+            self._host.update(new)
+            fresh = torch.tensor(new, dtype=torch.long, device=self.mask.device)
+            self.ids = torch.cat([self.ids, fresh])
+            self.mask[fresh] = True
 
-    def tree_rows(self, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-        """tokens [N] long, ancestors [N, N] bool (row i: node i and its ancestors) -> [N, V] bool:
-        the context of each node. Example: tokens [7, 3, 9], parents [-1, 0, 0] -> row 2 adds {7, 9}.
-        One scatter on the mask's device, no host sync: row i, column tokens[j] takes the max of
-        itself and ancestors[i, j]."""
-        n = tokens.shape[0]
-        rows = self.mask.to(torch.uint8)[None].repeat(n, 1)  # [N, V]
-        index = tokens.to(self.mask.device)[None].expand(n, -1)  # [N, N]: column tokens[j] in every row
-        rows.scatter_reduce_(1, index, ancestors.to(self.mask.device, torch.uint8), reduce="amax")
-        return rows.bool()
-
-
-def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits [N, V], seen [N, V] bool -> penalised logits [N, V] fp32 (a new tensor)."""
-    x = logits.float()
-    if penalty == 1.0:
+    def penalize(self, logits: torch.Tensor, penalty: float, tokens: torch.Tensor | None = None,
+                 ancestors: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [R, V] -> penalised logits [R, V] fp32 (a new tensor). Without `tokens` every row
+        has the committed context (prefill and decode rows). With a tree, tokens [N] long and
+        ancestors [N, N] bool (row i: node i and its ancestors): row i's context also holds the
+        tokens of its root-to-i path. Example: context {1}, tokens [7, 3, 9], parents [-1, 0, 0]:
+        row 2 penalises {1, 7, 9}. Cost O(R * C + N^2) on the device and no host sync: the context's
+        columns in every row, then each row's path tokens (gathered, penalised unless already in the
+        context, scattered back; a token twice on a path writes the same value twice)."""
+        x = logits.float().clone()
+        if self.ids.numel():
+            x[:, self.ids] = _penalized(x[:, self.ids], penalty)
+        if tokens is not None:
+            tokens = tokens.to(self.mask.device)
+            n = tokens.shape[0]
+            index = tokens[None].expand(n, -1)  # [N, N]: column tokens[j] in every row
+            same = (tokens[:, None] == tokens[None, :]).float()  # [N, N]: nodes k and j hold one token
+            on_path = (ancestors.to(self.mask.device).float() @ same) > 0  # [N, N]: tokens[j] on i's path
+            apply = on_path & ~self.mask[tokens][None]  # not penalised twice
+            values = x.gather(1, index)
+            x.scatter_(1, index, torch.where(apply, _penalized(values, penalty), values))
         return x
-    return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+
+
+def _penalized(x: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' rule for a token in the context: logit / penalty when positive, * penalty when not."""
+    return torch.where(x < 0, x * penalty, x / penalty)

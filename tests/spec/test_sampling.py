@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from services.errors import InvalidRequest
-from services.spec.penalty import SeenTokens, penalize
+from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, process_logits, round_generator, sample, target_probs
 from services.spec.tree import DraftTree
 from services.spec.verify import accept_sampling
@@ -83,15 +83,14 @@ def target_logits(prefix: tuple[int, ...], params: SamplingParams) -> torch.Tens
 
 def tree_logits(params: SamplingParams, wrong_context: bool = False) -> torch.Tensor:
     """[N, V]: what the verifier hands acceptance: the raw logits of every tree node, penalised with
-    the node's own context (SeenTokens.tree_rows), or (wrong_context) with the root's alone."""
+    the node's own context (SeenTokens.penalize), or (wrong_context) with the root's alone."""
     raw = torch.stack([mock_logits(node_prefix(TREE, i)) for i in range(TREE.size)])
     seen = SeenTokens(V, "cpu")
     ancestors = TREE.mask
     if wrong_context:  # every node sees the root only
         ancestors = torch.zeros_like(TREE.mask)
         ancestors[:, 0] = True
-    rows = seen.tree_rows(TREE.tokens, ancestors)
-    return penalize(raw, rows, params.repetition_penalty)
+    return seen.penalize(raw, params.repetition_penalty, TREE.tokens, ancestors)
 
 
 def first_three(params: SamplingParams, draw: int, wrong: bool, wrong_context: bool = False) -> tuple[int, ...]:
@@ -199,16 +198,24 @@ def test_min_p_and_penalty_match_transformers():
     seen = SeenTokens(50, "cpu")
     seen.add(context[0])
     ref = RepetitionPenaltyLogitsProcessor(1.3)(context, logits.clone())
-    assert torch.allclose(penalize(logits, seen.mask[None].expand(3, -1), 1.3), ref)
+    assert torch.allclose(seen.penalize(logits, 1.3), ref)
 
 
-def test_tree_rows_hold_each_nodes_path():
-    """tokens [7, 3, 9, 4], parents [-1, 0, 0, 1], context {1}: node 3's row is {1, 7, 3, 4}."""
-    tree = make_tree([7, 3, 9, 4], [-1, 0, 0, 1])
-    seen = SeenTokens(10, "cpu")
-    seen.add([1])
-    rows = seen.tree_rows(tree.tokens, tree.mask)
-    assert [sorted(r.nonzero().flatten().tolist()) for r in rows] == [[1, 7], [1, 3, 7], [1, 7, 9], [1, 3, 4, 7]]
+def test_each_tree_node_is_penalised_with_its_own_path():
+    """tokens [7, 3, 9, 3, 7], parents [-1, 0, 0, 1, 3], context {1, 9}: node i's row equals
+    transformers' processor over (context, path to i), repeated tokens penalised once."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    tree = make_tree([7, 3, 9, 3, 7], [-1, 0, 0, 1, 3])
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(2))
+    seen = SeenTokens(12, "cpu")
+    seen.add([1, 9, 1])
+    got = seen.penalize(logits, 1.5, tree.tokens, tree.mask)
+    for i in range(5):
+        context = [1, 9] + [int(tree.tokens[j]) for j in range(5) if tree.mask[i, j]]
+        ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([context]), logits[i:i + 1].clone())[0]
+        assert torch.allclose(got[i], ref), i
+    assert torch.equal(logits, torch.randn(5, 12, generator=torch.Generator().manual_seed(2)))  # not modified
 
 
 @pytest.mark.parametrize("kw,word", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
