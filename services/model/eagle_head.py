@@ -35,7 +35,7 @@ from torch import nn
 
 from services.model.config import rope_inv_freq
 from services.model.kv_cache import KVCache
-from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask
+from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask, host_bound
 from services.model.linear import Linear
 
 HeadKind = Literal["eagle", "eagle3"]
@@ -172,7 +172,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         if positions is None:
             positions = torch.arange(prefix, prefix + t, device=ids.device)
         mask = attention_mask(prefix, t, tree_mask, self.device)
-        cos, sin = self.rotary(positions, self.dtype)
+        cos, sin = self.rotary(positions, self.dtype, host_bound(positions, prefix + t))
         out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin, cache, mask)
         cache.advance(t)
         return out
@@ -192,7 +192,8 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         for cache, t in zip(caches, sizes):
             cache.reserve(t)
         dense = [attention_mask(cache.length, t, m, self.device) for cache, t, m in zip(caches, sizes, masks)]
-        cos, sin = self.rotary(positions, self.dtype)
+        bound = max(cache.length + t for cache, t in zip(caches, sizes))
+        cos, sin = self.rotary(positions, self.dtype, host_bound(positions, bound))
         out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin,
                           BatchKV(caches, dense, list(offsets)), None)
         for cache, t in zip(caches, sizes):

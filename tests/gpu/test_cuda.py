@@ -1,0 +1,155 @@
+"""CUDA checks (`pytest -m gpu`; skipped without a GPU; scripts/gpu_check.sh runs them): the paged,
+static-shape path and its CUDA graphs against the eager path, the CPU, transformers and the EAGLE
+reference fixture."""
+
+import copy
+
+import pytest
+import torch
+
+from services.engine.drafter import Drafter
+from services.engine.engine import Engine, GenerationRequest
+from services.engine.verifier import DecodeCall, Verifier
+from services.model.paged_kv import PagedKVPool
+from services.model.runner import ModelRunner
+from services.model.step import Step, StepEntry
+from services.model.uniform import UniformRunner, forward_uniform
+from services.spec.sampling import SamplingParams
+from services.spec.tree import TreeParams
+from tests.helpers import VOCAB, hf_greedy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on one)")]
+
+SHAPES = {"60/5/10": TreeParams(10, 5, 60), "16/3/4": TreeParams(4, 3, 16), "chain 8/7/1": TreeParams(1, 7, 8)}
+
+
+def on_cuda(target, head=None, dtype=torch.float32):
+    """Copies of a CPU target (and its head, re-pointed at the copy's lm_head) on the GPU."""
+    t = copy.deepcopy(target).to("cuda", dtype)
+    if head is None:
+        return t
+    h = copy.deepcopy(head)
+    if hasattr(h, "_target_head"):
+        h._target_head = (t.lm_head,)
+    return t, h.to("cuda", dtype)
+
+
+def generate(engine, prompt, n, **kw):
+    tokens, accepts = [], []
+    for out in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
+        tokens += out.tokens
+        accepts.append(out.stats.accept_length)
+    return tokens, accepts
+
+
+def prompts(seed, count=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_equals_eager_bit_for_bit(llama_pair, dtype):
+    """The same steps through a captured graph and through the eager static-shape forward: the
+    same logits and hidden states, bit for bit (decodes, then a tree, at batch 1 and 3)."""
+    _, target, _ = llama_pair
+    t = on_cuda(target, dtype=dtype)
+    runners = [ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=g) for g in (False, True)]
+    slots = [[r.allocate(200) for _ in range(3)] for r in runners]
+    outs = []
+    for r, ss in zip(runners, slots):
+        r.execute(Step(tuple(StepEntry(s, torch.tensor(p), logits="last") for s, p in zip(ss, prompts(1)))))
+        seq = []
+        for k in range(4):
+            seq.append(r.execute(Step(tuple(StepEntry(s, torch.tensor([5 + k + i]), logits="last")
+                                            for i, s in enumerate(ss)))))
+        tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool()
+        seq.append(r.execute(Step((StepEntry(ss[0], torch.tensor([3, 4, 5]), tree_mask=tree),))))
+        outs.append([(tuple(x.clone() for x in o.logits), o.hidden.clone()) for o in seq])
+    assert runners[1].uniform.captures >= 2
+    for (le, he), (lg, hg) in zip(*outs):
+        assert all(torch.equal(a, b) for a, b in zip(le, lg)) and torch.equal(he, hg)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_fp32_cuda_equals_cpu_token_for_token(pair, shape, request):
+    """EAGLE in fp32 on CUDA (paged KV, graphs) == on the CPU, and == transformers' greedy."""
+    hf, target, head = request.getfixturevalue(pair)
+    t, h = on_cuda(target, head)
+    cpu = Engine(Verifier(target, head.feature_kind), Drafter(head, SHAPES[shape]), 512, VOCAB)
+    gpu = Engine(Verifier(t, h.feature_kind), Drafter(h, SHAPES[shape]), 512, VOCAB)
+    assert isinstance(gpu.verifier.runner.pool, PagedKVPool) and gpu.verifier.runner.uniform.graphs_on
+    for prompt in prompts(seed=len(shape)):
+        expected = generate(cpu, prompt, 40)
+        assert generate(gpu, prompt, 40) == expected, prompt
+        assert expected[0] == hf_greedy(hf, prompt, 40)
+
+
+def test_reference_fixture_replays_on_cuda_fp32():
+    """The EAGLE reference's greedy rounds (tests/spec/golden) through the CUDA path in fp32."""
+    from tests.spec import test_reference_golden as ref
+
+    target, head = ref.build_greedy_models()
+    t, h = on_cuda(target, head)
+    g = ref.GOLDEN["greedy"]
+    for run in g["runs"]:
+        total, depth, top_k = run["shape"]
+        engine = Engine(Verifier(t, h.feature_kind), Drafter(h, TreeParams(top_k, depth, total)),
+                        t.config.max_context, t.config.vocab_size, ())
+        tokens, accepts = generate(engine, run["prompt"], g["case"]["max_new_tokens"], ignore_eos=True)
+        assert accepts[1:] == run["accept_lengths"][: len(accepts) - 1]
+        assert tokens == run["tokens"][: len(tokens)]
+
+
+def test_bf16_plain_equals_transformers_bf16(llama_pair):
+    hf, target, _ = llama_pair
+    hf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)
+    t = on_cuda(target, dtype=torch.bfloat16)
+    engine = Engine(Verifier(t), None, 512, VOCAB)
+    for prompt in prompts(seed=4):
+        out = hf16.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert generate(engine, prompt, 32)[0] == out[0, len(prompt):].tolist()
+
+
+def test_batched_equals_alone_on_cuda(llama_pair):
+    _, target, _ = llama_pair
+    t = on_cuda(target)
+    batch, alone = Verifier(t), Verifier(t)
+    last = {}
+    for i, p in enumerate(prompts(seed=6, count=5)):
+        last[i] = batch.prefill(f"s{i}", torch.tensor(p), SamplingParams(), 100).first_token
+        assert alone.prefill(f"s{i}", torch.tensor(p), SamplingParams(), 100).first_token == last[i]
+    for r in range(1, 20):
+        got = batch.run([DecodeCall(f"s{i}", last[i], r) for i in range(5)])
+        for i in range(5):
+            assert alone.decode(f"s{i}", last[i], r) == got[i]
+            last[i] = got[i]
+
+
+def test_static_forward_and_replay_never_synchronise(llama_pair):
+    """torch's sync debug mode raises on any host synchronisation inside the forward and the replay."""
+    _, target, _ = llama_pair
+    t = on_cuda(target)
+    pool = PagedKVPool.for_model(t, 1024)
+    runner = UniformRunner(t, pool, graphs=True)
+    slot = pool.allocate(64)
+    step = Step((StepEntry(slot, torch.tensor([1]), logits="last"),))
+    shape = runner.shape_for(step)
+    inputs = runner.fill(step, shape).to("cuda")
+    graph = runner._capture(shape)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward_uniform(t, pool, shape, inputs)
+        graph.inputs.copy_(inputs)
+        graph.graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):  # the detector works
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            int(inputs.max())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
