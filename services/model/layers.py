@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from services.model import fused
 from services.model.attention import attend
 from services.model.kv_cache import KVCache
 from services.model.linear import Linear, PackedLinear, keep_part_names
@@ -29,10 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -84,14 +81,9 @@ def host_bound(positions: torch.Tensor, bound: int) -> int | None:
     return bound if positions.device.type == "cuda" else None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [heads, T, hd] with cos, sin [T, hd]; or x [T, heads, hd] with cos, sin [T, 1, hd]
-    return x * cos + _rotate_half(x) * sin
+    return fused.rotary(x, cos, sin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +175,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(gate, up))
 
 
 def attention_mask(prefix_len: int, num_new: int, tree_mask: torch.Tensor | None,

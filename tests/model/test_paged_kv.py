@@ -158,7 +158,7 @@ def test_uniform_forward_reads_no_device_value_on_the_host():
     static-shape forward runs through, so it never synchronises with the GPU."""
     with pytest.raises((RuntimeError, NotImplementedError)):  # the detector works
         int(torch.zeros(3, device="meta").max())
-    cfg = ModelConfig("llama", VOCAB, 64, 128, 2, 4, 2, 16, 1e-6, 10000.0, 512)
+    cfg = ModelConfig("llama", VOCAB, 64, 128, 8, 4, 2, 16, 1e-6, 10000.0, 512)  # 8 layers: three distinct taps
     with torch.device("meta"):
         target = TargetModel(cfg)
     pool = PagedKVPool.for_model(target, 256, page_size=8)
