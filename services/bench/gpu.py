@@ -146,19 +146,23 @@ def timed(fn, device: str, repeats: int, warmup: int = 3) -> float:
 
 
 @contextlib.contextmanager
-def attention_backend(name: str | None):
-    old = os.environ.get("AERIE_ATTENTION")
-    if name is None:
-        os.environ.pop("AERIE_ATTENTION", None)
+def env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
     else:
-        os.environ["AERIE_ATTENTION"] = name
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("AERIE_ATTENTION", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["AERIE_ATTENTION"] = old
+            os.environ[name] = old
+
+
+def attention_backend(name: str | None):
+    return env("AERIE_ATTENTION", name)
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -254,7 +258,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
     res["forward_ms"] = timed(one, dev, cfg.repeats) * 1e3
     res["kernels_forward"] = count_kernels(one, dev)
     if cfg.legacy:
-        with attention_backend("sdpa"):
+        with attention_backend("sdpa"), env("AERIE_FUSE", "0"):
             res["forward_sdpa_ms"] = timed(one, dev, max(3, cfg.repeats // 4)) * 1e3
             res["kernels_forward_sdpa"] = count_kernels(one, dev)
     log(f"floor {res['floor_ms']:.2f} ms ({wb / 1e9:.1f} GB at {bw / 1e12:.2f} TB/s); bare forward "
@@ -266,17 +270,24 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
                "paged_eager": lambda: ModelRunner(target, _paged(target, rows), graphs=False)}
     if not dev.startswith("cuda"):
         runners.pop("graphs")
+    else:  # the same graphs over unfused stages (AERIE_FUSE=0 while they are captured)
+        runners["graphs_unfused"] = lambda: ModelRunner(target, _paged(target, rows), graphs=True)
     plain: dict[str, float] = {}
     runner_objs = {}
     for label, make in runners.items():
-        runner = make()
-        runner_objs[label] = runner
-        eng = Engine(Verifier(None, "hidden", runner=runner), None, c.max_context, c.vocab_size)
-        decode_ms(eng, prompt, 4)  # warm-up (graph capture)
-        plain[label] = decode_ms(eng, prompt, cfg.tokens)[0]
+        with env("AERIE_FUSE", "0" if label == "graphs_unfused" else None):
+            runner = make()
+            runner_objs[label] = runner
+            eng = Engine(Verifier(None, "hidden", runner=runner), None, c.max_context, c.vocab_size)
+            decode_ms(eng, prompt, 4)  # warm-up (graph capture)
+            plain[label] = decode_ms(eng, prompt, cfg.tokens)[0]
+        if label == "graphs_unfused":  # its arena is not needed again
+            runner_objs.pop(label)
+            del runner, eng
+            torch.cuda.empty_cache()
         log(f"plain decoding ({label}): {plain[label]:.2f} ms/token")
     if cfg.legacy:
-        with attention_backend("sdpa"):
+        with attention_backend("sdpa"), env("AERIE_FUSE", "0"):
             eng = Engine(Verifier(None, "hidden", runner=ModelRunner(target, KVPool.for_model(target))), None,
                          c.max_context, c.vocab_size)
             decode_ms(eng, prompt, 2)
@@ -419,9 +430,9 @@ def table(res: dict) -> str:
             ("weights read per step (GB)", f(res["weight_gb"])), ("copy bandwidth (TB/s)", f(res["copy_tb_s"])),
             ("bandwidth floor (ms/token)", f(res["floor_ms"])),
             ("bare eager forward (ms)", f(res["forward_ms"])),
-            ("bare eager forward, SDPA's own kernel (ms)", f(res.get("forward_sdpa_ms"))),
+            ("bare eager forward, SDPA own kernel, unfused (ms)", f(res.get("forward_sdpa_ms"))),
             ("kernels per eager decode forward", f(res["kernels_forward"])),
-            ("kernels per eager forward, SDPA's own kernel", f(res.get("kernels_forward_sdpa"))),
+            ("kernels per eager forward, SDPA own kernel, unfused", f(res.get("kernels_forward_sdpa"))),
             ("kernels per static-shape decode step", f(res.get("kernels_uniform_decode")))]
     rows += [(f"plain decoding, {k} (ms/token)", f(v)) for k, v in plain.items()]
     rows += [("plain / floor", f(res.get("plain_vs_floor")))]
