@@ -18,7 +18,8 @@ one host-to-device copy per step:
 so `forward_uniform` reads no device value on the host (a graph replays it as captured) and its
 Python control flow depends only on (B, T, S). With `graphs=True` (CUDA) each shape is captured
 once, on first use, into a graph sharing one memory pool; replays give the eager forward's bits.
-The outputs of a replay are the graph's own buffers: valid until the next `execute`.
+A replay's logits are views of the graph's own buffers, valid until the next `execute` (the
+verifier reads them at once); its hidden states and taps are copies (features outlive the step).
 """
 
 from __future__ import annotations
@@ -185,8 +186,9 @@ class UniformRunner:
             offsets.append(offsets[-1] + e.rows)
         logits = tuple(out.logits[j * t:j * t + e.rows] if e.logits == "all"
                        else out.logits[j * t + e.rows - 1:j * t + e.rows] for j, e in enumerate(step.entries))
-        if all(e.rows == t for e in step.entries):
-            hidden, taps = out.hidden[:offsets[-1]], (out.taps[:offsets[-1]] if out.taps is not None else None)
+        if all(e.rows == t for e in step.entries):  # copies: callers keep features past the next step
+            hidden = out.hidden[:offsets[-1]].clone()
+            taps = out.taps[:offsets[-1]].clone() if out.taps is not None else None
         else:
             idx = torch.from_numpy(np.concatenate([np.arange(j * t, j * t + e.rows) for j, e in enumerate(step.entries)]))
             idx = idx.to(out.hidden.device)

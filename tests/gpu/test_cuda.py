@@ -59,14 +59,19 @@ def deterministic(monkeypatch):
 
 
 def _steps(runner):
-    """The same steps on a fresh runner: 3 prefills, 4 batched decodes, a 3-node tree."""
+    """The same steps on a fresh runner: 3 prefills, 4 batched decodes, a 3-node tree. Each step's
+    outputs are copied at once: a replay's logits are the graph's buffers, reused by the next one."""
     ss = [runner.allocate(200) for _ in range(3)]
-    runner.execute(Step(tuple(StepEntry(s, torch.tensor(p), logits="last") for s, p in zip(ss, prompts(1)))))
-    seq = [runner.execute(Step(tuple(StepEntry(s, torch.tensor([5 + k + i]), logits="last")
-                                     for i, s in enumerate(ss)))) for k in range(4)]
+    steps = [Step(tuple(StepEntry(s, torch.tensor(p), logits="last") for s, p in zip(ss, prompts(1))))]
+    steps += [Step(tuple(StepEntry(s, torch.tensor([5 + k + i]), logits="last") for i, s in enumerate(ss)))
+              for k in range(4)]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool()
-    seq.append(runner.execute(Step((StepEntry(ss[0], torch.tensor([3, 4, 5]), tree_mask=tree),))))
-    return [(torch.cat([x.clone() for x in o.logits]), o.hidden.clone()) for o in seq]
+    steps.append(Step((StepEntry(ss[0], torch.tensor([3, 4, 5]), tree_mask=tree),)))
+    outs = []
+    for step in steps:
+        o = runner.execute(step)
+        outs.append((torch.cat([x.clone() for x in o.logits]), o.hidden.clone()))
+    return outs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
