@@ -13,7 +13,7 @@ from services.rpc.config import DTYPE_NAMES  # services.engine.local.DTYPES' nam
 
 
 # No hand-kept tree defaults: without --tree-* flags the auto budget (services/spec/budget.py) picks
-# every round's shape from the cost model measured on this device (README, "Tree size").
+# every round's shape from the cost model measured on this device (docs/design.md, "The draft budget").
 DTYPE_DEFAULT = "fp32"  # on the CPU; bf16 on a GPU (services/device.py `default_dtype`)
 
 
@@ -58,7 +58,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help=f"target weights and activations (default: bf16 on a GPU, {DTYPE_DEFAULT} on the CPU: token-exact against "
                         "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
                         "int8 linears, opt-in and NOT token-exact: speculative output may differ from int8 plain "
-                        "decoding, see README)")
+                        "decoding, see docs/design.md)")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only the K most frequent target tokens (the head's token_counts.safetensors); "
                         "0 = the full vocabulary (default: 8192 when the head has counts, else full)")

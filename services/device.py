@@ -55,7 +55,7 @@ def is_gpu(device: str) -> bool:
 
 def default_dtype(device: str) -> str:
     """bf16 on a GPU (its tensor cores' native format), fp32 on the CPU (token-exact against
-    transformers, and bf16 is no faster on this CPU: README "Cheaper rounds")."""
+    transformers, and bf16 is no faster on this CPU: docs/design.md "Cheaper rounds")."""
     return "bf16" if is_gpu(device) else "fp32"
 
 

@@ -19,10 +19,10 @@ from services.spec.budget import AUTO_LARGEST, CostModel, build_budget, head_cos
 from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
-# NOT lossless on the default model: README "Cheaper rounds").
+# NOT lossless on the default model: docs/design.md "Cheaper rounds").
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 DRAFT_DTYPES = ("fp32", "bf16", "int8")
-# The draft's precision when none is asked for (README "Cheaper rounds": int8 dynamic linears make a
+# The draft's precision when none is asked for (docs/design.md "Cheaper rounds": int8 dynamic linears make a
 # draft step ~4x cheaper on this CPU at the same agreement; torch's int8 kernels are CPU-only).
 DEFAULT_DRAFT_DTYPE = "int8"
 # The trained head for the default model, shipped in the repository (issue: default model).

@@ -74,7 +74,7 @@ def check_compatible(cfg: HeadConfig, target: TargetModel) -> None:
                 f"this one has {t.num_layers}")
 
 
-# Draft vocabulary when the head directory has token counts and none is asked for (README
+# Draft vocabulary when the head directory has token counts and none is asked for (docs/design.md
 # "Cheaper rounds": draft cost and acceptance at 4k/8k/16k/full on the dev prompts).
 DEFAULT_DRAFT_VOCAB = 8192
 

@@ -9,11 +9,11 @@
 tensor-parallel transform can slice it (rows = column-parallel outputs; `PackedLinear.parts()` gives
 each projection's row range so it can be sliced per projection). `freeze("transposed")` (inference
 only) replaces the storage by one contiguous [in, out] copy, `weight_t`, that `x @ weight_t` reads:
-MKL's `F.linear` path is slow at one row for wide outputs on this CPU (README "Cheaper rounds");
+MKL's `F.linear` path is slow at one row for wide outputs on this CPU (docs/design.md "Cheaper rounds");
 `weight` is then a view of `weight_t`. `freeze("onednn")` keeps that one [in, out] copy for a single
 row and a oneDNN-prepacked copy for 2+ rows (`torch.ops.mkldnn._linear_pointwise`, the kernel
 torch.compile's CPU backend uses): MKL's sgemm costs ~2x per added row at 2-16 rows here, the packed
-kernel about the same at 1-16 rows (README "Cheaper rounds"); it falls back to "both" off the CPU or
+kernel about the same at 1-16 rows (docs/design.md "Cheaper rounds"); it falls back to "both" off the CPU or
 without oneDNN.
 
 A module owning a PackedLinear calls `keep_part_names(self, attr)`: its state_dict shows the parts

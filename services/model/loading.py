@@ -67,8 +67,8 @@ class LoadedTarget:
     path: str  # the directory actually loaded (the converted cache directory for GGUF)
 
 
-# Inference weight layout of the linears (linear.py `parse_layout`; measured in README "Cheaper
-# rounds"): "onednn" keeps [in, out] for one row (decode) and a oneDNN-packed copy for 2+ rows
+# Inference weight layout of the linears (linear.py `parse_layout`; measured in docs/design.md
+# "Cheaper rounds"): "onednn" keeps [in, out] for one row (decode) and a oneDNN-packed copy for 2+ rows
 # (verification, batches, prefill), at twice the linears' memory (on a GPU or without oneDNN it is
 # "both:1"); "both:2" was the default before (MKL's F.linear from 3 rows: ~1.7x slower at 4-16 rows
 # here); "transposed/onednn" keeps one copy of the body (+ the lm_head's second copy only) for large

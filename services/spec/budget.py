@@ -795,7 +795,7 @@ def cached(key: str, measure: Callable[[], dict], recalibrate: bool = False) -> 
 
 
 def target_costs(target, model_id: str, recalibrate: bool = False) -> CostCurve:
-    # the weight layout changes the rows -> time curve (README "Cheaper rounds")
+    # the weight layout changes the rows -> time curve (docs/design.md "Cheaper rounds")
     key = cost_key("verify", model_id, target.device, target.dtype) + f"|layout={getattr(target, 'layout', '')}"
     return CostCurve.from_dict(cached(key, lambda: calibrate_target(target).to_dict(), recalibrate))
 

@@ -152,7 +152,7 @@ def _chi_square_p(obs, joint, n) -> float:
 
 def test_int8_target_speculative_equals_int8_plain(llama_pair):
     """Opt-in int8 target on the tiny models: speculative == aerie's own int8 plain decoding. (On the
-    default model this does NOT hold on most prompts — README "Cheaper rounds": verify and decode take
+    default model this does NOT hold on most prompts — docs/design.md "Cheaper rounds": verify and decode take
     different fp32 paths whose tiny differences int8 rounding amplifies.)"""
     hf, target, head = llama_pair
     q = quantize_linears(copy.deepcopy(target))

@@ -54,7 +54,7 @@ NOT_SET_BY_CHART = {
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
-    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default onednn (README, Cheaper rounds)",
+    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default onednn (docs/design.md, Cheaper rounds)",
     # security (docs/security.md)
     "AERIE_API_TOKEN": "client side: the bearer token of `aerie generate --coordinator`",
     "AERIE_INTERNAL_TOKEN_FILE": "the chart passes the token itself from a Secret (AERIE_INTERNAL_TOKEN)",

@@ -1,7 +1,7 @@
 """A random-weight model of the default model's shape that splits over 2 ranks, for `aerie bench
 --tp-verify 2` (SmolLM2-135M has 9 attention heads and 3 KV heads: it splits over 3 ranks, not 2).
 
-    .venv/bin/python scripts/tp_shape_model.py OUT_DIR
+    .venv/bin/python bench/tp_shape_model.py OUT_DIR
 
 Same hidden size (576), MLP (1536), 30 layers, tied 49152-token vocabulary and tokenizer as
 SmolLM2-135M-Instruct, but 8 heads of 72 and 2 KV heads. Random weights: for latency only.

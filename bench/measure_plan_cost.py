@@ -1,7 +1,7 @@
 """Time one `Budget._choose` (the tree search of a plan) against the number of other sequences in
 the batch, with and without the O(depth) bound that skips the search when plain clearly wins.
 
-    .venv/bin/python scripts/measure_plan_cost.py [--head services/heads/smollm2-135m-eagle] [--calls 400]
+    .venv/bin/python bench/measure_plan_cost.py [--head services/heads/smollm2-135m-eagle] [--calls 400]
 
 The cost model is a synthetic CPU-like curve (55 ms for one row, 3.5 ms per extra row; a draft
 step 1-4 ms); the loads are plain sequences whose measured extras vary from call to call, as on the

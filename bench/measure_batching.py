@@ -2,7 +2,7 @@
 through one BatchedVerifier (services/engine/batched.py) on the default model; prints the decode
 tok/s while all N sequences decode (prefills left out) and the largest batch seen.
 
-    AERIE_TORCH_THREADS=1 .venv/bin/python scripts/measure_batching.py --levels 1,4,16 --tokens 24
+    AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_batching.py --levels 1,4,16 --tokens 24
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and verify calls (RPC included). From each service's Prometheus histograms: the 
 for the same calls (decode, batcher hop, model work, encode; no gRPC). From /proc: the CPU time each
 process spent per round (contention on a small machine: the processes share its cores).
 
-    AERIE_TORCH_THREADS=1 .venv/bin/python scripts/measure_pipeline_overhead.py \
+    AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_pipeline_overhead.py \
         --prompts ../shared/data/spec_bench_dev.jsonl --limit 4 --max-new-tokens 32 [--out FILE.json]
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from up_process import start_up  # noqa: E402  (scripts/)
+from up_process import start_up  # noqa: E402  (bench/)
 
 HISTOGRAMS = ("aerie_verify_seconds", "aerie_draft_seconds", "aerie_commit_seconds", "aerie_prefill_seconds")
 

@@ -7,7 +7,7 @@ request (B) with a `--long`-token prompt is admitted. Reported per setting: A's 
 before B arrived (p50) and while B's prompt was being prefilled (p50, max), and B's time to its
 first token.
 
-    AERIE_TORCH_THREADS=1 .venv/bin/python scripts/measure_long_prefill.py --chunks 0,512 --out /tmp/hol.json
+    AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_long_prefill.py --chunks 0,512 --out /tmp/hol.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.rpc.channel import open_channel  # noqa: E402
-from up_process import start_up  # noqa: E402  (scripts/)
+from up_process import start_up  # noqa: E402  (bench/)
 from services.rpc.stubs import coordinator as cpb  # noqa: E402
 from services.rpc.stubs import coordinator_grpc  # noqa: E402
 

@@ -7,7 +7,7 @@ hand-over and its first token after Resume), and whether every stream still equa
 run; (2) the rebuild cost (verifier re-prefill + drafter refill, in process) against the sequence
 length.
 
-    AERIE_TORCH_THREADS=1 .venv/bin/python scripts/measure_failover.py --out /tmp/failover.json
+    AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_failover.py --out /tmp/failover.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from up_process import start_up  # noqa: E402  (scripts/)
+from up_process import start_up  # noqa: E402  (bench/)
 from services.rpc.channel import open_channel  # noqa: E402
 from services.rpc.stubs import coordinator as cpb  # noqa: E402
 from services.rpc.stubs import coordinator_grpc  # noqa: E402
