@@ -80,12 +80,15 @@ class Batcher(Generic[C]):
     def __init__(self, name: str, run_batch: Callable[[list[C]], list[Any]], rows: Callable[[C], int],
                  key: Callable[[C], Hashable], limits: BatchLimits = BatchLimits(),
                  on_batch: Callable[[BatchStats], None] | None = None,
-                 expect: Callable[[], int] | None = None) -> None:
+                 expect: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`expect`: how many calls the next batch could hold (the sequences holding state here);
-        None = never wait for more calls."""
+        None = never wait for more calls. `clock`: seconds, for a batch's run time and the gathering
+        deadline (tests pass a manual clock, so what they assert does not follow the machine's
+        speed); the queue's admission deadline is always real time."""
         self.name = name
         self.limits = limits
         self._expect = expect
+        self._clock = clock
         self._last_s = 0.0  # the last batch's run time
         self._run_batch, self._rows, self._key, self._on_batch = run_batch, rows, key, on_batch
         self._queue: deque[_Item] = deque()
@@ -209,12 +212,12 @@ class Batcher(Generic[C]):
         limit = min(self.limits.max_wait_s, 0.5 * self._last_s)
         if limit <= 0:
             return
-        deadline = time.monotonic() + limit
+        deadline = self._clock() + limit
         while not self._closed:
             target = min(self._expect(), self.limits.max_batch)
             if self._calls_waiting >= target or any(i.fn is not None for i in self._queue):
                 return
-            left = deadline - time.monotonic()
+            left = deadline - self._clock()
             if left <= 0:
                 return
             self._cond.wait(left)
@@ -234,7 +237,7 @@ class Batcher(Generic[C]):
                 except BaseException as e:  # noqa: BLE001 (handed to the caller)
                     item.future.set_exception(e)
                 continue
-            t0 = time.perf_counter()
+            t0 = self._clock()
             self.batches += 1
             self.largest_batch = max(self.largest_batch, len(live))
             try:
@@ -244,7 +247,7 @@ class Batcher(Generic[C]):
                 for item in live:
                     item.future.set_exception(e)
                 continue
-            self._last_s = time.perf_counter() - t0
+            self._last_s = self._clock() - t0
             if self._on_batch is not None:  # before the results: a caller that reads the metrics after
                 #                             its call returns sees its batch counted
                 try:
