@@ -255,7 +255,7 @@ class Batcher(Generic[C]):
                                               self._last_s))
                 except Exception:  # noqa: BLE001 (a metrics hook never withholds the results)
                     pass
-            for item, result in zip(live, results):
+            for item, result in zip(live, results, strict=True):
                 if isinstance(result, BaseException):
                     item.future.set_exception(result)
                 else:

@@ -76,7 +76,7 @@ class ModelConfig:
         return (2, n // 2, n - 3)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
         model_type = d.get("model_type", "")
         arch = None

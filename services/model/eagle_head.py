@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal
 
 import torch
@@ -188,14 +189,15 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         if len(caches) == 1:
             a, b = offsets[0], offsets[1]
             return self(features[a:b], ids[a:b], caches[0], positions[a:b], masks[0])
-        sizes = [b - a for a, b in zip(offsets, offsets[1:])]
-        for cache, t in zip(caches, sizes):
+        sizes = [b - a for a, b in pairwise(offsets)]
+        for cache, t in zip(caches, sizes, strict=True):
             cache.reserve(t)
-        dense = [attention_mask(cache.length, t, m, self.device) for cache, t, m in zip(caches, sizes, masks)]
+        dense = [attention_mask(cache.length, t, m, self.device)
+                 for cache, t, m in zip(caches, sizes, masks, strict=True)]
         cos, sin = self.rotary(positions, self.dtype)
         out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin,
                           BatchKV(caches, dense, list(offsets)), None)
-        for cache, t in zip(caches, sizes):
+        for cache, t in zip(caches, sizes, strict=True):
             cache.advance(t)
         return out
 

@@ -71,7 +71,7 @@ class TPPlan:
         return self.vocab_sizes[self.rank]
 
     @staticmethod
-    def for_config(cfg: ModelConfig, rank: int, world: int) -> "TPPlan":
+    def for_config(cfg: ModelConfig, rank: int, world: int) -> TPPlan:
         if world < 1 or not 0 <= rank < world:
             raise TPShapeError(f"tensor-parallel rank {rank} of a group of {world} is not valid")
         h, g = cfg.num_heads, cfg.num_kv_heads

@@ -3,12 +3,10 @@ list places sequences on replicas that registered themselves, drops a replica wh
 stops, and picks up a new one without a restart; a drafter and a verifier release the KV of a
 sequence whose coordinator went away (nobody touches it) after their idle TTL."""
 
-import pytest
 
 from services.engine.engine import GenerationRequest
 from services.rpc import registry
 from services.rpc.coordinator_client import RemoteSession
-from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from tests.pipeline import local_engine, local_run, start_pipeline, wait_until
 

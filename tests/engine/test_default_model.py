@@ -5,7 +5,6 @@ equals plain greedy output token for token in fp32."""
 import json
 
 import pytest
-import torch
 
 from aerie_cli.main import main
 from services.engine.engine import GenerationRequest

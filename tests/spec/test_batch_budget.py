@@ -244,7 +244,6 @@ def test_the_search_bound_never_changes_a_choice_and_skips_under_load(monkeypatc
 
     rng = random.Random(7)
     full = lambda *a: math.inf  # noqa: E731 - the search always runs
-    skipped = 0
     for _ in range(300):
         base, per = rng.uniform(0.01, 0.1), rng.uniform(1e-4, 1e-2)
         costs = CostModel(CostCurve(ROWS, tuple(base + per * (r - 1) * rng.uniform(0.7, 1.3) for r in ROWS)),
