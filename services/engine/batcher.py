@@ -209,12 +209,14 @@ class Batcher(Generic[C]):
         function is queued, or min(max_wait_s, half the last batch's run time) has passed.
         Sequences driven from elsewhere (a coordinator's round trip between two calls) would
         otherwise fall out of step, each forward serving one of them in turn."""
+        expect = self._expect
+        assert expect is not None  # _take gathers only with an `expect`
         limit = min(self.limits.max_wait_s, 0.5 * self._last_s)
         if limit <= 0:
             return
         deadline = self._clock() + limit
         while not self._closed:
-            target = min(self._expect(), self.limits.max_batch)
+            target = min(expect(), self.limits.max_batch)
             if self._calls_waiting >= target or any(i.fn is not None for i in self._queue):
                 return
             left = deadline - self._clock()
@@ -230,10 +232,11 @@ class Batcher(Generic[C]):
             live = [item for item in batch if item.future.set_running_or_notify_cancel()]
             if not live:
                 continue
-            if live[0].fn is not None:
+            fn = live[0].fn
+            if fn is not None:
                 item = live[0]
                 try:
-                    item.future.set_result(item.fn(*item.args))
+                    item.future.set_result(fn(*item.args))
                 except BaseException as e:  # noqa: BLE001 (handed to the caller)
                     item.future.set_exception(e)
                 continue

@@ -130,6 +130,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from either the transformers<5 fields (`rope_theta`, `rope_scaling`)
     or the transformers>=5 `rope_parameters` dict."""
     params = d.get("rope_parameters")
+    scaling: dict | None
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling = dict(params)

@@ -116,7 +116,7 @@ class PackedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[T, sum(splits)] -> one [T, split] view per part."""
-        return torch.split(y, self.splits, dim=-1)
+        return torch.split(y, list(self.splits), dim=-1)
 
     def part_weight(self, name: str) -> torch.Tensor:
         start, size = self.parts()[name]

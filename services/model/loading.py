@@ -34,7 +34,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -267,7 +267,7 @@ def _assign(model: TargetModel, state: dict[str, torch.Tensor], device: str) -> 
         state[TIED_HEAD_KEY] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = cast(torch.nn.Parameter, model.model.embed_tokens.weight)  # a Parameter (loaded)
     model.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a TargetModel change this loader does not know about
@@ -351,8 +351,8 @@ def _gguf_metadata(gguf_path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
     try:
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:
-        read_gguf_metadata = None
-    if read_gguf_metadata is not None:
+        pass
+    else:
         return read_gguf_metadata(str(gguf_path))
     from gguf import GGUFReader, GGUFValueType
     reader = GGUFReader(str(gguf_path))
