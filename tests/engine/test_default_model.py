@@ -12,6 +12,8 @@ from services.engine.local import DEFAULT_HEAD, build_local_engine
 from services.spec.tree import TreeParams
 from services.train.data import chat_ids
 
+pytestmark = pytest.mark.slow  # docs/testing.md: loads the default model (SmolLM2-135M GGUF)
+
 
 @pytest.fixture(scope="module")
 def local():
