@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import time
 import urllib.request

@@ -37,7 +37,7 @@ import torch
 
 from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
-from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, RemoteVerifier, VerifierClient
+from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, VerifierClient
 from services.rpc.errors import DownstreamError
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams

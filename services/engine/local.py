@@ -124,6 +124,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
         model_id = f"{loaded.path}|{dtype}"
         costs = CostModel(target_costs(model, model_id, recalibrate))
         if head is not None:
+            assert draft_path is not None  # the head was loaded from it
             head_id = f"{model_id}|{draft_path}|{checkpoint_shape_id(draft_path)}|vocab={draft_vocab}|{draft_dtype}"
             costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)

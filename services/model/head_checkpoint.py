@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -25,7 +26,7 @@ WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 
 
 def head_config_from_dict(d: dict, state: dict[str, torch.Tensor]) -> HeadConfig:
-    kind = "eagle3" if any(k.endswith("hidden_norm.weight") for k in state) else "eagle"
+    kind: Literal["eagle", "eagle3"] = "eagle3" if any(k.endswith("hidden_norm.weight") for k in state) else "eagle"
     try:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling:

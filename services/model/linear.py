@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 ONEDNN_ROW_STEP = 4  # the packed kernel sees row counts padded (zero rows) to a multiple of this
 ONEDNN_MAX_ROWS = 64  # more rows (prefill chunks) go to F.linear: at most 16 oneDNN shapes per weight
 
@@ -110,14 +109,14 @@ class PackedLinear(Linear):
     def parts(self) -> dict[str, tuple[int, int]]:
         """name -> (first output row, row count) inside `weight` [sum(splits), in]."""
         out, start = {}, 0
-        for name, size in zip(self.names, self.splits):
+        for name, size in zip(self.names, self.splits, strict=True):
             out[name] = (start, size)
             start += size
         return out
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[T, sum(splits)] -> one [T, split] view per part."""
-        return torch.split(y, self.splits, dim=-1)
+        return torch.split(y, list(self.splits), dim=-1)
 
     def part_weight(self, name: str) -> torch.Tensor:
         start, size = self.parts()[name]
@@ -130,7 +129,7 @@ class PackedLinear(Linear):
         return self.bias[start:start + size]
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", parts={dict(zip(self.names, self.splits))}"
+        return super().extra_repr() + f", parts={dict(zip(self.names, self.splits, strict=True))}"
 
 
 def keep_part_names(owner: nn.Module, attr: str) -> None:

@@ -34,7 +34,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -162,7 +162,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path), device="cpu")
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated files raise many different types
-        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"weights {path} do not hold a dict of tensors")
     return state
@@ -226,7 +226,7 @@ def _read_shard(path: Path, plan, expected: dict[str, tuple[int, ...]]):
     except CheckpointError:
         raise
     except Exception as e:  # corrupt or truncated files raise many different types
-        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"weights {path} do not hold a dict of tensors")
     for key, tensor in state.items():
@@ -267,7 +267,7 @@ def _assign(model: TargetModel, state: dict[str, torch.Tensor], device: str) -> 
         state[TIED_HEAD_KEY] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = cast(torch.nn.Parameter, model.model.embed_tokens.weight)  # a Parameter (loaded)
     model.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a TargetModel change this loader does not know about
@@ -282,7 +282,7 @@ def load_tokenizer(model_dir: Path) -> Any | None:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
-        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"cannot convert GGUF {gguf_path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot convert GGUF {gguf_path}: {type(e).__name__}: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -331,7 +331,7 @@ def _check_gguf(gguf_path: Path) -> None:
     try:
         metadata, tensor_names = _gguf_metadata(gguf_path)
     except Exception as e:
-        raise CheckpointError(f"cannot read GGUF {gguf_path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read GGUF {gguf_path}: {type(e).__name__}: {e}") from e
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"GGUF {gguf_path} has architecture {arch!r}; aerie supports {GGUF_ARCHITECTURES}")
@@ -351,8 +351,8 @@ def _gguf_metadata(gguf_path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
     try:
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:
-        read_gguf_metadata = None
-    if read_gguf_metadata is not None:
+        pass
+    else:
         return read_gguf_metadata(str(gguf_path))
     from gguf import GGUFReader, GGUFValueType
     reader = GGUFReader(str(gguf_path))

@@ -133,6 +133,7 @@ def test_missing_checkpoints(dirs, capsys, tmp_path):
     assert code == 2 and "no config.json" in err
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_console_script_exit_code(dirs):
     target, _, _ = dirs
     proc = subprocess.run([sys.executable, "-m", "aerie_cli", "generate", "--target", str(target),

@@ -15,7 +15,7 @@ from services.engine.engine import GenerationRequest
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.spec.sampling import SamplingParams
-from tests.pipeline import HOST, local_engine, local_run, start_pipeline, wait_until
+from tests.pipeline import local_engine, local_run, start_pipeline, wait_until
 
 PROMPT = (5, 17, 99, 3, 42, 8)
 

@@ -3,14 +3,10 @@ list places sequences on replicas that registered themselves, drops a replica wh
 stops, and picks up a new one without a restart; a drafter and a verifier release the KV of a
 sequence whose coordinator went away (nobody touches it) after their idle TTL."""
 
-import time
-
-import pytest
 
 from services.engine.engine import GenerationRequest
 from services.rpc import registry
 from services.rpc.coordinator_client import RemoteSession
-from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from tests.pipeline import local_engine, local_run, start_pipeline, wait_until
 
@@ -62,25 +58,43 @@ def test_coordinator_discovers_registered_replicas(model_dirs, redis_url):
         p.close()
 
 
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_kv_of_an_abandoned_sequence_is_reaped(model_dirs, redis_url):
-    p = start_pipeline(model_dirs, redis_url, idle_ttl_s=2.0)  # above a round even on a loaded machine
+    """Idleness runs on a manual clock (the services' IdleSequences.clock): the live sequence is
+    never idle for the TTL however long its rounds take on a loaded machine, the orphan is (before:
+    a real 0.8 s, then 2 s, TTL and a wall-clock bound, which a slow round outlasted)."""
+    p = start_pipeline(model_dirs, redis_url, idle_ttl_s=2.0)  # the reapers look every 0.5 s (real)
+    clock = ManualClock()
+    p.verifier.idle.clock = p.drafter.idle.clock = clock
     try:
         # a coordinator prefills on both services, then is never heard of again
         list(p.verifier_stub().Prefill(vpb.VerifierPrefillRequest(
             sequence_id="orphan", prompt_ids=list(PROMPT), capacity=64,
             feature_kind=vpb.FEATURE_KIND_HIDDEN if hasattr(vpb, "FEATURE_KIND_HIDDEN") else 1), timeout=30))
+        clock.now = 1.0
         session = RemoteSession(p.addresses["coordinator"], None, "", timeout_s=60)
         steps = session.engine.generate(GenerationRequest(PROMPT, 200, ignore_eos=True))
         next(steps), next(steps)  # a live sequence on both services, in the middle of its rounds
         assert p.verifier.num_sequences == 2 and p.drafter.drafter.num_sequences == 1
-        t0 = time.monotonic()
-        wait_until(lambda: p.verifier.num_sequences == 1, timeout=10)  # the orphan is released
-        assert time.monotonic() - t0 < 8
+        clock.now = 2.5  # the orphan: idle 2.5 s > 2; the live one: at most 1.5 s
+        wait_until(lambda: p.verifier.num_sequences == 1)  # the orphan is released
         # the live sequence was touched every round: not reaped; stop it now
+        assert p.drafter.drafter.num_sequences == 1
         steps.close()
         session.close()
         # and its KV goes too once abandoned mid-stream without a Release reaching the services
-        wait_until(lambda: p.verifier.num_sequences == 0 and p.drafter.drafter.num_sequences == 0, timeout=10)
+        def idle_and_reaped() -> bool:  # the clock moves 2.5 s per look: a round still in flight
+            clock.now += 2.5  # (its touch) is idle by a later look
+            return p.verifier.num_sequences == 0 and p.drafter.drafter.num_sequences == 0
+
+        wait_until(idle_and_reaped)
         assert p.verifier.reaper.reaped >= 1
     finally:
         p.close()

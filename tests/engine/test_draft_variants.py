@@ -101,6 +101,7 @@ def test_restricted_vocab_keeps_the_d2t_convention(llama_pair, eagle3_pair):
     assert "vocab_proj.weight" not in h3.state_dict()  # derived at load, never saved
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_sampling_with_reduced_vocab_preserves_the_target_law(llama_pair):
     """Chi-square over the first two emitted tokens at temperature 1 with a K=8 draft."""
     _, target, head = llama_pair
