@@ -6,7 +6,8 @@
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10),
-    AERIE_MAX_SEQUENCES_PER_CLIENT (64), and the common ones in
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
+    (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -43,7 +44,8 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096  # the most a request may ask for
     sequence_ttl_s: int = 86400  # a sequence's Redis record expires this long after its last update
     max_sequences: int = 256  # sequences running on this coordinator at once
-    rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
+    rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier (each prefill chunk's too)
+    prefill_tries: int = 3  # calls per prefill chunk that misses its deadline, then DEADLINE_EXCEEDED
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
@@ -69,7 +71,7 @@ class CoordinatorConfig:
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {redact(self.redis_url)!r}")
         if self.redis_retry_s < 0:
             raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
-        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s"):
+        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s", "prefill_tries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
@@ -104,7 +106,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="Generate streams one client may have open at once, by API identity, else by peer host; "
                         "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT; default: 64)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
-                   help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
+                   help="deadline of each drafter/verifier call, each prefill chunk its own (AERIE_RPC_TIMEOUT_S)")
+    g.add_argument("--prefill-tries", type=int, default=env("AERIE_PREFILL_TRIES", 3),
+                   help="calls per prefill chunk that misses its deadline (sent again to the same verifier), "
+                        "then the sequence fails with DEADLINE_EXCEEDED (AERIE_PREFILL_TRIES, 3)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
                    help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S)")
     g.add_argument("--tokenizer", default=env("AERIE_TOKENIZER"),
@@ -150,7 +155,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
-        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
+        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=args.served_model_name, http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env

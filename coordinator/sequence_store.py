@@ -308,6 +308,12 @@ class SequenceStore:
         with _errors(seq_id):
             return self._cancel(keys=self.keys(seq_id)[:1])
 
+    def cancel_requested(self, seq_id: str) -> bool:
+        """Whether a Cancel (through any coordinator) flagged the sequence; one read, no retries (a
+        prefill asks before each chunk, and an unreachable Redis must not stall it)."""
+        with _errors(seq_id):
+            return self.redis.hget(self.keys(seq_id)[0], "cancel") == "1"
+
     def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
         """(tokens[start:], status, finish_reason, round, error, number of tokens) in one round trip."""
         key, tokens_key = self.keys(seq_id)
