@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from gateway import limits as http_limits
+from gateway.limits import HttpLimits
 from services.rpc.security import redact
 from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, endpoint_problem, env, service_config
 
@@ -60,6 +62,7 @@ class CoordinatorConfig:
     discover_interval_s: float = 1.0  # re-read the registry this often
     # Generate streams one client may have open at once: by API identity, else by peer host; 0 = no limit
     max_sequences_per_client: int = 64
+    http_limits: HttpLimits = HttpLimits()  # what one HTTP client may make the gateway hold (gateway/limits.py)
 
     def __post_init__(self) -> None:
         if not self.verifiers and not self.discover:
@@ -138,6 +141,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                         "static lists)")
     g.add_argument("--discover-interval-s", type=float, default=env("AERIE_DISCOVER_INTERVAL_S", 1.0),
                    help="re-read the registry this often (AERIE_DISCOVER_INTERVAL_S, 1)")
+    http_limits.add_flags(p)
 
 
 def _on_off(text: str | bool) -> bool:
@@ -162,4 +166,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
-        discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client)
+        discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client,
+        http_limits=http_limits.from_args(args))

@@ -11,6 +11,10 @@ With API tokens (services/rpc/security.py) every route but /health and /metrics 
 checks it again and makes its identity the owner of the sequence. The gateway's own calls (GetInfo
 for /health and the model name) use a token only this process knows (identity "gateway").
 
+What one client may make the gateway hold is bounded (gateway/limits.py): the body (413, refused
+from its Content-Length before it is read), the request head (431), the messages of a chat (400) and
+the connections per client address (429).
+
 Each request is one Coordinator.Generate call. The first message (the prefill's) is read before the
 HTTP answer starts, so a refused request gets its real status (gateway/errors.py) and nothing is
 committed. A client that disconnects cancels the call, which cancels the sequence after its round in
@@ -33,6 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.errors import error_body, from_rpc
+from gateway.limits import BodyTooLarge, HttpLimits, read_body
 from gateway.openai_request import BadParameter, Parsed, parse_chat, parse_completion
 from services.rpc.security import NONE, Security, token_identity
 from services.rpc.stubs import common as pb
@@ -61,9 +66,10 @@ def _closed() -> JSONResponse:
 
 class Gateway:
     def __init__(self, coordinator_address: str, max_message_bytes: int = 64 * 1024 * 1024,
-                 security: Security = NONE, own_token: str | None = None) -> None:
+                 security: Security = NONE, own_token: str | None = None, limits: HttpLimits = HttpLimits()) -> None:
         """`security`: the coordinator's (its API tokens, its TLS certificate / CA to reach it);
         `own_token`: the token of the gateway's own calls (one of the coordinator's API tokens)."""
+        self.limits = limits
         self.address = coordinator_address
         self.max_message_bytes = max_message_bytes
         self.security = security
@@ -171,9 +177,17 @@ class Gateway:
         except HttpError as e:
             return _error(e.status, e.body)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request, self.limits.max_body_bytes))
+        except BodyTooLarge as e:  # the rest of the body is never read: the connection closes
+            return JSONResponse(error_body(str(e), "invalid_request_error", code="request_too_large"),
+                                status_code=413, headers={"connection": "close"})
         except ValueError as e:
             return _error(400, error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"))
+        messages = body.get("messages") if chat and isinstance(body, dict) else None
+        if isinstance(messages, list) and len(messages) > self.limits.max_messages:
+            return _error(400, error_body(f"messages has {len(messages)} entries; this server accepts at most "
+                                          f"{self.limits.max_messages} (AERIE_HTTP_MAX_MESSAGES)",
+                                          "invalid_request_error", "messages"))
         try:
             metadata = self._caller(request)
             parsed = parse(body)
