@@ -5,7 +5,7 @@
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_TOKENIZER (the verifier's target),
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
-    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10),
+    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
     AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
@@ -57,6 +57,7 @@ class CoordinatorConfig:
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
     finished_ttl_s: int = 3600  # the record of a finished / cancelled / failed sequence expires after this
     redis_retry_s: float = 30.0  # an unreachable Redis is retried with backoff this long, then UNAVAILABLE
+    redis_ping_timeout_s: float = 1.0  # health's PING: a Redis that does not answer within it is down
     lease_ttl_s: float = 10.0  # a running sequence whose coordinator stops renewing is taken over after this
     discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
     discover_interval_s: float = 1.0  # re-read the registry this often
@@ -83,7 +84,8 @@ class CoordinatorConfig:
             raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
-        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s"):
+        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s",
+                     "redis_ping_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
 
@@ -134,6 +136,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="lifetime of a finished sequence's Redis record (AERIE_FINISHED_TTL_S, 3600)")
     g.add_argument("--redis-retry-s", type=float, default=env("AERIE_REDIS_RETRY_S", 30.0),
                    help="retry an unreachable Redis with backoff this long (AERIE_REDIS_RETRY_S, 30)")
+    g.add_argument("--redis-ping-timeout-s", type=float, default=env("AERIE_REDIS_PING_TIMEOUT_S", 1.0),
+                   help="health's PING of Redis: one not answered within this is a Redis down (stalled or dead): "
+                        "health NOT_SERVING (AERIE_REDIS_PING_TIMEOUT_S, 1)")
     g.add_argument("--lease-ttl-s", type=float, default=env("AERIE_LEASE_TTL_S", 10.0),
                    help="another coordinator takes over a sequence whose lease is this old (AERIE_LEASE_TTL_S, 10)")
     g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
@@ -165,6 +170,6 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
-        redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
+        redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
         discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client,
         http_limits=http_limits.from_args(args))
