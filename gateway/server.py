@@ -49,13 +49,15 @@ class HttpServer:
 async def start_http(coordinator_address: str, host: str, port: int,
                      max_message_bytes: int = 64 * 1024 * 1024, security: Security = NONE,
                      own_token: str | None = None, tls_files: tuple[str, str] | None = None,
-                     limits: HttpLimits = HttpLimits()) -> HttpServer:
+                     limits: HttpLimits = HttpLimits(), peers: tuple[str, ...] = (),
+                     resume_s: float = 60.0) -> HttpServer:
     """`security`/`own_token`: see gateway.app.Gateway (the coordinator's TLS and API tokens);
-    `tls_files`: (certificate, key) PEM files: serve HTTPS (the coordinator's own certificate)."""
+    `tls_files`: (certificate, key) PEM files: serve HTTPS (the coordinator's own certificate);
+    `peers`: other coordinators a broken stream Resumes on, for up to `resume_s` (gateway/resume.py)."""
     if limits.max_body_bytes >= max_message_bytes:
         raise ConfigError(f"AERIE_HTTP_MAX_BODY_BYTES ({limits.max_body_bytes}) must be below the gRPC message "
                           f"limit AERIE_MAX_MESSAGE_BYTES ({max_message_bytes}) that a request travels in")
-    gateway = Gateway(coordinator_address, max_message_bytes, security, own_token, limits)
+    gateway = Gateway(coordinator_address, max_message_bytes, security, own_token, limits, peers, resume_s)
     await gateway.open()
     # keep-alive: uvicorn's 5 s default closes idle connections that clients (the openai SDK's pool)
     # are about to reuse, and the request racing the close fails; 75 s outlasts common client pools.
