@@ -46,7 +46,10 @@ def gateway(pipeline, redis_url, tmp_path_factory):
                               env={**os.environ, "AERIE_LOG_LEVEL": "WARNING"})
         wait_until(lambda: port_file.exists() or gw.poll() is not None, timeout=120)
         assert gw.poll() is None, f"aerie gateway exited with {gw.returncode}"
-        yield procs, first, f"http://{HOST}:{json.loads(port_file.read_text())['http_port']}"
+        url = f"http://{HOST}:{json.loads(port_file.read_text())['http_port']}"
+        # ready: a coordinator answers GetInfo (its first one loads the tokenizer, which may take a while)
+        wait_until(lambda: _health(url) == 200, timeout=120)
+        yield procs, first, url
     finally:
         if gw is not None:
             gw.terminate()
@@ -58,6 +61,7 @@ def test_an_http_stream_continues_after_its_coordinator_is_killed(pipeline, gate
     procs, first, url = gateway
     with httpx.Client(timeout=120) as client:
         undisturbed = client.post(f"{url}/v1/completions", json=BODY).json()
+        assert "choices" in undisturbed, undisturbed
         expected = undisturbed["choices"][0]["text"]
         assert undisturbed["usage"]["completion_tokens"] == 120
 
@@ -97,3 +101,10 @@ def _events(response):
     for line in response.iter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=30).status_code
+    except httpx.HTTPError:
+        return 0
