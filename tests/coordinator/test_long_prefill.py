@@ -19,10 +19,12 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from services.engine.engine import GenerationRequest
 from services.engine.verifier import PrefillCall, PrefillMoreCall
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
-from tests.pipeline import start_pipeline, wait_until
+from services.spec.sampling import SamplingParams
+from tests.pipeline import local_engine, local_run, remote_run, start_pipeline, wait_until
 
 PROMPT = [(7 * i + 3) % 100 + 1 for i in range(40)]  # 5 chunks of 8 rows: offsets 0, 8, 16, 24, 32
 SLOW = 16  # the chunk held on the verifier
@@ -157,3 +159,19 @@ def _drain(stream):
     except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.CANCELLED:
             raise
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["drafter", "plain"])
+def test_a_prompt_sent_in_chunks_gives_the_in_process_tokens(model_dirs, redis_url, with_drafter):
+    """The coordinator's chunks (5 calls here), their features joined for the drafter (or none, for
+    plain decoding), give exactly the in-process engine's greedy tokens (one whole-prompt prefill)."""
+    req = GenerationRequest(tuple(PROMPT), 24, SamplingParams(), ignore_eos=True)
+    expected = local_run(local_engine(model_dirs, with_drafter=with_drafter), req)[0]
+    p = start_pipeline(model_dirs, redis_url, with_drafter=with_drafter, verifier_overrides={"prefill_chunk": 8})
+    slow = SlowChunk(p.verifier)  # nothing held: it only counts the forwards
+    try:
+        assert remote_run(p, req)[0] == expected
+        assert slow.forwards == {0: 1, 8: 1, 16: 1, 24: 1, 32: 1}
+    finally:
+        slow.undo()
+        p.close()

@@ -52,13 +52,18 @@ def test_a_body_over_the_limit_is_413_from_its_content_length_before_it_is_read(
 
 
 def test_a_chunked_body_over_the_limit_is_413(served):
+    """No Content-Length: refused once the streamed body passes the limit. The client sends one
+    5,000-byte chunk and waits (it never ends the body), so everything it sent is read by the
+    server and the answer is not lost to a reset."""
     _, port = served
-    conn = http.client.HTTPConnection(HOST, port, timeout=60)
-    pad = " " * 10_000
-    conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "t5",', pad.encode(), b'"max_tokens": 2}']),
-                 headers={"Content-Type": "application/json"}, encode_chunked=True)
-    r = conn.getresponse()
-    assert r.status == 413 and "4096" in json.loads(r.read())["error"]["message"]
+    chunk = b'{"prompt": "t5", "max_tokens": 2' + b" " * (5000 - 34) + b"}"
+    with socket.create_connection((HOST, port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        answer = b""
+        while data := s.recv(65536):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"larger than 4096 bytes" in answer, answer[:300]
 
 
 def test_a_body_under_the_limit_is_served(served):
