@@ -3,6 +3,7 @@
     aerie generate --prompt "..."          one prompt in this process (or --coordinator HOST:PORT)
     aerie up                               the whole pipeline on this machine
     aerie verifier | drafter | coordinator one service
+    aerie gateway --coordinators A,B       the HTTP API in front of coordinators (survives each one)
     aerie bench --prompts FILE             speed-ups on a prompt set
     aerie train-draft --out DIR            train an EAGLE head
     aerie draft-vocab --from FILES --out F token counts for --draft-vocab
@@ -17,7 +18,7 @@ import argparse
 import os
 import sys
 
-from aerie_cli import bench, draft_vocab, generate, serve, train_draft, up
+from aerie_cli import bench, draft_vocab, gateway, generate, serve, train_draft, up
 from aerie_cli.flags import HelpFormatter, set_torch_threads
 from services.errors import AerieError
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     up.register(sub)
     serve.register(sub)  # verifier, drafter, coordinator
+    gateway.register(sub)
     train_draft.register(sub)
     bench.register(sub)
     draft_vocab.register(sub)

@@ -92,7 +92,8 @@ class Sequences:
             spans = RoundSpans(seq_id, request_span)
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
-                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
+                prefill_tries=self.config.prefill_tries)
             vinfo, engine = self._engine(placement)
             engine.validate(request)
             if wrap_engine is not None:
@@ -125,6 +126,7 @@ class Sequences:
 
         run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit, owner=self.owner,
                           on_lease_lost=placement.abandon)
+        placement.stop = run.check_stop  # a cancel stops a prefill within one chunk
         with self._lock:
             self._runs[seq_id] = run
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
@@ -169,7 +171,8 @@ class Sequences:
             spans = RoundSpans(seq_id, None)
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
-                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
+                prefill_tries=self.config.prefill_tries)
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens, state.round)
                 placement.release_elsewhere(state.drafter, state.verifier)
@@ -199,6 +202,7 @@ class Sequences:
 
         run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, on_exit, owner=self.owner,
                           round_base=state.round if resumed else None, on_lease_lost=placement.abandon)
+        placement.stop = run.check_stop
         with self._lock:
             self._runs[seq_id] = run
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))

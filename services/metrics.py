@@ -71,6 +71,8 @@ DETACHED_ROUNDS = Counter("aerie_detached_rounds", "Plain steps with the drafter
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
 FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
                     ["service", "role", "reason"])
+PREFILL_CHUNK_TIMEOUTS = Counter("aerie_prefill_chunk_timeouts", "Prefill chunks that missed their deadline "
+                                 "(each is sent again, up to AERIE_PREFILL_TRIES times)", ["service"])
 REDIS_UP = Gauge("aerie_redis_up", "1 while the coordinator reaches Redis (its health is SERVING), else 0",
                  ["service"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
