@@ -20,7 +20,9 @@ Tensor parallelism (`tp=TPShard(rank, world, comm)`): the model is built on `met
 read (safetensors slices read only this rank's rows from disk; `.bin` files are memory-mapped), so
 no rank ever holds the full model. Shapes are still checked against the full model.
 
-It does not download anything, quantize or load draft heads (`head_checkpoint.py` does that).
+A Hugging Face Hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`) is resolved to its cached snapshot,
+downloaded when not cached (services/model/hub.py). It does not quantize or load draft heads
+(`head_checkpoint.py` does that).
 """
 
 from __future__ import annotations
@@ -93,9 +95,9 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
     """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
     `layout`: the linears' inference weight layout (default `default_layout()`); `tp`: load only
     this rank's tensor-parallel shard."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"model path {path} does not exist")
+    from services.model.hub import resolve_model
+
+    path = Path(resolve_model(source)).expanduser()  # a Hub id -> its cached snapshot; missing: ModelUnavailable
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(
