@@ -372,8 +372,13 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.progress import note, phase
+
     src, name = str(gguf_path.parent), gguf_path.name
-    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    note(f"converting {gguf_path} once into a Hugging Face directory of fp32 weights (later loads read the "
+         f"converted copy under {out.parent})")
+    with phase("  [1/3] dequantizing the GGUF weights (transformers)"):
+        hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     cfg = hf.config
     cfg.architectures = [type(hf).__name__]
     if hasattr(cfg, "quantization_config"):  # the weights written below are plain fp32, not GGUF blocks
@@ -381,9 +386,11 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in hf.state_dict().items()}
     if getattr(cfg, "tie_word_embeddings", False):
         state.pop(TIED_HEAD_KEY, None)
-    cfg.save_pretrained(str(out))
-    save_file(state, str(out / SAFETENSORS), metadata={"format": "pt", "source": str(gguf_path)})
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
+    with phase(f"  [2/3] writing {len(state)} fp32 tensors to {SAFETENSORS}"):
+        cfg.save_pretrained(str(out))
+        save_file(state, str(out / SAFETENSORS), metadata={"format": "pt", "source": str(gguf_path)})
+    with phase("  [3/3] rebuilding the tokenizer from the GGUF vocabulary"):
+        AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
     read_config(out)  # the cached config must be one aerie accepts, or nothing is cached
 
 
