@@ -29,7 +29,7 @@ METHODS = ("hf", "native", "eagle", "sam", "eagle+sam", "pipeline")
 def register(sub) -> None:
     p = add_command(sub, "bench", "measure speed-ups on a prompt set (prints a table, writes JSON)", __doc__)
     add_model_flags(p)
-    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (question_id, category, turns); required")
+    p.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (question_id, category, turns); required")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -62,6 +62,9 @@ def register(sub) -> None:
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
     p.set_defaults(func=cmd_bench)
+    from aerie_cli import bench_serve  # `aerie bench serve`: against a running server
+
+    bench_serve.register(p.add_subparsers(dest="bench_mode", metavar="{serve}", required=False))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -74,6 +77,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from services.spec.budget import CHAIN_LIMIT
     from services.spec.tree import TreeParams
 
+    if args.prompts is None:
+        raise InvalidRequest("aerie bench needs --prompts FILE (or `aerie bench serve` against a running server)")
     if args.concurrency:
         from aerie_cli.bench_concurrency import METHODS as CONC_METHODS
         from aerie_cli.bench_concurrency import parse_levels

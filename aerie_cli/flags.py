@@ -103,7 +103,7 @@ def finish_model_flags(args: argparse.Namespace) -> None:
         return  # a command without model flags
     from aerie_cli.spec_flags import apply_spec_flags
 
-    positional = getattr(args, "model", None)  # `aerie serve MODEL`
+    positional = args.model if getattr(args, "command", None) == "serve" else None  # `aerie serve MODEL`
     if positional is not None:
         if args.target is not None and args.target != positional:
             raise InvalidRequest(f"two models given: MODEL {positional} and --model {args.target}; give one")
