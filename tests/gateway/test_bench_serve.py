@@ -114,3 +114,39 @@ def test_helpers():
     assert parse_spec_counters(vllm) == {"spec_decode_num_drafts": 4.0, "spec_decode_num_draft_tokens": 12.0,
                                          "spec_decode_num_accepted_tokens": 7.0}
     assert parse_spec_counters("# sglang exports other names\nsglang:num_running_reqs 1\n") == {}
+
+
+def scrape(base_url) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of the gateway's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(samples, name, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+
+
+def test_dashboard_series_follow_the_requests(base_url, prompt_file, tmp_path):
+    """Queue, prefill and decode time, prompt and output lengths: one observation per request, the
+    lengths adding up to the streamed usage; KV usage a fraction of the verifier's budget."""
+    names = ["aerie:request_queue_time_seconds", "aerie:request_prefill_time_seconds",
+             "aerie:request_decode_time_seconds", "aerie:request_prompt_tokens", "aerie:request_generation_tokens"]
+    before = scrape(base_url)
+    r = bench(base_url, prompt_file, tmp_path, "--max-concurrency", "2")
+    after = scrape(base_url)
+    delta = {f"{n}_{part}": total(after, f"{n}_{part}", model_name="target") -
+             total(before, f"{n}_{part}", model_name="target") for n in names for part in ("count", "sum")}
+    n = len(PROMPTS)
+    assert all(delta[f"{name}_count"] == n for name in names), delta
+    assert delta["aerie:request_generation_tokens_sum"] == r["total_output_tokens"] == n * MAX_TOKENS
+    assert delta["aerie:request_prompt_tokens_sum"] == r["total_input_tokens"]
+    # per request, queue + prefill <= TTFT and queue + prefill + decode <= E2E as the client saw them
+    server_side = (delta["aerie:request_queue_time_seconds_sum"] + delta["aerie:request_prefill_time_seconds_sum"]
+                   + delta["aerie:request_decode_time_seconds_sum"])
+    assert 0 < server_side <= sum(q["e2e_s"] for q in r["requests"])
+    usage = [v for (name, _), v in after.items() if name == "aerie:kv_cache_usage_perc"]
+    assert usage and all(0 <= u <= 1 for u in usage)
