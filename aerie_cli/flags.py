@@ -80,6 +80,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="fixed tree shape: tree nodes verified, root included (default: auto budget)")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure the cost model again instead of reading ~/.cache/aerie/costs")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's and SGLang's; no effect: aerie reads config.json and weights and never runs code "
+                        "from a model repository")
     g.add_argument("--tensor-parallel-size", "--tp", "--tp-size", "-tp", dest="tp", type=int, default=1,
                    help="ranks the target is sharded over (aerie up/serve: each verifier's group; generate and "
                         "bench load the target in this process: 1 only)")

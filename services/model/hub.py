@@ -86,6 +86,15 @@ def resolve_model(name: str, what: str = "model") -> str:
     return _download(name, repo, revision, gguf, what)
 
 
+def cached(name: str) -> str | None:
+    """The local path of `name` when it exists or is a Hub id already in the cache, else None; never
+    the network (a client that only needs a served model's tokenizer must not download its weights)."""
+    if Path(name).expanduser().exists():
+        return name
+    hub = parse_hub_id(name)
+    return None if hub is None else _from_cache(*hub, "model")
+
+
 def _from_cache(repo: str, revision: str | None, gguf: str | None, what: str) -> str | None:
     """The snapshot (or GGUF file) already in the cache, complete enough to load; None when absent."""
     import huggingface_hub as hf

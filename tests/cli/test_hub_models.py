@@ -106,3 +106,14 @@ def test_a_model_that_cannot_be_had_exits_3(offline, capsys, tmp_path):
 def test_resolve_model_never_downloads_offline(offline):
     with pytest.raises(ModelUnavailable, match="HF_HUB_OFFLINE"):
         resolve_model("org/absent@v2/x.gguf")
+
+
+def test_a_client_finds_a_served_hub_id_in_its_cache(offline):
+    """`aerie generate --coordinator` against `aerie serve org/tiny`: GetInfo names the Hub id; the
+    tokenizer source is the local cache's copy, never a download."""
+    from services.model.hub import cached
+    from services.rpc.coordinator_client import served_tokenizer_source
+
+    assert served_tokenizer_source(None, "org/tiny", "a:1") == "org/tiny"
+    assert cached("org/tiny").endswith(REV1)
+    assert cached("org/absent") is None and cached("not a hub id") is None
