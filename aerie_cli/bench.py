@@ -74,13 +74,17 @@ def register(sub) -> None:
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
     p.set_defaults(func=cmd_bench)
+    from aerie_cli import bench_serve  # `aerie bench serve`: against a running server
+
+    bench_serve.register(p.add_subparsers(dest="bench_mode", metavar="{serve}", required=False))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.shape:
         return _shape_bench(args)
     if not args.prompts:
-        raise InvalidRequest("--prompts FILE is required (or --shape NAME for the model-free device benchmark)")
+        raise InvalidRequest("aerie bench needs --prompts FILE (or --shape NAME for the model-free device benchmark, "
+                             "or `aerie bench serve` against a running server)")
     from dataclasses import replace
 
     from services.bench.bench import HFBaseline, load_prompts, run_engine, summarize

@@ -31,6 +31,7 @@ from services.engine.batcher import Batcher
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
+from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.runner import ModelRunner
 from services.model.target import TargetModel
@@ -86,6 +87,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
         if pool is not None:
             pool.max_rows = kv_budget_rows(config, pool.bytes_per_row, str(target.device))
+            if pool.max_rows:  # KV usage for dashboards and autoscalers (vLLM's kv_cache_usage_perc)
+                metrics.KV_CACHE_USAGE.labels(metrics.model_label(target_path)).set_function(
+                    lambda: pool.rows_allocated / pool.max_rows)
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs

@@ -87,9 +87,11 @@ def load_head(path: str | Path, target: TargetModel, dtype: torch.dtype | None =
     draft_vocab: K most frequent tokens to draft from (the directory's `token_counts.safetensors`);
     None = DEFAULT_DRAFT_VOCAB when the directory has counts, else the full vocabulary; 0 = full.
     draft_dtype: "fp32" | "bf16" | "int8" (eagle_head.set_draft_dtype); None = as `dtype`."""
-    root = Path(path)
+    from services.model.hub import resolve_model
+
+    root = Path(resolve_model(str(path), "draft head"))  # a Hub id -> its cached snapshot
     if not root.is_dir():
-        raise CheckpointError(f"draft-head directory {root} does not exist")
+        raise CheckpointError(f"draft-head path {root} is not a directory")
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"draft-head directory {root} has no config.json")

@@ -20,7 +20,9 @@ Tensor parallelism (`tp=TPShard(rank, world, comm)`): the model is built on `met
 read (safetensors slices read only this rank's rows from disk; `.bin` files are memory-mapped), so
 no rank ever holds the full model. Shapes are still checked against the full model.
 
-It does not download anything, quantize or load draft heads (`head_checkpoint.py` does that).
+A Hugging Face Hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`) is resolved to its cached snapshot,
+downloaded when not cached (services/model/hub.py). It does not quantize or load draft heads
+(`head_checkpoint.py` does that).
 """
 
 from __future__ import annotations
@@ -93,9 +95,9 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
     """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
     `layout`: the linears' inference weight layout (default `default_layout()`); `tp`: load only
     this rank's tensor-parallel shard."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"model path {path} does not exist")
+    from services.model.hub import resolve_model
+
+    path = Path(resolve_model(source)).expanduser()  # a Hub id -> its cached snapshot; missing: ModelUnavailable
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(
@@ -370,8 +372,13 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.progress import note, phase
+
     src, name = str(gguf_path.parent), gguf_path.name
-    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    note(f"converting {gguf_path} once into a Hugging Face directory of fp32 weights (later loads read the "
+         f"converted copy under {out.parent})")
+    with phase("  [1/3] dequantizing the GGUF weights (transformers)"):
+        hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     cfg = hf.config
     cfg.architectures = [type(hf).__name__]
     if hasattr(cfg, "quantization_config"):  # the weights written below are plain fp32, not GGUF blocks
@@ -379,9 +386,11 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in hf.state_dict().items()}
     if getattr(cfg, "tie_word_embeddings", False):
         state.pop(TIED_HEAD_KEY, None)
-    cfg.save_pretrained(str(out))
-    save_file(state, str(out / SAFETENSORS), metadata={"format": "pt", "source": str(gguf_path)})
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
+    with phase(f"  [2/3] writing {len(state)} fp32 tensors to {SAFETENSORS}"):
+        cfg.save_pretrained(str(out))
+        save_file(state, str(out / SAFETENSORS), metadata={"format": "pt", "source": str(gguf_path)})
+    with phase("  [3/3] rebuilding the tokenizer from the GGUF vocabulary"):
+        AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
     read_config(out)  # the cached config must be one aerie accepts, or nothing is cached
 
 
