@@ -1,7 +1,8 @@
 """Model names -> local paths: a path on disk as it is, a Hugging Face Hub id through `huggingface_hub`.
 
     resolve_model("/models/llama")                         -> "/models/llama"          (exists: as is)
-    resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")   -> ".../models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/<rev>"
+    resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+        -> ".../models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/<rev>"
     resolve_model("org/name@v1.0")                         -> that revision's snapshot
     resolve_model("org/name/model.Q8_0.gguf")              -> the cached file (one GGUF out of a repository)
 

@@ -8,7 +8,7 @@ import torch
 
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine, GenerationRequest
-from services.engine.verifier import DecodeCall, PrefillCall, Verifier
+from services.engine.verifier import DecodeCall, Verifier
 from services.errors import KVBudgetExceeded
 from services.model.config import ModelConfig
 from services.model.kv_pool import KVPool
