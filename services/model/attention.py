@@ -82,6 +82,21 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.matmul(probs, v).view(b, h, t, hd)
 
 
+def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attend_grouped` over keys as a paged gather leaves them: q [B, H, T, hd]; k, v [nKV, B, S, hd]
+    (contiguous: one index_select of the pool's rows); mask [B, T, S] bool -> [B, H, T, hd].
+    The GEMMs batch over (KV head, sequence), so the keys are read where the gather wrote them and
+    only the (small) queries are permuted."""
+    b, h, t, hd = q.shape
+    nkv, s = k.shape[0], k.shape[2]
+    g = h // nkv
+    qg = q.reshape(b, nkv, g * t, hd).transpose(0, 1)  # [nKV, B, G*T, hd]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)  # [nKV, B, G*T, S]
+    scores = scores.view(nkv, b, g, t, s).masked_fill(~mask[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(nkv, b, g * t, s)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, h, t, hd)
+
+
 def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel

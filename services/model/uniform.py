@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.model.attention import attend_grouped
+from services.model.attention import attend_gathered
 from services.model.paged_kv import TRASH_ROW, PagedKVPool
 from services.model.step import Step, StepOutput
 
@@ -87,9 +87,9 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
         ka.index_copy_(1, write_rows, k.transpose(0, 1))
         va.index_copy_(1, write_rows, v.transpose(0, 1))
         g, hd = attn.num_kv_heads, attn.head_dim
-        keys = ka.index_select(1, row_table).view(g, b, s, hd).transpose(0, 1)  # [B, g, S, hd]
-        vals = va.index_select(1, row_table).view(g, b, s, hd).transpose(0, 1)
-        out = attend_grouped(q.view(b, t, attn.num_heads, hd).transpose(1, 2), keys, vals, mask)  # [B, h, T, hd]
+        keys = ka.index_select(1, row_table).view(g, b, s, hd)  # [g, B, S, hd], contiguous
+        vals = va.index_select(1, row_table).view(g, b, s, hd)
+        out = attend_gathered(q.view(b, t, attn.num_heads, hd).transpose(1, 2), keys, vals, mask)  # [B, h, T, hd]
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b * t, attn.num_heads * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     hidden = target.model.norm(x)
