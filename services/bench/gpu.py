@@ -311,7 +311,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
         decode_ms(eng, prompt, 4)
         ms, nr = _round_ms(eng, prompt, max(8, cfg.tokens // 2))
         rounds[tname] = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
-                         "plain_tokens": ms["round"] / best, "rounds": nr}
+                         "plain_tokens": ms["round"] / best, "rounds": nr,
+                         "draft_graphs": getattr(eng.drafter.graphs, "captures", 0)}
         log(f"round {tname}: {ms['round']:.2f} ms (draft {ms['draft']:.2f} + verify {ms['verify']:.2f}) = "
             f"{ms['round'] / best:.2f} plain tokens")
     res["rounds"] = rounds

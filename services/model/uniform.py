@@ -98,12 +98,13 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
 
 
 def key_mask(prefix: torch.Tensor, tree: torch.Tensor, keys: int) -> torch.Tensor:
-    """prefix [B], tree [B, T, T] bool -> [B, T, S] bool: key slot r is visible to row t when it is
-    committed (r < prefix) or a new row of the same tree that row t may see (tree[t, r - prefix])."""
-    b, t, _ = tree.shape
+    """prefix [B], tree [B, T, W] bool -> [B, T, S] bool: key slot r is visible to row t when it is
+    committed (r < prefix) or one of the W new rows after the prefix that row t may see
+    (tree[t, r - prefix])."""
+    b, t, w = tree.shape
     rel = torch.arange(keys, device=tree.device)[None, :] - prefix[:, None]  # [B, S]
-    in_tree = (rel >= 0) & (rel < t)
-    seen = tree.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, keys))  # [B, T, S]
+    in_tree = (rel >= 0) & (rel < w)
+    seen = tree.gather(2, rel.clamp(0, w - 1)[:, None, :].expand(b, t, keys))  # [B, T, S]
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)
 
 

@@ -103,6 +103,7 @@ def test_fp32_cuda_equals_cpu_token_for_token(pair, shape, request):
         expected = generate(cpu, prompt, 40)
         assert generate(gpu, prompt, 40) == expected, prompt
         assert expected[0] == hf_greedy(hf, prompt, 40)
+    assert gpu.drafter.graphs.captures >= 1 and gpu.drafter.graphs.expansions > 3  # the draft-loop graph ran
 
 
 def test_reference_fixture_replays_on_cuda_fp32():
@@ -119,6 +120,27 @@ def test_reference_fixture_replays_on_cuda_fp32():
         tokens, accepts = generate(engine, run["prompt"], g["case"]["max_new_tokens"], ignore_eos=True)
         assert accepts[1:] == run["accept_lengths"][: len(accepts) - 1]
         assert tokens == run["tokens"][: len(tokens)]
+        assert engine.drafter.graphs.expansions > 0
+
+
+def test_draft_graph_replay_equals_static_eager(llama_pair):
+    """The draft expansion replayed from its CUDA graph == the same static code run eagerly."""
+    from services.engine.draft_graphs import DraftGraphs
+
+    _, target, head = llama_pair
+    t, h = on_cuda(target, head)
+    trees = []
+    for graphs in (False, True):
+        d = Drafter(h, SHAPES["60/5/10"])
+        d.graphs = DraftGraphs(h, d.pool, graphs=graphs)
+        engine = Engine(Verifier(t, h.feature_kind), d, 512, VOCAB)
+        seen = []
+        original = d.draft_many
+        d.draft_many = lambda calls, original=original, seen=seen: seen.extend(original(calls)) or seen[-len(calls):]
+        generate(engine, prompts(seed=2, count=1)[0], 32)
+        trees.append([(x.tokens.tolist(), x.parents.tolist()) for x in seen])
+        assert d.graphs.expansions > 3
+    assert trees[0] == trees[1]
 
 
 def test_bf16_plain_equals_transformers_bf16(llama_pair):
