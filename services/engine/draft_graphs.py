@@ -23,7 +23,7 @@ from services.model.eagle_head import DraftHead
 from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
 from services.spec.tree import Candidates, TreeParams
 from services.spec.tree_static import expand_static
-from services.model.uniform import MIN_KEYS
+from services.model.uniform import key_bucket
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ class DraftGraphs:
         self.expansions = 0  # expansions served (graph or eager)
 
     def keys_for(self, cache: PagedCache, params: TreeParams) -> int | None:
-        need = cache.length + params.draft_rows
-        s = max(MIN_KEYS, 1 << (need - 1).bit_length())
+        s = key_bucket(cache.length + params.draft_rows)
         return s if s <= self.max_keys else None
 
     def expand(self, cache: PagedCache, last: torch.Tensor, params: TreeParams, keys: int) -> Candidates:
@@ -59,7 +58,7 @@ class DraftGraphs:
         m = min(keys, cache.capacity)
         rows[:m] = cache.rows_host[:m]
         key_rows = torch.from_numpy(rows)
-        stable = torch.tensor([cache.length])
+        stable = torch.tensor([cache.length], device="cpu")
         k, d = params.top_k, params.depth
         self.expansions += 1
         if not self.graphs_on:

@@ -232,9 +232,13 @@ class Verifier:
             sizes = [r.shape[0] for r in rows]
             for j, a in zip(greedy, flat.split(sizes)):
                 argmax[j] = a
-            # one device-to-host copy for all of them (a decode or prefill reads only its last row)
-            ends = torch.tensor(sizes).cumsum(0).sub_(1).to(flat.device)
-            last = dict(zip(greedy, flat.index_select(0, ends).tolist()))
+            # decodes and prefills read only their last row's token: one device-to-host copy for all
+            # of them (a tree's acceptance makes its own, its round's one copy)
+            ends = torch.tensor(sizes, device="cpu").cumsum(0).sub_(1)
+            wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)]
+            if wants:
+                picked = flat.index_select(0, ends[wants].to(flat.device)).tolist()
+                last = {greedy[n]: tok for n, tok in zip(wants, picked)}
         results: list[Result] = []
         for j, call in enumerate(calls):
             features = self._features(out, j, self._kind(call))

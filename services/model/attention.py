@@ -29,6 +29,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from services.model import fused
+
 BACKENDS = ("sdpa", "grouped", "expanded")
 ENV = "AERIE_ATTENTION"
 GROUPED_MAX_ROWS = 64  # CUDA: query blocks up to this many rows use `grouped`, longer ones `expanded`
@@ -76,9 +78,8 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     nkv, s = k.shape[1], k.shape[2]
     g = h // nkv
     qg = q.reshape(b, nkv, g * t, hd)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)  # [B, nKV, G*T, S]
-    scores = scores.view(b, nkv, g, t, s).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, nkv, g * t, s)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, nkv, g, t, s)  # [B, nKV, G, T, S]
+    probs = fused.masked_softmax(scores, mask[:, None, None], hd ** -0.5, v.dtype).view(b, nkv, g * t, s)
     return torch.matmul(probs, v).view(b, h, t, hd)
 
 
@@ -91,9 +92,8 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     nkv, s = k.shape[0], k.shape[2]
     g = h // nkv
     qg = q.reshape(b, nkv, g * t, hd).transpose(0, 1)  # [nKV, B, G*T, hd]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)  # [nKV, B, G*T, S]
-    scores = scores.view(nkv, b, g, t, s).masked_fill(~mask[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(nkv, b, g * t, s)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(nkv, b, g, t, s)  # [nKV, B, G, T, S]
+    probs = fused.masked_softmax(scores, mask[None, :, None], hd ** -0.5, v.dtype).view(nkv, b, g * t, s)
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, h, t, hd)
 
 

@@ -1,6 +1,8 @@
 """Small elementwise stages fused into one kernel each on CUDA (torch.compile -> Triton), eager elsewhere.
 
     rms_norm(x [.., H], weight [H], eps)   transformers' numerics: fp32 statistics, cast, times weight
+    add_rms_norm(x, delta, weight, eps)    (x + delta, rms_norm(x + delta)): residual add and norm
+    masked_softmax(scores, mask, scale, dtype)   attention's scale, mask, fp32 softmax and cast
     rotary(x [.., hd], cos, sin)           x * cos + rotate_half(x) * sin
     silu_mul(gate, up)                     silu(gate) * up
 
@@ -40,6 +42,19 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one pass."""
+    y = x + delta
+    return y, _rms_norm(y, weight, eps)
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(scores * scale, masked where `mask` is False) in fp32, cast to `dtype` (attention's core)."""
+    s = (scores.float() * scale).masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1).to(dtype)
+
+
 class _Fused:
     """fn eagerly, or compiled on CUDA inputs (compiled lazily; a failed compile falls back to
     eager for good and says so once)."""
@@ -67,5 +82,7 @@ def enabled() -> bool:
 
 
 rms_norm = _Fused(_rms_norm)
+add_rms_norm = _Fused(_add_rms_norm)
+masked_softmax = _Fused(_masked_softmax)
 rotary = _Fused(_rotary)
 silu_mul = _Fused(_silu_mul)

@@ -6,7 +6,7 @@
 
 A Step whose entries each have at most `max_width` rows (plain decodes, verification trees, short
 chunks) is padded to a captured shape (B, T, S): B sequences (batch buckets 1, 2, 4, 8, 16, 32, ...),
-T rows each (width buckets 1, 2, 4, ... 64) and S key slots each (a power of two >= 256 covering the
+T rows each (width buckets 1, 2, 4, ... 64) and S key slots each (`key_bucket`: a multiple of 256 covering the
 longest prefix + T). Every entry becomes a tree of T rows: its own tree mask (or the causal triangle)
 top-left, padded rows seeing only themselves; padded rows and padded sequences write their K/V to
 the pool's trash page and nothing real reads them. All inputs travel in one int64 buffer filled by
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.model import fused
 from services.model.attention import attend_gathered
 from services.model.paged_kv import TRASH_ROW, PagedKVPool
 from services.model.step import Step, StepOutput
@@ -66,6 +67,14 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def key_bucket(need: int) -> int:
+    """Key slots for `need` rows: a multiple of MIN_KEYS up to 16 of them, then a power of two (the
+    gather and the scores are paid per slot: 532 rows take 768 slots, not 1024)."""
+    if need <= 16 * MIN_KEYS:
+        return MIN_KEYS * max(1, -(-need // MIN_KEYS))
+    return 1 << (need - 1).bit_length()
+
+
 @torch.no_grad()
 def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torch.Tensor) -> UniformOutput:
     """One target forward over B x T rows (see the module doc); `inputs` is the int64 buffer.
@@ -78,11 +87,13 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
     mask = key_mask(prefix, tree.view(b, t, t).bool(), s)  # [B, T, S]
     taps: list[torch.Tensor] = []
     tap_layers = target.config.eagle3_tap_layers if shape.taps else ()
-    for i, layer in enumerate(target.model.layers):
+    layers = target.model.layers
+    h = layers[0].input_layernorm(x)
+    for i, layer in enumerate(layers):
         if i in tap_layers:
             taps.append(x)
         attn = layer.self_attn
-        q, k, v = attn.rotated(attn.qkv_proj(layer.input_layernorm(x)), cos, sin)  # [B*T, h|g, hd]
+        q, k, v = attn.rotated(attn.qkv_proj(h), cos, sin)  # [B*T, h|g, hd]
         ka, va = pool.k[i], pool.v[i]  # [g, rows, hd]
         ka.index_copy_(1, write_rows, k.transpose(0, 1))
         va.index_copy_(1, write_rows, v.transpose(0, 1))
@@ -90,9 +101,12 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
         keys = ka.index_select(1, row_table).view(g, b, s, hd)  # [g, B, S, hd], contiguous
         vals = va.index_select(1, row_table).view(g, b, s, hd)
         out = attend_gathered(q.view(b, t, attn.num_heads, hd).transpose(1, 2), keys, vals, mask)  # [B, h, T, hd]
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b * t, attn.num_heads * hd))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    hidden = target.model.norm(x)
+        post = layer.post_attention_layernorm
+        x, h = fused.add_rms_norm(x, attn.o_proj(out.transpose(1, 2).reshape(b * t, attn.num_heads * hd)),
+                                  post.weight, post.eps)
+        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else target.model.norm
+        x, h = fused.add_rms_norm(x, layer.mlp(h), norm.weight, norm.eps)
+    hidden = h  # the final norm of the last residual
     logits = target.lm_head(hidden).float()
     return UniformOutput(logits, hidden, torch.cat(taps, dim=-1) if shape.taps else None)
 
@@ -134,7 +148,7 @@ class UniformRunner:
         if width is None or width > self.max_width or batch is None or batch > self.max_batch:
             return None
         need = max(c.length + width for c in caches)
-        keys = max(MIN_KEYS, 1 << (need - 1).bit_length())
+        keys = key_bucket(need)
         if keys > self.max_keys:
             return None
         return UniformShape(batch, width, keys, step.want_taps)
