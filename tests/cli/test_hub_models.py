@@ -35,7 +35,7 @@ def hub(llama_pair, tmp_path_factory):
 def offline(hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(hub[0]))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("AERIE_DOWNLOAD_DIR", raising=False)
+    monkeypatch.setenv("AERIE_DOWNLOAD_DIR", "")  # recorded: --download-dir sets it, the test restores it
     return hub
 
 
@@ -85,7 +85,7 @@ def test_revision_flag(offline, capsys):
 def test_download_dir_is_the_cache(hub, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # empty: only --download-dir has the model
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("AERIE_DOWNLOAD_DIR", raising=False)
+    monkeypatch.setenv("AERIE_DOWNLOAD_DIR", "")  # recorded: --download-dir sets it, the test restores it
     argv = ["generate", "--model", "org/tiny", "--draft", "none", "--prompt-ids", PROMPT, "--max-new-tokens", "2"]
     assert main(argv) == 3
     assert main([*argv, "--download-dir", str(hub[0])]) == 0
