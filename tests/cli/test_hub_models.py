@@ -117,3 +117,15 @@ def test_a_client_finds_a_served_hub_id_in_its_cache(offline):
     assert served_tokenizer_source(None, "org/tiny", "a:1") == "org/tiny"
     assert cached("org/tiny").endswith(REV1)
     assert cached("org/absent") is None and cached("not a hub id") is None
+
+
+def test_one_gguf_file_of_a_repository(offline, tmp_path):
+    source = tmp_path / "gguf-repo"
+    source.mkdir()
+    (source / "model.Q8_0.gguf").write_bytes(b"GGUF not really")
+    from tests.hub_cache import add_to_hub_cache as add
+
+    add(offline[0], "org/gg", source, REV2)
+    assert resolve_model("org/gg/model.Q8_0.gguf").endswith(f"snapshots/{REV2}/model.Q8_0.gguf")
+    with pytest.raises(ModelUnavailable, match="org/gg/other.gguf is neither a local path"):
+        resolve_model("org/gg/other.gguf")
