@@ -161,13 +161,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--max-sequences", str(args.max_num_seqs)]
     if role == "verifier" and getattr(args, "kv_budget_mb", None) is not None:
         out += ["--kv-budget-mb", str(args.kv_budget_mb)]
-    names = getattr(args, "served_model_name", None)
-    if role == "coordinator" and names:
-        if isinstance(names, str):
-            names = [names]
-        if len(names) != 1:
-            raise ConfigError(f"--served-model-name takes one name (aerie's API serves one model); got {names}")
-        out += ["--served-model-name", names[0]]
+    if role == "coordinator" and getattr(args, "served_model_name", None):
+        out += ["--served-model-name", args.served_model_name]
     return out
 
 
