@@ -96,7 +96,7 @@ def test_a_model_that_cannot_be_had_exits_3(offline, capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 3 and err.count("\n") == 1
     assert "model org/absent is neither a local path nor in the Hugging Face cache" in err
-    assert "HF_HUB_OFFLINE is set" in err
+    assert "HF_HUB_OFFLINE or AERIE_OFFLINE is set" in err
     code = main(["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", PROMPT])
     assert code == 3 and f"model path {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
     code = main(["generate", "--model", "org/tiny", "--draft", "org/no-head", "--prompt-ids", PROMPT])
