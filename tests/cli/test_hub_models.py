@@ -129,3 +129,44 @@ def test_one_gguf_file_of_a_repository(offline, tmp_path):
     assert resolve_model("org/gg/model.Q8_0.gguf").endswith(f"snapshots/{REV2}/model.Q8_0.gguf")
     with pytest.raises(ModelUnavailable, match="org/gg/other.gguf is neither a local path"):
         resolve_model("org/gg/other.gguf")
+
+
+def test_downloads_take_one_weight_layout_and_name_what_failed(tmp_path, monkeypatch, capsys):
+    """The download path, with huggingface_hub's snapshot_download replaced (no network here): the
+    first try takes safetensors; a repository without them is fetched again for .bin; Hub errors
+    become ModelUnavailable naming the fix."""
+    import httpx2
+    import huggingface_hub as hf
+    from huggingface_hub import errors
+
+    monkeypatch.setenv("AERIE_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("AERIE_DOWNLOAD_DIR", "")
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    calls = []
+
+    def fake(repo, **kw):
+        calls.append((repo, kw.get("allow_patterns"), kw.get("local_files_only", False), kw.get("token")))
+        if kw.get("local_files_only"):
+            raise errors.LocalEntryNotFoundError("not cached")
+        return str(snapshot)
+
+    monkeypatch.setattr(hf, "snapshot_download", fake)
+    assert resolve_model("org/bin-only") == str(snapshot)
+    assert [c[2] for c in calls] == [True, False, False]  # the cache, then safetensors, then .bin
+    assert "*.safetensors" in calls[1][1] and "*.bin" in calls[2][1] and calls[1][3] == "hf_test"
+    assert "downloading model org/bin-only from the Hugging Face Hub" in capsys.readouterr().err
+
+    response = httpx2.Response(403, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/gated"))
+
+    def gated(repo, **kw):
+        if kw.get("local_files_only"):
+            raise errors.LocalEntryNotFoundError("not cached")
+        raise errors.GatedRepoError("gated", response=response)
+
+    monkeypatch.setattr(hf, "snapshot_download", gated)
+    with pytest.raises(ModelUnavailable, match="org/gated is gated on the Hugging Face Hub: accept its license"):
+        resolve_model("org/gated")
