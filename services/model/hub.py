@@ -82,8 +82,8 @@ def resolve_model(name: str, what: str = "model") -> str:
     where = cache_dir() or "huggingface_hub's default cache"
     if offline():
         raise ModelUnavailable(f"{what} {name} is neither a local path nor in the Hugging Face cache ({where}), and "
-                               f"HF_HUB_OFFLINE is set: "
-                               f"download it where the network allows (hf download {repo}) or unset HF_HUB_OFFLINE")
+                               f"HF_HUB_OFFLINE or AERIE_OFFLINE is set: "
+                               f"download it where the network allows (hf download {repo}) or unset it")
     return _download(name, repo, revision, gguf, what)
 
 

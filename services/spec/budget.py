@@ -36,6 +36,7 @@ Pure: no services, no I/O except the cost cache (json under $AERIE_CACHE_DIR/cos
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -781,27 +782,55 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AERIE_CACHE_DIR") or "~/.cache/aerie").expanduser() / "costs"
 
 
+def _read_cached(path: Path, key: str) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+        return data["costs"] if data.get("key") == key else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, what: str):
+    """Hold an exclusive flock on `lock_path`: one process measures a calibration at a time (`aerie
+    up` starts a verifier and a drafter that both want the target's costs; measured side by side on
+    the same cores, each would disturb the other's timings and both would pay for it)."""
+    import fcntl
+
+    from services.progress import note
+
+    with open(lock_path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            note(f"waiting for another process measuring {what}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def cached(key: str, measure: Callable[[], dict], recalibrate: bool = False, what: str = "costs") -> dict:
     """The calibration stored for `key`, or `measure()` stored now (announced on stderr as `what`,
-    services/progress.py). `recalibrate` (or AERIE_RECALIBRATE=1) measures again."""
+    services/progress.py). `recalibrate` (or AERIE_RECALIBRATE=1) measures again. Processes that
+    want the same key measure one at a time; one that waited reads the other's result."""
     path = cache_dir() / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
     recalibrate = recalibrate or os.environ.get("AERIE_RECALIBRATE", "") not in ("", "0")
-    if not recalibrate:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                return data["costs"]
-        except (OSError, ValueError, KeyError):
-            pass
+    if not recalibrate and (hit := _read_cached(path, key)) is not None:
+        return hit
     from services.progress import phase
 
-    with phase(f"measuring {what} once on this device for the draft budget (cached in {path.parent}; "
-               f"--recalibrate measures again)"):
-        costs = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
-    tmp.replace(path)
+    with _exclusive(path.with_suffix(".lock"), what):
+        if not recalibrate and (hit := _read_cached(path, key)) is not None:  # measured while this one waited
+            return hit
+        with phase(f"measuring {what} once on this device for the draft budget (cached in {path.parent}; "
+                   f"--recalibrate measures again)"):
+            costs = measure()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
+        tmp.replace(path)
     return costs
 
 

@@ -35,7 +35,7 @@ def hub(llama_pair, tmp_path_factory):
 def offline(hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(hub[0]))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("AERIE_DOWNLOAD_DIR", raising=False)
+    monkeypatch.setenv("AERIE_DOWNLOAD_DIR", "")  # recorded: --download-dir sets it, the test restores it
     return hub
 
 
@@ -85,7 +85,7 @@ def test_revision_flag(offline, capsys):
 def test_download_dir_is_the_cache(hub, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # empty: only --download-dir has the model
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("AERIE_DOWNLOAD_DIR", raising=False)
+    monkeypatch.setenv("AERIE_DOWNLOAD_DIR", "")  # recorded: --download-dir sets it, the test restores it
     argv = ["generate", "--model", "org/tiny", "--draft", "none", "--prompt-ids", PROMPT, "--max-new-tokens", "2"]
     assert main(argv) == 3
     assert main([*argv, "--download-dir", str(hub[0])]) == 0
@@ -96,7 +96,7 @@ def test_a_model_that_cannot_be_had_exits_3(offline, capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 3 and err.count("\n") == 1
     assert "model org/absent is neither a local path nor in the Hugging Face cache" in err
-    assert "HF_HUB_OFFLINE is set" in err
+    assert "HF_HUB_OFFLINE or AERIE_OFFLINE is set" in err
     code = main(["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", PROMPT])
     assert code == 3 and f"model path {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
     code = main(["generate", "--model", "org/tiny", "--draft", "org/no-head", "--prompt-ids", PROMPT])
@@ -117,3 +117,56 @@ def test_a_client_finds_a_served_hub_id_in_its_cache(offline):
     assert served_tokenizer_source(None, "org/tiny", "a:1") == "org/tiny"
     assert cached("org/tiny").endswith(REV1)
     assert cached("org/absent") is None and cached("not a hub id") is None
+
+
+def test_one_gguf_file_of_a_repository(offline, tmp_path):
+    source = tmp_path / "gguf-repo"
+    source.mkdir()
+    (source / "model.Q8_0.gguf").write_bytes(b"GGUF not really")
+    from tests.hub_cache import add_to_hub_cache as add
+
+    add(offline[0], "org/gg", source, REV2)
+    assert resolve_model("org/gg/model.Q8_0.gguf").endswith(f"snapshots/{REV2}/model.Q8_0.gguf")
+    with pytest.raises(ModelUnavailable, match="org/gg/other.gguf is neither a local path"):
+        resolve_model("org/gg/other.gguf")
+
+
+def test_downloads_take_one_weight_layout_and_name_what_failed(tmp_path, monkeypatch, capsys):
+    """The download path, with huggingface_hub's snapshot_download replaced (no network here): the
+    first try takes safetensors; a repository without them is fetched again for .bin; Hub errors
+    become ModelUnavailable naming the fix."""
+    import httpx2
+    import huggingface_hub as hf
+    from huggingface_hub import errors
+
+    monkeypatch.setenv("AERIE_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("AERIE_DOWNLOAD_DIR", "")
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    calls = []
+
+    def fake(repo, **kw):
+        calls.append((repo, kw.get("allow_patterns"), kw.get("local_files_only", False), kw.get("token")))
+        if kw.get("local_files_only"):
+            raise errors.LocalEntryNotFoundError("not cached")
+        return str(snapshot)
+
+    monkeypatch.setattr(hf, "snapshot_download", fake)
+    assert resolve_model("org/bin-only") == str(snapshot)
+    assert [c[2] for c in calls] == [True, False, False]  # the cache, then safetensors, then .bin
+    assert "*.safetensors" in calls[1][1] and "*.bin" in calls[2][1] and calls[1][3] == "hf_test"
+    assert "downloading model org/bin-only from the Hugging Face Hub" in capsys.readouterr().err
+
+    response = httpx2.Response(403, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/gated"))
+
+    def gated(repo, **kw):
+        if kw.get("local_files_only"):
+            raise errors.LocalEntryNotFoundError("not cached")
+        raise errors.GatedRepoError("gated", response=response)
+
+    monkeypatch.setattr(hf, "snapshot_download", gated)
+    with pytest.raises(ModelUnavailable, match="org/gated is gated on the Hugging Face Hub: accept its license"):
+        resolve_model("org/gated")

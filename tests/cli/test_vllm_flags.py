@@ -109,11 +109,10 @@ def test_serve_takes_vllm_names():
     assert (args.target, args.http_port, args.port, args.tp) == ("org/m", 9000, 0, 2)
     assert role_flags(args, "verifier") == ["--log-level", "WARNING", "--max-sequences", "8", "--kv-budget-mb", "512.0"]
     assert role_flags(args, "drafter") == ["--log-level", "WARNING", "--max-sequences", "8"]
-    args.served_model_name = ["m"]
-    assert role_flags(args, "coordinator")[-2:] == ["--served-model-name", "m"]
-    args.served_model_name = ["a", "b"]
-    with pytest.raises(ConfigError, match="takes one name"):
-        role_flags(args, "coordinator")
+    assert "--served-model-name" not in role_flags(args, "coordinator")  # `aerie serve` fills it in cmd_serve
+    named = parse("serve", "--served-model-name", "m", "org/x")  # MODEL after the name: one value, not a list
+    assert (named.served_model_name, named.target) == ("m", "org/x")
+    assert role_flags(named, "coordinator")[-2:] == ["--served-model-name", "m"]
     assert parse("serve", "--model", "org/m").target == "org/m"
     assert parse("serve").http_port == 8000 and parse("serve").port == 50051  # vLLM's HTTP port, aerie's gRPC
     up = parse("up", "--port", "1", "--http-port", "2", "--tp", "2", "--max-running-requests", "4")

@@ -41,3 +41,34 @@ def test_gguf_conversion_announces_its_phases(tiny, tmp_path, cache_dir, monkeyp
     phases = [line.split("aerie:   ")[1] for line in lines[1:]]
     assert [p.split(" ", 1)[0] for p in phases] == ["[1/3]", "[1/3]", "[2/3]", "[2/3]", "[3/3]", "[3/3]"]
     assert all(" done in " in p for p in phases[1::2])
+
+
+def test_a_second_process_waits_for_the_first_calibration(tmp_path, monkeypatch):
+    """Two processes wanting the same calibration (`aerie up`'s verifier and drafter) measure one at a
+    time: the second waits on the lock, then reads the first's result instead of measuring again."""
+    import fcntl
+    import hashlib
+    import json
+    import threading
+
+    from services import progress
+    from services.spec import budget
+
+    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path))
+    monkeypatch.delenv("AERIE_RECALIBRATE", raising=False)
+    key = "lock-test"
+    path = tmp_path / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+    waiting = threading.Event()
+    monkeypatch.setattr(progress, "note", lambda text: waiting.set() if text.startswith("waiting for") else None)
+    measured = []
+    result = {}
+    with open(path.with_suffix(".lock"), "a") as held:  # the first process, mid-measurement
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = threading.Thread(target=lambda: result.update(
+            costs=budget.cached(key, lambda: measured.append(1) or {"v": 2}, what="x")))
+        second.start()
+        assert waiting.wait(60)  # the second found the lock taken and waits
+        path.write_text(json.dumps({"key": key, "costs": {"v": 1}}))  # the first's result
+        fcntl.flock(held, fcntl.LOCK_UN)
+    second.join(60)
+    assert result["costs"] == {"v": 1} and measured == []
