@@ -41,13 +41,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port-file", default=None, help=argparse.SUPPRESS)
     t = p.add_argument_group("security (docs/security.md)")
     t.add_argument("--tls-cert", default=env("AERIE_TLS_CERT"),
-                   help="serve HTTPS with this PEM certificate, and reach the coordinators over TLS (AERIE_TLS_CERT; default: none)")
+                   help="serve HTTPS with this PEM certificate, and reach the coordinators over TLS (AERIE_TLS_CERT; "
+                        "default: plaintext)")
     t.add_argument("--tls-key", default=env("AERIE_TLS_KEY"), help="PEM key of --tls-cert (AERIE_TLS_KEY; default: none)")
-    t.add_argument("--tls-ca", default=env("AERIE_TLS_CA"), help="CA of the coordinators' certificates (AERIE_TLS_CA; default: none)")
+    t.add_argument("--tls-ca", default=env("AERIE_TLS_CA"), help="CA of the coordinators' certificates (AERIE_TLS_CA; default: --tls-cert itself)")
     t.add_argument("--tls-server-name", default=env("AERIE_TLS_SERVER_NAME"),
-                   help="the name the coordinators' certificates are checked against (AERIE_TLS_SERVER_NAME; default: none)")
+                   help="the name the coordinators' certificates are checked against (AERIE_TLS_SERVER_NAME; "
+                        "default: localhost)")
     t.add_argument("--api-tokens-file", default=env("AERIE_API_TOKENS_FILE"),
-                   help="the coordinators' API tokens: callers without one get 401 here (AERIE_API_TOKENS_FILE; default: none)")
+                   help="the coordinators' API tokens: callers without one get 401 here (AERIE_API_TOKENS_FILE; "
+                        "default: none, the coordinators check the caller's token)")
     http_limits.add_flags(p)
     p.set_defaults(func=cmd_gateway)
 

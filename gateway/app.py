@@ -70,10 +70,11 @@ def _closed() -> JSONResponse:
 class Gateway:
     def __init__(self, coordinator_address: str, max_message_bytes: int = 64 * 1024 * 1024,
                  security: Security = NONE, own_token: str | None = None, limits: HttpLimits = HttpLimits(),
-                 peers: tuple[str, ...] = (), resume_s: float = 60.0) -> None:
+                 peers: tuple[str, ...] = (), resume_s: float = 0.0) -> None:
         """`security`: the coordinator's (its API tokens, its TLS certificate / CA to reach it);
         `own_token`: the token of the gateway's own calls (one of the coordinator's API tokens);
-        `peers`: other coordinators a broken stream Resumes on, for up to `resume_s`."""
+        `peers`: other coordinators a broken stream Resumes on, for up to `resume_s` (0 = never: the
+        gateway inside a coordinator, which dies with it, ends a broken stream at once)."""
         self.limits = limits
         self.peers = peers
         self.resume_s = resume_s

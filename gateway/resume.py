@@ -12,7 +12,7 @@ can be found again whatever happens:
                                              Resume from token 0 instead)
     UNAVAILABLE after it                  -> Resume(id, from_token_index = the tokens already read) on
                                              the coordinators in turn (the next one first), for up to
-                                             `resume_s`
+                                             `resume_s` (0: never, the error reaches the caller)
 
 Every coordinator reads the sequence from Redis, and the one that takes it over (after the dead
 one's lease, or at once after a drain) drives it, so the caller gets exactly the tokens (and text
@@ -97,6 +97,8 @@ class ResumingCall:
     def _resume(self, error: grpc.aio.AioRpcError) -> None:
         """Open a Resume call on the next coordinator (the failed one last), or re-raise `error` once
         the outage has lasted `resume_s`."""
+        if self.resume_s <= 0:
+            raise error
         now = time.monotonic()
         if self._broken_at is None:
             self._broken_at = now

@@ -50,7 +50,7 @@ async def start_http(coordinator_address: str, host: str, port: int,
                      max_message_bytes: int = 64 * 1024 * 1024, security: Security = NONE,
                      own_token: str | None = None, tls_files: tuple[str, str] | None = None,
                      limits: HttpLimits = HttpLimits(), peers: tuple[str, ...] = (),
-                     resume_s: float = 60.0) -> HttpServer:
+                     resume_s: float = 0.0) -> HttpServer:
     """`security`/`own_token`: see gateway.app.Gateway (the coordinator's TLS and API tokens);
     `tls_files`: (certificate, key) PEM files: serve HTTPS (the coordinator's own certificate);
     `peers`: other coordinators a broken stream Resumes on, for up to `resume_s` (gateway/resume.py)."""
