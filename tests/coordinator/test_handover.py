@@ -141,7 +141,9 @@ def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, r
     coordinator refuses new sequences."""
     import threading
 
-    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=0.6)
+    # a 30 s lease: a live stream is never taken over because a loaded machine delayed a renewal, and
+    # the hand-over (not an expiry) is what lets the other coordinator claim it
+    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=30.0)
     req = GenerationRequest(PROMPT, 80, SamplingParams(0.8, 0.95, 0, 11), ignore_eos=True)
     expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
     stub = coordinator_grpc.CoordinatorStub(pipeline.channel_to(address))
