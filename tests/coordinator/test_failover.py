@@ -125,7 +125,7 @@ def test_no_drafter_left_plain_rounds_then_drafting_resumes(model_dirs, redis_ur
                     if client is not None:
                         pool.release(client)
                     return client is not None
-                wait_until(placeable, timeout=20)
+                wait_until(placeable)
                 gate.set()
                 events["up"] = i
 

@@ -90,13 +90,13 @@ def test_health_tracks_redis(pipeline, tmp_path):
     try:
         assert status() == serving and status("aerie.v1.Coordinator") == serving
         stop_process(proc)
-        wait_until(lambda: status() == not_serving and status("aerie.v1.Coordinator") == not_serving, 10)
+        wait_until(lambda: status() == not_serving and status("aerie.v1.Coordinator") == not_serving)
         with pytest.raises(grpc.RpcError) as e:  # and it cannot admit (Redis named)
             list(coordinator_grpc.CoordinatorStub(pipeline.channel_to(address)).Generate(
                 codec.encode_generation_request(GenerationRequest((1, 2, 3), 4), "health-down"), timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
         proc, _ = start_redis(tmp_path / "health", port, appendfsync="everysec")
-        wait_until(lambda: status() == serving and status("aerie.v1.Coordinator") == serving, 10)
+        wait_until(lambda: status() == serving and status("aerie.v1.Coordinator") == serving)
         msgs = list(coordinator_grpc.CoordinatorStub(pipeline.channel_to(address)).Generate(
             codec.encode_generation_request(GenerationRequest((1, 2, 3), 4), "health-back"), timeout=30))
         assert sum(len(m.tokens) for m in msgs) == 4 and msgs[-1].finish_reason == "length"

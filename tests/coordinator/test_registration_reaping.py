@@ -13,7 +13,9 @@ from tests.pipeline import local_engine, local_run, start_pipeline, wait_until
 PROMPT = (5, 17, 99, 3, 42, 8)
 
 
-def register(url, role, address, servicer, heartbeat_s=0.2, ttl_s=0.6):
+def register(url, role, address, servicer, heartbeat_s=0.2, ttl_s=30.0):
+    """A live registration: its record outlives 150 missed heartbeats (was 3: a loaded machine
+    dropped live replicas); the test's one lapse (`ttl_s=2.0`) is a registration the test stops."""
     from aerie_cli.serve import describe_replica
     return registry.Registration(registry.connect(url), role, address, lambda: describe_replica(servicer),
                                  heartbeat_s, ttl_s).start()
@@ -24,7 +26,7 @@ def test_coordinator_discovers_registered_replicas(model_dirs, redis_url):
     regs = []
     try:
         regs.append(register(redis_url, "verifier", p.addresses["verifier"], p.verifier))
-        regs.append(register(redis_url, "drafter", p.addresses["drafter"], p.drafter))
+        regs.append(register(redis_url, "drafter", p.addresses["drafter"], p.drafter, ttl_s=2.0))
         found = registry.Registry(registry.connect(redis_url)).instances("drafter")
         assert found[p.addresses["drafter"]].draft == str(model_dirs.head)
         assert found[p.addresses["drafter"]].capacity == 8 and found[p.addresses["drafter"]].load == 0
@@ -39,13 +41,13 @@ def test_coordinator_discovers_registered_replicas(model_dirs, redis_url):
         regs[1]._stop.set()
         regs[1]._thread.join()
         drafters = coordinator.sequences.drafters
-        wait_until(lambda: p.addresses["drafter"] not in drafters.loads(), timeout=5)
+        wait_until(lambda: p.addresses["drafter"] not in drafters.loads())
         tokens = [t for s in session.engine.generate(req) for t in s.tokens]
         assert tokens == local_run(local_engine(model_dirs), req)[0]  # plain rounds: same greedy tokens
         assert session.placement == ("", p.addresses["verifier"])
         # it registers again: placed there again, no restart
         regs[1] = register(redis_url, "drafter", p.addresses["drafter"], p.drafter)
-        wait_until(lambda: p.addresses["drafter"] in drafters.loads(), timeout=5)
+        wait_until(lambda: p.addresses["drafter"] in drafters.loads())
         list(session.engine.generate(req))
         assert session.placement == (p.addresses["drafter"], p.addresses["verifier"])
         # unregistering on shutdown removes the record at once

@@ -125,9 +125,9 @@ def test_concurrent_sequences_through_the_coordinator_equal_batch1(pipeline, mod
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(reqs))]
     for t in threads:
         t.start()
-    wait_until(lambda: pipeline.verifier.batcher.waiting >= 2, timeout=60)
+    wait_until(lambda: pipeline.verifier.batcher.waiting >= 2)
     verifier_gate.set()
-    wait_until(lambda: pipeline.drafter.batcher.waiting >= 2, timeout=60)
+    wait_until(lambda: pipeline.drafter.batcher.waiting >= 2)
     drafter_gate.set()
     for t in threads:
         t.join(180)
