@@ -21,16 +21,16 @@ import torch
 
 from services.model.eagle_head import DraftHead
 from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
+from services.model.uniform import key_bucket
 from services.spec.tree import Candidates, TreeParams
 from services.spec.tree_static import expand_static
-from services.model.uniform import key_bucket
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _DraftGraph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     key_rows: torch.Tensor  # [S] long
     stable: torch.Tensor  # [1] long
     last: torch.Tensor  # [H]
