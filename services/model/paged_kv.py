@@ -25,29 +25,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.errors import KVBudgetExceeded
+from services.model.kv_cache import RowSpan
 from services.model.kv_pool import KVPool
 
 TRASH_ROW = 0  # the first row of the trash page
 
 
-class PagedCache:
+class PagedCache(RowSpan):
     """One slot of a PagedKVPool behind the KVCache interface (reserve, write, advance, truncate,
     keep, length, capacity), so the eager forward serves paged and contiguous KV alike."""
 
-    def __init__(self, pool: PagedKVPool, rows: np.ndarray) -> None:
+    def __init__(self, pool: "PagedKVPool", rows: np.ndarray) -> None:
+        super().__init__(int(rows.shape[0]))
         self.pool = pool
         self.rows_host = rows  # [capacity] int64 arena rows
         self.rows = torch.from_numpy(rows).to(pool.device)  # [capacity] the same on the pool's device
-        self.capacity = int(rows.shape[0])
-        self.length = 0
-
-    def reserve(self, num_new: int) -> None:
-        from services.errors import CapacityExceeded
-
-        if self.length + num_new > self.capacity:
-            raise CapacityExceeded(
-                f"KV cache holds {self.capacity} rows; {self.length} used, {num_new} more requested")
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [nKV, T, hd] at logical rows [length, length+T); return the layer's K and V over
@@ -59,13 +51,6 @@ class PagedCache:
         v.index_copy_(1, dst, v_new.to(v.dtype))
         rows = self.rows[:end]
         return k.index_select(1, rows), v.index_select(1, rows)
-
-    def advance(self, num_new: int) -> None:
-        self.length += num_new
-
-    def truncate(self, length: int) -> None:
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
 
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Compact: logical rows `slots` [n] (ascending, slots[i] >= start + i) move to [start, start+n);
@@ -109,9 +94,7 @@ class PagedKVPool(KVPool):
             raise ValueError(f"a KV slot needs rows >= 1; got {rows}")
         pages = -(-rows // self.page_size)
         if not self.fits(rows) or pages > len(self._free):
-            raise KVBudgetExceeded(
-                f"KV for {rows} rows does not fit {self.budget_text()}: {self._rows_allocated} rows are "
-                f"held by {len(self._slots)} sequences", fits_empty=rows <= (self.max_rows or 0))
+            raise self.refusal(rows)
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         taken = sorted(self._free.pop() for _ in range(pages))
         self._pages[slot] = taken
