@@ -35,7 +35,7 @@ class PagedCache(RowSpan):
     """One slot of a PagedKVPool behind the KVCache interface (reserve, write, advance, truncate,
     keep, length, capacity), so the eager forward serves paged and contiguous KV alike."""
 
-    def __init__(self, pool: "PagedKVPool", rows: np.ndarray) -> None:
+    def __init__(self, pool: PagedKVPool, rows: np.ndarray) -> None:
         super().__init__(int(rows.shape[0]))
         self.pool = pool
         self.rows_host = rows  # [capacity] int64 arena rows
