@@ -33,7 +33,8 @@ from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMore
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
-from services.model.runner import ModelRunner
+from services.model.kv_pool import KVPool
+from services.model.runner import ModelRunner, pool_for
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
@@ -83,6 +84,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
         self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
+        if runner is None and target.device.type == "cuda":
+            # the paged arena is allocated once, at start: size it by the KV budget itself
+            budget = kv_budget_rows(config, KVPool.for_model(target).bytes_per_row, str(target.device))
+            runner = ModelRunner(target, pool_for(target, budget))
         self.runner = runner if runner is not None else ModelRunner(target)
         pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
         if pool is not None:
