@@ -7,7 +7,9 @@ directory path contains HEAD, if given).
                                                                   # with '|' to match one directory exactly
 """
 import glob, json, os, sys
-from services.spec.budget import CostCurve, CostModel, build_budget, prior_stats, MAX_LEVELS
+from services.spec.acceptance import MAX_LEVELS, prior_stats
+from services.spec.budget import build_budget
+from services.spec.cost import CostCurve, CostModel
 
 curves, used = {}, {}
 threads = sys.argv[2] if len(sys.argv) > 2 else "1"

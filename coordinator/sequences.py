@@ -23,7 +23,7 @@ import grpc
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest
-from services.spec.budget import LoadBoard
+from services.spec.load_board import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
@@ -57,7 +57,7 @@ class Sequences:
         self._lock = threading.Lock()
         self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
         # continuous batching: the sequences this coordinator runs on one verifier share its forwards;
-        # their budgets size each tree for that batch (services/spec/budget.py LoadBoard)
+        # their budgets size each tree for that batch (services/spec/load_board.py LoadBoard)
         self._boards: dict[str, LoadBoard] = {}
         self.draining = threading.Event()  # SIGTERM: no new sequences, no take-overs
         # a taken-over sequence's text (stop strings): (stored params, tokens committed before) ->

@@ -16,7 +16,11 @@ import time
 from unittest import mock
 
 import services.spec.budget as budget_mod
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, Load, load_report, prior_stats
+from services.engine.calibration import load_report
+from services.spec.acceptance import prior_stats
+from services.spec.budget import AUTO_LARGEST, Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import Load
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -40,8 +40,9 @@ import torch
 from services.engine.drafter import Drafter
 from services.engine.verifier import Verifier
 from services.errors import InvalidRequest
-from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, observe,
-                                  observe_realized)
+from services.spec.acceptance import AcceptanceStats, observe, observe_realized
+from services.spec.budget import Budget, RoundPlan
+from services.spec.cost import CostCurve, CostModel
 from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree

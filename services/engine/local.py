@@ -15,7 +15,9 @@ from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
-from services.spec.budget import AUTO_LARGEST, CostModel, build_budget, head_costs, load_report, target_costs
+from services.engine.calibration import head_costs, load_report, target_costs
+from services.spec.budget import AUTO_LARGEST, build_budget
+from services.spec.cost import CostModel
 from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;

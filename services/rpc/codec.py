@@ -25,7 +25,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
-from services.spec.budget import CostCurve
+from services.spec.cost import CostCurve
 from services.spec.tree import DraftTree, TreeParams, ancestors
 from services.spec.verify import Acceptance
 
@@ -227,7 +227,8 @@ def decode_budget(vinfo, dinfo, retrieval: bool):
     curves (built without calibration) give the drafter's shape every round, as before."""
     from dataclasses import replace
 
-    from services.spec.budget import CostModel, build_budget
+    from services.spec.budget import build_budget
+    from services.spec.cost import CostModel
 
     verify = decode_cost(vinfo.verify_cost, "verifier verify_cost")
     if dinfo is None:

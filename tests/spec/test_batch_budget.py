@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, Load, LoadBoard, prior_stats, same_load
+from services.spec.acceptance import prior_stats
+from services.spec.budget import AUTO_LARGEST, Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import Load, LoadBoard, same_load
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
