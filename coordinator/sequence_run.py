@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from services import metrics
-from services.engine.engine import Engine, GenerationRequest, StepOutput
+from services.engine.engine import Engine, GenerationRequest, RoundOutput
 from coordinator.round_spans import RoundSpans
 from coordinator.sequence_store import LeaseLost, SequenceStore
 from services.rpc.errors import DownstreamError
@@ -43,7 +43,7 @@ class HandedOver(Exception):
 @dataclass(frozen=True, slots=True)
 class Committed:
     """One committed round, as streamed."""
-    step: StepOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
+    step: RoundOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
     commit_s: float
 
 
@@ -89,7 +89,7 @@ class SequenceRun:
                 if self.round_base is not None:
                     if step.stats.index == 0:
                         continue  # a take-over: the rebuilt state's first token is committed already
-                    step = StepOutput(step.tokens, replace(step.stats, index=step.stats.index + self.round_base),
+                    step = RoundOutput(step.tokens, replace(step.stats, index=step.stats.index + self.round_base),
                                       step.finish_reason)
                 t0 = time.perf_counter()
                 with self.spans.phase(step.stats.index, "commit"):
@@ -100,7 +100,7 @@ class SequenceRun:
                 _observe(step, commit_s)
                 if step.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
                     self.store.finish(self.seq_id, "cancelled", "cancel")
-                    step = StepOutput(step.tokens, step.stats, "cancel")
+                    step = RoundOutput(step.tokens, step.stats, "cancel")
                 self.emit(Committed(step, commit_s))
                 if step.finish_reason is not None:
                     return
@@ -129,7 +129,7 @@ class SequenceRun:
             self.on_exit(self)
 
 
-def _observe(step: StepOutput, commit_s: float) -> None:
+def _observe(step: RoundOutput, commit_s: float) -> None:
     s = step.stats
     metrics.COMMIT_SECONDS.labels(SERVICE).observe(commit_s)
     metrics.TOKENS_GENERATED.labels(SERVICE).inc(len(step.tokens))

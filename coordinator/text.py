@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from services.engine.engine import GenerationRequest, StepOutput
+from services.engine.engine import GenerationRequest, RoundOutput
 from services.errors import CheckpointError, InvalidRequest
 from services.rpc.errors import DownstreamError
 from services.rpc.stubs import coordinator as cpb
@@ -81,7 +81,7 @@ class StopStringEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
+    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[RoundOutput]:
         stream = self._make_stream()
         stream.push(list(self._primer))  # already checked by the coordinator that committed them
         steps = self._engine.generate(req, seq_id)
@@ -89,7 +89,7 @@ class StopStringEngine:
             for step in steps:
                 _text, cut = stream.push(step.tokens)
                 if cut is not None:
-                    yield StepOutput(step.tokens[:cut + 1], step.stats, "stop")
+                    yield RoundOutput(step.tokens[:cut + 1], step.stats, "stop")
                     return
                 yield step
                 if step.finish_reason is not None:

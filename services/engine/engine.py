@@ -76,7 +76,8 @@ class RoundStats:
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutput:
+class RoundOutput:
+    """What `Engine.generate` yields per round (round 0 = the prefill)."""
     tokens: list[int]  # newly committed tokens, stop-truncated
     stats: RoundStats
     finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
@@ -172,8 +173,8 @@ class Engine:
         eos = () if req.ignore_eos else self.eos_token_ids
         return frozenset(req.stop_token_ids) | frozenset(eos)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
-        """Yield one StepOutput after prefill and one per round; the last has a finish_reason."""
+    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[RoundOutput]:
+        """Yield one RoundOutput after prefill and one per round; the last has a finish_reason."""
         self.validate(req)
         seq_id = seq_id or f"local-{next(_seq_counter)}"
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
@@ -192,18 +193,33 @@ class Engine:
             if self.drafter:
                 self.drafter.release(seq_id)
 
-    def _run(self, req, seq_id, prompt, capacity, stop_ids) -> Iterator[StepOutput]:
+    def _run(self, req: GenerationRequest, seq_id: str, prompt: torch.Tensor, capacity: int,
+             stop_ids: frozenset[int]) -> Iterator[RoundOutput]:
+        """Prefill, then rounds: verify (or decode) the planned round -> stop rules -> observe what
+        was committed and plan + draft the next round -> yield."""
+        seq, out = self._prefill(req, seq_id, prompt, capacity, stop_ids)
+        yield out
+        for index in itertools.count(1):
+            if out.finish_reason is not None:
+                return
+            done = self._round(seq_id, seq, index)
+            new, reason = check_stop(done.tokens, seq.produced, req.max_new_tokens, stop_ids)
+            seq.produced += len(new)
+            seq.root = done.tokens[-1]
+            if reason is None and seq.draft is not None:
+                seq.draft = self._next_draft(seq_id, seq, done)
+            out = RoundOutput(new, done.stats, reason)
+            yield out
+
+    def _prefill(self, req: GenerationRequest, seq_id: str, prompt: torch.Tensor, capacity: int,
+                 stop_ids: frozenset[int]) -> tuple[_SequenceState, RoundOutput]:
+        """Round 0: the verifier runs the prompt and samples the first root; a speculating engine
+        starts the drafter (the prompt rows wait in `pending`) and plans + drafts round 1."""
         t0 = time.perf_counter()
         pre = self.verifier.prefill(seq_id, prompt, req.sampling, capacity)
         verify_s = time.perf_counter() - t0
-        produced = 0
-        new, reason = check_stop([pre.first_token], produced, req.max_new_tokens, stop_ids)
-        seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
-                             sort_paths=not req.sampling.greedy)
-        if req.sampling.greedy:
-            board = self.budget.load
-            seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
-        draft = None
+        new, reason = check_stop([pre.first_token], 0, req.max_new_tokens, stop_ids)
+        seq = self._new_sequence(req, pre.first_token)
         if reason is None and self.speculates:
             if self.drafter:
                 self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
@@ -212,87 +228,126 @@ class Engine:
             if seq.index is not None:
                 seq.index.extend(req.prompt_ids)
                 seq.index.extend([pre.first_token])
-            draft = self._draft(seq_id, seq, pre.first_token)
-        produced += len(new)
-        yield StepOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason)
-        last = pre.first_token
-        for index in itertools.count(1):
-            if reason is not None:
-                return
-            t1 = time.perf_counter()
-            if draft is None:  # plain decoding: one token per target forward
-                fresh = [self.verifier.decode(seq_id, last, index)]
-                stats = RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t1)
-            elif draft.detached:  # the budget chose a plain step: the features stay on the verifier
-                fresh = [self.verifier.decode(seq_id, last, index, keep_features=True)]
-                stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t1,
-                                   predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
-                self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
-            else:
-                tree = draft.tree
-                res = self.verifier.verify(seq_id, tree, index)
-                verify_s = time.perf_counter() - t1
-                self.budget.observe_verify(draft.plan, verify_s)
-                fresh = res.acceptance.new_tokens
-                accepted = res.acceptance.nodes.tolist()
-                observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
-                observe_realized(seq.stats, draft.plan, len(fresh))
-                if not seq.sort_paths:
-                    self.realized = seq.stats.realized
-                    if self.budget.load is not None:
-                        self.budget.load.realized = seq.stats.realized
-                stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
-                                   tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
-                                   draft.plan.tokens, draft.plan.seconds,
-                                   chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
-                                   eagle_nodes=draft.eagle_size - 1)
-            new, reason = check_stop(fresh, produced, req.max_new_tokens, stop_ids)
-            produced += len(new)
-            last = fresh[-1]
-            if reason is None and draft is not None:
-                if self.drafter:
-                    seq.pending_tokens.append(torch.tensor(fresh))
-                    if not draft.detached:  # (a detached round's feature comes with the next Verify)
-                        seq.pending_features.append(res.features)
-                if seq.index is not None:
-                    seq.index.extend(fresh)
-                draft = self._draft(seq_id, seq, last)
-            yield StepOutput(new, stats, reason)
+            seq.draft = self._draft(seq_id, seq, pre.first_token)
+        seq.produced = len(new)
+        return seq, RoundOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason)
 
-    def _draft(self, seq_id: str, seq: "_SequenceState", root: int) -> _Draft:
+    def _new_sequence(self, req: GenerationRequest, root: int) -> _SequenceState:
+        seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
+                             sort_paths=not req.sampling.greedy, root=root)
+        if req.sampling.greedy:  # where the latest greedy sequence left `realized` (see __init__)
+            board = self.budget.load
+            seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
+        return seq
+
+    def _round(self, seq_id: str, seq: _SequenceState, index: int) -> _Verified:
+        """Run round `index` as planned: a plain decode step (no speculation), a detached plain step,
+        or the verification of the drafted tree (which may be the root alone)."""
+        if seq.draft is None:
+            return self._plain_round(seq_id, seq.root, index)
+        if seq.draft.detached:
+            return self._detached_round(seq_id, seq.draft, seq.root, index)
+        return self._tree_round(seq_id, seq, seq.draft, index)
+
+    def _plain_round(self, seq_id: str, root: int, index: int) -> _Verified:
+        """Plain decoding: one token per target forward."""
+        t0 = time.perf_counter()
+        token = self.verifier.decode(seq_id, root, index)
+        return _Verified([token], RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t0))
+
+    def _detached_round(self, seq_id: str, draft: _Draft, root: int, index: int) -> _Verified:
+        """The budget chose a plain step with the drafter detached: the row's features stay on the
+        verifier (they come with the next Verify)."""
+        t0 = time.perf_counter()
+        token = self.verifier.decode(seq_id, root, index, keep_features=True)
+        stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t0,
+                           predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
+        self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
+        return _Verified([token], stats)
+
+    def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, index: int) -> _Verified:
+        """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
+        t0 = time.perf_counter()
+        tree = draft.tree
+        res = self.verifier.verify(seq_id, tree, index)
+        verify_s = time.perf_counter() - t0
+        self.budget.observe_verify(draft.plan, verify_s)
+        tokens = res.acceptance.new_tokens
+        accepted = res.acceptance.nodes.tolist()
+        observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
+        observe_realized(seq.stats, draft.plan, len(tokens))
+        if not seq.sort_paths:
+            self.realized = seq.stats.realized
+            if self.budget.load is not None:
+                self.budget.load.realized = seq.stats.realized
+        stats = RoundStats(index, len(tokens), tree.size if draft.plan.drafts else 0,
+                           tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
+                           draft.plan.tokens, draft.plan.seconds,
+                           chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
+                           eagle_nodes=draft.eagle_size - 1)
+        return _Verified(tokens, stats, res.features)
+
+    def _next_draft(self, seq_id: str, seq: _SequenceState, done: _Verified) -> _Draft:
+        """The committed tokens wait for the draft KV (with their features, unless the round was
+        detached: those come with the next Verify) and extend the suffix index; then the next round
+        is planned and drafted."""
+        assert seq.draft is not None
+        if self.drafter:
+            seq.pending_tokens.append(torch.tensor(done.tokens))
+            if not seq.draft.detached:
+                seq.pending_features.append(done.features)
+        if seq.index is not None:
+            seq.index.extend(done.tokens)
+        return self._draft(seq_id, seq, seq.root)
+
+    def _draft(self, seq_id: str, seq: _SequenceState, root: int) -> _Draft:
         """Plan the next round and build its tree: EAGLE (extending the draft KV with every pending
         row), the retrieved chain, both, or the root alone."""
         t0 = time.perf_counter()
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
-        # alone, the rows waiting for the draft KV are paid whenever the head next drafts (a sunk
-        # cost): the decision uses a steady round's extension (root + about one accepted token); in a
-        # batch they are charged (Budget.plan's pending_rows)
-        # with a load board, greedy sequences size their trees for the batch; sampling sequences keep
-        # the batch-1 choice so that a seed replays the same tokens whatever the load
-        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
-                                pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
-        detached = seq.detached
-        seq.detached = (self.budget.detach and self.drafter is not None and plan.tree is None and plan.chain == 0
+        plan = self._plan(seq_id, seq, len(chain))
+        was_detached = seq.detached
+        seq.detached = (self.budget.detach and self.drafter is not None and not plan.drafts
                         and not self.budget.probes_next(seq.stats))
         if seq.detached:  # a plain step that leaves the drafter alone (see the module doc)
             return _Draft(root_tree(root), plan, [], 1, time.perf_counter() - t0, detached=True)
-        if plan.tree is not None and detached:
+        if plan.tree is not None and was_detached:
             # the rows of the detached rounds have no features here yet: this round verifies the
             # root alone, whose answer brings them; the tree waits for the next round's plan
             plan = RoundPlan(None, 0, 1.0, 0.0)
-        if plan.tree is not None:
-            tokens = torch.cat(seq.pending_tokens)
-            features = torch.cat(seq.pending_features)
-            seq.pending_tokens.clear()
-            seq.pending_features.clear()
-            t_call = time.perf_counter()
-            tree = self.drafter.draft(seq_id, tokens, features, plan.tree)
-            self.budget.observe_draft(plan.tree, int(tokens.shape[0]), time.perf_counter() - t_call)
-        else:
-            tree = root_tree(root)
+        tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
         eagle_size = tree.size
         tree, chain_nodes = merge_chain(tree, chain[: plan.chain], seq.sort_paths)
         return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0)
+
+    def _plan(self, seq_id: str, seq: _SequenceState, chain: int) -> RoundPlan:
+        """The budget's plan for the next round, given `chain` retrieved tokens. Alone, the rows
+        waiting for the draft KV are paid whenever the head next drafts (a sunk cost): the decision
+        uses a steady round's extension (root + about one accepted token); in a batch they are
+        charged (Budget.plan's pending_rows). With a load board, greedy sequences size their trees
+        for the batch; sampling sequences keep the batch-1 choice so that a seed replays the same
+        tokens whatever the load."""
+        return self.budget.plan(seq.stats, chain, commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
+                                pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
+
+    def _head_tree(self, seq_id: str, seq: _SequenceState, params: TreeParams) -> DraftTree:
+        """The draft head's tree of shape `params`, its KV first extended with every pending row."""
+        tokens = torch.cat(seq.pending_tokens)  # [P] committed tokens the draft KV has not seen
+        features = torch.cat(seq.pending_features)  # [P, F] their target features
+        seq.pending_tokens.clear()
+        seq.pending_features.clear()
+        t0 = time.perf_counter()
+        tree = self.drafter.draft(seq_id, tokens, features, params)
+        self.budget.observe_draft(params, int(tokens.shape[0]), time.perf_counter() - t0)
+        return tree
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """What one round committed, before the stop rules."""
+    tokens: list[int]  # accepted drafts + the bonus (a plain step: one token)
+    stats: RoundStats
+    features: torch.Tensor | None = None  # [k + m + 1, F] VerifyResult.features (None: a plain step)
 
 
 @dataclass
@@ -303,3 +358,6 @@ class _SequenceState:
     pending_tokens: list[torch.Tensor] = field(default_factory=list)  # committed, not yet in the draft KV
     pending_features: list[torch.Tensor] = field(default_factory=list)
     detached: bool = False  # the last planned round leaves its features on the verifier
+    root: int = -1  # the last committed token: the next round's root
+    produced: int = 0  # tokens streamed so far (stop-truncated)
+    draft: _Draft | None = None  # the planned next round (None: plain decoding, no speculation)
