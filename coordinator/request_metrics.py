@@ -39,7 +39,7 @@ class RequestMetrics:
     def round(self, stats: RoundStats, n_tokens: int) -> None:
         m = self.model
         if stats.index > 0 and stats.tree_size > 0:  # a speculative round (not prefill, not plain decode)
-            accepted = max(stats.accept_length - 1, 0)
+            accepted = stats.accepted
             metrics.SPEC_NUM_DRAFTS.labels(m).inc()
             metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_depth)
             metrics.SPEC_NUM_ACCEPTED_TOKENS.labels(m).inc(accepted)

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
@@ -83,14 +83,11 @@ class SequenceRun:
         self.handing_over.set()
 
     def _run(self) -> None:
-        steps = self.engine.generate(self.request, self.seq_id)
+        steps = self.engine.generate(self.request, self.seq_id, self.round_base or 0)
         try:
             for step in steps:
-                if self.round_base is not None:
-                    if step.stats.index == 0:
-                        continue  # a take-over: the rebuilt state's first token is committed already
-                    step = RoundOutput(step.tokens, replace(step.stats, index=step.stats.index + self.round_base),
-                                      step.finish_reason)
+                if self.round_base is not None and step.stats.index == 0:
+                    continue  # a take-over: the rebuilt state's first token is committed already
                 t0 = time.perf_counter()
                 with self.spans.phase(step.stats.index, "commit"):
                     result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason,
@@ -138,7 +135,8 @@ def _observe(step: RoundOutput, commit_s: float) -> None:
         return
     metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)
     metrics.ACCEPT_LENGTH.labels(SERVICE).observe(s.accept_length)
-    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    metrics.TREE_SIZE.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # (deprecated name, one release)
     if s.detached:
         metrics.DETACHED_ROUNDS.labels(SERVICE).inc()
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)

@@ -81,10 +81,11 @@ class StopStringEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[RoundOutput]:
+    def generate(self, req: GenerationRequest, seq_id: str | None = None, round_base: int = 0
+                 ) -> Iterator[RoundOutput]:
         stream = self._make_stream()
         stream.push(list(self._primer))  # already checked by the coordinator that committed them
-        steps = self._engine.generate(req, seq_id)
+        steps = self._engine.generate(req, seq_id, round_base)
         try:
             for step in steps:
                 _text, cut = stream.push(step.tokens)
@@ -170,26 +171,28 @@ class Text:
 
     def params(self, msg: cpb.GenerateRequest) -> dict:
         """What the text path of a sequence needs after the request is gone, stored with it in Redis
-        (a take-over re-applies the stop strings; Resume streams the same text deltas):
-        {"stop": [...], "skip_special_tokens": bool}. The prompt itself is stored as token ids."""
+        (a take-over re-applies the stop strings; Resume streams the same text deltas): the
+        SequenceParams fields `stop` and `skip_special_tokens`, as keyword arguments. The prompt
+        itself is stored as token ids."""
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        return {"stop": list(self.stops(msg)), "skip_special_tokens": skip}
+        return {"stop": self.stops(msg), "skip_special_tokens": skip}
 
     def stream(self, msg: cpb.GenerateRequest) -> TextStream:
-        return self.stream_for(self.params(msg))
+        return self.stream_for(**self.params(msg))
 
-    def stream_for(self, params: dict) -> TextStream:
-        """The text deltas of a sequence from its stored `params` (older records: no stops, skip)."""
-        return TextStream(self.tokenizer, tuple(params.get("stop") or ()), params.get("skip_special_tokens", True))
+    def stream_for(self, stop: tuple[str, ...], skip_special_tokens: bool) -> TextStream:
+        """The text deltas of a sequence (from its stored SequenceParams on Resume)."""
+        return TextStream(self.tokenizer, tuple(stop), skip_special_tokens)
 
     def stop_engine(self, msg: cpb.GenerateRequest):
         """A wrapper for the sequence's Engine when the request has stop strings, else None."""
-        return self.stop_engine_for(self.params(msg))
+        return self.stop_engine_for(**self.params(msg))
 
-    def stop_engine_for(self, params: dict, primer: tuple[int, ...] = ()):
-        """`stop_engine` from stored `params` (a take-over, primed with the tokens committed before)."""
-        if not params.get("stop"):
+    def stop_engine_for(self, stop: tuple[str, ...], skip_special_tokens: bool, primer: tuple[int, ...] = ()):
+        """`stop_engine` from stored SequenceParams fields (a take-over, primed with the tokens
+        committed before)."""
+        if not stop:
             return None
         if self.tokenizer is None:
             self._need_tokenizer("stop")
-        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(params), primer)
+        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(stop, skip_special_tokens), primer)

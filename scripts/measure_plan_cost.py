@@ -50,7 +50,7 @@ def main() -> None:
                 times[label] = (time.perf_counter() - t0) / args.calls * 1e3
         assert plans["full"] == plans["bound"]
         tree = plans["bound"].tree
-        shape = "plain" if tree is None else f"top_k {tree.top_k}, depth {tree.depth}, {tree.total_tokens} nodes"
+        shape = "plain" if tree is None else f"top_k {tree.top_k}, depth {tree.depth}, {tree.size} nodes"
         print(f"{others:>6}  {times['full']:>14.3f}  {times['bound']:>13.3f}  {shape}")
 
 

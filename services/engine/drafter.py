@@ -57,9 +57,9 @@ class Drafter:
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
             raise InvalidRequest(
-                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.total_tokens} exceeds "
+                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.size} exceeds "
                 f"this drafter's largest shape top_k={self.tree.top_k}, depth={self.tree.depth}, "
-                f"tokens={self.tree.total_tokens} (its draft KV is sized for that)")
+                f"tokens={self.tree.size} (its draft KV is sized for that)")
         if params.top_k > self.head.config.draft_vocab:
             raise InvalidRequest(
                 f"tree_top_k={params.top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab})")

@@ -5,7 +5,7 @@
     verify   the verifier checks the tree in one forward, accepts a path, draws the bonus
     commit   the accepted tokens and the bonus are emitted; stop rules truncate
 
-`Engine` talks to a `Drafter` and a `Verifier` through their methods only, so the coordinator can
+`Engine` talks to a drafter and a verifier through their roles only (services/engine/roles.py), so the coordinator can
 drive gRPC clients with the same loop. With no drafter and no retrieval it runs plain
 autoregressive decoding through the same target code: the baseline. It does not tokenize or format
 prompts.
@@ -34,20 +34,23 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
-from services.engine.drafter import Drafter
-from services.engine.verifier import Verifier
+from services.engine.roles import DrafterRole, VerifierRole
 from services.errors import InvalidRequest
 from services.spec.acceptance import AcceptanceStats, observe, observe_realized
-from services.spec.budget import Budget, RoundPlan
-from services.spec.cost import CostCurve, CostModel
+from services.spec.budget import Budget, RoundPlan, build_budget
 from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
 
 _seq_counter = itertools.count()
+
+# Why a sequence finished: a stop token (an EOS too) or, in the coordinator, a stop string; its
+# max_new_tokens; a cancel (the coordinator). The same strings reach clients (gRPC, HTTP).
+FinishReason = Literal["stop", "length", "cancel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,7 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class RoundStats:
     index: int  # 0 = prefill
-    accept_length: int  # tokens this target forward produced (accepted drafts + bonus); 1 for prefill
+    accept_length: int  # m + 1: tokens this round committed (accepted drafts + bonus); 1 for prefill
     tree_size: int  # nodes verified, root included (0 for prefill / plain decode)
     tree_depth: int  # deepest node verified
     draft_s: float  # time growing the tree that this round verified
@@ -74,17 +77,22 @@ class RoundStats:
     chain_accepted: int = 0  # of the retrieved chain tokens, accepted this round
     eagle_nodes: int = 0  # draft-head nodes in the tree, root excluded (0 = the head drafted nothing)
 
+    @property
+    def accepted(self) -> int:
+        """m: the draft tokens accepted this round (accept_length - 1; 0 for the prefill)."""
+        return max(self.accept_length - 1, 0)
+
 
 @dataclass(frozen=True, slots=True)
 class RoundOutput:
     """What `Engine.generate` yields per round (round 0 = the prefill)."""
     tokens: list[int]  # newly committed tokens, stop-truncated
     stats: RoundStats
-    finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
+    finish_reason: FinishReason | None = None  # once finished
 
 
 def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: frozenset[int]
-               ) -> tuple[list[int], str | None]:
+               ) -> tuple[list[int], FinishReason | None]:
     """Truncate `new` at the first stop token (kept) or at the token budget; tokens after a stop are
     dropped. Example: new [5, 9, 2, 7], stop {2}, produced 10, max 100 -> ([5, 9, 2], "stop")."""
     for i, tok in enumerate(new):
@@ -97,12 +105,11 @@ def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: fro
     return new, None
 
 
-def fixed_budget(drafter: Drafter | None, retrieval: bool = False) -> Budget:
+def fixed_budget(drafter: DrafterRole | None, retrieval: bool = False) -> Budget:
     """The drafter's own shape every round (no cost model): what an Engine built without a budget
     runs. Costs are nominal (one unit per verified node), so its predictions mean nothing."""
     tree = drafter.tree if drafter is not None else TreeParams(1, 0, 2)
-    return Budget(CostModel(CostCurve((1, 2), (1.0, 2.0))), largest=tree, fixed=tree,
-                  eagle=drafter is not None, chain_limit=8 if retrieval else 0)
+    return build_budget(None, None, tree, drafter is not None, retrieval)
 
 
 @dataclass
@@ -117,7 +124,7 @@ class _Draft:
 
 
 class Engine:
-    def __init__(self, verifier: Verifier, drafter: Drafter | None, max_context: int,
+    def __init__(self, verifier: VerifierRole, drafter: DrafterRole | None, max_context: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
                  retrieval: bool = False) -> None:
         """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains."""
@@ -139,9 +146,9 @@ class Engine:
         largest = self.budget.fixed or self.budget.largest
         if self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
-                                 f"tokens={largest.total_tokens}) does not fit the drafter's KV "
+                                 f"tokens={largest.size}) does not fit the drafter's KV "
                                  f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
-                                 f"tokens={drafter.tree.total_tokens})")
+                                 f"tokens={drafter.tree.size})")
 
     def plain(self) -> "Engine":
         """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""
@@ -173,19 +180,22 @@ class Engine:
         eos = () if req.ignore_eos else self.eos_token_ids
         return frozenset(req.stop_token_ids) | frozenset(eos)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[RoundOutput]:
-        """Yield one RoundOutput after prefill and one per round; the last has a finish_reason."""
+    def generate(self, req: GenerationRequest, seq_id: str | None = None, round_base: int = 0
+                 ) -> Iterator[RoundOutput]:
+        """Yield one RoundOutput after prefill (index 0) and one per round (index round_base + k, k =
+        1, 2, ...: a coordinator taking a sequence over continues it at its next round); the last has
+        a finish_reason."""
         self.validate(req)
         seq_id = seq_id or f"local-{next(_seq_counter)}"
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
         # KV rows: every committed token plus one tree (or one decode token) in flight
-        tree_nodes = self.budget.max_nodes() if self.speculates else 1
+        tree_nodes = self.budget.max_tree_size() if self.speculates else 1
         capacity = len(req.prompt_ids) + req.max_new_tokens + tree_nodes
         stop_ids = self.stop_ids(req)
         if self.budget.load is not None:
             self.budget.load.join(seq_id)
         try:
-            yield from self._run(req, seq_id, prompt, capacity, stop_ids)
+            yield from self._run(req, seq_id, prompt, capacity, stop_ids, round_base)
         finally:
             if self.budget.load is not None:
                 self.budget.load.leave(seq_id)
@@ -194,12 +204,12 @@ class Engine:
                 self.drafter.release(seq_id)
 
     def _run(self, req: GenerationRequest, seq_id: str, prompt: torch.Tensor, capacity: int,
-             stop_ids: frozenset[int]) -> Iterator[RoundOutput]:
+             stop_ids: frozenset[int], round_base: int) -> Iterator[RoundOutput]:
         """Prefill, then rounds: verify (or decode) the planned round -> stop rules -> observe what
         was committed and plan + draft the next round -> yield."""
         seq, out = self._prefill(req, seq_id, prompt, capacity, stop_ids)
         yield out
-        for index in itertools.count(1):
+        for index in itertools.count(round_base + 1):
             if out.finish_reason is not None:
                 return
             done = self._round(seq_id, seq, index)

@@ -13,7 +13,7 @@ chain adds sum_j prod_{d<=j} s_d (alternatives at the root are nearly disjoint, 
 
     stats = prior_stats(report)                         # from the head's report.json, or a default
     observe(stats, tree, accepted_nodes, chain_nodes)   # per-depth update after a verified round
-    observe_realized(stats, plan, committed)            # how much of the predicted gain came true
+    observe_realized(stats, plan, accept_length)        # how much of the predicted gain came true
 
 Pure: no I/O (the head's report is read by services/engine/calibration.py `load_report`).
 """
@@ -83,14 +83,14 @@ def prior_stats(report: dict | None = None, alpha: float = 0.15) -> AcceptanceSt
                            confidence=max(a1, 0.05), alpha=alpha)
 
 
-def observe_realized(stats: AcceptanceStats, plan: "RoundPlan", accepted_tokens: int) -> None:
+def observe_realized(stats: AcceptanceStats, plan: "RoundPlan", accept_length: int) -> None:
     """A round planned as `plan` (a head draft and no retrieved chain, with the model's uncorrected
-    head gain `plan.head_gain` > 0) committed `accepted_tokens` (bonus included): the realized share
+    head gain `plan.head_gain` > 0) committed `accept_length` tokens (bonus included): the realized share
     of the predicted gain feeds `stats.realized` (clamped to [REALIZED_MIN, REALIZED_MAX]).
     WARNING: mutates `stats`."""
     if plan.tree is None or plan.chain or plan.head_gain <= 1e-6:
         return
-    ratio = (accepted_tokens - 1) / plan.head_gain
+    ratio = (accept_length - 1) / plan.head_gain
     stats.realized = min(REALIZED_MAX, max(REALIZED_MIN, ema(stats.realized, ratio, stats.alpha)))
 
 

@@ -9,9 +9,9 @@ tokens per second, the batch's when other sequences share the target forwards
     plan = budget.plan(stats, chain=len(retrieved))     # -> RoundPlan(tree | None, chain, predicted)
     ... draft plan.tree, merge plan.chain retrieved tokens, verify ...
     observe(stats, tree, accepted_nodes, chain_nodes)  # per-depth acceptance update
-    observe_realized(stats, plan, committed)            # how much of the predicted gain came true
+    observe_realized(stats, plan, accept_length)        # how much of the predicted gain came true
 
-A shape is TreeParams(top_k, depth, total_tokens, stop_logprob), or none (verify the root only = a
+A shape is TreeParams(top_k, depth, size, stop_logprob), or none (verify the root only = a
 plain decode step), plus the number of retrieved chain tokens joined to it. Its expected committed
 tokens = 1 (the bonus) + the expected accepted drafts (acceptance.expected_accept, scaled by
 `AcceptanceStats.realized`) + the chain's (acceptance.chain_accept).
@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from services.spec.acceptance import (MAX_LEVELS, MAX_RANK, AcceptanceStats, beam_levels, chain_accept,
                                       expected_accept, prior_stats)
-from services.spec.cost import CostModel, batch_verify_table, verify_table
+from services.spec.cost import CostCurve, CostModel, batch_verify_table, verify_table
 from services.spec.load_board import Load, LoadBoard, same_load
 from services.spec.tree import TreeParams
 
@@ -43,6 +43,7 @@ CHAIN_LIMIT = 16  # longest retrieved chain the budget joins
 PROBE_CHAIN = 4  # retrieved tokens a probe verifies at most (deeper depths: when a plan chooses them)
 NODE_COUNTS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60, 64)  # tree sizes the search tries
 AUTO_LARGEST = TreeParams(4, 7, 32)  # the largest shape `auto` may pick (sizes the draft KV)
+NOMINAL_COSTS = CostModel(CostCurve((1, 2), (1.0, 2.0)))  # no calibration: one unit per verified row
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,19 +88,19 @@ class _Shape:
 
     top_k: int
     depth: int  # expansion steps (TreeParams.depth)
-    total_tokens: int  # nodes kept, root included
+    size: int  # nodes kept, root included
     chain: int  # retrieved tokens joined
     gain: float  # the model's expected accepted head tokens, before the `realized` correction
     draft_s: float  # this sequence's draft seconds (compute + the measured extra)
 
 
-def _node_counts(top_k: int, depth: int, total_tokens: int) -> tuple[int, ...]:
+def _node_counts(top_k: int, depth: int, size: int) -> tuple[int, ...]:
     """The tree sizes (root included) the search tries for `top_k` and `depth`: a chain keeps all of
     its depth + 2 nodes; a wider tree the NODE_COUNTS between top_k + 1 and its candidates + 1
-    (at most `total_tokens`). Example: (1, 3, 32) -> (5,); (2, 1, 32) -> (3, 4, 5, 6, 7)."""
+    (at most `size`). Example: (1, 3, 32) -> (5,); (2, 1, 32) -> (3, 4, 5, 6, 7)."""
     if top_k == 1:
         return (depth + 2,)
-    top = min(top_k + depth * top_k * top_k, total_tokens - 1)
+    top = min(top_k + depth * top_k * top_k, size - 1)
     return tuple(n for n in NODE_COUNTS if top_k <= n - 1 <= top) or (top_k + 1,)
 
 
@@ -136,9 +137,9 @@ class Budget:
         engine attaches the drafter one round ahead of it). Always True for a fixed shape."""
         return self.fixed is not None or stats.idle_rounds + 1 >= (stats.probe_gap or self.probe_every)
 
-    def max_nodes(self) -> int:
-        """The most nodes a round can verify (KV reservation on the verifier)."""
-        eagle = (self.fixed or self.largest).total_tokens if self.eagle else 1
+    def max_tree_size(self) -> int:
+        """The largest tree (nodes, root included) a round can verify (KV reservation on the verifier)."""
+        eagle = (self.fixed or self.largest).size if self.eagle else 1
         return eagle + self.chain_limit
 
     def plan(self, stats: AcceptanceStats, chain: int = 0, commit_rows: float = 2.0, key: str | None = None,
@@ -160,7 +161,7 @@ class Budget:
             commit_rows = max(commit_rows, float(pending_rows))
         best = self._plan(stats, chain, commit_rows, load)
         if self.load is not None and key is not None:
-            rows = (best.tree.total_tokens if best.tree is not None else 1) + best.chain
+            rows = (best.tree.size if best.tree is not None else 1) + best.chain
             self.load.post(key, rows, best.tokens, best.draft_s)
         return best
 
@@ -264,7 +265,7 @@ class Budget:
         return Choice(best, smallest, times.tv, times.chain_gain)
 
     def _times(self, stats: AcceptanceStats, chain: int, load: Load) -> _Times:
-        n_max = (self.fixed or self.largest).total_tokens + chain + 1
+        n_max = (self.fixed or self.largest).size + chain + 1
         c = self.costs
         fv = batch_verify_table(c, load.rows, n_max) if load.sequences else verify_table(c, n_max)
         tv = (0.0,) + tuple(f + load.draft_s + load.verify_extra for f in fv[1:])
@@ -276,9 +277,9 @@ class Budget:
         fixed = self.fixed
         assert fixed is not None
         e = expected_accept(stats.depth, stats.rank, fixed.top_k, fixed.depth + 1,
-                            [fixed.total_tokens - 1])[0] if self.eagle else 0.0
+                            [fixed.size - 1])[0] if self.eagle else 0.0
         e += t.chain_gain[chain]
-        n = (fixed.total_tokens if self.eagle else 1) + chain
+        n = (fixed.size if self.eagle else 1) + chain
         own = self.costs.draft_seconds(fixed, commit_rows) + load.draft_extra if self.eagle else 0.0
         return RoundPlan(fixed if self.eagle else None, chain, 1 + e, own + t.tv[n], t.fv[n], own)
 
@@ -293,7 +294,7 @@ class Budget:
 
     def _search_trees(self, stats: AcceptanceStats, base: float, extras: Sequence[int], t: _Times,
                       others: float, bar: float) -> _Shape | None:
-        """The EAGLE shape (top_k, depth, total_tokens, joined chain in `extras`) of the highest batch
+        """The EAGLE shape (top_k, depth, size, joined chain in `extras`) of the highest batch
         rate above `bar`, or None. For each top_k the beam (acceptance.beam_levels) grows one level
         at a time; a tree of n nodes keeps the n - 1 likeliest nodes so far (EAGLE-2's rerank)."""
         lim, real = self.largest, stats.realized
@@ -307,7 +308,7 @@ class Budget:
                 probs += kids
                 prefix = list(itertools.accumulate(sorted(probs, reverse=True), initial=0.0))
                 t_draft = base + d * step
-                for n in _node_counts(k, d, lim.total_tokens):
+                for n in _node_counts(k, d, lim.size):
                     g = prefix[min(n - 1, len(probs))]
                     for extra in extras:
                         rate = (others + 1.0 + real * g + t.chain_gain[extra]) / (t_draft + t.tv[n + extra])
@@ -317,8 +318,8 @@ class Budget:
 
     @staticmethod
     def _shape_plan(s: _Shape, realized: float, t: _Times) -> RoundPlan:
-        rows = s.total_tokens + s.chain
-        return RoundPlan(TreeParams(s.top_k, s.depth, s.total_tokens), s.chain,
+        rows = s.size + s.chain
+        return RoundPlan(TreeParams(s.top_k, s.depth, s.size), s.chain,
                          1.0 + realized * s.gain + t.chain_gain[s.chain], s.draft_s + t.tv[rows], t.fv[rows],
                          s.draft_s, s.gain)
 
@@ -328,7 +329,7 @@ class Budget:
         p = plan.tree
         assert p is not None
         c = self.costs
-        rows = load.rows + p.total_tokens
+        rows = load.rows + p.size
         dt = c.t_draft(p.top_k) / p.top_k + c.t_verify(rows + 1) - c.t_verify(rows)
         if load.sequences:
             dt = max(dt, c.t_draft(p.top_k) / p.top_k + c.verify.top_slope())
@@ -377,10 +378,12 @@ def _eagle_bound(stats: AcceptanceStats, c: CostModel, lim: TreeParams, base: fl
 
 
 
-def build_budget(costs: CostModel, report: dict | None, tree: TreeParams | None, eagle: bool,
-                 retrieval: bool) -> Budget:
-    """`tree` None = auto (the chooser, bounded by AUTO_LARGEST); a TreeParams = that shape every
-    round (explicit --tree-* flags). The one constructor the CLI, the bench and the services use."""
-    largest = tree or AUTO_LARGEST
-    return Budget(costs, prior_stats(report), largest=largest, fixed=tree, eagle=eagle,
+def build_budget(costs: CostModel | None, report: dict | None, tree: TreeParams | None, eagle: bool,
+                 retrieval: bool, largest: TreeParams = AUTO_LARGEST) -> Budget:
+    """The one constructor of a Budget: the CLI, the bench, the coordinator (codec.decode_budget) and
+    an Engine given none use it. `costs` None = nominal (one unit per verified row: predictions
+    then mean nothing; for a fixed shape); `report` the head's report.json (the prior); `tree` None =
+    auto (the chooser, bounded by `largest`, which sizes the draft KV); a TreeParams = that shape
+    every round (explicit --tree-* flags)."""
+    return Budget(costs or NOMINAL_COSTS, prior_stats(report), largest=tree or largest, fixed=tree, eagle=eagle,
                   chain_limit=CHAIN_LIMIT if retrieval else 0)

@@ -21,7 +21,7 @@ def budget(board: LoadBoard | None, fixed: float = 1.0, per_row: float = 0.05) -
 
 
 def rows(plan) -> int:
-    return (plan.tree.total_tokens if plan.tree is not None else 1) + plan.chain
+    return (plan.tree.size if plan.tree is not None else 1) + plan.chain
 
 
 def test_alone_the_batch_budget_is_the_batch1_budget() -> None:

@@ -83,10 +83,10 @@ def test_chooser_picks_the_known_best_shape(case):
     elif case == "long_chain":  # nearly free verification up to 32 rows, siblings never accepted
         costs = CostModel(CostCurve((1, 32, 64), (1.0, 1.0, 2.0)), linear(0.01, 0.0), linear(0.0, 0.005))
         plan = Budget(costs).plan(stats([0.95], c=[0.0]))
-        assert (plan.tree.top_k, plan.tree.depth, plan.tree.total_tokens) == (1, 7, 9)
+        assert (plan.tree.top_k, plan.tree.depth, plan.tree.size) == (1, 7, 9)
     else:  # the top child is a coin flip, the runner-up is usually right: branch
         plan = Budget(FLAT_GPU).plan(stats([0.5], c=[0.8]))
-        assert plan.tree.top_k >= 2 and plan.tree.total_tokens > plan.tree.depth + 2
+        assert plan.tree.top_k >= 2 and plan.tree.size > plan.tree.depth + 2
 
 
 def test_realized_gain_scales_predictions_and_turns_an_overestimated_tree_plain():
@@ -133,7 +133,7 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     s = stats([0.05])
     plans = [b.plan(s) for _ in range(8)]
     assert [p.drafts for p in plans] == [False, False, False, True] * 2
-    assert plans[3].tree.total_tokens == 2 and plans[3].chain == 0
+    assert plans[3].tree.size == 2 and plans[3].chain == 0
     # a probe after which the budget stays plain doubles the gap, up to probe_backoff x probe_every
     b = replace(b, probe_backoff=4)
     s = stats([0.05])
@@ -151,7 +151,7 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     b = Budget(CostModel(linear(0.3, 1.0), linear(0, 0.05), linear(0, 0.05)), chain_limit=8, probe_every=2)
     s = stats([0.05], s=0.05)
     probe = [b.plan(s, chain=8) for _ in range(2)][-1]
-    assert probe.tree.total_tokens == 2 and probe.chain == B.PROBE_CHAIN
+    assert probe.tree.size == 2 and probe.chain == B.PROBE_CHAIN
 
 
 def test_stop_logprob_from_costs():
