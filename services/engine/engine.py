@@ -67,7 +67,8 @@ class RoundStats:
     index: int  # 0 = prefill
     accept_length: int  # m + 1: tokens this round committed (accepted drafts + bonus); 1 for prefill
     tree_size: int  # nodes verified, root included (0 for prefill / plain decode)
-    tree_depth: int  # deepest node verified
+    tree_depth: int  # the deepest verified node's depth (root 0): a full tree of TreeParams.depth d
+    #                  (expansion steps) reaches d + 1
     draft_s: float  # time growing the tree that this round verified
     verify_s: float  # time in the verifier (target forward + acceptance + KV compaction)
     chain: int = 0  # retrieved chain tokens in the tree (shared with EAGLE nodes or not)
