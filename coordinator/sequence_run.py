@@ -54,8 +54,8 @@ class SequenceRun:
                  on_lease_lost: Callable[[], None] | None = None) -> None:
         """`owner`: this coordinator's id (commits are fenced by the sequence's lease). `round_base`
         (None for a new sequence): for a sequence taken over from another coordinator, its last committed round; the engine
-        then runs from a rebuilt state and its step k is round round_base + k (its step 0, the token
-        already committed, is skipped)."""
+        then runs from a rebuilt state, numbering its rounds from round_base + 1 (Engine.generate); its
+        round 0, the token already committed, is skipped)."""
         self.seq_id = seq_id
         self.request = request
         self.engine = engine

@@ -344,10 +344,10 @@ class SequenceStore:
                 pipe.lrange(tokens_key, start, -1)
                 pipe.llen(tokens_key)
                 return pipe.execute()
-        (status, reason, rnd, error), tokens, total = self._call(seq_id, read)
+        (status, reason, round_index, error), tokens, total = self._call(seq_id, read)
         if status is None:
             raise SequenceNotFound(f"unknown sequence {seq_id!r}")
-        return [int(t) for t in tokens], status, reason or "", int(rnd), error or "", int(total)
+        return [int(t) for t in tokens], status, reason or "", int(round_index), error or "", int(total)
 
     def get(self, seq_id: str) -> SequenceState:
         key, tokens_key = self.keys(seq_id)

@@ -71,8 +71,8 @@ class StopStringEngine:
     (which releases the KV on both services). Everything else is the wrapped engine's."""
 
     def __init__(self, engine: Any, make_stream, primer: tuple[int, ...] = ()) -> None:
-        """`primer`: tokens committed before this engine's first step (a take-over: every committed
-        token but the last, which its rebuilt step 0 yields), pushed first so that a stop string that
+        """`primer`: tokens committed before this engine's first round (a take-over: every committed
+        token but the last, which its rebuilt round 0 yields), pushed first so that a stop string that
         spans them and the new ones still completes."""
         self._engine = engine
         self._make_stream = make_stream
@@ -85,18 +85,18 @@ class StopStringEngine:
                  ) -> Iterator[RoundOutput]:
         stream = self._make_stream()
         stream.push(list(self._primer))  # already checked by the coordinator that committed them
-        steps = self._engine.generate(req, seq_id, round_base)
+        rounds = self._engine.generate(req, seq_id, round_base)
         try:
-            for step in steps:
-                _text, cut = stream.push(step.tokens)
+            for out in rounds:
+                _text, cut = stream.push(out.tokens)
                 if cut is not None:
-                    yield RoundOutput(step.tokens[:cut + 1], step.stats, "stop")
+                    yield RoundOutput(out.tokens[:cut + 1], out.stats, "stop")
                     return
-                yield step
-                if step.finish_reason is not None:
+                yield out
+                if out.finish_reason is not None:
                     return
         finally:
-            steps.close()
+            rounds.close()
 
 
 class Text:

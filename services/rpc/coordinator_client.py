@@ -2,7 +2,7 @@
 same output either way:
 
     session = connect("127.0.0.1:50051", target=None)
-    for step in session.engine.generate(GenerationRequest(...)):   # RoundOutput per committed round
+    for out in session.engine.generate(GenerationRequest(...)):    # RoundOutput per committed round
         ...
 
 The tokenizer is the served target's (GetInfo names it; `connect` refuses a --target that names
@@ -72,7 +72,7 @@ class RemoteEngine:
         self._session = session
 
     def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[RoundOutput]:
-        """One continuous stream of the sequence's StepOutputs. When the stream breaks with
+        """One continuous stream of the sequence's RoundOutputs. When the stream breaks with
         UNAVAILABLE after the sequence id is known (a coordinator that drains or dies), it calls
         Resume(sequence_id, from_token_index=<tokens received>) on the next address (backoff 0.2 s
         doubling to 2 s, for up to `session.resume_s` per outage), so no token is missed or repeated.
