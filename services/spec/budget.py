@@ -27,6 +27,7 @@ Pure: no services, no I/O.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -94,6 +95,7 @@ class _Shape:
     draft_s: float  # this sequence's draft seconds (compute + the measured extra)
 
 
+@functools.cache
 def _node_counts(top_k: int, depth: int, size: int) -> tuple[int, ...]:
     """The tree sizes (root included) the search tries for `top_k` and `depth`: a chain keeps all of
     its depth + 2 nodes; a wider tree the NODE_COUNTS between top_k + 1 and its candidates + 1
@@ -297,7 +299,7 @@ class Budget:
         """The EAGLE shape (top_k, depth, size, joined chain in `extras`) of the highest batch
         rate above `bar`, or None. For each top_k the beam (acceptance.beam_levels) grows one level
         at a time; a tree of n nodes keeps the n - 1 likeliest nodes so far (EAGLE-2's rerank)."""
-        lim, real = self.largest, stats.realized
+        lim, real, tv, gains = self.largest, stats.realized, t.tv, t.chain_gain  # (locals: the inner loop is hot)
         best: _Shape | None = None
         for k in range(1, min(lim.top_k, MAX_RANK) + 1):
             step = self.costs.t_draft(k)
@@ -311,7 +313,7 @@ class Budget:
                 for n in _node_counts(k, d, lim.size):
                     g = prefix[min(n - 1, len(probs))]
                     for extra in extras:
-                        rate = (others + 1.0 + real * g + t.chain_gain[extra]) / (t_draft + t.tv[n + extra])
+                        rate = (others + 1.0 + real * g + gains[extra]) / (t_draft + tv[n + extra])
                         if rate > bar:
                             bar, best = rate, _Shape(k, d, n, extra, g, t_draft)
         return best
