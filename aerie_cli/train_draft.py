@@ -79,7 +79,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from services.model.eagle_head import HeadConfig, build_head
     from services.model.head_checkpoint import save_head
     from services.model.loading import find_default_gguf, load_target
-    from services.spec.tree import TreeParams
     from services.train.data import chat_ids, generate_responses, load_prompts, make_sample, text_chunks
     from services.model import draft_vocab
     from services.train.prompts import default_prompts
@@ -102,7 +101,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         prompts = prompts[: args.num_prompts]
     if len(prompts) <= args.heldout:
         raise InvalidRequest(f"need more than --heldout={args.heldout} prompts; got {len(prompts)}")
-    train_prompts, held_prompts = prompts[: -args.heldout], prompts[-args.heldout:]
+    train_prompts = prompts[: -args.heldout]  # the last --heldout prompts never reach training
     want_taps = args.kind == "eagle3"
     eos = tuple(sorted(set(target.config.eos_token_ids) | {int(tok.eos_token_id)}))
 

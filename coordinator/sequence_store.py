@@ -25,6 +25,8 @@ from typing import Literal
 
 import grpc
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.errors import InvalidRequest, SequenceNotFound
 from services.rpc.errors import DownstreamError, SequenceExists
@@ -189,6 +191,8 @@ class SequenceStore:
     def __init__(self, client: redis.Redis, ttl_s: int, finished_ttl_s: int | None = None,
                  retry_s: float = 0.0, lease_ttl_s: float = 10.0) -> None:
         self.redis = client
+        self._probe: redis.Redis | None = None  # ping(timeout_s)'s own connection
+        self._probe_timeout_s: float | None = None
         self.lease_ms = int(lease_ttl_s * 1000)
         self._indexed: dict[str, int] = {}  # sequence -> the lease expiry last indexed (ms), see _index_lease
         self.ttl_s = ttl_s
@@ -227,9 +231,27 @@ class SequenceStore:
     def keys(seq_id: str) -> tuple[str, str]:
         return f"{PREFIX}{{{seq_id}}}", f"{PREFIX}{{{seq_id}}}:tokens"
 
-    def ping(self) -> None:
+    def ping(self, timeout_s: float | None = None) -> None:
+        """PING; with `timeout_s`, over a connection of its own whose socket gives up after that long
+        (a stalled Redis, e.g. SIGSTOPped, answers nothing: the store's own commands wait up to
+        their 10 s socket timeout, a health check must not)."""
         with _errors(""):
-            self.redis.ping()
+            if timeout_s is None:
+                self.redis.ping()
+                return
+            if self._probe is None or self._probe_timeout_s != timeout_s:
+                pool = self.redis.connection_pool
+                kwargs = dict(pool.connection_kwargs)
+                for name in ("socket_timeout", "socket_connect_timeout", "orig_socket_timeout",
+                             "orig_socket_connect_timeout"):
+                    if name in kwargs or not name.startswith("orig_"):
+                        kwargs[name] = timeout_s
+                kwargs["retry"] = Retry(NoBackoff(), 0)  # one try: redis-py's default retries would multiply it
+                kwargs.pop("health_check_interval", None)
+                self._probe = redis.Redis(connection_pool=redis.ConnectionPool(
+                    connection_class=pool.connection_class, max_connections=1, **kwargs))
+                self._probe_timeout_s = timeout_s
+            self._probe.ping()
 
     def create(self, rec: SequenceRecord) -> None:
         fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": rec.params.to_json(),
@@ -333,6 +355,12 @@ class SequenceStore:
         """Flag a running sequence for cancellation; returns its status."""
         with _errors(seq_id):
             return self._cancel(keys=self.keys(seq_id)[:1])
+
+    def cancel_requested(self, seq_id: str) -> bool:
+        """Whether a Cancel (through any coordinator) flagged the sequence; one read, no retries (a
+        prefill asks before each chunk, and an unreachable Redis must not stall it)."""
+        with _errors(seq_id):
+            return self.redis.hget(self.keys(seq_id)[0], "cancel") == "1"
 
     def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
         """(tokens[start:], status, finish_reason, round, error, number of tokens) in one round trip."""

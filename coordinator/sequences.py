@@ -92,7 +92,8 @@ class Sequences:
             spans = RoundSpans(seq_id, request_span)
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
-                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
+                prefill_tries=self.config.prefill_tries)
             vinfo, engine = self._engine(placement)
             engine.validate(request)
             if wrap_engine is not None:
@@ -118,7 +119,7 @@ class Sequences:
 
         run = SequenceRun(seq_id, request, engine, self.store, spans, emit, self._on_exit(placement),
                           owner=self.owner, on_lease_lost=placement.abandon)
-        self._start(run)
+        self._start(run, placement)
         return Admitted(run, info)
 
     def _on_exit(self, placement: SequencePlacement) -> Callable[[SequenceRun], None]:
@@ -132,7 +133,9 @@ class Sequences:
 
         return on_exit
 
-    def _start(self, run: SequenceRun) -> None:
+    def _start(self, run: SequenceRun, placement: SequencePlacement) -> None:
+        """Register and start a run; a cancel or hand-over stops its prefill within one chunk."""
+        placement.stop = run.check_stop
         with self._lock:
             self._runs[run.seq_id] = run
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
@@ -175,7 +178,8 @@ class Sequences:
             spans = RoundSpans(seq_id, None)
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
-                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
+                prefill_tries=self.config.prefill_tries)
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens)
                 placement.release_elsewhere(state.drafter, state.verifier)
@@ -200,7 +204,7 @@ class Sequences:
         run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, self._on_exit(placement),
                           owner=self.owner, round_base=state.round if resumed else None,
                           on_lease_lost=placement.abandon)
-        self._start(run)
+        self._start(run, placement)
         return True
 
     def keep_leases(self) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,9 +32,11 @@ log = logging.getLogger("aerie.coordinator")
 
 
 def served_name(target: str) -> str:
-    """'/models/SmolLM2-135M-Instruct.Q8_0.gguf' -> 'SmolLM2-135M-Instruct.Q8_0'."""
-    p = Path(target.rstrip("/"))
-    return p.stem if p.suffix.lower() == ".gguf" else p.name or target
+    """'/models/SmolLM2-135M-Instruct.Q8_0.gguf' -> 'SmolLM2-135M-Instruct.Q8_0' (the rule the
+    verifier's metrics label shares: services/metrics.py `model_label`)."""
+    from services.metrics import model_label
+
+    return model_label(target)
 
 
 class TextStream:

@@ -39,6 +39,13 @@ labelled with `model_name`:
     aerie:e2e_request_latency_seconds                  request arrival -> last message
     aerie:num_requests_running / _waiting              admitted and streaming / arrived, not yet admitted
     aerie:prompt_tokens_total, aerie:generation_tokens_total, aerie:request_success_total{finished_reason}
+    aerie:request_queue_time_seconds                   arrival -> admitted (tokenized, placed, created in Redis)
+    aerie:request_prefill_time_seconds                 admitted -> first committed token
+    aerie:request_decode_time_seconds                  first -> last committed token
+    aerie:request_prompt_tokens                        prompt length per request (histogram)
+    aerie:request_generation_tokens                    output length per request (histogram)
+    aerie:kv_cache_usage_perc                          verifier: KV rows held / its KV budget, 0..1 (vLLM's
+                                                       name and unit; not exported without a budget)
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ DETACHED_ROUNDS = Counter("aerie_detached_rounds", "Plain steps with the drafter
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
 FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
                     ["service", "role", "reason"])
+PREFILL_CHUNK_TIMEOUTS = Counter("aerie_prefill_chunk_timeouts", "Prefill chunks that missed their deadline "
+                                 "(each is sent again, up to AERIE_PREFILL_TRIES times)", ["service"])
 REDIS_UP = Gauge("aerie_redis_up", "1 while the coordinator reaches Redis (its health is SERVING), else 0",
                  ["service"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
@@ -106,6 +115,28 @@ REQUESTS_WAITING = Gauge("aerie:num_requests_waiting", "Requests arrived and not
 PROMPT_TOKENS = Counter("aerie:prompt_tokens", "Prompt tokens of admitted requests", _MODEL)
 GENERATION_TOKENS = Counter("aerie:generation_tokens", "Output tokens streamed", _MODEL)
 REQUEST_SUCCESS = Counter("aerie:request_success", "Requests that finished, by finish reason", _MODEL + ["finished_reason"])
+QUEUE_TIME = Histogram("aerie:request_queue_time_seconds", "Request arrival to its admission (tokenized, placed, "
+                       "created in Redis)", _MODEL, buckets=_REQUEST_LATENCY)
+PREFILL_TIME = Histogram("aerie:request_prefill_time_seconds", "Admission to the first committed token", _MODEL,
+                         buckets=_REQUEST_LATENCY)
+DECODE_TIME = Histogram("aerie:request_decode_time_seconds", "The first to the last committed token", _MODEL,
+                        buckets=_REQUEST_LATENCY)
+_LENGTHS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+PROMPT_LENGTH = Histogram("aerie:request_prompt_tokens", "Prompt tokens per admitted request", _MODEL,
+                          buckets=_LENGTHS)
+GENERATION_LENGTH = Histogram("aerie:request_generation_tokens", "Output tokens per finished request", _MODEL,
+                              buckets=_LENGTHS)
+KV_CACHE_USAGE = Gauge("aerie:kv_cache_usage_perc", "Verifier KV rows held over its KV budget (0..1)", _MODEL)
+
+
+def model_label(target: str) -> str:
+    """A target path as the `model_name` label of a process that does not know the served name (the
+    verifier): '/m/SmolLM2.Q8_0.gguf' -> 'SmolLM2.Q8_0', '/m/Llama/' -> 'Llama' (coordinator/text.py
+    `served_name`'s rule, which is the coordinator's label unless --served-model-name is set)."""
+    from pathlib import Path
+
+    p = Path(target.rstrip("/"))
+    return p.stem if p.suffix.lower() == ".gguf" else p.name or target
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):

@@ -9,6 +9,12 @@ sequence's drafter decides which features it needs (hidden / taps / none, given 
 
 Verify and Decode are idempotent per (sequence, round): the latest round's response is kept and a
 repeated call (a retry after UNAVAILABLE) returns it instead of running the round twice.
+
+A prefill comes whole (one call; --prefill-chunk splits it into forwards here) or, from a coordinator,
+chunk by chunk (`offset`, `more`: each chunk its own call and deadline, see proto/aerie/v1/verifier.proto).
+A chunk call that fails leaves the rows prefilled so far in place, so the caller resumes from them;
+the latest chunk's answer is kept until the sequence's first Verify or Decode, so a chunk sent again
+after its deadline (it ran meanwhile) is answered from it instead of running twice.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +31,7 @@ from services.engine.batcher import Batcher
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
+from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.runner import ModelRunner
 from services.model.target import TargetModel
@@ -41,6 +48,21 @@ from verifier_svc.config import VerifierConfig
 log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
+
+
+@dataclass(frozen=True, slots=True)
+class FirstChunk(PrefillCall):
+    """The first chunk of a prefill that the caller sends chunk by chunk (more=True)."""
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NextChunk(PrefillMoreCall):
+    """A later chunk of a prefill that the caller sends chunk by chunk: prompt rows [offset, offset + rows)."""
+    offset: int = 0
+
+
+ChunkCall = FirstChunk | NextChunk
 
 
 class VerifierServicer(verifier_grpc.VerifierServicer):
@@ -65,11 +87,16 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
         if pool is not None:
             pool.max_rows = kv_budget_rows(config, pool.bytes_per_row, str(target.device))
+            if pool.max_rows:  # KV usage for dashboards and autoscalers (vLLM's kv_cache_usage_perc)
+                metrics.KV_CACHE_USAGE.labels(metrics.model_label(target_path)).set_function(
+                    lambda: pool.rows_allocated / pool.max_rows)
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
+        # sequence id -> (offset, rows prefilled after it, answer) of its latest chunk, for a chunk sent again
+        self._chunks: dict[str, tuple[int, int, PrefillResult]] = {}
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
                                               on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind))
@@ -94,20 +121,29 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     @rpc_errors
     async def Prefill(self, request: vpb.VerifierPrefillRequest, context):
         seq_id = codec.sequence_id(request.sequence_id)
-        n = len(request.prompt_ids)
+        n, offset, more = len(request.prompt_ids), request.offset, request.more
         if n == 0:
             raise InvalidRequest("prompt is empty: give at least one token")
-        if n > self.config.max_prompt_tokens and not request.rebuild:
-            raise CapacityExceeded(f"prompt has {n} tokens; this verifier accepts at most "
+        total = request.prompt_tokens or offset + n  # the whole prompt's rows
+        if offset < 0 or offset + n > total or more != (offset + n < total):
+            raise InvalidRequest(f"a chunk of {n} tokens at offset {offset} (more={more}) does not fit a "
+                                 f"{total}-token prompt (prompt_tokens)")
+        if total > self.config.max_prompt_tokens and not request.rebuild:
+            raise CapacityExceeded(f"prompt has {total} tokens; this verifier accepts at most "
                                    f"{self.config.max_prompt_tokens} (AERIE_MAX_PROMPT_TOKENS)")
         prompt = torch.tensor(codec.token_ids(request.prompt_ids, self.vocab_size, "prompt"), dtype=torch.long)
         sampling = codec.decode_sampling(request.sampling)
         kind = codec.feature_kind(request.feature_kind)
-        if not n < request.capacity <= self.max_capacity:
-            raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
+        if not total < request.capacity <= self.max_capacity:
+            raise InvalidRequest(f"capacity must be in [{total + 1}, {self.max_capacity}] for a {total}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
-        result = await timed(PREFILL_SECONDS.labels(SERVICE), self._prefill(
-            PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
+        if offset == 0 and not more:
+            work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind))
+        elif offset == 0:
+            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True))
+        else:
+            work = self.batcher.call_async(NextChunk(seq_id, prompt, last=not more, offset=offset))
+        result = await timed(PREFILL_SECONDS.labels(SERVICE), work)
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk)
 
@@ -185,7 +221,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         info = vpb.VerifierInfo(target=self.target_path, dtype=codec.dtype_name(self.target.dtype),
                                 vocab_size=cfg.vocab_size, max_context=cfg.max_context,
                                 eos_token_ids=list(self.eos_token_ids), max_sequences=self.config.max_sequences,
-                                num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens)
+                                num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens,
+                                prefill_chunk=self.config.prefill_chunk)
         if self.verify_cost is not None:
             info.verify_cost.CopyFrom(codec.encode_cost(self.verify_cost))
         return info
@@ -200,6 +237,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         admitted = 0
         for i, call in enumerate(calls):
             try:
+                if isinstance(call, (FirstChunk, NextChunk)):
+                    replay = self._chunk_replay(call)
+                    if replay is not None:
+                        results[i] = replay
+                        continue
                 if isinstance(call, PrefillCall):
                     if call.seq_id in self._kind:
                         raise InvalidRequest(f"sequence {call.seq_id!r} already exists on this verifier")
@@ -224,6 +266,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         return results
 
     def _respond(self, call: Call, out):
+        if isinstance(call, (FirstChunk, NextChunk)):
+            self._chunks[call.seq_id] = (call.offset, call.offset + call.rows, out)
         if isinstance(call, PrefillMoreCall):
             return out
         if isinstance(call, PrefillCall):
@@ -235,12 +279,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response = codec.encode_verify_result(out)
         else:
             response = vpb.DecodeResponse(token=out)
+        self._chunks.pop(call.seq_id, None)  # the caller has the whole prefill's answer
         self._last[call.seq_id] = (call.round_index, response)
         return response
 
     def _release(self, seq_id: str) -> bool:
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
+        self._chunks.pop(seq_id, None)
         self.idle.forget(seq_id)
         self.verifier.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
@@ -250,6 +296,21 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if seq_id not in self._kind:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier")
         self.idle.touch(seq_id)
+
+    def _chunk_replay(self, call: ChunkCall) -> PrefillResult | None:
+        """The stored answer when `call` is the latest chunk again (it ran after its caller's
+        deadline); None when it is the next chunk to run; InvalidRequest for any other offset."""
+        done = self._chunks.get(call.seq_id)
+        if done is not None and done[0] == call.offset and done[1] == call.offset + call.rows:
+            self.idle.touch(call.seq_id)
+            return done[2]
+        if isinstance(call, NextChunk):
+            self._check(call.seq_id)
+            if done is None or done[1] != call.offset:
+                held = f"{done[1]} prefilled rows" if done is not None else "no prefill in progress"
+                raise InvalidRequest(f"sequence {call.seq_id!r} holds {held} here; a chunk at offset "
+                                     f"{call.offset} cannot follow")
+        return None
 
     def _replay(self, seq_id: str, round_index: int):
         """The stored response when `round_index` is the latest round again; None for a new round."""

@@ -145,13 +145,13 @@ class Engine:
         # the prior, so that a seed replays the same trees whatever ran before
         self.realized = self.budget.prior.realized
         largest = self.budget.fixed or self.budget.largest
-        if self.budget.eagle and not drafter.tree.covers(largest):
+        if drafter is not None and self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
                                  f"tokens={largest.size}) does not fit the drafter's KV "
                                  f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
                                  f"tokens={drafter.tree.size})")
 
-    def plain(self) -> "Engine":
+    def plain(self) -> Engine:
         """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""
         return Engine(self.verifier, None, self.max_context, self.vocab_size, self.eos_token_ids)
 
@@ -306,6 +306,7 @@ class Engine:
         if self.drafter:
             seq.pending_tokens.append(torch.tensor(done.tokens))
             if not seq.draft.detached:
+                assert done.features is not None  # an attached drafter's verify returns the features
                 seq.pending_features.append(done.features)
         if seq.index is not None:
             seq.index.extend(done.tokens)
@@ -347,6 +348,7 @@ class Engine:
         features = torch.cat(seq.pending_features)  # [P, F] their target features
         seq.pending_tokens.clear()
         seq.pending_features.clear()
+        assert self.drafter is not None  # a plan with a head tree: the engine has a drafter
         t0 = time.perf_counter()
         tree = self.drafter.draft(seq_id, tokens, features, params)
         self.budget.observe_draft(params, int(tokens.shape[0]), time.perf_counter() - t0)

@@ -22,7 +22,7 @@ from services.spec.cost import CostModel
 from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
-# NOT lossless on the default model: README "Cheaper rounds").
+# NOT lossless on the default model: docs/design.md "Cheaper rounds").
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 DRAFT_DTYPES = ("fp32", "bf16", "int8")  # the default: services.device.default_draft_dtype
 # The trained head for the default model, shipped in the repository (issue: default model).
@@ -135,6 +135,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
         model_id = f"{loaded.path}|{dtype}"
         costs = CostModel(target_costs(model, model_id, recalibrate))
         if head is not None:
+            assert draft_path is not None  # the head was loaded from it
             head_id = f"{model_id}|{draft_path}|{checkpoint_shape_id(draft_path)}|vocab={draft_vocab}|{draft_dtype}"
             costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)

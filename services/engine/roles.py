@@ -16,7 +16,6 @@ from services.engine.verifier import PrefillResult, VerifyResult
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams
 
-
 # The target features a sequence's results carry: the post-norm last hidden state (EAGLE-1/2), the
 # three layer taps (EAGLE-3), or none (plain decoding, retrieval only).
 FeatureKind = Literal["hidden", "taps", "none"]

@@ -232,7 +232,9 @@ def served_tokenizer_source(target: str | None, served: str, address: str) -> st
             raise InvalidRequest(f"--target {target} is not the target the pipeline at {address} serves "
                                  f"({served}, from its GetInfo): leave --target out or name that model")
         return target
-    if Path(served).expanduser().exists():  # `aerie up`, or a cluster sharing the file system
+    from services.model.hub import cached
+
+    if cached(served) is not None:  # `aerie up`, a cluster sharing the file system, a Hub id in the local cache
         return served
     try:
         default = find_default_gguf()

@@ -58,7 +58,7 @@ class AcceptanceStats:
     memo: tuple | None = None  # (statistics, load, output) of the last choice (Budget._plan): a round
     #                            whose statistics and load did not change is not planned again
 
-    def copy(self) -> "AcceptanceStats":
+    def copy(self) -> AcceptanceStats:
         return AcceptanceStats(list(self.depth), list(self.rank), list(self.chain), self.confidence,
                                self.alpha, self.realized, 0, 0)
 
@@ -83,7 +83,7 @@ def prior_stats(report: dict | None = None, alpha: float = 0.15) -> AcceptanceSt
                            confidence=max(a1, 0.05), alpha=alpha)
 
 
-def observe_realized(stats: AcceptanceStats, plan: "RoundPlan", accept_length: int) -> None:
+def observe_realized(stats: AcceptanceStats, plan: RoundPlan, accept_length: int) -> None:
     """A round planned as `plan` (a head draft and no retrieved chain, with the model's uncorrected
     head gain `plan.head_gain` > 0) committed `accept_length` tokens (bonus included): the realized share
     of the predicted gain feeds `stats.realized` (clamped to [REALIZED_MIN, REALIZED_MAX]).

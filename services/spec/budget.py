@@ -34,8 +34,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from services.spec.acceptance import (MAX_LEVELS, MAX_RANK, AcceptanceStats, beam_levels, chain_accept,
-                                      expected_accept, prior_stats)
+from services.spec.acceptance import (
+    MAX_LEVELS,
+    MAX_RANK,
+    AcceptanceStats,
+    beam_levels,
+    chain_accept,
+    expected_accept,
+    prior_stats,
+)
 from services.spec.cost import CostCurve, CostModel, batch_verify_table, verify_table
 from services.spec.load_board import Load, LoadBoard, same_load
 from services.spec.tree import TreeParams

@@ -32,7 +32,7 @@ class CostCurve:
         if len(self.rows) != len(self.seconds) or not self.rows:
             raise InvalidRequest(f"cost curve needs as many seconds as rows; got {len(self.rows)} rows, "
                                  f"{len(self.seconds)} seconds")
-        if any(b <= a for a, b in zip(self.rows, self.rows[1:])):
+        if any(b <= a for a, b in zip(self.rows, self.rows[1:], strict=False)):
             raise InvalidRequest(f"cost curve rows must ascend; got {list(self.rows)}")
         if any(not (s >= 0 and math.isfinite(s)) for s in self.seconds):
             raise InvalidRequest(f"cost curve seconds must be finite and >= 0; got {list(self.seconds)}")
@@ -57,7 +57,7 @@ class CostCurve:
         return {"rows": list(self.rows), "seconds": list(self.seconds)}
 
     @staticmethod
-    def from_dict(d: dict) -> "CostCurve":
+    def from_dict(d: dict) -> CostCurve:
         return CostCurve(tuple(int(x) for x in d["rows"]), tuple(float(x) for x in d["seconds"]))
 
 
@@ -85,7 +85,7 @@ class CostModel:
         return {"verify": self.verify.to_dict(), "head": self.head.to_dict(), "logits": self.logits.to_dict()}
 
     @staticmethod
-    def from_dict(d: dict) -> "CostModel":
+    def from_dict(d: dict) -> CostModel:
         return CostModel(CostCurve.from_dict(d["verify"]), CostCurve.from_dict(d["head"]),
                          CostCurve.from_dict(d["logits"]))
 

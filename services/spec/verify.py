@@ -120,6 +120,7 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
     nodes = paths[best][: m + 1]
     if not (adjusted and len(accepted) != width):
         p = target_probs(logits[nodes[-1]], params)
+    assert p is not None  # adjusted: the loop set it
     return Acceptance(path=best, accepted=m, nodes=torch.tensor(nodes, dtype=torch.long, device="cpu"),
                       tokens=torch.tensor(accepted, dtype=torch.long, device="cpu"), bonus=sample(p, generator))
 

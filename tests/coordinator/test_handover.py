@@ -56,7 +56,7 @@ def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_
     t0 = time.monotonic()
     tokens, reason = resume(pipeline, seq_id, len(seen))
     assert seen + tokens == expected and reason == "length"
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120  # no hang (a bound for a failing test: load makes it slow, not wrong)
     state = store.get(seq_id)
     assert state.owner == pipeline.coordinator.sequences.owner and state.tokens == expected
     assert state.verifier == pipeline.addresses["verifier"]  # the new placement is recorded
@@ -139,7 +139,9 @@ def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, r
     coordinator refuses new sequences."""
     import threading
 
-    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=0.6)
+    # a 30 s lease: a live stream is never taken over because a loaded machine delayed a renewal, and
+    # the hand-over (not an expiry) is what lets the other coordinator claim it
+    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=30.0)
     req = GenerationRequest(PROMPT, 80, SamplingParams(0.8, 0.95, 0, 11), ignore_eos=True)
     expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
     stub = coordinator_grpc.CoordinatorStub(pipeline.channel_to(address))

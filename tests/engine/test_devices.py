@@ -45,8 +45,21 @@ def test_device_names():
         with pytest.raises(InvalidRequest, match="device must be cpu, cuda or cuda:N"):
             check_device(bad)
     assert default_dtype("cuda:0") == "bf16" and default_dtype("cpu") == "fp32"
-    if not torch.cuda.is_available():
-        assert resolve_device(None) in ("cpu", resolve_device(None))  # AERIE_DEVICE may say cpu
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_resolve_device_defaults_to_cuda_when_torch_sees_one(monkeypatch, gpus):
+    """Both branches on any machine: torch's view of the GPUs is stubbed (this test never touches one)."""
+    monkeypatch.delenv("AERIE_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_device(None) == ("cuda" if gpus else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    if gpus:
+        assert resolve_device("cuda:0") == "cuda:0"
+        with pytest.raises(InvalidRequest, match=r"'cuda:1' asked for, but torch sees 1 GPU"):
+            resolve_device("cuda:1")
+    else:
         with pytest.raises(InvalidRequest, match="torch sees no CUDA GPU"):
             resolve_device("cuda")
 
