@@ -20,6 +20,7 @@ of repeats after a warm-up, GPU work timed to its completion (synchronised).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -223,7 +224,7 @@ def decode_ms(engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, int]
 def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
     from services.engine.drafter import Drafter
     from services.engine.engine import Engine
-    from services.engine.verifier import DecodeCall, Verifier
+    from services.engine.verifier import Verifier
     from services.model.kv_pool import KVPool
     from services.model.runner import ModelRunner
     from services.spec.sampling import SamplingParams
@@ -327,15 +328,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
         for i, s in enumerate(ids):
             last[s] = v.prefill(s, torch.tensor(_prompt(c.vocab_size, cfg.prompt, i + 1)), SamplingParams(),
                                 cfg.prompt + cfg.repeats + 16).first_token
-        r = [1]
-
-        def step():
-            out = v.run([DecodeCall(s, last[s], r[0]) for s in ids])
-            r[0] += 1
-            for s, o in zip(ids, out):
-                last[s] = o
-
-        step_s = timed(step, dev, cfg.repeats // 2, warmup=2)
+        step_s = timed(functools.partial(_decode_step, v, ids, last, [1]), dev, cfg.repeats // 2, warmup=2)
         for s in ids:
             v.release(s)
         batched[n] = {"step_ms": step_s * 1e3, "tokens_per_s": n / step_s}
@@ -355,6 +348,16 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
         log(f"transformers eager generate: {res['hf_ms']:.2f} ms/token")
         res["vs_hf"] = res["hf_ms"] / best
     return res
+
+
+def _decode_step(verifier, ids: list[str], last: dict[str, int], round_index: list[int]) -> None:
+    """One batched decode step of every sequence in `ids` (round_index[0] advances)."""
+    from services.engine.verifier import DecodeCall
+
+    out = verifier.run([DecodeCall(s, last[s], round_index[0]) for s in ids])
+    round_index[0] += 1
+    for s, o in zip(ids, out, strict=True):
+        last[s] = o
 
 
 def _paged(target, rows: int):
@@ -419,7 +422,6 @@ def _hf_ms(cfg: GpuBenchConfig, dev: str, dtype: torch.dtype, target, prompt) ->
     gen(2)
     one = timed(lambda: gen(1), dev, 2, warmup=0)
     full = timed(lambda: gen(n + 1), dev, 2, warmup=0)
-    del model
     return (full - one) * 1e3 / n
 
 

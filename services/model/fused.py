@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +61,9 @@ class _Fused:
     """fn eagerly, or compiled on CUDA inputs (compiled lazily; a failed compile falls back to
     eager for good and says so once)."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.compiled = None
+        self.compiled: Callable[..., Any] | None = None
         self.failed = False
 
     def __call__(self, x: torch.Tensor, *args):

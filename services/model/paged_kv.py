@@ -35,7 +35,7 @@ class PagedCache:
     """One slot of a PagedKVPool behind the KVCache interface (reserve, write, advance, truncate,
     keep, length, capacity), so the eager forward serves paged and contiguous KV alike."""
 
-    def __init__(self, pool: "PagedKVPool", rows: np.ndarray) -> None:
+    def __init__(self, pool: PagedKVPool, rows: np.ndarray) -> None:
         self.pool = pool
         self.rows_host = rows  # [capacity] int64 arena rows
         self.rows = torch.from_numpy(rows).to(pool.device)  # [capacity] the same on the pool's device
@@ -97,7 +97,7 @@ class PagedKVPool(KVPool):
         self._pages: dict[int, list[int]] = {}
 
     @classmethod
-    def for_model(cls, target, max_rows: int | None = None, page_size: int = 16) -> "PagedKVPool":
+    def for_model(cls, target, max_rows: int | None = None, page_size: int = 16) -> PagedKVPool:
         c = target.config
         if max_rows is None:
             max_rows = default_rows(target)
@@ -111,7 +111,7 @@ class PagedKVPool(KVPool):
         if not self.fits(rows) or pages > len(self._free):
             raise KVBudgetExceeded(
                 f"KV for {rows} rows does not fit {self.budget_text()}: {self._rows_allocated} rows are "
-                f"held by {len(self._slots)} sequences", fits_empty=rows <= self.max_rows)
+                f"held by {len(self._slots)} sequences", fits_empty=rows <= (self.max_rows or 0))
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         taken = sorted(self._free.pop() for _ in range(pages))
         self._pages[slot] = taken
@@ -128,9 +128,15 @@ class PagedKVPool(KVPool):
             self._free.extend(self._pages.pop(slot))
             self._free.sort(reverse=True)
 
+    def paged(self, slot: int) -> PagedCache:
+        """`slot`'s cache (a PagedCache: every slot of this pool is one)."""
+        cache = self._slots[slot]
+        assert isinstance(cache, PagedCache)
+        return cache
+
     def rows_of(self, slot: int) -> np.ndarray:
         """[capacity] int64 arena row of each logical row of `slot` (host)."""
-        return self.cache(slot).rows_host  # type: ignore[attr-defined]
+        return self.paged(slot).rows_host
 
 
 def default_rows(target, share: float = 0.5, cap: int = 1 << 20) -> int:

@@ -163,7 +163,7 @@ class UniformRunner:
         prefix = np.zeros(b, np.int64)
         tree = np.broadcast_to(np.eye(t, dtype=np.int64), (b, t, t)).copy()
         for j, e in enumerate(step.entries):
-            cache = self.pool.cache(e.slot)
+            cache = self.pool.paged(e.slot)
             rows = cache.rows_host
             n, p = e.rows, cache.length
             ids[j, :n] = e.input_ids.cpu().numpy()
@@ -180,7 +180,7 @@ class UniformRunner:
         """One forward over every entry of `step` padded to `shape`; advances the entries' lengths.
         Raises (writing nothing) when an entry's slot cannot take its rows."""
         caches = [self.pool.cache(e.slot) for e in step.entries]
-        for e, cache in zip(step.entries, caches):
+        for e, cache in zip(step.entries, caches, strict=True):
             cache.reserve(e.rows)
         host = self.fill(step, shape)
         if self.graphs_on:
@@ -190,7 +190,7 @@ class UniformRunner:
             out = graph.output
         else:
             out = forward_uniform(self.target, self.pool, shape, host.to(self.target.device))
-        for e, cache in zip(step.entries, caches):
+        for e, cache in zip(step.entries, caches, strict=True):
             cache.advance(e.rows)
         return self._unpad(step, shape, out)
 
@@ -205,13 +205,13 @@ class UniformRunner:
             hidden = out.hidden[:offsets[-1]].clone()
             taps = out.taps[:offsets[-1]].clone() if out.taps is not None else None
         else:
-            idx = torch.from_numpy(np.concatenate([np.arange(j * t, j * t + e.rows) for j, e in enumerate(step.entries)]))
-            idx = idx.to(out.hidden.device)
+            rows = [np.arange(j * t, j * t + e.rows) for j, e in enumerate(step.entries)]
+            idx = torch.from_numpy(np.concatenate(rows)).to(out.hidden.device)
             hidden = out.hidden.index_select(0, idx)
             taps = out.taps.index_select(0, idx) if out.taps is not None else None
         return StepOutput(logits=logits, hidden=hidden, taps=taps if step.want_taps else None, offsets=tuple(offsets))
 
-    def _capture(self, shape: UniformShape) -> "_Graph":
+    def _capture(self, shape: UniformShape) -> _Graph:
         t0 = time.perf_counter()
         device = self.target.device
         inputs = torch.zeros(sum(shape.sizes()), dtype=torch.long, device=device)
@@ -232,9 +232,9 @@ class UniformRunner:
         dt = time.perf_counter() - t0
         self.capture_s += dt
         self.captures += 1
-        log.info("captured a CUDA graph for %d sequence(s) x %d row(s) x %d keys%s in %.2f s (%d graphs, %.1f s in all)",
-                 shape.batch, shape.width, shape.keys, " with taps" if shape.taps else "", dt,
-                 self.captures, self.capture_s)
+        log.info("captured a CUDA graph for %d sequence(s) x %d row(s) x %d keys%s in %.2f s "
+                 "(%d graphs, %.1f s in all)", shape.batch, shape.width, shape.keys,
+                 " with taps" if shape.taps else "", dt, self.captures, self.capture_s)
         return g
 
     def _idle(self, shape: UniformShape) -> torch.Tensor:
@@ -259,6 +259,6 @@ class UniformRunner:
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # the static int64 input buffer
     output: UniformOutput  # the static outputs
