@@ -179,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         "device": device(args), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                         "limit": args.limit, "per_category": args.per_category, "categories": list(categories(args)),
                         "torch_threads": __import__("torch").get_num_threads(),
-                        "tree": "auto" if tree is None else [tree.total_tokens, tree.depth, tree.top_k],
+                        "tree": "auto" if tree is None else [tree.size, tree.depth, tree.top_k],
                         "cost_model": e.budget.costs.to_dict()}
     if args.sweep:
         eagle_rows = {m: r for m, r in result["methods"].items() if m.startswith("eagle")}
@@ -250,7 +250,7 @@ def _concurrency_chart(args: argparse.Namespace, result: dict) -> None:
 def _eagle_name(shape, sweep: bool) -> str:
     if not sweep:
         return "eagle"
-    return "eagle-auto" if shape is None else f"eagle{shape.total_tokens}/{shape.depth}/{shape.top_k}"
+    return "eagle-auto" if shape is None else f"eagle{shape.size}/{shape.depth}/{shape.top_k}"
 
 
 def _pipeline_run(args, prompt, max_new_tokens: int | None = None):

@@ -171,7 +171,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     report = {"target": target_source, "kind": args.kind, "train_samples": len(data["train"]),
               "trained_tokens": n_tokens, "heldout_prompts": len(data["heldout"]), "steps": cfg.steps,
               "top1_agreement": round(top1, 4), "tau": round(tau, 4),
-              "eval_tree": {"tokens": eval_tree.total_tokens, "depth": eval_tree.depth, "top_k": eval_tree.top_k},
+              "eval_tree": {"tokens": eval_tree.size, "depth": eval_tree.depth, "top_k": eval_tree.top_k},
               "data_s": round(data_s, 1), "train_s": round(train_s, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))

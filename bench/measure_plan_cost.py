@@ -16,7 +16,11 @@ import time
 from unittest import mock
 
 import services.spec.budget as budget_mod
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, Load, load_report, prior_stats
+from services.engine.calibration import load_report
+from services.spec.acceptance import prior_stats
+from services.spec.budget import AUTO_LARGEST, Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import Load
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -46,7 +50,7 @@ def main() -> None:
                 times[label] = (time.perf_counter() - t0) / args.calls * 1e3
         assert plans["full"] == plans["bound"]
         tree = plans["bound"].tree
-        shape = "plain" if tree is None else f"top_k {tree.top_k}, depth {tree.depth}, {tree.total_tokens} nodes"
+        shape = "plain" if tree is None else f"top_k {tree.top_k}, depth {tree.depth}, {tree.size} nodes"
         print(f"{others:>6}  {times['full']:>14.3f}  {times['bound']:>13.3f}  {shape}")
 
 

@@ -29,7 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.spec.budget import Budget, CostCurve, CostModel, observe, prior_stats  # noqa: E402
+from services.spec.acceptance import observe, prior_stats  # noqa: E402
+from services.spec.budget import Budget  # noqa: E402
+from services.spec.cost import CostCurve, CostModel  # noqa: E402
 from services.spec.sam import SuffixIndex  # noqa: E402
 from services.spec.tree import merge_chain, root_tree  # noqa: E402
 

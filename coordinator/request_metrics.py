@@ -42,10 +42,10 @@ class RequestMetrics:
 
     def round(self, stats: RoundStats, n_tokens: int) -> None:
         m = self.model
-        # a speculative round: one that verified at least one draft token (a plain step reports a
-        # root-only tree, tree_size 1 and depth 0, on a pipeline without drafters: not a draft)
+        # a speculative round: one that verified at least one draft token (a plain step, or a
+        # root-only tree on a pipeline without drafters, reports tree_depth 0: not a draft)
         if stats.index > 0 and stats.tree_depth > 0:
-            accepted = max(stats.accept_length - 1, 0)
+            accepted = stats.accepted
             metrics.SPEC_NUM_DRAFTS.labels(m).inc()
             metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_depth)
             metrics.SPEC_NUM_ACCEPTED_TOKENS.labels(m).inc(accepted)

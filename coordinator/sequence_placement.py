@@ -47,7 +47,7 @@ from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter
 from services.rpc.errors import DownstreamError
 from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
 from services.spec.sampling import SamplingParams
-from services.spec.tree import DraftTree, TreeParams
+from services.spec.tree import DraftTree, TreeParams, root_tree
 from coordinator.placement import Pool
 
 log = logging.getLogger("aerie.coordinator")
@@ -68,14 +68,6 @@ def failover_reason(e: BaseException | None) -> str:
     if isinstance(e, DownstreamError) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "deadline_exceeded"
     return "unavailable"
-
-
-def root_tree(root: int) -> DraftTree:
-    """A tree with only the root: verifying it is one plain decoding step (the bonus is sampled from
-    the target's distribution at the root)."""
-    return DraftTree(tokens=torch.tensor([root]), parents=torch.tensor([-1]), depths=torch.tensor([0]),
-                     mask=torch.ones(1, 1, dtype=torch.bool), paths=torch.tensor([[0]]),
-                     scores=torch.zeros(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +124,6 @@ class SequencePlacement:
         self._drafter_started = False
         self._resume: tuple[list[int], list[int]] | None = None  # (prompt, committed) of a take-over
         self._restart = False  # a take-over of a sequence that never committed: its old KV may be here
-        self.round_base = 0
         self._abandoned = False
         self._kept = 0  # rows the current verifier keeps for the next Verify (Decode keep_features)
         self._lost: torch.Tensor | None = None  # [k, F] kept rows a failed verifier took with it
@@ -141,11 +132,11 @@ class SequencePlacement:
 
     # ---- the verifier side -------------------------------------------------------------------------
 
-    def resume_from(self, prompt: list[int], committed: list[int], round_base: int) -> None:
+    def resume_from(self, prompt: list[int], committed: list[int]) -> None:
         """A take-over: the engine is given prompt + committed[:-1] as its prompt; its prefill becomes
-        a rebuild whose first token is committed[-1], and its round k is round round_base + k."""
+        a rebuild whose first token is committed[-1] (its rounds are numbered from the sequence's
+        next round: Engine.generate's round_base)."""
         self._resume = (list(prompt), list(committed))
-        self.round_base = round_base
 
     def restart(self, old_drafter: str = "", old_verifier: str = "") -> None:
         """A take-over of a sequence that died before its prefill commit: it starts over, and the
@@ -191,7 +182,6 @@ class SequencePlacement:
         return pre
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
-        round_index += self.round_base
         res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
         self.committed += res.acceptance.new_tokens
         self._kept = 0
@@ -202,7 +192,6 @@ class SequencePlacement:
         return res
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
-        round_index += self.round_base
         out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index, keep_features))
         self.committed.append(out)
         if keep_features:
@@ -316,9 +305,9 @@ class SequencePlacement:
         client = self.drafters.try_acquire([old.address] if old is not None else [])
         if client is not None:
             rd = client.for_sequence(self.phases)
-            if rd.tree.total_tokens > self.tree.total_tokens:
+            if rd.tree.size > self.tree.size:
                 log.warning("drafter %s grows %d-node trees; sequence %s was sized for %d", client.address,
-                            rd.tree.total_tokens, self.seq_id, self.tree.total_tokens)
+                            rd.tree.size, self.seq_id, self.tree.size)
                 self.drafters.release(client)
                 client = None
             else:

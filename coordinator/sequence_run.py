@@ -23,12 +23,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
 from services import metrics
-from services.engine.engine import Engine, GenerationRequest, RoundStats, StepOutput
+from services.engine.engine import Engine, GenerationRequest, RoundOutput, RoundStats
 from coordinator.prefill import PrefillStopped
 from coordinator.round_spans import RoundSpans
 from coordinator.sequence_store import LeaseLost, SequenceStore
@@ -46,7 +46,7 @@ class HandedOver(Exception):
 @dataclass(frozen=True, slots=True)
 class Committed:
     """One committed round, as streamed."""
-    step: StepOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
+    step: RoundOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
     commit_s: float
 
 
@@ -57,8 +57,8 @@ class SequenceRun:
                  on_lease_lost: Callable[[], None] | None = None) -> None:
         """`owner`: this coordinator's id (commits are fenced by the sequence's lease). `round_base`
         (None for a new sequence): for a sequence taken over from another coordinator, its last committed round; the engine
-        then runs from a rebuilt state and its step k is round round_base + k (its step 0, the token
-        already committed, is skipped)."""
+        then runs from a rebuilt state, numbering its rounds from round_base + 1 (Engine.generate); its
+        round 0, the token already committed, is skipped)."""
         self.seq_id = seq_id
         self.request = request
         self.engine = engine
@@ -100,14 +100,11 @@ class SequenceRun:
             raise PrefillStopped("hand-over", f"sequence {self.seq_id!r} is handed over during its prefill")
 
     def _run(self) -> None:
-        steps = self.engine.generate(self.request, self.seq_id)
+        steps = self.engine.generate(self.request, self.seq_id, self.round_base or 0)
         try:
             for step in steps:
-                if self.round_base is not None:
-                    if step.stats.index == 0:
-                        continue  # a take-over: the rebuilt state's first token is committed already
-                    step = StepOutput(step.tokens, replace(step.stats, index=step.stats.index + self.round_base),
-                                      step.finish_reason)
+                if self.round_base is not None and step.stats.index == 0:
+                    continue  # a take-over: the rebuilt state's first token is committed already
                 t0 = time.perf_counter()
                 with self.spans.phase(step.stats.index, "commit"):
                     result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason,
@@ -117,7 +114,7 @@ class SequenceRun:
                 _observe(step, commit_s)
                 if step.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
                     self.store.finish(self.seq_id, "cancelled", "cancel")
-                    step = StepOutput(step.tokens, step.stats, "cancel")
+                    step = RoundOutput(step.tokens, step.stats, "cancel")
                 self.emit(Committed(step, commit_s))
                 if step.finish_reason is not None:
                     return
@@ -147,7 +144,6 @@ class SequenceRun:
             self.spans.close()
             self.on_exit(self)
 
-
     def _stopped_in_prefill(self, steps, e: PrefillStopped) -> None:
         """A cancel or hand-over that came during a prefill (or a rebuild): release the KV on both
         services first, then end the sequence cancelled (a last message with no tokens and
@@ -165,10 +161,10 @@ class SequenceRun:
             self.emit(store_error)
             return
         none = RoundStats(index=0, accept_length=0, tree_size=0, tree_depth=0, draft_s=0.0, verify_s=0.0)
-        self.emit(Committed(StepOutput([], none, "cancel"), 0.0))
+        self.emit(Committed(RoundOutput([], none, "cancel"), 0.0))
 
 
-def _observe(step: StepOutput, commit_s: float) -> None:
+def _observe(step: RoundOutput, commit_s: float) -> None:
     s = step.stats
     metrics.COMMIT_SECONDS.labels(SERVICE).observe(commit_s)
     metrics.TOKENS_GENERATED.labels(SERVICE).inc(len(step.tokens))
@@ -177,7 +173,8 @@ def _observe(step: StepOutput, commit_s: float) -> None:
         return
     metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)
     metrics.ACCEPT_LENGTH.labels(SERVICE).observe(s.accept_length)
-    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    metrics.TREE_SIZE.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # (deprecated name, one release)
     if s.detached:
         metrics.DETACHED_ROUNDS.labels(SERVICE).inc()
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import grpc
@@ -121,11 +121,37 @@ return status
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceParams:
+    """A sequence's generation parameters, stored with it (the `params` field, JSON with these field
+    names): a coordinator taking it over rebuilds its request from them, Resume its text deltas."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings (the text path; coordinator/text.py)
+    skip_special_tokens: bool = True  # in the text deltas
+
+    def to_json(self) -> str:
+        d = {f: getattr(self, f) for f in self.__slots__}
+        return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in d.items()})
+
+    @staticmethod
+    def from_json(text: str) -> SequenceParams:
+        """Records written before the text path have no `stop` / `skip_special_tokens`."""
+        d = json.loads(text)
+        return SequenceParams(int(d["max_new_tokens"]), float(d["temperature"]), float(d["top_p"]), int(d["top_k"]),
+                              tuple(int(t) for t in d.get("stop_token_ids", ())), bool(d.get("ignore_eos", False)),
+                              tuple(d.get("stop") or ()), bool(d.get("skip_special_tokens", True)))
+
+
+@dataclass(frozen=True, slots=True)
 class SequenceRecord:
     """What admission writes."""
     sequence_id: str
     prompt_ids: tuple[int, ...]
-    params: dict  # max_new_tokens, temperature, top_p, top_k, stop_token_ids, ignore_eos
+    params: SequenceParams
     seed: int
     drafter: str  # host:port, "" for plain decoding
     verifier: str
@@ -145,7 +171,7 @@ class SequenceState:
     drafter: str
     verifier: str
     error: str = ""
-    params: dict = field(default_factory=dict)
+    params: SequenceParams | None = None  # None: a record without parameters (not written by aerie)
     seed: int = 0
     owner: str = ""
 
@@ -228,7 +254,7 @@ class SequenceStore:
             self._probe.ping()
 
     def create(self, rec: SequenceRecord) -> None:
-        fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": json.dumps(rec.params),
+        fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": rec.params.to_json(),
                   "seed": rec.seed, "round": -1, "status": "running", "finish_reason": "", "error": "",
                   "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}",
                   "client": rec.client, "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
@@ -346,10 +372,10 @@ class SequenceStore:
                 pipe.lrange(tokens_key, start, -1)
                 pipe.llen(tokens_key)
                 return pipe.execute()
-        (status, reason, rnd, error), tokens, total = self._call(seq_id, read)
+        (status, reason, round_index, error), tokens, total = self._call(seq_id, read)
         if status is None:
             raise SequenceNotFound(f"unknown sequence {seq_id!r}")
-        return [int(t) for t in tokens], status, reason or "", int(rnd), error or "", int(total)
+        return [int(t) for t in tokens], status, reason or "", int(round_index), error or "", int(total)
 
     def get(self, seq_id: str) -> SequenceState:
         key, tokens_key = self.keys(seq_id)
@@ -364,7 +390,7 @@ class SequenceStore:
             sequence_id=seq_id, prompt_ids=[int(x) for x in prompt.split(",")] if prompt else [],
             tokens=[int(t) for t in tokens], status=h["status"], finish_reason=h.get("finish_reason", ""),
             round=int(h["round"]), drafter=h.get("drafter", ""), verifier=h.get("verifier", ""),
-            error=h.get("error", ""), params=json.loads(h.get("params") or "{}"), seed=int(h.get("seed") or 0),
+            error=h.get("error", ""), params=SequenceParams.from_json(h["params"]) if h.get("params") else None, seed=int(h.get("seed") or 0),
             owner=h.get("owner", ""))
 
 

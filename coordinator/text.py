@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from services.engine.engine import GenerationRequest, StepOutput
+from services.engine.engine import GenerationRequest, RoundOutput
 from services.errors import CheckpointError, InvalidRequest
 from services.rpc.errors import DownstreamError
 from services.rpc.stubs import coordinator as cpb
@@ -72,8 +72,8 @@ class StopStringEngine:
     (which releases the KV on both services). Everything else is the wrapped engine's."""
 
     def __init__(self, engine: Any, make_stream, primer: tuple[int, ...] = ()) -> None:
-        """`primer`: tokens committed before this engine's first step (a take-over: every committed
-        token but the last, which its rebuilt step 0 yields), pushed first so that a stop string that
+        """`primer`: tokens committed before this engine's first round (a take-over: every committed
+        token but the last, which its rebuilt round 0 yields), pushed first so that a stop string that
         spans them and the new ones still completes."""
         self._engine = engine
         self._make_stream = make_stream
@@ -82,21 +82,22 @@ class StopStringEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
+    def generate(self, req: GenerationRequest, seq_id: str | None = None, round_base: int = 0
+                 ) -> Iterator[RoundOutput]:
         stream = self._make_stream()
         stream.push(list(self._primer))  # already checked by the coordinator that committed them
-        steps = self._engine.generate(req, seq_id)
+        rounds = self._engine.generate(req, seq_id, round_base)
         try:
-            for step in steps:
-                _text, cut = stream.push(step.tokens)
+            for out in rounds:
+                _text, cut = stream.push(out.tokens)
                 if cut is not None:
-                    yield StepOutput(step.tokens[:cut + 1], step.stats, "stop")
+                    yield RoundOutput(out.tokens[:cut + 1], out.stats, "stop")
                     return
-                yield step
-                if step.finish_reason is not None:
+                yield out
+                if out.finish_reason is not None:
                     return
         finally:
-            steps.close()
+            rounds.close()
 
 
 class Text:
@@ -171,26 +172,28 @@ class Text:
 
     def params(self, msg: cpb.GenerateRequest) -> dict:
         """What the text path of a sequence needs after the request is gone, stored with it in Redis
-        (a take-over re-applies the stop strings; Resume streams the same text deltas):
-        {"stop": [...], "skip_special_tokens": bool}. The prompt itself is stored as token ids."""
+        (a take-over re-applies the stop strings; Resume streams the same text deltas): the
+        SequenceParams fields `stop` and `skip_special_tokens`, as keyword arguments. The prompt
+        itself is stored as token ids."""
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        return {"stop": list(self.stops(msg)), "skip_special_tokens": skip}
+        return {"stop": self.stops(msg), "skip_special_tokens": skip}
 
     def stream(self, msg: cpb.GenerateRequest) -> TextStream:
-        return self.stream_for(self.params(msg))
+        return self.stream_for(**self.params(msg))
 
-    def stream_for(self, params: dict) -> TextStream:
-        """The text deltas of a sequence from its stored `params` (older records: no stops, skip)."""
-        return TextStream(self.tokenizer, tuple(params.get("stop") or ()), params.get("skip_special_tokens", True))
+    def stream_for(self, stop: tuple[str, ...], skip_special_tokens: bool) -> TextStream:
+        """The text deltas of a sequence (from its stored SequenceParams on Resume)."""
+        return TextStream(self.tokenizer, tuple(stop), skip_special_tokens)
 
     def stop_engine(self, msg: cpb.GenerateRequest):
         """A wrapper for the sequence's Engine when the request has stop strings, else None."""
-        return self.stop_engine_for(self.params(msg))
+        return self.stop_engine_for(**self.params(msg))
 
-    def stop_engine_for(self, params: dict, primer: tuple[int, ...] = ()):
-        """`stop_engine` from stored `params` (a take-over, primed with the tokens committed before)."""
-        if not params.get("stop"):
+    def stop_engine_for(self, stop: tuple[str, ...], skip_special_tokens: bool, primer: tuple[int, ...] = ()):
+        """`stop_engine` from stored SequenceParams fields (a take-over, primed with the tokens
+        committed before)."""
+        if not stop:
             return None
         if self.tokenizer is None:
             self._need_tokenizer("stop")
-        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(params), primer)
+        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(stop, skip_special_tokens), primer)

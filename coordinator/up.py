@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.engine.local import resolve_draft, split_draft
+from services.engine.local import DraftSpec, resolve_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
 from services.rpc.security import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
@@ -246,7 +246,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             s.wait_ready(deadline)
         pools = ["--verifiers", ",".join(v.address for v in verifiers),
                  "--drafters", ",".join(d.address for d in drafters),
-                 *(["--retrieval"] if split_draft(args.draft)[1] else [])]
+                 *(["--retrieval"] if DraftSpec.parse(args.draft).retrieval else [])]
         coordinators = [Service("coordinator", [*common, *metrics(i), *pools, *role_flags(args, "coordinator"),
                                                 "--http-port", str(args.http_port if i == 0 else 0)],
                                 workdir, args.host, i, args.port if i == 0 else 0, env=coordinator_env)

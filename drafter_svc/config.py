@@ -34,7 +34,7 @@ class DrafterConfig:
     dtype: str | None = None  # None = the device's default (bf16 on a GPU, fp32 on the CPU)
     device: str | None = None  # cpu | cuda | cuda:N; None = AERIE_DEVICE, else cuda when available, else cpu
     draft_vocab: int | None = None  # None = the head's default (8192 with token counts), 0 = full
-    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.engine.local.DEFAULT_DRAFT_DTYPE
+    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.device.default_draft_dtype
     tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
     max_sequences: int = 64
 

@@ -48,7 +48,7 @@ from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 
 log = logging.getLogger("aerie.http")
-FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancel": "cancel"}
+FINISH = {"stop": "stop", "length": "length", "cancel": "cancel"}  # services.engine.engine.FinishReason
 INFO_TIMEOUT_S = 10.0
 
 

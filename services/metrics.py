@@ -4,7 +4,8 @@ Every metric carries a `service` label (coordinator | drafter | verifier), so pr
 registry (tests running all three in one process) stay distinguishable. Latencies are seconds.
 
     aerie_round_seconds{service}            one draft -> verify -> commit round (coordinator)
-    aerie_accept_length{service}            tokens a round produced: accepted drafts + bonus (coordinator)
+    aerie_accept_length{service}            accept_length: tokens a round committed, accepted drafts + bonus
+                                            (m + 1; services/spec/verify.py) (coordinator)
     aerie_draft_seconds{service}            growing a tree (coordinator: the RPC; drafter: the work)
     aerie_verify_seconds{service}           verifying a tree / decoding (coordinator: RPC; verifier: work)
     aerie_prefill_seconds{service}          the prompt forward
@@ -13,7 +14,9 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
     aerie_requests_failed_total{service,code}  calls that ended with an error status
     aerie_redis_up{service}                 1 while the coordinator reaches Redis, else 0 (health follows it)
-    aerie_budget_nodes{service}             nodes per round the budget chose, 1 = plain step (coordinator)
+    aerie_tree_size{service}                tree size (nodes, root included) the budget chose per round, 1 =
+                                            a plain step (coordinator); aerie_budget_nodes: its old name,
+                                            deprecated, still exported for one release
     aerie_batch_size{service}               calls gathered into one forward (drafter, verifier)
     aerie_batch_rows{service}               rows of one forward (drafter, verifier)
     aerie_batch_queue{service}              calls still waiting when a batch started (drafter, verifier)
@@ -70,8 +73,10 @@ BATCH_SIZE = Histogram("aerie_batch_size", "Calls gathered into one forward (con
                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 BATCH_ROWS = Histogram("aerie_batch_rows", "Rows (prompt tokens, tree nodes, decode tokens) of one forward",
                        ["service"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
-BUDGET_NODES = Histogram("aerie_budget_nodes", "Nodes the draft budget chose to verify per round (1 = a plain "
-                         "decode step; with batching: sized for the whole batch)", ["service"],
+TREE_SIZE = Histogram("aerie_tree_size", "Tree size (nodes, root included) the draft budget chose to verify per "
+                      "round (1 = a plain decode step; with batching: sized for the whole batch)", ["service"],
+                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+BUDGET_NODES = Histogram("aerie_budget_nodes", "DEPRECATED (removed next release): aerie_tree_size", ["service"],
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 DETACHED_ROUNDS = Counter("aerie_detached_rounds", "Plain steps with the drafter detached (Decode keeping the "
                           "features on the verifier: no draft call, no features sent)", ["service"])

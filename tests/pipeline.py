@@ -37,7 +37,7 @@ from verifier_svc.config import VerifierConfig
 from verifier_svc.server import create_server as create_verifier
 from verifier_svc.server import load_servicer as load_verifier
 
-TREE = TreeParams(top_k=4, depth=3, total_tokens=16)
+TREE = TreeParams(top_k=4, depth=3, size=16)
 HOST = "127.0.0.1"
 
 

@@ -43,7 +43,7 @@ from services.rpc.server import batch_observer, timed
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
-from services.spec.budget import CostCurve
+from services.spec.cost import CostCurve
 from verifier_svc.config import VerifierConfig
 
 log = logging.getLogger("aerie.verifier")

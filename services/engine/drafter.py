@@ -15,6 +15,7 @@ everything else run the eager code over the same pages. On the CPU: contiguous c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVCache
 from services.model.paged_kv import PagedCache, PagedKVPool
 from services.spec.tree import DraftTree, TreeParams, extend_many, grow_trees, rerank
+
+if TYPE_CHECKING:
+    from services.engine.roles import FeatureKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +65,7 @@ class Drafter:
             self.graphs = DraftGraphs(head, self.pool, graphs=graphs_default(head.device))
 
     @property
-    def feature_kind(self) -> str:
+    def feature_kind(self) -> FeatureKind:
         return self.head.feature_kind
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
@@ -85,9 +89,9 @@ class Drafter:
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
             raise InvalidRequest(
-                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.total_tokens} exceeds "
+                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.size} exceeds "
                 f"this drafter's largest shape top_k={self.tree.top_k}, depth={self.tree.depth}, "
-                f"tokens={self.tree.total_tokens} (its draft KV is sized for that)")
+                f"tokens={self.tree.size} (its draft KV is sized for that)")
         if params.top_k > self.head.config.draft_vocab:
             raise InvalidRequest(
                 f"tree_top_k={params.top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab})")

@@ -20,6 +20,7 @@ from typing import ContextManager, Protocol
 import grpc
 import torch
 
+from services.engine.roles import FeatureKind
 from services.engine.verifier import PrefillResult, VerifyResult
 from services.rpc import codec
 from services.rpc.channel import open_channel
@@ -93,7 +94,7 @@ class VerifierClient(ServiceClient):
         super().__init__(address, max_message_bytes, timeout_s, security)
         self.stub = verifier_grpc.VerifierStub(self.channel)
 
-    def for_sequence(self, feature_kind: str, phases: Phases = NO_PHASES) -> RemoteVerifier:
+    def for_sequence(self, feature_kind: FeatureKind, phases: Phases = NO_PHASES) -> RemoteVerifier:
         return RemoteVerifier(self, feature_kind, phases)
 
 
@@ -111,7 +112,7 @@ class DrafterClient(ServiceClient):
 class RemoteVerifier:
     """The verifier role over gRPC (see services.engine.roles.VerifierRole)."""
 
-    def __init__(self, client: VerifierClient, feature_kind: str, phases: Phases) -> None:
+    def __init__(self, client: VerifierClient, feature_kind: FeatureKind, phases: Phases) -> None:
         self.client = client
         self.feature_kind = feature_kind
         self.phases = phases
@@ -180,7 +181,7 @@ class RemoteDrafter:
         self._round: dict[str, int] = {}  # the round the latest tree is for
 
     @property
-    def feature_kind(self) -> str:
+    def feature_kind(self) -> FeatureKind:
         return self._feature_kind
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:

@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from coordinator.redis_server import free_port
-from coordinator.sequence_store import SequenceRecord, SequenceStore
+from coordinator.sequence_store import SequenceParams, SequenceRecord, SequenceStore
 from services.errors import InvalidRequest, SequenceNotFound
 from services.rpc.errors import DownstreamError, SequenceExists
 
@@ -20,7 +20,7 @@ def store(redis_url):
 
 
 def record(seq_id: str = "s1") -> SequenceRecord:
-    return SequenceRecord(seq_id, (5, 6, 7), {"max_new_tokens": 10, "temperature": 0.0}, seed=3,
+    return SequenceRecord(seq_id, (5, 6, 7), SequenceParams(10, 0.0, 1.0, 0), seed=3,
                           drafter="10.0.0.1:50053", verifier="10.0.0.2:50052")
 
 
@@ -39,7 +39,7 @@ def test_commits_are_idempotent_per_round(store):
     assert store.commit("s1", 2, [15], "length").applied
     state = store.get("s1")
     assert (state.tokens, state.status, state.finish_reason) == ([11, 12, 13, 14, 15], "finished", "length")
-    assert state.prompt_ids == [5, 6, 7] and state.params["max_new_tokens"] == 10
+    assert state.prompt_ids == [5, 6, 7] and state.params == SequenceParams(10, 0.0, 1.0, 0)
     assert (state.drafter, state.verifier) == ("10.0.0.1:50053", "10.0.0.2:50052")
     with pytest.raises(InvalidRequest, match="sequence is finished"):
         store.commit("s1", 3, [16], None)
@@ -87,7 +87,7 @@ def test_unreachable_redis_is_unavailable():
 def test_finished_records_expire_sooner(redis_url):
     import redis as redis_lib
     store = SequenceStore(redis_lib.Redis.from_url(redis_url, decode_responses=True), ttl_s=120, finished_ttl_s=5)
-    store.create(SequenceRecord("ttl-1", (1, 2), {}, 0, "", "v:1"))
+    store.create(SequenceRecord("ttl-1", (1, 2), SequenceParams(4, 0.0, 1.0, 0), 0, "", "v:1"))
     store.commit("ttl-1", 0, [3], None)
     assert store.redis.ttl(store.keys("ttl-1")[0]) > 100  # running: the long TTL
     store.commit("ttl-1", 1, [4], "length")
@@ -114,7 +114,7 @@ def test_a_redis_restart_loses_nothing_and_writes_wait_for_it(tmp_path, monkeypa
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     store = SequenceStore(redis_lib.Redis.from_url(url, decode_responses=True, socket_timeout=2,
                                                    socket_connect_timeout=1), ttl_s=120, retry_s=120)
-    store.create(SequenceRecord("aof-1", (1, 2), {}, 0, "", "v:1"))
+    store.create(SequenceRecord("aof-1", (1, 2), SequenceParams(4, 0.0, 1.0, 0), 0, "", "v:1"))
     store.commit("aof-1", 0, [3], None)
     store.commit("aof-1", 1, [4, 5], None)
     proc.send_signal(signal.SIGKILL)
@@ -151,7 +151,7 @@ def test_a_lease_let_go_is_claimable_at_once_and_cannot_be_revived(store):
     """hand_over (a draining coordinator): only the owner can let its lease go; afterwards the
     sequence is in the expired index at once, the old owner cannot renew it (its late renew raced
     the hand-over), and another coordinator claims it."""
-    store.create(SequenceRecord("h1", (1, 2), {"max_new_tokens": 4}, 0, "", "v:1", owner="a"))
+    store.create(SequenceRecord("h1", (1, 2), SequenceParams(4, 0.0, 1.0, 0), 0, "", "v:1", owner="a"))
     assert not store.claim("h1", "b")  # a's lease is live
     assert not store.hand_over("h1", "b")  # not b's to give
     assert store.hand_over("h1", "a")
@@ -184,7 +184,7 @@ def test_the_lease_index_is_written_once_per_quarter_lease_and_never_late(redis_
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.flushdb()
     s = SequenceStore(client, ttl_s=120, lease_ttl_s=0.4)  # a quarter lease: 100 ms
-    s.create(SequenceRecord("q1", (1, 2), {"max_new_tokens": 50}, 0, "", "v:1", owner="a"))
+    s.create(SequenceRecord("q1", (1, 2), SequenceParams(50, 0.0, 1.0, 0), 0, "", "v:1", owner="a"))
     writes = []
     real_zadd = client.zadd
     monkeypatch.setattr(client, "zadd", lambda *a, **k: writes.append(a) or real_zadd(*a, **k))
@@ -198,3 +198,10 @@ def test_the_lease_index_is_written_once_per_quarter_lease_and_never_late(redis_
     s.commit("q1", 40, [7], "length", owner="a")
     assert client.zscore(sequence_store.LEASES, "q1") is None
     client.close()
+
+
+def test_params_round_trip_and_records_from_before_the_text_path_read():
+    p = SequenceParams(7, 0.8, 0.9, 5, (2, 3), True, ("END",), False)
+    assert SequenceParams.from_json(p.to_json()) == p
+    old = '{"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop_token_ids": [2], "ignore_eos": false}'
+    assert SequenceParams.from_json(old) == SequenceParams(10, 0.0, 1.0, 0, (2,))

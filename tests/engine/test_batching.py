@@ -19,7 +19,10 @@ from services.engine.verifier import DecodeCall, PrefillCall, Verifier, VerifyCa
 from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.model.kv_pool import KVPool
 from services.model.runner import ModelRunner
-from services.spec.budget import Budget, CostCurve, CostModel, LoadBoard, prior_stats
+from services.spec.acceptance import prior_stats
+from services.spec.budget import Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.spec.tree import TreeParams
 from dataclasses import replace

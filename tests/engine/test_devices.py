@@ -30,7 +30,7 @@ from services.spec.sampling import SamplingParams, round_generator
 from services.spec.tree import TreeParams, build_tree
 from services.spec.verify import accept_greedy, accept_sampling
 
-TREE = TreeParams(top_k=3, depth=2, total_tokens=8)
+TREE = TreeParams(top_k=3, depth=2, size=8)
 
 
 def small_tree(device="cpu"):
@@ -109,7 +109,7 @@ def test_greedy_acceptance_matches_on_a_moved_tree():
     logits = torch.randn(5, 16)
     logits[0, 7] = logits[1, 9] = logits[3, 2] = 100.0  # root -> 7 -> 9 accepted, bonus 2
     acc = accept_greedy(small_tree(), logits)
-    assert (acc.accept_length, acc.nodes.tolist(), acc.tokens.tolist(), acc.bonus) == (2, [0, 1, 3], [5, 7, 9], 2)
+    assert (acc.accepted, acc.nodes.tolist(), acc.tokens.tolist(), acc.bonus) == (2, [0, 1, 3], [5, 7, 9], 2)
     assert acc.nodes.device.type == "cpu" and acc.tokens.device.type == "cpu"
 
 

@@ -2,7 +2,7 @@
 it, a GGUF conversion announces its three phases; AERIE_PROGRESS=0 (and a non-terminal stderr
 without AERIE_PROGRESS=1) keeps stderr quiet."""
 
-from services.spec.budget import head_costs, target_costs
+from services.engine.calibration import head_costs, target_costs
 from tests.model.test_gguf import TOKENS, write_llama_gguf
 from tests.model.test_gguf import cache_dir  # noqa: F401 (fixture)
 
@@ -52,7 +52,7 @@ def test_a_second_process_waits_for_the_first_calibration(tmp_path, monkeypatch)
     import threading
 
     from services import progress
-    from services.spec import budget
+    from services.engine import calibration
 
     monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path))
     monkeypatch.delenv("AERIE_RECALIBRATE", raising=False)
@@ -65,7 +65,7 @@ def test_a_second_process_waits_for_the_first_calibration(tmp_path, monkeypatch)
     with open(path.with_suffix(".lock"), "a") as held:  # the first process, mid-measurement
         fcntl.flock(held, fcntl.LOCK_EX)
         second = threading.Thread(target=lambda: result.update(
-            costs=budget.cached(key, lambda: measured.append(1) or {"v": 2}, what="x")))
+            costs=calibration.cached(key, lambda: measured.append(1) or {"v": 2}, what="x")))
         second.start()
         assert waiting.wait(60)  # the second found the lock taken and waits
         path.write_text(json.dumps({"key": key, "costs": {"v": 1}}))  # the first's result

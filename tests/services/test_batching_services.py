@@ -242,7 +242,7 @@ def test_an_adaptive_sequence_detaches_its_drafter_through_the_services(pipeline
     from drafter_svc.config import DrafterConfig
     from drafter_svc.server import create_server as create_drafter
     from drafter_svc.server import load_servicer as load_drafter
-    from services.spec.budget import CostCurve
+    from services.spec.cost import CostCurve
 
     config = DrafterConfig(pipeline.service, draft=str(model_dirs.head), target=str(model_dirs.target), dtype="fp32",
                            tree=None, max_sequences=4)

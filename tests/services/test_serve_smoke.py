@@ -37,7 +37,7 @@ def test_serve_a_hub_id_with_pinned_ports_and_an_api_key(model_dirs, tmp_path):
            "AERIE_API_KEY": "sk-test-0123456789"}
     argv = ["serve", "org/tiny", "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
             "org/tiny-head", "--dtype", "auto", "--speculative-eagle-topk", str(TREE.top_k),
-            "--speculative-num-steps", str(TREE.depth + 1), "--speculative-num-draft-tokens", str(TREE.total_tokens),
+            "--speculative-num-steps", str(TREE.depth + 1), "--speculative-num-draft-tokens", str(TREE.size),
             "--port", str(http), "--grpc-port", str(grpc_port), "--redis-port", str(redis),
             "--verifier-port", str(verifier), "--drafter-port", str(drafter), "--metrics-port", str(metrics),
             "--max-num-seqs", "4", "--log-level", "WARNING"]

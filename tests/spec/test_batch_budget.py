@@ -8,7 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, Load, LoadBoard, prior_stats, same_load
+from services.spec.acceptance import prior_stats
+from services.spec.budget import AUTO_LARGEST, Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import Load, LoadBoard, same_load
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -20,7 +23,7 @@ def budget(board: LoadBoard | None, fixed: float = 1.0, per_row: float = 0.05) -
 
 
 def rows(plan) -> int:
-    return (plan.tree.total_tokens if plan.tree is not None else 1) + plan.chain
+    return (plan.tree.size if plan.tree is not None else 1) + plan.chain
 
 
 def test_alone_the_batch_budget_is_the_batch1_budget() -> None:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.spec.budget import ZERO, CostCurve
+from services.spec.cost import ZERO, CostCurve
 from services.train import tau
 from tests.helpers import save_bench_dirs
 
@@ -56,7 +56,7 @@ def test_tau_counts_the_tokens_each_drafted_round_commits(dirs):
     from services.spec.tree import TreeParams
 
     t = tau.measure(dirs / "head", dirs / "prompts.jsonl", str(dirs / "target"), per_category=0,
-                    max_new_tokens=16, tree=TreeParams(top_k=4, depth=3, total_tokens=16))
+                    max_new_tokens=16, tree=TreeParams(top_k=4, depth=3, size=16))
     assert t["budget"] == "fixed 16/3/4" and t["prompts"] == 4 and t["exact_match"] == 1.0
     # every round verifies the fixed tree, and the head was distilled from this target: drafts land
     assert t["eagle_round_share"] == 1.0

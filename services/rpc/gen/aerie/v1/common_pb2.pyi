@@ -58,16 +58,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("top_k", "depth", "total_tokens", "stop_logprob")
+    __slots__ = ("top_k", "depth", "total_tokens", "size", "stop_logprob")
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     STOP_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     top_k: int
     depth: int
     total_tokens: int
+    size: int
     stop_logprob: float
-    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop_logprob: _Optional[float] = ...) -> None: ...
+    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., total_tokens: _Optional[int] = ..., size: _Optional[int] = ..., stop_logprob: _Optional[float] = ...) -> None: ...
 
 class CostCurve(_message.Message):
     __slots__ = ("rows", "seconds")
