@@ -29,7 +29,19 @@ METHODS = ("hf", "native", "eagle", "sam", "eagle+sam", "pipeline")
 def register(sub) -> None:
     p = add_command(sub, "bench", "measure speed-ups on a prompt set (prints a table, writes JSON)", __doc__)
     add_model_flags(p)
-    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (question_id, category, turns); required")
+    p.add_argument("--prompts", default=None,
+                   help="Spec-Bench style JSONL (question_id, category, turns); required unless --shape")
+    gpu = p.add_argument_group("model-free device benchmark (services/bench/gpu.py)")
+    gpu.add_argument("--shape", default=None,
+                     help="random weights of this shape built on --device, no download: llama-3.1-8b, llama-3.2-1b, "
+                          "smollm2-135m or tiny; reports the bandwidth floor, the bare forward, kernels per forward, "
+                          "plain decoding, fixed-tree rounds in plain tokens, batched decode and transformers' eager "
+                          "generate (default: off)")
+    gpu.add_argument("--prompt-tokens", type=int, default=512, help="--shape: prompt length (default: 512)")
+    gpu.add_argument("--batches", default="1,8,32", help="--shape: batched decode sizes (default: 1,8,32)")
+    gpu.add_argument("--no-hf", action="store_true", help="--shape: skip transformers' generate")
+    gpu.add_argument("--no-legacy", action="store_true",
+                     help="--shape: skip the pre-paged path (contiguous KV, SDPA's own kernel)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -62,9 +74,17 @@ def register(sub) -> None:
     p.add_argument("--chart", default=None,
                    help="PNG chart path (needs matplotlib: pip install 'aerie[bench]'; default: no chart)")
     p.set_defaults(func=cmd_bench)
+    from aerie_cli import bench_serve  # `aerie bench serve`: against a running server
+
+    bench_serve.register(p.add_subparsers(dest="bench_mode", metavar="{serve}", required=False))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.shape:
+        return _shape_bench(args)
+    if not args.prompts:
+        raise InvalidRequest("aerie bench needs --prompts FILE (or --shape NAME for the model-free device benchmark, "
+                             "or `aerie bench serve` against a running server)")
     from dataclasses import replace
 
     from services.bench.bench import HFBaseline, load_prompts, run_engine, summarize
@@ -159,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         "device": device(args), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                         "limit": args.limit, "per_category": args.per_category, "categories": list(categories(args)),
                         "torch_threads": __import__("torch").get_num_threads(),
-                        "tree": "auto" if tree is None else [tree.total_tokens, tree.depth, tree.top_k],
+                        "tree": "auto" if tree is None else [tree.size, tree.depth, tree.top_k],
                         "cost_model": e.budget.costs.to_dict()}
     if args.sweep:
         eagle_rows = {m: r for m, r in result["methods"].items() if m.startswith("eagle")}
@@ -230,7 +250,7 @@ def _concurrency_chart(args: argparse.Namespace, result: dict) -> None:
 def _eagle_name(shape, sweep: bool) -> str:
     if not sweep:
         return "eagle"
-    return "eagle-auto" if shape is None else f"eagle{shape.total_tokens}/{shape.depth}/{shape.top_k}"
+    return "eagle-auto" if shape is None else f"eagle{shape.size}/{shape.depth}/{shape.top_k}"
 
 
 def _pipeline_run(args, prompt, max_new_tokens: int | None = None):
@@ -244,3 +264,27 @@ def _pipeline_run(args, prompt, max_new_tokens: int | None = None):
         return run_steps(lambda: RemoteEngine(session).generate(req))
     finally:
         session.close()
+
+
+def _shape_bench(args: argparse.Namespace) -> int:
+    """`--shape`: the model-free device benchmark (table + JSON)."""
+    from services.bench.gpu import SHAPES, GpuBenchConfig, run_gpu_bench, table
+
+    if args.shape not in SHAPES:
+        raise InvalidRequest(f"--shape must be one of {', '.join(SHAPES)}; got {args.shape!r}")
+    dev = device(args)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+    except ValueError:
+        raise InvalidRequest(f"--batches must be a comma list of integers; got {args.batches!r}") from None
+    if not batches or min(batches) < 1 or args.prompt_tokens < 1 or args.max_new_tokens < 1:
+        raise InvalidRequest("--batches, --prompt-tokens and --max-new-tokens must be >= 1")
+    cfg = GpuBenchConfig(args.shape, dev, args.dtype or ("bf16" if dev.startswith("cuda") else "fp32"),
+                         args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
+                         legacy=not args.no_legacy)
+    res = run_gpu_bench(cfg)
+    print(table(res))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

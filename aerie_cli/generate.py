@@ -144,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "dtype": getattr(local, "dtype", None) or dtype(args),  # a pipeline reports what it serves
         "tree": None if local.draft_path is None and not any(tree_sizes) else
         {"mode": "auto" if tree is None else "fixed",  # auto: the budget chose every round's shape
-         **({} if tree is None else {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.total_tokens}),
+         **({} if tree is None else {"top_k": tree.top_k, "depth": tree.depth, "tokens": tree.size}),
          "mean_tokens": round(sum(tree_sizes) / len(tree_sizes), 2) if tree_sizes else 0.0},
         "timings": {
             "load_s": round(load_s, 4),

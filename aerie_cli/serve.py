@@ -122,7 +122,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             host = config.service.host if config.service.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
             http = await start_http(f"{host}:{port}", config.service.host, config.http_port,
                                     config.service.max_message_bytes, coordinator.security, own_token,
-                                    (config.service.tls_cert, config.service.tls_key) if config.service.tls_cert else None)
+                                    (config.service.tls_cert, config.service.tls_key) if config.service.tls_cert else None,
+                                    config.http_limits)
             ports["http_port"] = http.port
         return server, port
 

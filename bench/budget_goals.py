@@ -7,7 +7,9 @@ directory path contains HEAD, if given).
                                                                   # with '|' to match one directory exactly
 """
 import glob, json, os, sys
-from services.spec.budget import CostCurve, CostModel, build_budget, prior_stats, MAX_LEVELS
+from services.spec.acceptance import MAX_LEVELS, prior_stats
+from services.spec.budget import build_budget
+from services.spec.cost import CostCurve, CostModel
 
 curves, used = {}, {}
 threads = sys.argv[2] if len(sys.argv) > 2 else "1"
@@ -30,7 +32,7 @@ print("t_draft(1) / t_verify(1):", round(costs.t_draft(1) / costs.t_verify(1), 3
 for a in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
     s = prior_stats({"top1_agreement": a}); s.depth = [a] * MAX_LEVELS
     p = b.plan(s, 0)
-    row = f"a={a:.1f}: eagle {p.rate / plain:.2f}x ({'plain' if p.tree is None else (p.tree.top_k, p.tree.depth, p.tree.total_tokens)})"
+    row = f"a={a:.1f}: eagle {p.rate / plain:.2f}x ({'plain' if p.tree is None else (p.tree.top_k, p.tree.depth, p.tree.size)})"
     for sa in (0.5, 0.7, 0.9):
         s.chain = [sa] * MAX_LEVELS
         q = b.plan(s, 16)

@@ -1,4 +1,4 @@
-"""Draft cost and agreement per draft vocabulary K and draft precision (README "Cheaper rounds").
+"""Draft cost and agreement per draft vocabulary K and draft precision (docs/design.md "Cheaper rounds").
 
     AERIE_TORCH_THREADS=1 python bench/draft_cost.py --prompts ../shared/data/spec_bench_dev.jsonl \
         --per-category 2 --configs 0:fp32,16384:fp32,8192:fp32,4096:fp32,0:int8,8192:int8,0:bf16,8192:bf16

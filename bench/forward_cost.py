@@ -1,5 +1,5 @@
 """verify(T) / decode(1) of the target forward on the default model, several variants in ONE process
-(README "Cheaper rounds").
+(docs/design.md "Cheaper rounds").
 
     AERIE_TORCH_THREADS=1 python bench/forward_cost.py --variants hf,transposed,both [--old DIR] [--rounds 9]
 

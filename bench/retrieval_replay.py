@@ -3,7 +3,7 @@ rule could get accepted, and what that is worth at a measured verify cost, witho
 
     AERIE_TORCH_THREADS=1 python bench/retrieval_replay.py --prompts ../shared/data/spec_bench_dev.jsonl \
         --per-category 4 --max-new-tokens 128 --categories summarization,rag,translation,math_reasoning,qa \
-        --costs-from bench/bench-cpu-head2.json --json bench/retrieval-replay.json
+        --costs-from bench/results/bench-cpu-head2.json --json bench/results/retrieval-replay.json
 
 Greedy decoding is deterministic, so the answer (aerie's plain decoding, computed once here or read
 from --refs) fixes what any retrieved chain would have accepted: the longest prefix of the chain
@@ -29,7 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.spec.budget import Budget, CostCurve, CostModel, observe, prior_stats  # noqa: E402
+from services.spec.acceptance import observe, prior_stats  # noqa: E402
+from services.spec.budget import Budget  # noqa: E402
+from services.spec.cost import CostCurve, CostModel  # noqa: E402
 from services.spec.sam import SuffixIndex  # noqa: E402
 from services.spec.tree import merge_chain, root_tree  # noqa: E402
 

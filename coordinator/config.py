@@ -5,8 +5,9 @@
     AERIE_RPC_TIMEOUT_S (60), AERIE_RESOLVE_INTERVAL_S (10), AERIE_TOKENIZER (the verifier's target),
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
-    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_LEASE_TTL_S (10),
-    AERIE_MAX_SEQUENCES_PER_CLIENT (64), and the common ones in
+    AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
+    (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
 AERIE_DRAFTERS / AERIE_VERIFIERS are comma-separated host:port entries; a host name may resolve to
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from gateway import limits as http_limits
+from gateway.limits import HttpLimits
 from services.rpc.security import redact
 from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, endpoint_problem, env, service_config
 
@@ -43,7 +46,8 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096  # the most a request may ask for
     sequence_ttl_s: int = 86400  # a sequence's Redis record expires this long after its last update
     max_sequences: int = 256  # sequences running on this coordinator at once
-    rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier
+    rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier (each prefill chunk's too)
+    prefill_tries: int = 3  # calls per prefill chunk that misses its deadline, then DEADLINE_EXCEEDED
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
@@ -53,11 +57,13 @@ class CoordinatorConfig:
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
     finished_ttl_s: int = 3600  # the record of a finished / cancelled / failed sequence expires after this
     redis_retry_s: float = 30.0  # an unreachable Redis is retried with backoff this long, then UNAVAILABLE
+    redis_ping_timeout_s: float = 1.0  # health's PING: a Redis that does not answer within it is down
     lease_ttl_s: float = 10.0  # a running sequence whose coordinator stops renewing is taken over after this
     discover: bool = True  # also place on replicas registered in Redis (services/rpc/registry.py)
     discover_interval_s: float = 1.0  # re-read the registry this often
     # Generate streams one client may have open at once: by API identity, else by peer host; 0 = no limit
     max_sequences_per_client: int = 64
+    http_limits: HttpLimits = HttpLimits()  # what one HTTP client may make the gateway hold (gateway/limits.py)
 
     def __post_init__(self) -> None:
         if not self.verifiers and not self.discover:
@@ -69,7 +75,7 @@ class CoordinatorConfig:
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {redact(self.redis_url)!r}")
         if self.redis_retry_s < 0:
             raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
-        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s"):
+        for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s", "prefill_tries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
@@ -78,7 +84,8 @@ class CoordinatorConfig:
             raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
-        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s"):
+        for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s",
+                     "redis_ping_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
 
@@ -104,7 +111,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="Generate streams one client may have open at once, by API identity, else by peer host; "
                         "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT; default: 64)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
-                   help="deadline of each drafter/verifier call (AERIE_RPC_TIMEOUT_S)")
+                   help="deadline of each drafter/verifier call, each prefill chunk its own (AERIE_RPC_TIMEOUT_S)")
+    g.add_argument("--prefill-tries", type=int, default=env("AERIE_PREFILL_TRIES", 3),
+                   help="calls per prefill chunk that misses its deadline (sent again to the same verifier), "
+                        "then the sequence fails with DEADLINE_EXCEEDED (AERIE_PREFILL_TRIES, 3)")
     g.add_argument("--resolve-interval-s", type=float, default=env("AERIE_RESOLVE_INTERVAL_S", 10.0),
                    help="re-resolve pool host names this often (AERIE_RESOLVE_INTERVAL_S)")
     g.add_argument("--tokenizer", default=env("AERIE_TOKENIZER"),
@@ -126,6 +136,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="lifetime of a finished sequence's Redis record (AERIE_FINISHED_TTL_S, 3600)")
     g.add_argument("--redis-retry-s", type=float, default=env("AERIE_REDIS_RETRY_S", 30.0),
                    help="retry an unreachable Redis with backoff this long (AERIE_REDIS_RETRY_S, 30)")
+    g.add_argument("--redis-ping-timeout-s", type=float, default=env("AERIE_REDIS_PING_TIMEOUT_S", 1.0),
+                   help="health's PING of Redis: one not answered within this is a Redis down (stalled or dead): "
+                        "health NOT_SERVING (AERIE_REDIS_PING_TIMEOUT_S, 1)")
     g.add_argument("--lease-ttl-s", type=float, default=env("AERIE_LEASE_TTL_S", 10.0),
                    help="another coordinator takes over a sequence whose lease is this old (AERIE_LEASE_TTL_S, 10)")
     g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
@@ -133,6 +146,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                         "static lists)")
     g.add_argument("--discover-interval-s", type=float, default=env("AERIE_DISCOVER_INTERVAL_S", 1.0),
                    help="re-read the registry this often (AERIE_DISCOVER_INTERVAL_S, 1)")
+    http_limits.add_flags(p)
 
 
 def _on_off(text: str | bool) -> bool:
@@ -150,11 +164,12 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
-        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s,
+        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=args.served_model_name, http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
-        redis_retry_s=args.redis_retry_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
-        discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client)
+        redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
+        discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client,
+        http_limits=http_limits.from_args(args))

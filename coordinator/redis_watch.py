@@ -1,8 +1,13 @@
 """The coordinator's health follows Redis: a coordinator that cannot reach Redis can neither admit nor
-commit, so its gRPC health check says NOT_SERVING while Redis is unreachable, and SERVING again once
-a PING succeeds (Kubernetes' readiness probe then takes it out of the Service and back).
+commit, so its gRPC health check says NOT_SERVING while Redis is unreachable or stalled, and SERVING
+again once a PING succeeds (Kubernetes' readiness probe then takes it out of the Service and back).
 
-    RedisWatch(store, on_change)    PING every `interval_s` while Redis answers; while it does not,
+    RedisWatch(store, on_change, interval_s, timeout_s)
+                                    PING every `interval_s` while Redis answers, each PING on its own
+                                    connection bounded by `timeout_s` (AERIE_REDIS_PING_TIMEOUT_S): a
+                                    Redis that accepts connections but answers nothing (SIGSTOP, a
+                                    stalled host) is down after timeout_s, not after the store's 10 s
+                                    socket timeout; while it does not answer,
                                     retry with backoff (0.1 s doubling to `interval_s`); on_change(ok)
                                     when the answer flips (and once at the first check)
 
@@ -23,10 +28,12 @@ log = logging.getLogger("aerie.coordinator")
 
 
 class RedisWatch:
-    def __init__(self, store: SequenceStore, on_change: Callable[[bool], None], interval_s: float = 1.0) -> None:
+    def __init__(self, store: SequenceStore, on_change: Callable[[bool], None], interval_s: float = 1.0,
+                 timeout_s: float = 1.0) -> None:
         self.store = store
         self.on_change = on_change
         self.interval_s = interval_s
+        self.timeout_s = timeout_s
         self.up: bool | None = None  # unknown until the first check
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="redis-watch", daemon=True)
@@ -34,7 +41,7 @@ class RedisWatch:
 
     def _check(self) -> bool:
         try:
-            self.store.ping()
+            self.store.ping(self.timeout_s)
             return True
         except Exception:  # noqa: BLE001 - any failure to PING is "down"
             return False

@@ -1,9 +1,9 @@
 """The vLLM-style metrics of one Generate call (services/metrics.py names them; docs/metrics.md).
 
     m = RequestMetrics(model)        # arrival: waiting
-    m.admitted(prompt_tokens)        # running
+    m.admitted(prompt_tokens)        # running; queue time, prompt length
     m.round(stats, n_tokens)         # each streamed round: drafts, acceptance, TTFT, ITL
-    m.finished(reason)               # e2e, time per output token, success
+    m.finished(reason)               # e2e, time per output token, prefill and decode time, output length, success
     m.close()                        # always: leaves the running / waiting gauges
 """
 
@@ -22,6 +22,7 @@ class RequestMetrics:
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.admitted_at: float | None = None
         self._gauge = metrics.REQUESTS_WAITING.labels(model)
         self._gauge.inc()
 
@@ -33,13 +34,18 @@ class RequestMetrics:
             gauge.inc()
 
     def admitted(self, prompt_tokens: int) -> None:
+        self.admitted_at = time.perf_counter()
         self._move(metrics.REQUESTS_RUNNING.labels(self.model))
         metrics.PROMPT_TOKENS.labels(self.model).inc(prompt_tokens)
+        metrics.QUEUE_TIME.labels(self.model).observe(self.admitted_at - self.t0)
+        metrics.PROMPT_LENGTH.labels(self.model).observe(prompt_tokens)
 
     def round(self, stats: RoundStats, n_tokens: int) -> None:
         m = self.model
-        if stats.index > 0 and stats.tree_size > 0:  # a speculative round (not prefill, not plain decode)
-            accepted = max(stats.accept_length - 1, 0)
+        # a speculative round: one that verified at least one draft token (a plain step, or a
+        # root-only tree on a pipeline without drafters, reports tree_depth 0: not a draft)
+        if stats.index > 0 and stats.tree_depth > 0:
+            accepted = stats.accepted
             metrics.SPEC_NUM_DRAFTS.labels(m).inc()
             metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_depth)
             metrics.SPEC_NUM_ACCEPTED_TOKENS.labels(m).inc(accepted)
@@ -62,6 +68,11 @@ class RequestMetrics:
         metrics.E2E_REQUEST_LATENCY.labels(self.model).observe(now - self.t0)
         if self.first is not None and self.tokens > 1:
             metrics.TIME_PER_OUTPUT_TOKEN.labels(self.model).observe((now - self.first) / (self.tokens - 1))
+        if self.first is not None:
+            if self.admitted_at is not None:
+                metrics.PREFILL_TIME.labels(self.model).observe(self.first - self.admitted_at)
+            metrics.DECODE_TIME.labels(self.model).observe(self.last - self.first)
+        metrics.GENERATION_LENGTH.labels(self.model).observe(self.tokens)
         metrics.REQUEST_SUCCESS.labels(self.model, reason).inc()
 
     def close(self) -> None:

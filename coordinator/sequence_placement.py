@@ -13,6 +13,12 @@ methods of the engine's roles (`services.engine.roles`), so `Engine` runs unchan
       -> on_move(drafter, verifier) records the new placement in Redis
       -> the failed call is repeated with the same round index
 
+A prefill or rebuild goes chunk by chunk (coordinator/prefill.py): each chunk has its own deadline, a
+chunk that misses it is sent again to the same verifier (a slow replica is not moved away from) up
+to `prefill_tries` times, then the sequence fails with DEADLINE_EXCEEDED; a fail-over during a
+prefill starts it from row 0 on the new verifier. `stop` (set by the sequence's run) is checked
+before every chunk: a cancel stops a prefill within one chunk.
+
 A detached drafter (plain steps: Decode with keep_features) leaves the features of those rows on the
 verifier until the next Verify returns them. A verifier that fails meanwhile loses them; the rebuild's
 own features hold the same rows, so the next Verify's answer gets them back in front (nothing lost).
@@ -37,10 +43,11 @@ import torch
 
 from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
-from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, RemoteVerifier, VerifierClient
+from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, VerifierClient
 from services.rpc.errors import DownstreamError
+from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
 from services.spec.sampling import SamplingParams
-from services.spec.tree import DraftTree, TreeParams
+from services.spec.tree import DraftTree, TreeParams, root_tree
 from coordinator.placement import Pool
 
 log = logging.getLogger("aerie.coordinator")
@@ -49,7 +56,7 @@ FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
 
 def is_failover(e: BaseException) -> bool:
     """A failure that moves the sequence to another replica (anything else fails the sequence)."""
-    return isinstance(e, DownstreamError) and e.code in FAILOVER_CODES
+    return isinstance(e, DownstreamError) and e.code in FAILOVER_CODES and not isinstance(e, PrefillTimedOut)
 
 
 def failover_reason(e: BaseException | None) -> str:
@@ -61,14 +68,6 @@ def failover_reason(e: BaseException | None) -> str:
     if isinstance(e, DownstreamError) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "deadline_exceeded"
     return "unavailable"
-
-
-def root_tree(root: int) -> DraftTree:
-    """A tree with only the root: verifying it is one plain decoding step (the bonus is sampled from
-    the target's distribution at the root)."""
-    return DraftTree(tokens=torch.tensor([root]), parents=torch.tensor([-1]), depths=torch.tensor([0]),
-                     mask=torch.ones(1, 1, dtype=torch.bool), paths=torch.tensor([[0]]),
-                     scores=torch.zeros(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +84,12 @@ class Move:
 class SequencePlacement:
     def __init__(self, seq_id: str, verifiers: Pool[VerifierClient], drafters: Pool[DrafterClient] | None,
                  phases: Phases = NO_PHASES, verifier_wait_s: float = 30.0,
-                 on_move: Callable[[str, str], None] | None = None) -> None:
+                 on_move: Callable[[str, str], None] | None = None, prefill_tries: int = 3) -> None:
+        """`prefill_tries`: calls per prefill chunk that misses its deadline before the sequence fails
+        (AERIE_PREFILL_TRIES). `stop` (assign it; default: never) raises to stop a prefill between chunks."""
         self.seq_id = seq_id
+        self.prefill_tries = prefill_tries
+        self.stop: Callable[[], None] = lambda: None
         self.verifiers = verifiers
         self.drafters = drafters
         self.phases = phases
@@ -121,7 +124,6 @@ class SequencePlacement:
         self._drafter_started = False
         self._resume: tuple[list[int], list[int]] | None = None  # (prompt, committed) of a take-over
         self._restart = False  # a take-over of a sequence that never committed: its old KV may be here
-        self.round_base = 0
         self._abandoned = False
         self._kept = 0  # rows the current verifier keeps for the next Verify (Decode keep_features)
         self._lost: torch.Tensor | None = None  # [k, F] kept rows a failed verifier took with it
@@ -130,11 +132,11 @@ class SequencePlacement:
 
     # ---- the verifier side -------------------------------------------------------------------------
 
-    def resume_from(self, prompt: list[int], committed: list[int], round_base: int) -> None:
+    def resume_from(self, prompt: list[int], committed: list[int]) -> None:
         """A take-over: the engine is given prompt + committed[:-1] as its prompt; its prefill becomes
-        a rebuild whose first token is committed[-1], and its round k is round round_base + k."""
+        a rebuild whose first token is committed[-1] (its rounds are numbered from the sequence's
+        next round: Engine.generate's round_base)."""
         self._resume = (list(prompt), list(committed))
-        self.round_base = round_base
 
     def restart(self, old_drafter: str = "", old_verifier: str = "") -> None:
         """A take-over of a sequence that died before its prefill commit: it starts over, and the
@@ -169,22 +171,17 @@ class SequencePlacement:
             pre = self._reprefill()
             return PrefillResult(self.committed[-1], pre.features)
         self.prompt, self._sampling, self._capacity = prompt.tolist(), sampling, capacity
-        while True:
-            try:
-                if self._restart:  # the previous coordinator's KV may still be here: drop it first
-                    self._rv.release(seq_id)
-                    if self._rd is not None:
-                        self.drafter_client.release(seq_id)
-                pre = self._rv.prefill(seq_id, prompt, sampling, capacity)
-                break
-            except Exception as e:  # noqa: BLE001 - is_failover decides
-                self._verifier_failed(e)  # nothing to rebuild yet: the prefill is simply repeated
+        if self._restart:  # the previous coordinator's KV may still be here: drop it first
+            self._rv.release(seq_id)
+            if self._rd is not None:
+                self.drafter_client.release(seq_id)
+        pre = self._prefill_chunks(ChunkedPrefill(seq_id, self.prompt, sampling, capacity, False,
+                                                  self.prefill_tries, self._stop))
         self._restart = False
         self.committed = [pre.first_token]
         return pre
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
-        round_index += self.round_base
         res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
         self.committed += res.acceptance.new_tokens
         self._kept = 0
@@ -195,7 +192,6 @@ class SequencePlacement:
         return res
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
-        round_index += self.round_base
         out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index, keep_features))
         self.committed.append(out)
         if keep_features:
@@ -220,6 +216,20 @@ class SequencePlacement:
                     self._lost = lost if self._lost is None else torch.cat([self._lost, lost])
                     self._kept = 0
 
+    def _stop(self) -> None:
+        self.stop()
+
+    def _prefill_chunks(self, job: ChunkedPrefill) -> PrefillResult:
+        """Run `job` on the current verifier; after a fail-over, from row 0 on the new one (its copy
+        of the sequence, if any, released first: the new verifier may be the same replica)."""
+        while True:
+            try:
+                return job.run(self._rv)
+            except Exception as e:  # noqa: BLE001 - is_failover decides
+                self._verifier_failed(e)
+                self._rv.release(self.seq_id)
+                job.restart()
+
     def _verifier_failed(self, e: Exception) -> None:
         """Mark the verifier failed and acquire another (waiting up to verifier_wait_s), or raise."""
         if not is_failover(e):
@@ -227,14 +237,17 @@ class SequencePlacement:
         old = self.verifier_client
         if not e.lost_sequence:  # (a replica that lost the sequence holds nothing to release)
             self.verifiers.mark_failed(old.address, str(e))
-            _release_later(old, self.seq_id)
         self.verifiers.release(old)
         try:
             self.verifier_client = self.verifiers.acquire(wait_s=self.verifier_wait_s)
         except DownstreamError as none:
             self.verifier_client = None  # type: ignore[assignment]
+            if not e.lost_sequence:
+                _release_later(old, self.seq_id)
             raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
                                   f"sequence {self.seq_id!r} lost its verifier ({e}) and {none}") from None
+        if not e.lost_sequence and self.verifier_client.address != old.address:
+            _release_later(old, self.seq_id)  # (the same replica again: the rebuild releases it in line)
         self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
         self._moved(Move("verifier", old.address, self.verifier_client.address, str(e), 0.0, 0), failover_reason(e))
 
@@ -242,23 +255,19 @@ class SequencePlacement:
         """Rebuild the verifier KV for prompt + committed[:-1] (on the current verifier, which may be
         the same one: its old KV is released first). The sampled token is dropped: committed[-1] is
         already the next root. Returns the features of those rows (for a drafter refill)."""
-        while True:
-            rows = torch.tensor(self.prompt + self.committed[:-1], dtype=torch.long)
-            t0 = time.perf_counter()
-            try:
-                self._rv.release(self.seq_id)
-                pre = self._rv.prefill(self.seq_id, rows, self._sampling, self._capacity, rebuild=True)
-            except Exception as e:  # noqa: BLE001 - is_failover decides
-                self._verifier_failed(e)
-                continue
-            if self.moves and self.moves[-1].role == "verifier" and self.moves[-1].rows == 0:
-                m = self.moves[-1]
-                self.moves[-1] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(rows))
-            log.info("sequence %s: verifier %s rebuilt %d rows in %.3f s", self.seq_id,
-                     self.verifier_client.address, len(rows), time.perf_counter() - t0)
-            self._event("rebuild", {"aerie.role": "verifier", "aerie.rows": len(rows),
-                                    "aerie.seconds": time.perf_counter() - t0})
-            return pre
+        rows = self.prompt + self.committed[:-1]
+        t0 = time.perf_counter()
+        self._rv.release(self.seq_id)
+        pre = self._prefill_chunks(ChunkedPrefill(self.seq_id, rows, self._sampling, self._capacity, True,
+                                                  self.prefill_tries, self._stop))
+        if self.moves and self.moves[-1].role == "verifier" and self.moves[-1].rows == 0:
+            m = self.moves[-1]
+            self.moves[-1] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(rows))
+        log.info("sequence %s: verifier %s rebuilt %d rows in %.3f s", self.seq_id,
+                 self.verifier_client.address, len(rows), time.perf_counter() - t0)
+        self._event("rebuild", {"aerie.role": "verifier", "aerie.rows": len(rows),
+                                "aerie.seconds": time.perf_counter() - t0})
+        return pre
 
     # ---- the drafter side --------------------------------------------------------------------------
 
@@ -300,9 +309,9 @@ class SequencePlacement:
         client = self.drafters.try_acquire([old.address] if old is not None else [])
         if client is not None:
             rd = client.for_sequence(self.phases)
-            if rd.tree.total_tokens > self.tree.total_tokens:
+            if rd.tree.size > self.tree.size:
                 log.warning("drafter %s grows %d-node trees; sequence %s was sized for %d", client.address,
-                            rd.tree.total_tokens, self.seq_id, self.tree.total_tokens)
+                            rd.tree.size, self.seq_id, self.tree.size)
                 self.drafters.release(client)
                 client = None
             else:

@@ -7,12 +7,14 @@ each round committed to Redis before it is handed to the stream.
         stop on finish | cancel | error        # then both services release the KV
 
 A cancel (the Cancel RPC through any coordinator, or the client going away) takes effect after the
-round in flight is committed: the last message carries finish_reason "cancel". A hand-over (a
+round in flight is committed: the last message carries finish_reason "cancel". During a prefill
+(or a fail-over rebuild) it takes effect before the next chunk (`check_stop`, coordinator/prefill.py):
+the sequence ends cancelled with the tokens it committed (none, for a first prefill). A hand-over (a
 draining coordinator, on SIGTERM) also takes effect after the round in flight is committed and
 streamed: the run releases the KV on both services, lets its lease go (another coordinator claims the
 sequence at its next scan) and hands the stream `HandedOver`, which tells the client to Resume. An error marks the
 sequence failed in Redis and is handed to the stream, which maps it to a status code; it never
-touches other sequences.
+touches other sequences' records.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass, replace
 import grpc
 
 from services import metrics
-from services.engine.engine import Engine, GenerationRequest, StepOutput
+from services.engine.engine import Engine, GenerationRequest, RoundOutput, RoundStats
+from coordinator.prefill import PrefillStopped
 from coordinator.round_spans import RoundSpans
 from coordinator.sequence_store import LeaseLost, SequenceStore
 from services.rpc.errors import DownstreamError
@@ -43,7 +46,7 @@ class HandedOver(Exception):
 @dataclass(frozen=True, slots=True)
 class Committed:
     """One committed round, as streamed."""
-    step: StepOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
+    step: RoundOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
     commit_s: float
 
 
@@ -54,8 +57,8 @@ class SequenceRun:
                  on_lease_lost: Callable[[], None] | None = None) -> None:
         """`owner`: this coordinator's id (commits are fenced by the sequence's lease). `round_base`
         (None for a new sequence): for a sequence taken over from another coordinator, its last committed round; the engine
-        then runs from a rebuilt state and its step k is round round_base + k (its step 0, the token
-        already committed, is skipped)."""
+        then runs from a rebuilt state, numbering its rounds from round_base + 1 (Engine.generate); its
+        round 0, the token already committed, is skipped)."""
         self.seq_id = seq_id
         self.request = request
         self.engine = engine
@@ -82,14 +85,26 @@ class SequenceRun:
         """Stop after the round in flight and let the lease go (thread-safe; see the module doc)."""
         self.handing_over.set()
 
+    def check_stop(self) -> None:
+        """Before each prefill chunk (on the run's thread): PrefillStopped when a cancel (here, or
+        flagged in Redis by another coordinator) or a hand-over is pending."""
+        cancel = self.cancelled.is_set()
+        if not cancel:
+            try:
+                cancel = self.store.cancel_requested(self.seq_id)
+            except Exception as e:  # noqa: BLE001 - Redis down: the commit path reports it
+                log.debug("sequence %s: cannot read its cancel flag: %s", self.seq_id, e)
+        if cancel:
+            raise PrefillStopped("cancel", f"sequence {self.seq_id!r} was cancelled during its prefill")
+        if self.handing_over.is_set():
+            raise PrefillStopped("hand-over", f"sequence {self.seq_id!r} is handed over during its prefill")
+
     def _run(self) -> None:
-        steps = self.engine.generate(self.request, self.seq_id)
+        steps = self.engine.generate(self.request, self.seq_id, self.round_base or 0)
         try:
             for step in steps:
-                if self.round_base is not None:
-                    if step.stats.index == 0:
-                        continue  # a take-over: the rebuilt state's first token is committed already
-                    step = replace(step, stats=replace(step.stats, index=step.stats.index + self.round_base))
+                if self.round_base is not None and step.stats.index == 0:
+                    continue  # a take-over: the rebuilt state's first token is committed already
                 t0 = time.perf_counter()
                 with self.spans.phase(step.stats.index, "commit"):
                     result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason,
@@ -109,6 +124,8 @@ class SequenceRun:
                     log.info("sequence %s handed over after round %d", self.seq_id, step.stats.index)
                     self.emit(HandedOver(f"sequence {self.seq_id!r} was handed over after round {step.stats.index}"))
                     return
+        except PrefillStopped as e:
+            self._stopped_in_prefill(steps, e)
         except LeaseLost as e:  # another coordinator drives it now: leave Redis alone
             log.warning("sequence %s: %s; stopping here", self.seq_id, e)
             if self.on_lease_lost is not None:
@@ -127,8 +144,27 @@ class SequenceRun:
             self.spans.close()
             self.on_exit(self)
 
+    def _stopped_in_prefill(self, steps, e: PrefillStopped) -> None:
+        """A cancel or hand-over that came during a prefill (or a rebuild): release the KV on both
+        services first, then end the sequence cancelled (a last message with no tokens and
+        finish_reason "cancel") or let its lease go (HandedOver)."""
+        steps.close()
+        log.info("sequence %s: %s", self.seq_id, e)
+        try:
+            if e.reason == "hand-over":
+                self.handed_over = self.store.hand_over(self.seq_id, self.owner)
+                self.emit(HandedOver(str(e)))
+                return
+            self.store.finish(self.seq_id, "cancelled", "cancel")
+        except Exception as store_error:  # noqa: BLE001 - Redis down: the stream gets the error
+            log.warning("sequence %s: cannot record the stop in Redis: %s", self.seq_id, store_error)
+            self.emit(store_error)
+            return
+        none = RoundStats(index=0, accept_length=0, tree_size=0, tree_depth=0, draft_s=0.0, verify_s=0.0)
+        self.emit(Committed(RoundOutput([], none, "cancel"), 0.0))
 
-def _observe(step: StepOutput, commit_s: float) -> None:
+
+def _observe(step: RoundOutput, commit_s: float) -> None:
     s = step.stats
     metrics.COMMIT_SECONDS.labels(SERVICE).observe(commit_s)
     metrics.TOKENS_GENERATED.labels(SERVICE).inc(len(step.tokens))
@@ -137,7 +173,8 @@ def _observe(step: StepOutput, commit_s: float) -> None:
         return
     metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)
     metrics.ACCEPT_LENGTH.labels(SERVICE).observe(s.accept_length)
-    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    metrics.TREE_SIZE.labels(SERVICE).observe(max(s.tree_size, 1))  # the budget's choice (1 = plain)
+    metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # (deprecated name, one release)
     if s.detached:
         metrics.DETACHED_ROUNDS.labels(SERVICE).inc()
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)

@@ -20,11 +20,13 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import grpc
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.errors import InvalidRequest, SequenceNotFound
 from services.rpc.errors import DownstreamError, SequenceExists
@@ -119,11 +121,44 @@ return status
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceParams:
+    """A sequence's generation parameters, stored with it (the `params` field, JSON with these field
+    names): a coordinator taking it over rebuilds its request from them, Resume its text deltas."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings (the text path; coordinator/text.py)
+    skip_special_tokens: bool = True  # in the text deltas
+    min_p: float = 0.0  # the target's sampling processors (services/spec/sampling.py SamplingParams)
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None = off; k: the top k alternatives too
+
+    def to_json(self) -> str:
+        d = {f: getattr(self, f) for f in self.__slots__}
+        return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in d.items()})
+
+    @staticmethod
+    def from_json(text: str) -> SequenceParams:
+        """Records written before the text path have no `stop` / `skip_special_tokens`, before the
+        drop-in sampling fields no `min_p` / `repetition_penalty` / `logprobs`: their defaults."""
+        d = json.loads(text)
+        logprobs = d.get("logprobs")
+        return SequenceParams(int(d["max_new_tokens"]), float(d["temperature"]), float(d["top_p"]), int(d["top_k"]),
+                              tuple(int(t) for t in d.get("stop_token_ids", ())), bool(d.get("ignore_eos", False)),
+                              tuple(d.get("stop") or ()), bool(d.get("skip_special_tokens", True)),
+                              float(d.get("min_p", 0.0)), float(d.get("repetition_penalty", 1.0)),
+                              None if logprobs is None else int(logprobs))
+
+
+@dataclass(frozen=True, slots=True)
 class SequenceRecord:
     """What admission writes."""
     sequence_id: str
     prompt_ids: tuple[int, ...]
-    params: dict  # max_new_tokens, temperature, top_p, top_k, stop_token_ids, ignore_eos
+    params: SequenceParams
     seed: int
     drafter: str  # host:port, "" for plain decoding
     verifier: str
@@ -143,7 +178,7 @@ class SequenceState:
     drafter: str
     verifier: str
     error: str = ""
-    params: dict = field(default_factory=dict)
+    params: SequenceParams | None = None  # None: a record without parameters (not written by aerie)
     seed: int = 0
     owner: str = ""
 
@@ -163,6 +198,8 @@ class SequenceStore:
     def __init__(self, client: redis.Redis, ttl_s: int, finished_ttl_s: int | None = None,
                  retry_s: float = 0.0, lease_ttl_s: float = 10.0) -> None:
         self.redis = client
+        self._probe: redis.Redis | None = None  # ping(timeout_s)'s own connection
+        self._probe_timeout_s: float | None = None
         self.lease_ms = int(lease_ttl_s * 1000)
         self._indexed: dict[str, int] = {}  # sequence -> the lease expiry last indexed (ms), see _index_lease
         self.ttl_s = ttl_s
@@ -201,12 +238,30 @@ class SequenceStore:
     def keys(seq_id: str) -> tuple[str, str]:
         return f"{PREFIX}{{{seq_id}}}", f"{PREFIX}{{{seq_id}}}:tokens"
 
-    def ping(self) -> None:
+    def ping(self, timeout_s: float | None = None) -> None:
+        """PING; with `timeout_s`, over a connection of its own whose socket gives up after that long
+        (a stalled Redis, e.g. SIGSTOPped, answers nothing: the store's own commands wait up to
+        their 10 s socket timeout, a health check must not)."""
         with _errors(""):
-            self.redis.ping()
+            if timeout_s is None:
+                self.redis.ping()
+                return
+            if self._probe is None or self._probe_timeout_s != timeout_s:
+                pool = self.redis.connection_pool
+                kwargs = dict(pool.connection_kwargs)
+                for name in ("socket_timeout", "socket_connect_timeout", "orig_socket_timeout",
+                             "orig_socket_connect_timeout"):
+                    if name in kwargs or not name.startswith("orig_"):
+                        kwargs[name] = timeout_s
+                kwargs["retry"] = Retry(NoBackoff(), 0)  # one try: redis-py's default retries would multiply it
+                kwargs.pop("health_check_interval", None)
+                self._probe = redis.Redis(connection_pool=redis.ConnectionPool(
+                    connection_class=pool.connection_class, max_connections=1, **kwargs))
+                self._probe_timeout_s = timeout_s
+            self._probe.ping()
 
     def create(self, rec: SequenceRecord) -> None:
-        fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": json.dumps(rec.params),
+        fields = {"prompt_ids": ",".join(map(str, rec.prompt_ids)), "params": rec.params.to_json(),
                   "seed": rec.seed, "round": -1, "status": "running", "finish_reason": "", "error": "",
                   "cancel": "0", "drafter": rec.drafter, "verifier": rec.verifier, "created": f"{time.time():.3f}",
                   "client": rec.client, "owner": rec.owner, "lease_until": int(time.time() * 1000) + self.lease_ms if rec.owner else 0}
@@ -308,6 +363,12 @@ class SequenceStore:
         with _errors(seq_id):
             return self._cancel(keys=self.keys(seq_id)[:1])
 
+    def cancel_requested(self, seq_id: str) -> bool:
+        """Whether a Cancel (through any coordinator) flagged the sequence; one read, no retries (a
+        prefill asks before each chunk, and an unreachable Redis must not stall it)."""
+        with _errors(seq_id):
+            return self.redis.hget(self.keys(seq_id)[0], "cancel") == "1"
+
     def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
         """(tokens[start:], status, finish_reason, round, error, number of tokens) in one round trip."""
         key, tokens_key = self.keys(seq_id)
@@ -318,10 +379,10 @@ class SequenceStore:
                 pipe.lrange(tokens_key, start, -1)
                 pipe.llen(tokens_key)
                 return pipe.execute()
-        (status, reason, rnd, error), tokens, total = self._call(seq_id, read)
+        (status, reason, round_index, error), tokens, total = self._call(seq_id, read)
         if status is None:
             raise SequenceNotFound(f"unknown sequence {seq_id!r}")
-        return [int(t) for t in tokens], status, reason or "", int(rnd), error or "", int(total)
+        return [int(t) for t in tokens], status, reason or "", int(round_index), error or "", int(total)
 
     def get(self, seq_id: str) -> SequenceState:
         key, tokens_key = self.keys(seq_id)
@@ -336,7 +397,7 @@ class SequenceStore:
             sequence_id=seq_id, prompt_ids=[int(x) for x in prompt.split(",")] if prompt else [],
             tokens=[int(t) for t in tokens], status=h["status"], finish_reason=h.get("finish_reason", ""),
             round=int(h["round"]), drafter=h.get("drafter", ""), verifier=h.get("verifier", ""),
-            error=h.get("error", ""), params=json.loads(h.get("params") or "{}"), seed=int(h.get("seed") or 0),
+            error=h.get("error", ""), params=SequenceParams.from_json(h["params"]) if h.get("params") else None, seed=int(h.get("seed") or 0),
             owner=h.get("owner", ""))
 
 

@@ -23,7 +23,7 @@ import grpc
 
 from services import metrics
 from services.engine.engine import Engine, GenerationRequest
-from services.spec.budget import LoadBoard
+from services.spec.load_board import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
@@ -35,7 +35,7 @@ from coordinator.placement import Pool
 from coordinator.round_spans import RoundSpans
 from coordinator.sequence_placement import SequencePlacement
 from coordinator.sequence_run import Committed, SequenceRun
-from coordinator.sequence_store import SequenceRecord, SequenceStore, Status
+from coordinator.sequence_store import SequenceParams, SequenceRecord, SequenceStore, Status
 
 log = logging.getLogger("aerie.coordinator")
 
@@ -57,12 +57,12 @@ class Sequences:
         self._lock = threading.Lock()
         self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
         # continuous batching: the sequences this coordinator runs on one verifier share its forwards;
-        # their budgets size each tree for that batch (services/spec/budget.py LoadBoard)
+        # their budgets size each tree for that batch (services/spec/load_board.py LoadBoard)
         self._boards: dict[str, LoadBoard] = {}
         self.draining = threading.Event()  # SIGTERM: no new sequences, no take-overs
         # a taken-over sequence's text (stop strings): (stored params, tokens committed before) ->
         # a wrapper for its engine or None; set by the servicer, which holds the tokenizer
-        self.text_engine: Callable[[dict, tuple[int, ...]], Callable[[Engine], Any] | None] | None = None
+        self.text_engine: Callable[[SequenceParams, tuple[int, ...]], Callable[[Engine], Any] | None] | None = None
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -92,7 +92,8 @@ class Sequences:
             spans = RoundSpans(seq_id, request_span)
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
-                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
+                prefill_tries=self.config.prefill_tries)
             vinfo, engine = self._engine(placement)
             engine.validate(request)
             if wrap_engine is not None:
@@ -101,10 +102,10 @@ class Sequences:
             drafter_address, verifier_address = placement.addresses()
             self.store.create(SequenceRecord(
                 sequence_id=seq_id, prompt_ids=request.prompt_ids, seed=s.seed,
-                params={"max_new_tokens": request.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                        "top_k": s.top_k, "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
-                        "logprobs": s.logprobs, "stop_token_ids": list(request.stop_token_ids),
-                        "ignore_eos": request.ignore_eos, **(text or {})},
+                params=SequenceParams(request.max_new_tokens, s.temperature, s.top_p, s.top_k,
+                                      tuple(request.stop_token_ids), request.ignore_eos, **(text or {}),
+                                      min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                                      logprobs=s.logprobs),
                 drafter=drafter_address, verifier=verifier_address, owner=self.owner, client=client))
         except BaseException:
             with self._lock:
@@ -118,19 +119,29 @@ class Sequences:
             info.draft = placement.drafter_client.info().draft
             info.tree.CopyFrom(codec.encode_tree_params(placement.tree))
 
+        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, self._on_exit(placement),
+                          owner=self.owner, on_lease_lost=placement.abandon)
+        self._start(run, placement)
+        return Admitted(run, info)
+
+    def _on_exit(self, placement: SequencePlacement) -> Callable[[SequenceRun], None]:
+        """A run's exit: it leaves the table, then its placement closes (after the engine's own
+        release: frees nothing twice)."""
         def on_exit(run: SequenceRun) -> None:
             with self._lock:
                 self._runs.pop(run.seq_id, None)
                 metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
-            placement.close()  # after the engine's own release: frees nothing twice
+            placement.close()
 
-        run = SequenceRun(seq_id, request, engine, self.store, spans, emit, on_exit, owner=self.owner,
-                          on_lease_lost=placement.abandon)
+        return on_exit
+
+    def _start(self, run: SequenceRun, placement: SequencePlacement) -> None:
+        """Register and start a run; a cancel or hand-over stops its prefill within one chunk."""
+        placement.stop = run.check_stop
         with self._lock:
-            self._runs[seq_id] = run
+            self._runs[run.seq_id] = run
             metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
         run.start()
-        return Admitted(run, info)
 
     def _engine(self, placement: SequencePlacement) -> tuple[Any, Engine]:
         """The round loop over a sequence's placement, with the draft budget built from the cost
@@ -164,21 +175,21 @@ class Sequences:
             p = state.params
             resumed = bool(state.tokens)  # else it died before its prefill was committed: start over
             request = GenerationRequest(
-                tuple(state.prompt_ids) + tuple(state.tokens[:-1]), p["max_new_tokens"] - max(len(state.tokens) - 1, 0),
-                SamplingParams(p["temperature"], p["top_p"], p["top_k"], state.seed, p.get("min_p", 0.0),
-                               p.get("repetition_penalty", 1.0), p.get("logprobs")),
-                tuple(p["stop_token_ids"]), p["ignore_eos"])
+                tuple(state.prompt_ids) + tuple(state.tokens[:-1]), p.max_new_tokens - max(len(state.tokens) - 1, 0),
+                SamplingParams(p.temperature, p.top_p, p.top_k, state.seed, p.min_p, p.repetition_penalty, p.logprobs),
+                p.stop_token_ids, p.ignore_eos)
             spans = RoundSpans(seq_id, None)
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
-                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier))
+                on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
+                prefill_tries=self.config.prefill_tries)
             if resumed:
-                placement.resume_from(state.prompt_ids, state.tokens, state.round)
+                placement.resume_from(state.prompt_ids, state.tokens)
                 placement.release_elsewhere(state.drafter, state.verifier)
             else:
                 placement.restart(state.drafter, state.verifier)
             _, engine = self._engine(placement)
-            if self.text_engine is not None and p.get("stop"):  # its stop strings apply here too
+            if self.text_engine is not None and p.stop:  # its stop strings apply here too
                 wrap = self.text_engine(p, tuple(state.tokens[:-1]) if resumed else ())
                 engine = wrap(engine) if wrap is not None else engine
             self.store.set_placement(seq_id, *placement.addresses())
@@ -193,18 +204,10 @@ class Sequences:
                     state.owner or "?", state.round, len(state.tokens))
         metrics.FAILOVERS.labels("coordinator", "coordinator", "takeover").inc()
 
-        def on_exit(run: SequenceRun) -> None:
-            with self._lock:
-                self._runs.pop(run.seq_id, None)
-                metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
-            placement.close()
-
-        run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, on_exit, owner=self.owner,
-                          round_base=state.round if resumed else None, on_lease_lost=placement.abandon)
-        with self._lock:
-            self._runs[seq_id] = run
-            metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
-        run.start()
+        run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, self._on_exit(placement),
+                          owner=self.owner, round_base=state.round if resumed else None,
+                          on_lease_lost=placement.abandon)
+        self._start(run, placement)
         return True
 
     def keep_leases(self) -> None:

@@ -94,7 +94,7 @@ async def create_server(address: str, config: CoordinatorConfig, coordinator: Co
     def on_redis(ok: bool) -> None:  # NOT_SERVING while Redis is unreachable
         asyncio.run_coroutine_threadsafe(rpc_server.set_serving(server, ok, [SERVICE_NAME]), loop).result(10)
 
-    coordinator.redis_watch = RedisWatch(coordinator.store, on_redis, REDIS_CHECK_S)
+    coordinator.redis_watch = RedisWatch(coordinator.store, on_redis, REDIS_CHECK_S, config.redis_ping_timeout_s)
     return server, port
 
 

@@ -50,7 +50,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
-        sequences.text_engine = lambda params, primer: self.text().stop_engine_for(params, primer)
+        sequences.text_engine = lambda p, primer: self.text().stop_engine_for(p.stop, p.skip_special_tokens, primer)
 
     def text(self) -> Text:
         """The target's tokenizer, loaded once (blocking: run it off the event loop). Without
@@ -219,7 +219,9 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         if sent > len(state.tokens):
             raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
         # the same text deltas as the Generate stream: the detokenizer replays the tokens before `sent`
-        stream = (await asyncio.to_thread(self.text)).stream_for(state.params)
+        params = state.params
+        stream = (await asyncio.to_thread(self.text)).stream_for(params.stop if params else (),
+                                                                 params.skip_special_tokens if params else True)
         stream.push(state.tokens[:sent])
         poll_s = RESUME_POLL_S
         while True:

@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.engine.engine import GenerationRequest, StepOutput
+from services.engine.engine import GenerationRequest, RoundOutput
 from services.errors import CheckpointError, InvalidRequest
 from services.rpc.errors import DownstreamError
 from services.rpc.codec import encode_logprobs
@@ -37,9 +36,11 @@ log = logging.getLogger("aerie.coordinator")
 
 
 def served_name(target: str) -> str:
-    """'/models/SmolLM2-135M-Instruct.Q8_0.gguf' -> 'SmolLM2-135M-Instruct.Q8_0'."""
-    p = Path(target.rstrip("/"))
-    return p.stem if p.suffix.lower() == ".gguf" else p.name or target
+    """'/models/SmolLM2-135M-Instruct.Q8_0.gguf' -> 'SmolLM2-135M-Instruct.Q8_0' (the rule the
+    verifier's metrics label shares: services/metrics.py `model_label`)."""
+    from services.metrics import model_label
+
+    return model_label(target)
 
 
 class TextStream:
@@ -75,8 +76,8 @@ class StopStringEngine:
     (which releases the KV on both services). Everything else is the wrapped engine's."""
 
     def __init__(self, engine: Any, make_stream, primer: tuple[int, ...] = ()) -> None:
-        """`primer`: tokens committed before this engine's first step (a take-over: every committed
-        token but the last, which its rebuilt step 0 yields), pushed first so that a stop string that
+        """`primer`: tokens committed before this engine's first round (a take-over: every committed
+        token but the last, which its rebuilt round 0 yields), pushed first so that a stop string that
         spans them and the new ones still completes."""
         self._engine = engine
         self._make_stream = make_stream
@@ -85,22 +86,23 @@ class StopStringEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
+    def generate(self, req: GenerationRequest, seq_id: str | None = None, round_base: int = 0
+                 ) -> Iterator[RoundOutput]:
         stream = self._make_stream()
         stream.push(list(self._primer))  # already checked by the coordinator that committed them
-        steps = self._engine.generate(req, seq_id)
+        rounds = self._engine.generate(req, seq_id, round_base)
         try:
-            for step in steps:
-                _text, cut = stream.push(step.tokens)
+            for out in rounds:
+                _text, cut = stream.push(out.tokens)
                 if cut is not None:
-                    yield replace(step, tokens=step.tokens[:cut + 1], finish_reason="stop",
-                                  logprobs=step.logprobs.head(cut + 1) if step.logprobs is not None else None)
+                    yield replace(out, tokens=out.tokens[:cut + 1], finish_reason="stop",
+                                  logprobs=out.logprobs.head(cut + 1) if out.logprobs is not None else None)
                     return
-                yield step
-                if step.finish_reason is not None:
+                yield out
+                if out.finish_reason is not None:
                     return
         finally:
-            steps.close()
+            rounds.close()
 
 
 class Text:
@@ -207,26 +209,28 @@ class Text:
 
     def params(self, msg: cpb.GenerateRequest) -> dict:
         """What the text path of a sequence needs after the request is gone, stored with it in Redis
-        (a take-over re-applies the stop strings; Resume streams the same text deltas):
-        {"stop": [...], "skip_special_tokens": bool}. The prompt itself is stored as token ids."""
+        (a take-over re-applies the stop strings; Resume streams the same text deltas): the
+        SequenceParams fields `stop` and `skip_special_tokens`, as keyword arguments. The prompt
+        itself is stored as token ids."""
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        return {"stop": list(self.stops(msg)), "skip_special_tokens": skip}
+        return {"stop": self.stops(msg), "skip_special_tokens": skip}
 
     def stream(self, msg: cpb.GenerateRequest) -> TextStream:
-        return self.stream_for(self.params(msg))
+        return self.stream_for(**self.params(msg))
 
-    def stream_for(self, params: dict) -> TextStream:
-        """The text deltas of a sequence from its stored `params` (older records: no stops, skip)."""
-        return TextStream(self.tokenizer, tuple(params.get("stop") or ()), params.get("skip_special_tokens", True))
+    def stream_for(self, stop: tuple[str, ...], skip_special_tokens: bool) -> TextStream:
+        """The text deltas of a sequence (from its stored SequenceParams on Resume)."""
+        return TextStream(self.tokenizer, tuple(stop), skip_special_tokens)
 
     def stop_engine(self, msg: cpb.GenerateRequest):
         """A wrapper for the sequence's Engine when the request has stop strings, else None."""
-        return self.stop_engine_for(self.params(msg))
+        return self.stop_engine_for(**self.params(msg))
 
-    def stop_engine_for(self, params: dict, primer: tuple[int, ...] = ()):
-        """`stop_engine` from stored `params` (a take-over, primed with the tokens committed before)."""
-        if not params.get("stop"):
+    def stop_engine_for(self, stop: tuple[str, ...], skip_special_tokens: bool, primer: tuple[int, ...] = ()):
+        """`stop_engine` from stored SequenceParams fields (a take-over, primed with the tokens
+        committed before)."""
+        if not stop:
             return None
         if self.tokenizer is None:
             self._need_tokenizer("stop")
-        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(params), primer)
+        return lambda engine: StopStringEngine(engine, lambda: self.stream_for(stop, skip_special_tokens), primer)

@@ -31,9 +31,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.engine.local import resolve_draft, split_draft
+from services.engine.local import DraftSpec, resolve_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
+from services.rpc.security import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
 from coordinator.redis_server import redact, start_redis, stop_process
 
 
@@ -109,12 +110,14 @@ class RedisService:
 
     role = name = "redis"
 
-    def __init__(self, directory: Path, appendfsync: str, maxmemory: str) -> None:
+    def __init__(self, directory: Path, appendfsync: str, maxmemory: str, port: int = 0) -> None:
+        """`port` 0: any free port."""
         self.directory = directory
         self.appendfsync = appendfsync
         self.maxmemory = maxmemory
         self.restarts = 0
-        self.proc, self.url = start_redis(directory, appendfsync=appendfsync, secure=True, maxmemory=maxmemory)
+        self.proc, self.url = start_redis(directory, port or None, appendfsync=appendfsync, secure=True,
+                                          maxmemory=maxmemory)
         self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
 
     @property
@@ -147,6 +150,47 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def role_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
+    --max-num-seqs (each service's --max-sequences), --kv-budget-mb (verifiers), --served-model-name
+    (coordinators)."""
+    out = []
+    if getattr(args, "log_level", None):
+        out += ["--log-level", args.log_level]
+    if getattr(args, "max_num_seqs", None) is not None:
+        out += ["--max-sequences", str(args.max_num_seqs)]
+    if role == "verifier" and getattr(args, "kv_budget_mb", None) is not None:
+        out += ["--kv-budget-mb", str(args.kv_budget_mb)]
+    if role == "coordinator" and getattr(args, "served_model_name", None):
+        out += ["--served-model-name", args.served_model_name]
+    return out
+
+
+def pinned(base: int | None, offset: int) -> int:
+    """A pinned port (`base` + offset), or 0 (any free port) when `base` is 0 or None."""
+    return base + offset if base else 0
+
+
+def api_key(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
+    """--api-key / --api-key-file / AERIE_API_KEY / VLLM_API_KEY -> the coordinators' environment
+    (AERIE_API_TOKENS_FILE: a file in `workdir`, mode 0600, identity `default`); {} when none is set."""
+    key = getattr(args, "api_key", None) or os.environ.get("AERIE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    if getattr(args, "api_key_file", None):
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+    if not key:
+        return {}
+    if any(c.isspace() for c in key) or len(key) < MIN_API_KEY_CHARS:
+        raise ConfigError(f"the API key must be at least {MIN_API_KEY_CHARS} characters without whitespace "
+                          f"(services/rpc/security.py); got {len(key)} characters")
+    path = workdir / "api-tokens"
+    path.touch(mode=0o600)
+    path.write_text(f"default {key}\n")
+    return {"AERIE_API_TOKENS_FILE": str(path)}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     for name in ("verifiers", "drafters", "coordinators"):
         if getattr(args, name) < (0 if name == "drafters" else 1):
@@ -163,36 +207,49 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url = args.redis_url
         if redis_url is None:
             redis_service = RedisService(Path(args.redis_dir) if args.redis_dir else workdir / "redis",
-                                         args.redis_appendfsync, args.redis_maxmemory)
+                                         args.redis_appendfsync, args.redis_maxmemory,
+                                         getattr(args, "redis_port", 0))
             redis_url = redis_service.url
         # the URL holds the password: it reaches the services in their environment, never their argv
         # drafters and verifiers accept only this run's coordinators: a token generated per run (or the
         # caller's AERIE_INTERNAL_TOKEN), in the environment like the Redis URL
         secret_env = {"AERIE_REDIS_URL": redis_url,
                       "AERIE_INTERNAL_TOKEN": os.environ.get("AERIE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)}
-        common = ["--host", args.host, "--metrics-port", "0"]
+        coordinator_env = {**secret_env, **api_key(args, workdir)}  # checked before any model loads
+        common = ["--host", args.host]
+        # --metrics-port BASE: coordinator i at BASE+i, then the verifiers, then the drafters; 0 = any free port
+        metrics_base = getattr(args, "metrics_port", 0)
+
+        def metrics(offset: int) -> list[str]:
+            return ["--metrics-port", str(pinned(metrics_base, offset))]
+
         model = ((["--dtype", args.dtype] if args.dtype else []) + (["--target", args.target] if args.target else [])
                  + (["--device", args.device] if getattr(args, "device", None) else []))
         # replicas register with a heartbeat (services/rpc/registry.py) in the Redis of AERIE_REDIS_URL
         draft = resolve_draft(args.draft, args.target)
         deadline = time.monotonic() + args.startup_timeout_s
         group = ["--tp", str(args.tp), "--executor", args.executor] if getattr(args, "tp", 1) > 1 else []
-        verifiers = [Service("verifier", [*common, *model, *group], workdir, args.host, i, env=secret_env)
+        verifiers = [Service("verifier", [*common, *metrics(args.coordinators + i), *model, *group,
+                                          *role_flags(args, "verifier")],
+                             workdir, args.host, i, pinned(getattr(args, "verifier_port", 0), i), env=secret_env)
                      for i in range(args.verifiers)]
         shape = [f"--tree-{name}={value}" for name, value in
                  (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
                  if value is not None]  # none given: the auto budget
         drafters = [] if draft is None else [
-            Service("drafter", [*common, *model, "--draft", draft, *shape, *draft_flags(args)],
-                    workdir, args.host, i, env=secret_env) for i in range(args.drafters)]
+            Service("drafter", [*common, *metrics(args.coordinators + args.verifiers + i), *model, "--draft", draft,
+                                *shape, *draft_flags(args), *role_flags(args, "drafter")],
+                    workdir, args.host, i, pinned(getattr(args, "drafter_port", 0), i), env=secret_env)
+            for i in range(args.drafters)]
         services += verifiers + drafters
         for s in services:
             s.wait_ready(deadline)
         pools = ["--verifiers", ",".join(v.address for v in verifiers),
                  "--drafters", ",".join(d.address for d in drafters),
-                 *(["--retrieval"] if split_draft(args.draft)[1] else [])]
-        coordinators = [Service("coordinator", [*common, *pools, "--http-port", str(args.http_port if i == 0 else 0)],
-                                workdir, args.host, i, args.port if i == 0 else 0, env=secret_env)
+                 *(["--retrieval"] if DraftSpec.parse(args.draft).retrieval else [])]
+        coordinators = [Service("coordinator", [*common, *metrics(i), *pools, *role_flags(args, "coordinator"),
+                                                "--http-port", str(args.http_port if i == 0 else 0)],
+                                workdir, args.host, i, args.port if i == 0 else 0, env=coordinator_env)
                         for i in range(args.coordinators)]
         services += coordinators
         for c in coordinators:
@@ -206,7 +263,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(s.describe(), flush=True)
         print(f"http         http://{args.host}:{json.loads(coordinators[0].port_file.read_text())['http_port']}/v1 "
               f"(OpenAI-compatible; docs/clients.md)", flush=True)
-        if args.host in ("127.0.0.1", "localhost", "::1"):
+        if "AERIE_API_TOKENS_FILE" in coordinator_env:
+            print("security     the API requires the API key as a bearer token (Authorization: Bearer KEY); "
+                  "plaintext: keep it on loopback or behind TLS (docs/security.md)", flush=True)
+        elif args.host in ("127.0.0.1", "localhost", "::1"):
             print("security     local mode: loopback only, plaintext, no API tokens; drafters/verifiers take "
                   "only this run's coordinators (a generated internal token); Redis has a password "
                   "(docs/security.md)", flush=True)

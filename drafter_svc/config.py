@@ -17,7 +17,7 @@ from services.engine.batcher import BatchLimits
 from services.rpc import registry
 from services.device import DEVICE_HELP, check_device
 from services.rpc.batch_config import add_batch_flags, batch_limits
-from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
+from services.rpc.config import DTYPE_NAMES, ConfigError, dtype_flag, ServiceConfig, add_service_flags, env, service_config
 from services.spec.tree_flags import add_tree_aliases
 
 if TYPE_CHECKING:  # the module builds `aerie drafter --help`: no torch at import
@@ -34,7 +34,7 @@ class DrafterConfig:
     dtype: str | None = None  # None = the device's default (bf16 on a GPU, fp32 on the CPU)
     device: str | None = None  # cpu | cuda | cuda:N; None = AERIE_DEVICE, else cuda when available, else cpu
     draft_vocab: int | None = None  # None = the head's default (8192 with token counts), 0 = full
-    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.engine.local.DEFAULT_DRAFT_DTYPE
+    draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.device.default_draft_dtype
     tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
     max_sequences: int = 64
 
@@ -76,7 +76,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("drafter")
     g.add_argument("--draft", default=env("AERIE_DRAFT"), help="EAGLE head directory (AERIE_DRAFT; default: the shipped head of the default model)")
     g.add_argument("--target", default=env("AERIE_TARGET"), help="target model of the head (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE"),
+    g.add_argument("--dtype", type=dtype_flag, default=env("AERIE_DTYPE"),
                    help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
     g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
     g.add_argument("--draft-vocab", type=int, default=env("AERIE_DRAFT_VOCAB", None),

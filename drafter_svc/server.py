@@ -14,7 +14,8 @@ from services.engine.local import build_local_engine, resolve_draft
 from services.errors import CheckpointError
 from services.rpc import server as rpc_server
 from services.rpc.stubs import drafter_grpc
-from services.spec.budget import AUTO_LARGEST, load_report
+from services.engine.calibration import load_report
+from services.spec.budget import AUTO_LARGEST
 from drafter_svc.config import DrafterConfig
 from drafter_svc.servicer import DrafterServicer
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from services.engine.batcher import Batcher
 from services.engine.drafter import DraftCall, Drafter
 from services.errors import InvalidRequest
-from services.spec.budget import CostCurve
+from services.spec.cost import CostCurve
 from services.spec.tree import TreeParams
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec

@@ -13,7 +13,13 @@ With API tokens (services/rpc/security.py) every route but /health and /metrics 
 checks it again and makes its identity the owner of the sequence. The gateway's own calls (GetInfo
 for /health and the model name) use a token only this process knows (identity "gateway").
 
-Each request is one Coordinator.Generate call. The first message (the prefill's) is read before the
+What one client may make the gateway hold is bounded (gateway/limits.py): the body (413, refused
+from its Content-Length before it is read), the request head (431), the messages of a chat (400) and
+the connections per client address (429).
+
+Each request is one Coordinator.Generate call; with `peers` (other coordinators: `aerie gateway
+--coordinators A,B`, a process of its own) a stream whose coordinator dies or drains goes on through
+Resume on another one (gateway/resume.py), so the HTTP client sees one unbroken answer. The first message (the prefill's) is read before the
 HTTP answer starts, so a refused request gets its real status (gateway/errors.py) and nothing is
 committed. A client that disconnects cancels the call, which cancels the sequence after its round in
 flight (its KV is released on both services).
@@ -37,15 +43,17 @@ from starlette.routing import Route
 
 from gateway.errors import error_body, from_rpc, name_param
 from gateway.extras import Extras, http_error
+from gateway.limits import BodyTooLarge, HttpLimits, read_body
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from gateway.openai_request import BadParameter, Parsed, check_limits, parse_chat, parse_completion, with_defaults
+from gateway.resume import ResumingCall
 from services.rpc.security import NONE, Security, token_identity
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 
 log = logging.getLogger("aerie.http")
-FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancel": "cancel"}
+FINISH = {"stop": "stop", "length": "length", "cancel": "cancel"}  # services.engine.engine.FinishReason
 INFO_TIMEOUT_S = 10.0
 
 
@@ -66,9 +74,17 @@ def _closed() -> JSONResponse:
 
 class Gateway:
     def __init__(self, coordinator_address: str, max_message_bytes: int = 64 * 1024 * 1024,
-                 security: Security = NONE, own_token: str | None = None) -> None:
+                 security: Security = NONE, own_token: str | None = None, limits: HttpLimits = HttpLimits(),
+                 peers: tuple[str, ...] = (), resume_s: float = 0.0) -> None:
         """`security`: the coordinator's (its API tokens, its TLS certificate / CA to reach it);
-        `own_token`: the token of the gateway's own calls (one of the coordinator's API tokens)."""
+        `own_token`: the token of the gateway's own calls (one of the coordinator's API tokens);
+        `peers`: other coordinators a broken stream Resumes on, for up to `resume_s` (0 = never: the
+        gateway inside a coordinator, which dies with it, ends a broken stream at once)."""
+        self.limits = limits
+        self.peers = peers
+        self.resume_s = resume_s
+        self.channels: list[grpc.aio.Channel] = []
+        self.stubs: list[coordinator_grpc.CoordinatorStub] = []
         self.address = coordinator_address
         self.max_message_bytes = max_message_bytes
         self.security = security
@@ -84,14 +100,16 @@ class Gateway:
         if self.security.tls:  # reach the coordinator's TLS port, checking its own certificate
             creds = grpc.ssl_channel_credentials(root_certificates=self.security.ca or self.security.cert)
             opts.append(("grpc.ssl_target_name_override", self.security.server_name or "localhost"))
-            self.channel = grpc.aio.secure_channel(self.address, creds, options=opts)
+            self.channels = [grpc.aio.secure_channel(a, creds, options=opts) for a in (self.address, *self.peers)]
         else:
-            self.channel = grpc.aio.insecure_channel(self.address, options=opts)
-        self.stub = coordinator_grpc.CoordinatorStub(self.channel)
+            self.channels = [grpc.aio.insecure_channel(a, options=opts) for a in (self.address, *self.peers)]
+        self.channel = self.channels[0]
+        self.stubs = [coordinator_grpc.CoordinatorStub(ch) for ch in self.channels]
+        self.stub = self.stubs[0]
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     def app(self) -> Starlette:
         extras = Extras(self)
@@ -112,10 +130,13 @@ class Gateway:
     async def info(self, fresh: bool = False) -> cpb.CoordinatorInfo:
         if self._info is not None and not fresh:
             return self._info
-        try:
-            info = await self.stub.GetInfo(pb.InfoRequest(), timeout=INFO_TIMEOUT_S, metadata=self._own)
-        except grpc.aio.AioRpcError as e:
-            raise HttpError(*from_rpc(e)) from None
+        for i, stub in enumerate(self.stubs):  # the first coordinator that answers (peers: any of them)
+            try:
+                info = await stub.GetInfo(pb.InfoRequest(), timeout=INFO_TIMEOUT_S, metadata=self._own)
+                break
+            except grpc.aio.AioRpcError as e:
+                if i == len(self.stubs) - 1 or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise HttpError(*from_rpc(e)) from None
         if info.verifiers_ready > 0:
             self._info = info
         return info
@@ -181,9 +202,17 @@ class Gateway:
         except HttpError as e:
             return _error(e.status, e.body)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request, self.limits.max_body_bytes))
+        except BodyTooLarge as e:  # the rest of the body is never read: the connection closes
+            return JSONResponse(error_body(str(e), "invalid_request_error", code="request_too_large"),
+                                status_code=413, headers={"connection": "close"})
         except ValueError as e:
             return _error(400, error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"))
+        messages = body.get("messages") if chat and isinstance(body, dict) else None
+        if isinstance(messages, list) and len(messages) > self.limits.max_messages:
+            return _error(400, error_body(f"messages has {len(messages)} entries; this server accepts at most "
+                                          f"{self.limits.max_messages} (AERIE_HTTP_MAX_MESSAGES)",
+                                          "invalid_request_error", "messages"))
         try:
             metadata = self._caller(request)
             parsed = parse(body)
@@ -194,7 +223,7 @@ class Gateway:
             return _error(400, error_body(str(e), "invalid_request_error", e.param))
         except HttpError as e:
             return _error(e.status, e.body)
-        call = self.stub.Generate(parsed.request, metadata=metadata)
+        call = ResumingCall(self.stubs, parsed.request, metadata, self.resume_s)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
         try:
             first = await call.read()

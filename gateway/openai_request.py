@@ -29,6 +29,7 @@ from gateway.openai_schema import MAX_COMPLETION_LOGPROBS, ChatCompletionRequest
 from services.spec.sampling import MAX_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the widths of the proto fields they fill
 _UNSET = object()
 
 
@@ -85,7 +86,7 @@ def _int(body: dict, name: str, lo: int, hi: int = 2**63 - 1) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadParameter(name, f"{name} must be an integer; got {_show(v)}")
     if not lo <= v <= hi:
-        raise BadParameter(name, f"{name} must be >= {lo}" + (f" and <= {hi}" if hi < 2**63 - 1 else "")
+        raise BadParameter(name, f"{name} must be >= {lo}" + (f" and <= {hi}" if hi != 2**63 - 1 else "")
                            + f"; got {v}")
     return v
 
@@ -205,7 +206,7 @@ def _logprobs(req: cpb.GenerateRequest, top: int | None) -> None:
 
 
 def _max_tokens(body: dict, req: cpb.GenerateRequest, names: tuple[str, ...], default: int | None) -> None:
-    given = {n: _int(body, n, 1) for n in names if body.get(n) is not None}
+    given = {n: _int(body, n, 1, INT32_MAX) for n in names if body.get(n) is not None}
     if len(set(given.values())) > 1:
         raise BadParameter(names[-1], f"{' and '.join(f'{k}={v}' for k, v in given.items())} disagree: give one")
     value = next(iter(given.values()), default)
@@ -227,8 +228,8 @@ def parse_completion(body: Any) -> Parsed:
             raise BadParameter("prompt", "prompt is an empty string: give at least one character")
         req.prompt = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise BadParameter("prompt", f"prompt token ids must be >= 0; got {_show(prompt)}")
+        if any(t < 0 or t > INT64_MAX for t in prompt):
+            raise BadParameter("prompt", f"prompt token ids must be in [0, {INT64_MAX}]; got {_show(prompt)}")
         req.prompt_ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise BadParameter("prompt", f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")

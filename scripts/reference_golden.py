@@ -554,7 +554,7 @@ def aerie_trees(spec: dict, state, lm_head_weight, rounds: list[dict], sort_path
             cand = expand(head, cache, last, params)
             tree = rerank(cand, int(rd["tokens"][-1]), params, sort_paths)
             s = torch.sort(cand.scores, descending=True).values
-            m = params.total_tokens - 1
+            m = params.size - 1
             margin = float(s[m - 1] - s[m]) if m < s.numel() else float("inf")
             out.append({"tokens": tree.tokens.tolist(), "retrieve_indices": tree.paths.tolist(),
                         "mask": mask_rows(tree.mask), "depths": tree.depths.tolist(), "cut_margin": margin})

@@ -18,7 +18,7 @@ from services.errors import InvalidRequest
 DEVICE_ENV = "AERIE_DEVICE"
 _NAME = re.compile(r"^(cpu|cuda(:\d+)?)$")
 DEVICE_HELP = ("cpu, cuda or cuda:N (AERIE_DEVICE; default: cuda when a GPU is visible, else cpu). "
-               "--device cuda is implemented but untested on GPU hardware (README)")
+               "on CUDA: paged KV, CUDA graphs, fused stages; tested on an H100 (docs/gpu.md)")
 
 
 def check_device(name: str) -> str:
@@ -55,13 +55,14 @@ def is_gpu(device: str) -> bool:
 
 def default_dtype(device: str) -> str:
     """bf16 on a GPU (its tensor cores' native format), fp32 on the CPU (token-exact against
-    transformers, and bf16 is no faster on this CPU: README "Cheaper rounds")."""
+    transformers, and bf16 is no faster on this CPU: docs/design.md "Cheaper rounds")."""
     return "bf16" if is_gpu(device) else "fp32"
 
 
 def default_draft_dtype(device: str) -> str:
-    """int8 dynamic linears on the CPU (the cheapest draft step there); torch's dynamic int8 kernels
-    are CPU-only, so bf16 on a GPU."""
+    """The draft head's precision when none is asked for: int8 dynamic linears on the CPU (docs/design.md
+    "Cheaper rounds": a draft step ~4x cheaper on this CPU at the same agreement); torch's dynamic
+    int8 kernels are CPU-only, so bf16 on a GPU."""
     return "bf16" if is_gpu(device) else "int8"
 
 

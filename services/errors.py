@@ -17,6 +17,15 @@ class CheckpointError(AerieError):
     """A model or draft-head checkpoint is missing, malformed or unsupported."""
 
 
+class ModelUnavailable(CheckpointError):
+    """A model or draft head that cannot be had: a path that does not exist, a Hugging Face Hub id
+    neither in the local cache nor downloadable (offline, unknown, gated)."""
+
+
+class Unreachable(AerieError):
+    """A server that does not answer: connection refused, a timeout, no route (the CLI's exit code 4)."""
+
+
 class IncompatibleHead(CheckpointError):
     """A draft head that does not fit the target (hidden size, vocabulary, feature taps)."""
 

@@ -4,7 +4,8 @@ Every metric carries a `service` label (coordinator | drafter | verifier), so pr
 registry (tests running all three in one process) stay distinguishable. Latencies are seconds.
 
     aerie_round_seconds{service}            one draft -> verify -> commit round (coordinator)
-    aerie_accept_length{service}            tokens a round produced: accepted drafts + bonus (coordinator)
+    aerie_accept_length{service}            accept_length: tokens a round committed, accepted drafts + bonus
+                                            (m + 1; services/spec/verify.py) (coordinator)
     aerie_draft_seconds{service}            growing a tree (coordinator: the RPC; drafter: the work)
     aerie_verify_seconds{service}           verifying a tree / decoding (coordinator: RPC; verifier: work)
     aerie_prefill_seconds{service}          the prompt forward
@@ -13,7 +14,9 @@ registry (tests running all three in one process) stay distinguishable. Latencie
     aerie_sequences_in_flight{service}      sequences running (coordinator) or holding KV (drafter, verifier)
     aerie_requests_failed_total{service,code}  calls that ended with an error status
     aerie_redis_up{service}                 1 while the coordinator reaches Redis, else 0 (health follows it)
-    aerie_budget_nodes{service}             nodes per round the budget chose, 1 = plain step (coordinator)
+    aerie_tree_size{service}                tree size (nodes, root included) the budget chose per round, 1 =
+                                            a plain step (coordinator); aerie_budget_nodes: its old name,
+                                            deprecated, still exported for one release
     aerie_batch_size{service}               calls gathered into one forward (drafter, verifier)
     aerie_batch_rows{service}               rows of one forward (drafter, verifier)
     aerie_batch_queue{service}              calls still waiting when a batch started (drafter, verifier)
@@ -36,6 +39,13 @@ labelled with `model_name`:
     aerie:e2e_request_latency_seconds                  request arrival -> last message
     aerie:num_requests_running / _waiting              admitted and streaming / arrived, not yet admitted
     aerie:prompt_tokens_total, aerie:generation_tokens_total, aerie:request_success_total{finished_reason}
+    aerie:request_queue_time_seconds                   arrival -> admitted (tokenized, placed, created in Redis)
+    aerie:request_prefill_time_seconds                 admitted -> first committed token
+    aerie:request_decode_time_seconds                  first -> last committed token
+    aerie:request_prompt_tokens                        prompt length per request (histogram)
+    aerie:request_generation_tokens                    output length per request (histogram)
+    aerie:kv_cache_usage_perc                          verifier: KV rows held / its KV budget, 0..1 (vLLM's
+                                                       name and unit; not exported without a budget)
 """
 
 from __future__ import annotations
@@ -63,14 +73,18 @@ BATCH_SIZE = Histogram("aerie_batch_size", "Calls gathered into one forward (con
                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 BATCH_ROWS = Histogram("aerie_batch_rows", "Rows (prompt tokens, tree nodes, decode tokens) of one forward",
                        ["service"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
-BUDGET_NODES = Histogram("aerie_budget_nodes", "Nodes the draft budget chose to verify per round (1 = a plain "
-                         "decode step; with batching: sized for the whole batch)", ["service"],
+TREE_SIZE = Histogram("aerie_tree_size", "Tree size (nodes, root included) the draft budget chose to verify per "
+                      "round (1 = a plain decode step; with batching: sized for the whole batch)", ["service"],
+                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+BUDGET_NODES = Histogram("aerie_budget_nodes", "DEPRECATED (removed next release): aerie_tree_size", ["service"],
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 DETACHED_ROUNDS = Counter("aerie_detached_rounds", "Plain steps with the drafter detached (Decode keeping the "
                           "features on the verifier: no draft call, no features sent)", ["service"])
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
 FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
                     ["service", "role", "reason"])
+PREFILL_CHUNK_TIMEOUTS = Counter("aerie_prefill_chunk_timeouts", "Prefill chunks that missed their deadline "
+                                 "(each is sent again, up to AERIE_PREFILL_TRIES times)", ["service"])
 REDIS_UP = Gauge("aerie_redis_up", "1 while the coordinator reaches Redis (its health is SERVING), else 0",
                  ["service"])
 REQUESTS_FAILED = Counter("aerie_requests_failed", "Calls that ended with an error status", ["service", "code"])
@@ -101,6 +115,28 @@ REQUESTS_WAITING = Gauge("aerie:num_requests_waiting", "Requests arrived and not
 PROMPT_TOKENS = Counter("aerie:prompt_tokens", "Prompt tokens of admitted requests", _MODEL)
 GENERATION_TOKENS = Counter("aerie:generation_tokens", "Output tokens streamed", _MODEL)
 REQUEST_SUCCESS = Counter("aerie:request_success", "Requests that finished, by finish reason", _MODEL + ["finished_reason"])
+QUEUE_TIME = Histogram("aerie:request_queue_time_seconds", "Request arrival to its admission (tokenized, placed, "
+                       "created in Redis)", _MODEL, buckets=_REQUEST_LATENCY)
+PREFILL_TIME = Histogram("aerie:request_prefill_time_seconds", "Admission to the first committed token", _MODEL,
+                         buckets=_REQUEST_LATENCY)
+DECODE_TIME = Histogram("aerie:request_decode_time_seconds", "The first to the last committed token", _MODEL,
+                        buckets=_REQUEST_LATENCY)
+_LENGTHS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+PROMPT_LENGTH = Histogram("aerie:request_prompt_tokens", "Prompt tokens per admitted request", _MODEL,
+                          buckets=_LENGTHS)
+GENERATION_LENGTH = Histogram("aerie:request_generation_tokens", "Output tokens per finished request", _MODEL,
+                              buckets=_LENGTHS)
+KV_CACHE_USAGE = Gauge("aerie:kv_cache_usage_perc", "Verifier KV rows held over its KV budget (0..1)", _MODEL)
+
+
+def model_label(target: str) -> str:
+    """A target path as the `model_name` label of a process that does not know the served name (the
+    verifier): '/m/SmolLM2.Q8_0.gguf' -> 'SmolLM2.Q8_0', '/m/Llama/' -> 'Llama' (coordinator/text.py
+    `served_name`'s rule, which is the coordinator's label unless --served-model-name is set)."""
+    from pathlib import Path
+
+    p = Path(target.rstrip("/"))
+    return p.stem if p.suffix.lower() == ".gguf" else p.name or target
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):

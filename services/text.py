@@ -32,8 +32,10 @@ def load_tokenizer(target: str | None) -> Any | None:
     or None when a directory ships no tokenizer files. Never reads the weights."""
     from services.model import loading
 
+    from services.model.hub import resolve_model
+
     source = target or loading.find_default_gguf()
-    path = Path(source).expanduser()
+    path = Path(resolve_model(source)).expanduser()  # a Hub id -> its cached snapshot
     if path.is_dir():
         return loading.load_tokenizer(path)
     if not (path.is_file() and path.suffix.lower() == ".gguf"):

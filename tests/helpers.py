@@ -91,6 +91,43 @@ def distill_head(target, kind: str, seed: int = 0, steps: int = 150, draft_vocab
     return head.eval().requires_grad_(False)
 
 
+def reference_golden():
+    """scripts/reference_golden.py as a module (seeded weights that are the same bits on every CPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "reference_golden.py"
+    spec = importlib.util.spec_from_file_location("reference_golden", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def seeded_pair(dtype: torch.dtype = torch.float32):
+    """(native target, EAGLE-2 head) of scripts/reference_golden.py's greedy case: a peaked 3-layer
+    Llama and a pass-through head, every weight drawn in float64 from seeded uniform draws and
+    rounded to float32, so the bits are the same on every CPU (unlike `tiny_hf` + `distill_head`,
+    whose initialisation and 150 training steps go through the CPU's kernels). Check
+    `reference_golden().greedy_case_digest(GREEDY_CASE)` before pinning anything on it."""
+    from services.model.config import ModelConfig
+    from services.model.eagle_head import build_head
+    from services.model.head_checkpoint import head_config_from_dict
+    from services.model.target import TargetModel
+
+    rg = reference_golden()
+    case = rg.GREEDY_CASE
+    tstate = rg.target_state(case["target"])
+    target = TargetModel(ModelConfig.from_hf_dict(rg.target_config_dict(case["target"])))
+    target.load_state_dict(tstate, strict=True)
+    target = target.to(dtype).eval().requires_grad_(False)
+    hstate = rg.greedy_head_state(case)
+    # the published head has no embed_tokens.weight: loaders copy the target's (reference: load_emb)
+    hstate["embed_tokens.weight"] = tstate["model.embed_tokens.weight"]
+    head = build_head(head_config_from_dict(rg.greedy_head_config_dict(case), hstate), target.lm_head)
+    head.load_state_dict(hstate, strict=True)
+    return target, head.to(dtype).eval().requires_grad_(False)
+
+
 def save_tiny_tokenizer(path, eos: str = "t2") -> None:
     """A word-level tokenizer over the tiny vocabulary ("t0" .. "t127", whitespace-separated), so
     commands that need text (train-draft, bench) run on the tiny targets."""

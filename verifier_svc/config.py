@@ -21,7 +21,7 @@ from services.device import DEVICE_HELP, check_device
 from services.rpc.batch_config import add_batch_flags, batch_limits
 
 MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's own bound (no torch import here)
-from services.rpc.config import DTYPE_NAMES, ConfigError, ServiceConfig, add_service_flags, env, service_config
+from services.rpc.config import DTYPE_NAMES, ConfigError, dtype_flag, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
 
@@ -92,7 +92,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("verifier")
     g.add_argument("--target", default=env("AERIE_TARGET"),
                    help="target model: HF directory or .gguf (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=DTYPE_NAMES, default=env("AERIE_DTYPE"),
+    g.add_argument("--dtype", type=dtype_flag, default=env("AERIE_DTYPE"),
                    help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
     g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
     g.add_argument("--tp", type=int, default=env("AERIE_TP_SIZE", 1),

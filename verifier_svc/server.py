@@ -13,7 +13,7 @@ import grpc
 
 from services.device import check_device, default_dtype, resolve_device
 from services.engine.local import build_local_engine
-from services.spec.budget import target_costs
+from services.engine.calibration import target_costs
 from services.rpc import server as rpc_server
 from services.rpc.stubs import verifier_grpc
 from verifier_svc.config import VerifierConfig

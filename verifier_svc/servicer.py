@@ -9,6 +9,12 @@ sequence's drafter decides which features it needs (hidden / taps / none, given 
 
 Verify and Decode are idempotent per (sequence, round): the latest round's response is kept and a
 repeated call (a retry after UNAVAILABLE) returns it instead of running the round twice.
+
+A prefill comes whole (one call; --prefill-chunk splits it into forwards here) or, from a coordinator,
+chunk by chunk (`offset`, `more`: each chunk its own call and deadline, see proto/aerie/v1/verifier.proto).
+A chunk call that fails leaves the rows prefilled so far in place, so the caller resumes from them;
+the latest chunk's answer is kept until the sequence's first Verify or Decode, so a chunk sent again
+after its deadline (it ran meanwhile) is answered from it instead of running twice.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -25,8 +32,10 @@ from services.engine.batcher import Batcher
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
+from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
-from services.model.runner import ModelRunner
+from services.model.kv_pool import KVPool
+from services.model.runner import ModelRunner, pool_for
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
@@ -35,12 +44,34 @@ from services.rpc.server import batch_observer, timed
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
-from services.spec.budget import CostCurve
+from services.spec.cost import CostCurve
 from verifier_svc.config import VerifierConfig
 
 log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
+
+
+@dataclass(frozen=True, slots=True)
+class FirstChunk(PrefillCall):
+    """The first chunk of a prefill that the caller sends chunk by chunk (more=True)."""
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NextChunk(PrefillMoreCall):
+    """A later chunk of a prefill that the caller sends chunk by chunk: prompt rows [offset, offset + rows)."""
+    offset: int = 0
+
+
+ChunkCall = FirstChunk | NextChunk
+
+
+class ChunkAnswer(NamedTuple):
+    """A chunk's answer, stored for the chunk sent again: the verifier's result and, for the last
+    chunk of a sequence that asks for them, the first token's logprobs (else None)."""
+    result: PrefillResult
+    logprobs: pb.TokenLogprobs | None
 
 
 class VerifierServicer(verifier_grpc.VerifierServicer):
@@ -61,15 +92,24 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
         self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
+        if runner is None and target.device.type == "cuda":
+            # the paged arena is allocated once, at start: size it by the KV budget itself
+            budget = kv_budget_rows(config, KVPool.for_model(target).bytes_per_row, str(target.device))
+            runner = ModelRunner(target, pool_for(target, budget))
         self.runner = runner if runner is not None else ModelRunner(target)
         pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
         if pool is not None:
             pool.max_rows = kv_budget_rows(config, pool.bytes_per_row, str(target.device))
+            if pool.max_rows:  # KV usage for dashboards and autoscalers (vLLM's kv_cache_usage_perc)
+                metrics.KV_CACHE_USAGE.labels(metrics.model_label(target_path)).set_function(
+                    lambda: pool.rows_allocated / pool.max_rows)
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
+        # sequence id -> (offset, rows prefilled after it, answer) of its latest chunk, for a chunk sent again
+        self._chunks: dict[str, tuple[int, int, ChunkAnswer]] = {}
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
                                               on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind))
@@ -94,21 +134,34 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     @rpc_errors
     async def Prefill(self, request: vpb.VerifierPrefillRequest, context):
         seq_id = codec.sequence_id(request.sequence_id)
-        n = len(request.prompt_ids)
+        n, offset, more = len(request.prompt_ids), request.offset, request.more
         if n == 0:
             raise InvalidRequest("prompt is empty: give at least one token")
-        if n > self.config.max_prompt_tokens and not request.rebuild:
-            raise CapacityExceeded(f"prompt has {n} tokens; this verifier accepts at most "
+        total = request.prompt_tokens or offset + n  # the whole prompt's rows
+        if offset < 0 or offset + n > total or more != (offset + n < total):
+            raise InvalidRequest(f"a chunk of {n} tokens at offset {offset} (more={more}) does not fit a "
+                                 f"{total}-token prompt (prompt_tokens)")
+        if total > self.config.max_prompt_tokens and not request.rebuild:
+            raise CapacityExceeded(f"prompt has {total} tokens; this verifier accepts at most "
                                    f"{self.config.max_prompt_tokens} (AERIE_MAX_PROMPT_TOKENS)")
         prompt = torch.tensor(codec.token_ids(request.prompt_ids, self.vocab_size, "prompt"), dtype=torch.long)
         sampling = codec.decode_sampling(request.sampling)
         kind = codec.feature_kind(request.feature_kind)
-        if not n < request.capacity <= self.max_capacity:
-            raise InvalidRequest(f"capacity must be in [{n + 1}, {self.max_capacity}] for a {n}-token prompt "
+        if not total < request.capacity <= self.max_capacity:
+            raise InvalidRequest(f"capacity must be in [{total + 1}, {self.max_capacity}] for a {total}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
-        result = await timed(PREFILL_SECONDS.labels(SERVICE), self._prefill(
-            PrefillCall(seq_id, prompt, sampling, request.capacity, kind)))
-        logprobs = codec.encode_logprobs(self.verifier.take_logprobs(seq_id))  # None unless asked for
+        if offset == 0 and not more:
+            work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind))
+        elif offset == 0:
+            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True))
+        else:
+            work = self.batcher.call_async(NextChunk(seq_id, prompt, last=not more, offset=offset))
+        answer = await timed(PREFILL_SECONDS.labels(SERVICE), work)
+        if isinstance(answer, ChunkAnswer):  # a chunk of the caller's: its logprobs came with it
+            result, logprobs = answer
+        else:
+            result = answer
+            logprobs = codec.encode_logprobs(self.verifier.take_logprobs(seq_id))  # None unless asked for
         for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk,
                                               logprobs=logprobs if i == 0 else None)
@@ -187,7 +240,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         info = vpb.VerifierInfo(target=self.target_path, dtype=codec.dtype_name(self.target.dtype),
                                 vocab_size=cfg.vocab_size, max_context=cfg.max_context,
                                 eos_token_ids=list(self.eos_token_ids), max_sequences=self.config.max_sequences,
-                                num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens)
+                                num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens,
+                                prefill_chunk=self.config.prefill_chunk)
         if self.verify_cost is not None:
             info.verify_cost.CopyFrom(codec.encode_cost(self.verify_cost))
         return info
@@ -202,6 +256,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         admitted = 0
         for i, call in enumerate(calls):
             try:
+                if isinstance(call, (FirstChunk, NextChunk)):
+                    replay = self._chunk_replay(call)
+                    if replay is not None:
+                        results[i] = replay
+                        continue
                 if isinstance(call, PrefillCall):
                     if call.seq_id in self._kind:
                         raise InvalidRequest(f"sequence {call.seq_id!r} already exists on this verifier")
@@ -226,12 +285,20 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         return results
 
     def _respond(self, call: Call, out):
+        if isinstance(call, (FirstChunk, NextChunk)):
+            # the last chunk's answer (first_token >= 0) carries the first token's logprobs, kept
+            # with it so that the chunk sent again gets them too
+            logprobs = (codec.encode_logprobs(self.verifier.take_logprobs(call.seq_id))
+                        if out.first_token >= 0 else None)
+            answer = ChunkAnswer(out, logprobs)
+            self._chunks[call.seq_id] = (call.offset, call.offset + call.rows, answer)
+            if isinstance(call, FirstChunk):
+                self._admitted(call)
+            return answer
         if isinstance(call, PrefillMoreCall):
             return out
         if isinstance(call, PrefillCall):
-            self._kind[call.seq_id] = call.feature_kind
-            self.idle.touch(call.seq_id)
-            SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
+            self._admitted(call)
             return out
         logprobs = codec.encode_logprobs(self.verifier.take_logprobs(call.seq_id))  # None unless asked for
         if isinstance(call, VerifyCall):
@@ -240,12 +307,19 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 response.logprobs.CopyFrom(logprobs)
         else:
             response = vpb.DecodeResponse(token=out, logprobs=logprobs)
+        self._chunks.pop(call.seq_id, None)  # the caller has the whole prefill's answer
         self._last[call.seq_id] = (call.round_index, response)
         return response
+
+    def _admitted(self, call: PrefillCall) -> None:
+        self._kind[call.seq_id] = call.feature_kind
+        self.idle.touch(call.seq_id)
+        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
 
     def _release(self, seq_id: str) -> bool:
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
+        self._chunks.pop(seq_id, None)
         self.idle.forget(seq_id)
         self.verifier.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
@@ -255,6 +329,21 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if seq_id not in self._kind:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier")
         self.idle.touch(seq_id)
+
+    def _chunk_replay(self, call: ChunkCall) -> ChunkAnswer | None:
+        """The stored answer when `call` is the latest chunk again (it ran after its caller's
+        deadline); None when it is the next chunk to run; InvalidRequest for any other offset."""
+        done = self._chunks.get(call.seq_id)
+        if done is not None and done[0] == call.offset and done[1] == call.offset + call.rows:
+            self.idle.touch(call.seq_id)
+            return done[2]
+        if isinstance(call, NextChunk):
+            self._check(call.seq_id)
+            if done is None or done[1] != call.offset:
+                held = f"{done[1]} prefilled rows" if done is not None else "no prefill in progress"
+                raise InvalidRequest(f"sequence {call.seq_id!r} holds {held} here; a chunk at offset "
+                                     f"{call.offset} cannot follow")
+        return None
 
     def _replay(self, seq_id: str, round_index: int):
         """The stored response when `round_index` is the latest round again; None for a new round."""

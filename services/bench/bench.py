@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.engine import Engine, GenerationRequest, StepOutput
+from services.engine.engine import Engine, GenerationRequest, RoundOutput
 from services.errors import InvalidRequest
 
 
@@ -198,7 +198,7 @@ def run_engine(engine: Engine, prompt: Prompt, max_new_tokens: int) -> Run:
     return run_steps(lambda: engine.generate(GenerationRequest(prompt.ids, max_new_tokens)))
 
 
-def run_steps(start: Callable[[], Iterator[StepOutput]]) -> Run:
+def run_steps(start: Callable[[], Iterator[RoundOutput]]) -> Run:
     """Time a stream of StepOutputs: total wall time, and per round the draft / verify split."""
     run = Run(tokens=[], seconds=0.0)
     t0 = time.perf_counter()

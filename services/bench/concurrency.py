@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from services.engine.engine import StepOutput
+from services.engine.engine import RoundOutput
 
 
 @dataclass(slots=True)
@@ -41,7 +41,7 @@ class LevelRun:
     errors: list[str]
 
 
-def time_stream(steps: Iterator[StepOutput]) -> SequenceTimes:
+def time_stream(steps: Iterator[RoundOutput]) -> SequenceTimes:
     out = SequenceTimes(start=time.perf_counter())
     last = None
     for step in steps:
@@ -59,7 +59,7 @@ def time_stream(steps: Iterator[StepOutput]) -> SequenceTimes:
     return out
 
 
-def run_level(starts: list[Callable[[], Iterator[StepOutput]]]) -> LevelRun:
+def run_level(starts: list[Callable[[], Iterator[RoundOutput]]]) -> LevelRun:
     """Run every `starts[i]()` stream in its own thread, all released together."""
     results: list[SequenceTimes | None] = [None] * len(starts)
     errors: list[str] = []

@@ -6,7 +6,7 @@ The same measurement both ways (services/dist/proxy.py `calibrate_runner`: a tre
 over `rows` chain nodes after a 128-token prefix, the best of `repeats`): TP=1 on a local
 ModelRunner, TP=N through a local group's proxy, so the broadcast of each call and the all-reduces
 are in the number, as they are in every served round. On CPU cores shared by the ranks this shows
-the cost of the communication, not a GPU's gain (README "Tensor parallelism").
+the cost of the communication, not a GPU's gain (docs/benchmarks.md "Tensor parallelism on a CPU").
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def calibrate_runner(runner, vocab: int, rows=None, prefix: int = 128, repeats: 
     broadcasts are in the measurement, as they are in every served round): a tree-attention forward
     over `rows` chain nodes after `prefix` tokens, the tree dropped after each."""
     from services.model.step import StepEntry
-    from services.spec.budget import VERIFY_ROWS, time_calls
+    from services.engine.calibration import VERIFY_ROWS, time_calls
 
     rows = tuple(rows or VERIFY_ROWS)
     slot = runner.allocate(prefix + max(rows))
@@ -213,9 +213,10 @@ def calibrate_runner(runner, vocab: int, rows=None, prefix: int = 128, repeats: 
 
 
 def group_costs(proxy: GroupRunner, model_id: str, recalibrate: bool = False):
-    """The group's t_verify curve, cached like services/spec/budget.py `target_costs` (keyed by the
+    """The group's t_verify curve, cached like services/engine/calibration.py `target_costs` (keyed by the
     group size too)."""
-    from services.spec.budget import CostCurve, cached, cost_key
+    from services.engine.calibration import cached, cost_key
+    from services.spec.cost import CostCurve
 
     target = proxy.target
     key = cost_key("verify", f"{model_id}|tp={proxy.world}", target.device, target.dtype)

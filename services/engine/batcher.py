@@ -80,12 +80,15 @@ class Batcher(Generic[C]):
     def __init__(self, name: str, run_batch: Callable[[list[C]], list[Any]], rows: Callable[[C], int],
                  key: Callable[[C], Hashable], limits: BatchLimits = BatchLimits(),
                  on_batch: Callable[[BatchStats], None] | None = None,
-                 expect: Callable[[], int] | None = None) -> None:
+                 expect: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`expect`: how many calls the next batch could hold (the sequences holding state here);
-        None = never wait for more calls."""
+        None = never wait for more calls. `clock`: seconds, for a batch's run time and the gathering
+        deadline (tests pass a manual clock, so what they assert does not follow the machine's
+        speed); the queue's admission deadline is always real time."""
         self.name = name
         self.limits = limits
         self._expect = expect
+        self._clock = clock
         self._last_s = 0.0  # the last batch's run time
         self._run_batch, self._rows, self._key, self._on_batch = run_batch, rows, key, on_batch
         self._queue: deque[_Item] = deque()
@@ -206,15 +209,17 @@ class Batcher(Generic[C]):
         function is queued, or min(max_wait_s, half the last batch's run time) has passed.
         Sequences driven from elsewhere (a coordinator's round trip between two calls) would
         otherwise fall out of step, each forward serving one of them in turn."""
+        expect = self._expect
+        assert expect is not None  # _take gathers only with an `expect`
         limit = min(self.limits.max_wait_s, 0.5 * self._last_s)
         if limit <= 0:
             return
-        deadline = time.monotonic() + limit
+        deadline = self._clock() + limit
         while not self._closed:
-            target = min(self._expect(), self.limits.max_batch)
+            target = min(expect(), self.limits.max_batch)
             if self._calls_waiting >= target or any(i.fn is not None for i in self._queue):
                 return
-            left = deadline - time.monotonic()
+            left = deadline - self._clock()
             if left <= 0:
                 return
             self._cond.wait(left)
@@ -227,14 +232,15 @@ class Batcher(Generic[C]):
             live = [item for item in batch if item.future.set_running_or_notify_cancel()]
             if not live:
                 continue
-            if live[0].fn is not None:
+            fn = live[0].fn
+            if fn is not None:
                 item = live[0]
                 try:
-                    item.future.set_result(item.fn(*item.args))
+                    item.future.set_result(fn(*item.args))
                 except BaseException as e:  # noqa: BLE001 (handed to the caller)
                     item.future.set_exception(e)
                 continue
-            t0 = time.perf_counter()
+            t0 = self._clock()
             self.batches += 1
             self.largest_batch = max(self.largest_batch, len(live))
             try:
@@ -244,7 +250,7 @@ class Batcher(Generic[C]):
                 for item in live:
                     item.future.set_exception(e)
                 continue
-            self._last_s = time.perf_counter() - t0
+            self._last_s = self._clock() - t0
             if self._on_batch is not None:  # before the results: a caller that reads the metrics after
                 #                             its call returns sees its batch counted
                 try:
@@ -252,7 +258,7 @@ class Batcher(Generic[C]):
                                               self._last_s))
                 except Exception:  # noqa: BLE001 (a metrics hook never withholds the results)
                     pass
-            for item, result in zip(live, results):
+            for item, result in zip(live, results, strict=True):
                 if isinstance(result, BaseException):
                     item.future.set_exception(result)
                 else:

@@ -5,18 +5,28 @@ level for all of them (the drafter service gathers concurrent calls into it).
 
 The in-process implementation of the drafter role; the drafter service wraps this class unchanged.
 It does not know the target model, sampling or stop rules.
+
+On CUDA the draft KV of every sequence lives in one paged arena (services/model/paged_kv.py), and a
+single sequence's expansion with a fixed shape is replayed from a CUDA graph
+(services/engine/draft_graphs.py; AERIE_CUDA_GRAPHS=0: the same static code eagerly); extension and
+everything else run the eager code over the same pages. On the CPU: contiguous caches, eager, as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.errors import AerieError, CapacityExceeded, InvalidRequest, SequenceNotFound
+from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVCache
-from services.spec.tree import DraftTree, TreeParams, grow_trees
+from services.model.paged_kv import PagedCache, PagedKVPool
+from services.spec.tree import DraftTree, TreeParams, extend_many, grow_trees, rerank
+
+if TYPE_CHECKING:
+    from services.engine.roles import FeatureKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +48,24 @@ class Drafter:
         self.head = head
         self.tree = tree
         self.max_sequences = max_sequences
-        self._caches: dict[str, KVCache] = {}
+        self._caches: dict[str, KVCache | PagedCache] = {}
+        self._slots: dict[str, int] = {}  # paged: the sequence's slot in `pool`
         self._sort_paths: dict[str, bool] = {}
+        self.pool: PagedKVPool | None = None
+        self.graphs = None
+        if head.device.type == "cuda":
+            from services.engine.draft_graphs import DraftGraphs
+            from services.model.runner import graphs_default
+
+            c = head.config
+            per_row = 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=head.dtype).element_size()
+            free = torch.cuda.mem_get_info(head.device)[0]
+            rows = max(4096, min(max_sequences * 8192, int(free * 0.1) // per_row))
+            self.pool = PagedKVPool(1, c.num_kv_heads, c.head_dim, rows, head.dtype, head.device)
+            self.graphs = DraftGraphs(head, self.pool, graphs=graphs_default(head.device))
 
     @property
-    def feature_kind(self) -> str:
+    def feature_kind(self) -> FeatureKind:
         return self.head.feature_kind
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
@@ -51,15 +74,24 @@ class Drafter:
             raise InvalidRequest(f"sequence {seq_id!r} already exists on this drafter")
         if len(self._caches) >= self.max_sequences:
             raise CapacityExceeded(f"drafter holds its maximum of {self.max_sequences} sequences")
-        self._caches[seq_id] = self.head.new_cache(max_rows + self.tree.draft_rows)
+        rows = max_rows + self.tree.draft_rows
+        cache: KVCache | PagedCache | None = None
+        if self.pool is not None:
+            try:
+                slot = self.pool.allocate(rows)
+                self._slots[seq_id] = slot
+                cache = self.pool.cache(slot)  # type: ignore[assignment]
+            except KVBudgetExceeded:  # the arena is full: a contiguous cache of its own, eager drafts
+                cache = None
+        self._caches[seq_id] = cache if cache is not None else self.head.new_cache(rows)
         self._sort_paths[seq_id] = sampling
 
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
             raise InvalidRequest(
-                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.total_tokens} exceeds "
+                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.size} exceeds "
                 f"this drafter's largest shape top_k={self.tree.top_k}, depth={self.tree.depth}, "
-                f"tokens={self.tree.total_tokens} (its draft KV is sized for that)")
+                f"tokens={self.tree.size} (its draft KV is sized for that)")
         if params.top_k > self.head.config.draft_vocab:
             raise InvalidRequest(
                 f"tree_top_k={params.top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab})")
@@ -104,7 +136,10 @@ class Drafter:
             seen.add(call.seq_id)
             valid.append(i)
             shapes.append(params)
-        if valid:
+        if len(valid) == 1 and self._static(calls[valid[0]].seq_id, shapes[0]):
+            call = calls[valid[0]]
+            results[valid[0]] = self._draft_static(call, shapes[0])
+        elif valid:
             dev = self.head.device
             trees = grow_trees(self.head, [self._caches[calls[i].seq_id] for i in valid],
                                [calls[i].features.to(dev) for i in valid], [calls[i].tokens.to(dev) for i in valid],
@@ -113,9 +148,25 @@ class Drafter:
                 results[i] = tree
         return results  # type: ignore[return-value]
 
+    def _static(self, seq_id: str, params: TreeParams) -> bool:
+        """The graph-replayed expansion applies: CUDA, a paged cache, a fixed shape (no dynamic depth)."""
+        cache = self._caches[seq_id]
+        return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
+                and params.stop_logprob == float("-inf") and self.graphs.keys_for(cache, params) is not None)
+
+    def _draft_static(self, call: DraftCall, params: TreeParams) -> DraftTree:
+        dev = self.head.device
+        cache = self._caches[call.seq_id]
+        last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
+        cand = self.graphs.expand(cache, last, params, self.graphs.keys_for(cache, params))
+        return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
+
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
         self._sort_paths.pop(seq_id, None)
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None and self.pool is not None:
+            self.pool.release(slot)
 
     def _cache(self, seq_id: str) -> KVCache:
         try:

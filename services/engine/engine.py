@@ -5,7 +5,7 @@
     verify   the verifier checks the tree in one forward, accepts a path, draws the bonus
     commit   the accepted tokens and the bonus are emitted; stop rules truncate
 
-`Engine` talks to a `Drafter` and a `Verifier` through their methods only, so the coordinator can
+`Engine` talks to a drafter and a verifier through their roles only (services/engine/roles.py), so the coordinator can
 drive gRPC clients with the same loop. With no drafter and no retrieval it runs plain
 autoregressive decoding through the same target code: the baseline. It does not tokenize or format
 prompts.
@@ -34,20 +34,24 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
-from services.engine.drafter import Drafter
-from services.engine.verifier import Verifier
+from services.engine.roles import DrafterRole, VerifierRole
 from services.errors import InvalidRequest
-from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, observe,
-                                  observe_realized)
-from services.spec.sam import SuffixIndex
+from services.spec.acceptance import AcceptanceStats, observe, observe_realized
+from services.spec.budget import Budget, RoundPlan, build_budget
 from services.spec.logprobs import TokenLogprobs
+from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
 
 _seq_counter = itertools.count()
+
+# Why a sequence finished: a stop token (an EOS too) or, in the coordinator, a stop string; its
+# max_new_tokens; a cancel (the coordinator). The same strings reach clients (gRPC, HTTP).
+FinishReason = Literal["stop", "length", "cancel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +66,10 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class RoundStats:
     index: int  # 0 = prefill
-    accept_length: int  # tokens this target forward produced (accepted drafts + bonus); 1 for prefill
+    accept_length: int  # m + 1: tokens this round committed (accepted drafts + bonus); 1 for prefill
     tree_size: int  # nodes verified, root included (0 for prefill / plain decode)
-    tree_depth: int  # deepest node verified
+    tree_depth: int  # the deepest verified node's depth (root 0): a full tree of TreeParams.depth d
+    #                  (expansion steps) reaches d + 1
     draft_s: float  # time growing the tree that this round verified
     verify_s: float  # time in the verifier (target forward + acceptance + KV compaction)
     chain: int = 0  # retrieved chain tokens in the tree (shared with EAGLE nodes or not)
@@ -74,17 +79,23 @@ class RoundStats:
     chain_accepted: int = 0  # of the retrieved chain tokens, accepted this round
     eagle_nodes: int = 0  # draft-head nodes in the tree, root excluded (0 = the head drafted nothing)
 
+    @property
+    def accepted(self) -> int:
+        """m: the draft tokens accepted this round (accept_length - 1; 0 for the prefill)."""
+        return max(self.accept_length - 1, 0)
+
 
 @dataclass(frozen=True, slots=True)
-class StepOutput:
+class RoundOutput:
+    """What `Engine.generate` yields per round (round 0 = the prefill)."""
     tokens: list[int]  # newly committed tokens, stop-truncated
     stats: RoundStats
-    finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
+    finish_reason: FinishReason | None = None  # once finished
     logprobs: TokenLogprobs | None = None  # of `tokens` (n = len(tokens)), when sampling.logprobs is set
 
 
 def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: frozenset[int]
-               ) -> tuple[list[int], str | None]:
+               ) -> tuple[list[int], FinishReason | None]:
     """Truncate `new` at the first stop token (kept) or at the token budget; tokens after a stop are
     dropped. Example: new [5, 9, 2, 7], stop {2}, produced 10, max 100 -> ([5, 9, 2], "stop")."""
     for i, tok in enumerate(new):
@@ -97,12 +108,11 @@ def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: fro
     return new, None
 
 
-def fixed_budget(drafter: Drafter | None, retrieval: bool = False) -> Budget:
+def fixed_budget(drafter: DrafterRole | None, retrieval: bool = False) -> Budget:
     """The drafter's own shape every round (no cost model): what an Engine built without a budget
     runs. Costs are nominal (one unit per verified node), so its predictions mean nothing."""
     tree = drafter.tree if drafter is not None else TreeParams(1, 0, 2)
-    return Budget(CostModel(CostCurve((1, 2), (1.0, 2.0))), largest=tree, fixed=tree,
-                  eagle=drafter is not None, chain_limit=8 if retrieval else 0)
+    return build_budget(None, None, tree, drafter is not None, retrieval)
 
 
 @dataclass
@@ -117,7 +127,7 @@ class _Draft:
 
 
 class Engine:
-    def __init__(self, verifier: Verifier, drafter: Drafter | None, max_context: int,
+    def __init__(self, verifier: VerifierRole, drafter: DrafterRole | None, max_context: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
                  retrieval: bool = False) -> None:
         """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains."""
@@ -137,13 +147,13 @@ class Engine:
         # the prior, so that a seed replays the same trees whatever ran before
         self.realized = self.budget.prior.realized
         largest = self.budget.fixed or self.budget.largest
-        if self.budget.eagle and not drafter.tree.covers(largest):
+        if drafter is not None and self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
-                                 f"tokens={largest.total_tokens}) does not fit the drafter's KV "
+                                 f"tokens={largest.size}) does not fit the drafter's KV "
                                  f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
-                                 f"tokens={drafter.tree.total_tokens})")
+                                 f"tokens={drafter.tree.size})")
 
-    def plain(self) -> "Engine":
+    def plain(self) -> Engine:
         """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""
         return Engine(self.verifier, None, self.max_context, self.vocab_size, self.eos_token_ids)
 
@@ -173,19 +183,22 @@ class Engine:
         eos = () if req.ignore_eos else self.eos_token_ids
         return frozenset(req.stop_token_ids) | frozenset(eos)
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
-        """Yield one StepOutput after prefill and one per round; the last has a finish_reason."""
+    def generate(self, req: GenerationRequest, seq_id: str | None = None, round_base: int = 0
+                 ) -> Iterator[RoundOutput]:
+        """Yield one RoundOutput after prefill (index 0) and one per round (index round_base + k, k =
+        1, 2, ...: a coordinator taking a sequence over continues it at its next round); the last has
+        a finish_reason."""
         self.validate(req)
         seq_id = seq_id or f"local-{next(_seq_counter)}"
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
         # KV rows: every committed token plus one tree (or one decode token) in flight
-        tree_nodes = self.budget.max_nodes() if self.speculates else 1
+        tree_nodes = self.budget.max_tree_size() if self.speculates else 1
         capacity = len(req.prompt_ids) + req.max_new_tokens + tree_nodes
         stop_ids = self.stop_ids(req)
         if self.budget.load is not None:
             self.budget.load.join(seq_id)
         try:
-            yield from self._run(req, seq_id, prompt, capacity, stop_ids)
+            yield from self._run(req, seq_id, prompt, capacity, stop_ids, round_base)
         finally:
             if self.budget.load is not None:
                 self.budget.load.leave(seq_id)
@@ -193,18 +206,34 @@ class Engine:
             if self.drafter:
                 self.drafter.release(seq_id)
 
-    def _run(self, req, seq_id, prompt, capacity, stop_ids) -> Iterator[StepOutput]:
+    def _run(self, req: GenerationRequest, seq_id: str, prompt: torch.Tensor, capacity: int,
+             stop_ids: frozenset[int], round_base: int) -> Iterator[RoundOutput]:
+        """Prefill, then rounds: verify (or decode) the planned round -> stop rules -> observe what
+        was committed and plan + draft the next round -> yield."""
+        seq, out = self._prefill(req, seq_id, prompt, capacity, stop_ids)
+        yield out
+        for index in itertools.count(round_base + 1):
+            if out.finish_reason is not None:
+                return
+            done = self._round(seq_id, seq, index)
+            new, reason = check_stop(done.tokens, seq.produced, req.max_new_tokens, stop_ids)
+            logprobs = self._logprobs(req, seq_id, len(new))  # (before the next draft's calls)
+            seq.produced += len(new)
+            seq.root = done.tokens[-1]
+            if reason is None and seq.draft is not None:
+                seq.draft = self._next_draft(seq_id, seq, done)
+            out = RoundOutput(new, done.stats, reason, logprobs)
+            yield out
+
+    def _prefill(self, req: GenerationRequest, seq_id: str, prompt: torch.Tensor, capacity: int,
+                 stop_ids: frozenset[int]) -> tuple[_SequenceState, RoundOutput]:
+        """Round 0: the verifier runs the prompt and samples the first root; a speculating engine
+        starts the drafter (the prompt rows wait in `pending`) and plans + drafts round 1."""
         t0 = time.perf_counter()
         pre = self.verifier.prefill(seq_id, prompt, req.sampling, capacity)
         verify_s = time.perf_counter() - t0
-        produced = 0
-        new, reason = check_stop([pre.first_token], produced, req.max_new_tokens, stop_ids)
-        seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
-                             sort_paths=not req.sampling.greedy)
-        if req.sampling.greedy:
-            board = self.budget.load
-            seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
-        draft = None
+        new, reason = check_stop([pre.first_token], 0, req.max_new_tokens, stop_ids)
+        seq = self._new_sequence(req, pre.first_token)
         if reason is None and self.speculates:
             if self.drafter:
                 self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
@@ -213,97 +242,138 @@ class Engine:
             if seq.index is not None:
                 seq.index.extend(req.prompt_ids)
                 seq.index.extend([pre.first_token])
-            draft = self._draft(seq_id, seq, pre.first_token)
-        produced += len(new)
-        yield StepOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason, self._logprobs(req, seq_id, len(new)))
-        last = pre.first_token
-        for index in itertools.count(1):
-            if reason is not None:
-                return
-            t1 = time.perf_counter()
-            if draft is None:  # plain decoding: one token per target forward
-                fresh = [self.verifier.decode(seq_id, last, index)]
-                stats = RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t1)
-            elif draft.detached:  # the budget chose a plain step: the features stay on the verifier
-                fresh = [self.verifier.decode(seq_id, last, index, keep_features=True)]
-                stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t1,
-                                   predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
-                self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
-            else:
-                tree = draft.tree
-                res = self.verifier.verify(seq_id, tree, index)
-                verify_s = time.perf_counter() - t1
-                self.budget.observe_verify(draft.plan, verify_s)
-                fresh = res.acceptance.new_tokens
-                accepted = res.acceptance.nodes.tolist()
-                observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
-                observe_realized(seq.stats, draft.plan, len(fresh))
-                if not seq.sort_paths:
-                    self.realized = seq.stats.realized
-                    if self.budget.load is not None:
-                        self.budget.load.realized = seq.stats.realized
-                stats = RoundStats(index, len(fresh), tree.size if draft.plan.drafts else 0,
-                                   tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
-                                   draft.plan.tokens, draft.plan.seconds,
-                                   chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
-                                   eagle_nodes=draft.eagle_size - 1)
-            new, reason = check_stop(fresh, produced, req.max_new_tokens, stop_ids)
-            logprobs = self._logprobs(req, seq_id, len(new))
-            produced += len(new)
-            last = fresh[-1]
-            if reason is None and draft is not None:
-                if self.drafter:
-                    seq.pending_tokens.append(torch.tensor(fresh))
-                    if not draft.detached:  # (a detached round's feature comes with the next Verify)
-                        seq.pending_features.append(res.features)
-                if seq.index is not None:
-                    seq.index.extend(fresh)
-                draft = self._draft(seq_id, seq, last)
-            yield StepOutput(new, stats, reason, logprobs)
+            seq.draft = self._draft(seq_id, seq, pre.first_token)
+        seq.produced = len(new)
+        logprobs = self._logprobs(req, seq_id, len(new))
+        return seq, RoundOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason, logprobs)
 
     def _logprobs(self, req: GenerationRequest, seq_id: str, n: int) -> TokenLogprobs | None:
         """The target's log-probabilities of the first n tokens the verifier's latest call produced
-        (the step's tokens after the stop rules), when the request asks for them."""
+        (the round's tokens after the stop rules), when the request asks for them."""
         if req.sampling.logprobs is None:
             return None
         lp = self.verifier.take_logprobs(seq_id)
         assert lp is not None, "the verifier returned no logprobs for a sequence that asked for them"
         return lp.head(n)
 
-    def _draft(self, seq_id: str, seq: "_SequenceState", root: int) -> _Draft:
+    def _new_sequence(self, req: GenerationRequest, root: int) -> _SequenceState:
+        seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
+                             sort_paths=not req.sampling.greedy, root=root)
+        if req.sampling.greedy:  # where the latest greedy sequence left `realized` (see __init__)
+            board = self.budget.load
+            seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
+        return seq
+
+    def _round(self, seq_id: str, seq: _SequenceState, index: int) -> _Verified:
+        """Run round `index` as planned: a plain decode step (no speculation), a detached plain step,
+        or the verification of the drafted tree (which may be the root alone)."""
+        if seq.draft is None:
+            return self._plain_round(seq_id, seq.root, index)
+        if seq.draft.detached:
+            return self._detached_round(seq_id, seq.draft, seq.root, index)
+        return self._tree_round(seq_id, seq, seq.draft, index)
+
+    def _plain_round(self, seq_id: str, root: int, index: int) -> _Verified:
+        """Plain decoding: one token per target forward."""
+        t0 = time.perf_counter()
+        token = self.verifier.decode(seq_id, root, index)
+        return _Verified([token], RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t0))
+
+    def _detached_round(self, seq_id: str, draft: _Draft, root: int, index: int) -> _Verified:
+        """The budget chose a plain step with the drafter detached: the row's features stay on the
+        verifier (they come with the next Verify)."""
+        t0 = time.perf_counter()
+        token = self.verifier.decode(seq_id, root, index, keep_features=True)
+        stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t0,
+                           predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
+        self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
+        return _Verified([token], stats)
+
+    def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, index: int) -> _Verified:
+        """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
+        t0 = time.perf_counter()
+        tree = draft.tree
+        res = self.verifier.verify(seq_id, tree, index)
+        verify_s = time.perf_counter() - t0
+        self.budget.observe_verify(draft.plan, verify_s)
+        tokens = res.acceptance.new_tokens
+        accepted = res.acceptance.nodes.tolist()
+        observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
+        observe_realized(seq.stats, draft.plan, len(tokens))
+        if not seq.sort_paths:
+            self.realized = seq.stats.realized
+            if self.budget.load is not None:
+                self.budget.load.realized = seq.stats.realized
+        stats = RoundStats(index, len(tokens), tree.size if draft.plan.drafts else 0,
+                           tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
+                           draft.plan.tokens, draft.plan.seconds,
+                           chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
+                           eagle_nodes=draft.eagle_size - 1)
+        return _Verified(tokens, stats, res.features)
+
+    def _next_draft(self, seq_id: str, seq: _SequenceState, done: _Verified) -> _Draft:
+        """The committed tokens wait for the draft KV (with their features, unless the round was
+        detached: those come with the next Verify) and extend the suffix index; then the next round
+        is planned and drafted."""
+        assert seq.draft is not None
+        if self.drafter:
+            seq.pending_tokens.append(torch.tensor(done.tokens))
+            if not seq.draft.detached:
+                assert done.features is not None  # an attached drafter's verify returns the features
+                seq.pending_features.append(done.features)
+        if seq.index is not None:
+            seq.index.extend(done.tokens)
+        return self._draft(seq_id, seq, seq.root)
+
+    def _draft(self, seq_id: str, seq: _SequenceState, root: int) -> _Draft:
         """Plan the next round and build its tree: EAGLE (extending the draft KV with every pending
         row), the retrieved chain, both, or the root alone."""
         t0 = time.perf_counter()
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
-        # alone, the rows waiting for the draft KV are paid whenever the head next drafts (a sunk
-        # cost): the decision uses a steady round's extension (root + about one accepted token); in a
-        # batch they are charged (Budget.plan's pending_rows)
-        # with a load board, greedy sequences size their trees for the batch; sampling sequences keep
-        # the batch-1 choice so that a seed replays the same tokens whatever the load
-        plan = self.budget.plan(seq.stats, len(chain), commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
-                                pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
-        detached = seq.detached
-        seq.detached = (self.budget.detach and self.drafter is not None and plan.tree is None and plan.chain == 0
+        plan = self._plan(seq_id, seq, len(chain))
+        was_detached = seq.detached
+        seq.detached = (self.budget.detach and self.drafter is not None and not plan.drafts
                         and not self.budget.probes_next(seq.stats))
         if seq.detached:  # a plain step that leaves the drafter alone (see the module doc)
             return _Draft(root_tree(root), plan, [], 1, time.perf_counter() - t0, detached=True)
-        if plan.tree is not None and detached:
+        if plan.tree is not None and was_detached:
             # the rows of the detached rounds have no features here yet: this round verifies the
             # root alone, whose answer brings them; the tree waits for the next round's plan
             plan = RoundPlan(None, 0, 1.0, 0.0)
-        if plan.tree is not None:
-            tokens = torch.cat(seq.pending_tokens)
-            features = torch.cat(seq.pending_features)
-            seq.pending_tokens.clear()
-            seq.pending_features.clear()
-            t_call = time.perf_counter()
-            tree = self.drafter.draft(seq_id, tokens, features, plan.tree)
-            self.budget.observe_draft(plan.tree, int(tokens.shape[0]), time.perf_counter() - t_call)
-        else:
-            tree = root_tree(root)
+        tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
         eagle_size = tree.size
         tree, chain_nodes = merge_chain(tree, chain[: plan.chain], seq.sort_paths)
         return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0)
+
+    def _plan(self, seq_id: str, seq: _SequenceState, chain: int) -> RoundPlan:
+        """The budget's plan for the next round, given `chain` retrieved tokens. Alone, the rows
+        waiting for the draft KV are paid whenever the head next drafts (a sunk cost): the decision
+        uses a steady round's extension (root + about one accepted token); in a batch they are
+        charged (Budget.plan's pending_rows). With a load board, greedy sequences size their trees
+        for the batch; sampling sequences keep the batch-1 choice so that a seed replays the same
+        tokens whatever the load."""
+        return self.budget.plan(seq.stats, chain, commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
+                                pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
+
+    def _head_tree(self, seq_id: str, seq: _SequenceState, params: TreeParams) -> DraftTree:
+        """The draft head's tree of shape `params`, its KV first extended with every pending row."""
+        tokens = torch.cat(seq.pending_tokens)  # [P] committed tokens the draft KV has not seen
+        features = torch.cat(seq.pending_features)  # [P, F] their target features
+        seq.pending_tokens.clear()
+        seq.pending_features.clear()
+        assert self.drafter is not None  # a plan with a head tree: the engine has a drafter
+        t0 = time.perf_counter()
+        tree = self.drafter.draft(seq_id, tokens, features, params)
+        self.budget.observe_draft(params, int(tokens.shape[0]), time.perf_counter() - t0)
+        return tree
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """What one round committed, before the stop rules."""
+    tokens: list[int]  # accepted drafts + the bonus (a plain step: one token)
+    stats: RoundStats
+    features: torch.Tensor | None = None  # [k + m + 1, F] VerifyResult.features (None: a plain step)
 
 
 @dataclass
@@ -314,3 +384,6 @@ class _SequenceState:
     pending_tokens: list[torch.Tensor] = field(default_factory=list)  # committed, not yet in the draft KV
     pending_features: list[torch.Tensor] = field(default_factory=list)
     detached: bool = False  # the last planned round leaves its features on the verifier
+    root: int = -1  # the last committed token: the next round's root
+    produced: int = 0  # tokens streamed so far (stop-truncated)
+    draft: _Draft | None = None  # the planned next round (None: plain decoding, no speculation)

@@ -9,22 +9,22 @@ from typing import Any
 
 import torch
 
+from services.device import default_draft_dtype, is_gpu
+from services.engine.calibration import head_costs, load_report, target_costs
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine
 from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
-from services.spec.budget import AUTO_LARGEST, CostModel, build_budget, head_costs, load_report, target_costs
+from services.spec.budget import AUTO_LARGEST, build_budget
+from services.spec.cost import CostModel
 from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
-# NOT lossless on the default model: README "Cheaper rounds").
+# NOT lossless on the default model: docs/design.md "Cheaper rounds").
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
-DRAFT_DTYPES = ("fp32", "bf16", "int8")
-# The draft's precision when none is asked for (README "Cheaper rounds": int8 dynamic linears make a
-# draft step ~4x cheaper on this CPU at the same agreement; torch's int8 kernels are CPU-only).
-DEFAULT_DRAFT_DTYPE = "int8"
+DRAFT_DTYPES = ("fp32", "bf16", "int8")  # the default: services.device.default_draft_dtype
 # The trained head for the default model, shipped in the repository (issue: default model).
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
 
@@ -41,32 +41,43 @@ class LocalEngine:
 SPEC_MODES = ("eagle", "sam", "eagle+sam")
 
 
-def split_draft(draft: str | None) -> tuple[str | None, bool]:
-    """--draft -> (head spec, retrieval): `sam` = retrieval only, `eagle+sam` = the default head and
-    retrieval, `DIR+sam` = that head and retrieval; anything else is a head spec (no retrieval)."""
-    if draft is None:
-        return None, False
-    if draft.lower() == "sam":
-        return "none", True
-    if draft.lower() == "eagle+sam":
-        return "auto", True
-    if draft.endswith("+sam"):
-        return draft[: -len("+sam")], True
-    if draft.lower() == "eagle":
-        return "auto", False
-    return draft, False
+@dataclass(frozen=True, slots=True)
+class DraftSpec:
+    """What `--draft` asks for (case-insensitive keywords):
+
+        --draft       head     retrieval
+        (not given)   "auto"   no
+        auto, eagle   "auto"   no        "auto": the shipped head for the default model, if present
+        none          None     no        plain decoding
+        sam           None     yes       retrieval only (the suffix index)
+        eagle+sam     "auto"   yes
+        DIR           DIR      no        a head directory
+        DIR+sam       DIR      yes
+    """
+
+    head: str | None  # "auto", a head directory, or None (no head)
+    retrieval: bool = False
+
+    @staticmethod
+    def parse(draft: str | None) -> DraftSpec:
+        if draft is None:
+            return DraftSpec("auto")
+        retrieval = draft.lower() == "sam" or draft.lower().endswith("+sam")
+        head = draft[: -len("+sam")] if draft.lower().endswith("+sam") else draft
+        if head.lower() in ("sam", "none"):
+            return DraftSpec(None, retrieval)
+        return DraftSpec("auto" if head.lower() in ("auto", "eagle") else head, retrieval)
+
+    def head_path(self, target: str | None) -> str | None:
+        """The head directory to load: "auto" is the shipped head, for the default model only."""
+        if self.head == "auto":
+            return str(DEFAULT_HEAD) if target is None and (DEFAULT_HEAD / "config.json").is_file() else None
+        return self.head
 
 
 def resolve_draft(draft: str | None, target: str | None) -> str | None:
-    """`none` -> no draft; None/`auto` -> the shipped head for the default model if present."""
-    draft = split_draft(draft)[0] if draft is not None else None
-    if draft is not None and draft.lower() == "none":
-        return None
-    if draft is None or draft == "auto":
-        if target is None and (DEFAULT_HEAD / "config.json").is_file():
-            return str(DEFAULT_HEAD)
-        return None
-    return draft
+    """The head directory `--draft` (and `--target`) ask for, or None (no head)."""
+    return DraftSpec.parse(draft).head_path(target)
 
 
 def checkpoint_shape_id(path: str | Path) -> str:
@@ -89,30 +100,30 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
                        tree: TreeParams | None = None, draft_vocab: int | None = None,
                        draft_dtype: str | None = None, *, recalibrate: bool = False,
                        device: str = "cpu") -> LocalEngine:
-    """`draft`: a head directory, `none`, `auto`, `sam`, `eagle+sam` (see split_draft). `tree` None =
+    """`draft`: a head directory, `none`, `auto`, `sam`, `eagle+sam` (see DraftSpec). `tree` None =
     the auto budget (cost model calibrated on this device, cached); a TreeParams = that fixed shape.
     draft_vocab: None = the head's default (load_head), 0 = full, K = the K most frequent tokens;
-    draft_dtype: fp32 | bf16 | int8, None = DEFAULT_DRAFT_DTYPE on the CPU, bf16 on a GPU.
+    draft_dtype: fp32 | bf16 | int8, None = services.device.default_draft_dtype (int8 on the CPU, bf16 on a GPU).
     device: "cpu", "cuda" or "cuda:N" (validated by services.device); every model lives there."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
     if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
         raise CheckpointError(f"draft dtype must be one of {list(DRAFT_DTYPES)}; got {draft_dtype!r}")
-    gpu = device.startswith("cuda")
+    gpu = is_gpu(device)
     if gpu and "int8" in (dtype, draft_dtype):
         raise CheckpointError("int8 linears are CPU-only (torch's dynamic int8 kernels): use --dtype/--draft-dtype "
                               "bf16 or fp32 with --device cuda")
     target_path = target or find_default_gguf()
     loaded = load_target(target_path, DTYPES[dtype], device)
     model = loaded.model
-    draft_path = resolve_draft(draft, target)
-    retrieval = split_draft(draft)[1]
+    spec = DraftSpec.parse(draft)
+    draft_path = spec.head_path(target)
+    retrieval = spec.retrieval
     drafter = None
     head = None
     feature_kind = "none"
     if draft_path:
-        if draft_dtype is None:
-            draft_dtype = "bf16" if gpu else DEFAULT_DRAFT_DTYPE
+        draft_dtype = draft_dtype or default_draft_dtype(device)
         head = load_head(draft_path, model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)
         drafter = Drafter(head, tree or AUTO_LARGEST)
         feature_kind = head.feature_kind
@@ -124,6 +135,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
         model_id = f"{loaded.path}|{dtype}"
         costs = CostModel(target_costs(model, model_id, recalibrate))
         if head is not None:
+            assert draft_path is not None  # the head was loaded from it
             head_id = f"{model_id}|{draft_path}|{checkpoint_shape_id(draft_path)}|vocab={draft_vocab}|{draft_dtype}"
             costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)

@@ -2,13 +2,13 @@
 
 Each role has two implementations: in process (`services.engine.drafter.Drafter`,
 `services.engine.verifier.Verifier`) and over gRPC (`services.rpc.clients.RemoteDrafter`,
-`RemoteVerifier`), so the round semantics live in one place, `Engine._run`. `Engine` is duck-typed
-against these protocols; they exist to document the contract and for type checkers.
+`RemoteVerifier`; the coordinator wraps them with fail-over in `coordinator.sequence_placement`),
+so the round semantics live in one place, `Engine`. `Engine` is typed against these protocols.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -17,21 +17,29 @@ from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams
 
+# The target features a sequence's results carry: the post-norm last hidden state (EAGLE-1/2), the
+# three layer taps (EAGLE-3), or none (plain decoding, retrieval only).
+FeatureKind = Literal["hidden", "taps", "none"]
+
 
 class DrafterRole(Protocol):
-    tree: TreeParams  # the tree shape it grows (the engine sizes KV with total_tokens)
+    @property
+    def tree(self) -> TreeParams:
+        """The largest shape it grows (its draft KV is sized for it; the engine's budget stays within)."""
 
     @property
-    def feature_kind(self) -> str:
+    def feature_kind(self) -> FeatureKind:
         """'hidden' (EAGLE-1/2) or 'taps' (EAGLE-3): the target features the head consumes."""
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
-        """Reserve a draft KV for `max_rows` committed rows; `sampling` sorts paths for rejection
-        sampling. Raises InvalidRequest (duplicate id) or CapacityExceeded."""
+        """Reserve a draft KV for `max_rows` committed rows plus one tree expansion; `sampling` sorts
+        paths for rejection sampling. Raises InvalidRequest (duplicate id) or CapacityExceeded."""
 
-    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor) -> DraftTree:
-        """tokens [n] newly committed tokens shifted by one (last = the new root), features [n, F]
-        -> the next tree. Raises SequenceNotFound, InvalidRequest."""
+    def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
+              params: TreeParams | None = None) -> DraftTree:
+        """tokens [n] committed tokens the draft KV has not seen, shifted by one (last = the new root),
+        features [n, F] their target features -> the next tree, of shape `params` (None: `tree`).
+        Raises SequenceNotFound, InvalidRequest."""
 
     def release(self, seq_id: str) -> None:
         """Free the sequence's draft KV; unknown ids are ignored. Never raises."""

@@ -244,11 +244,20 @@ class Verifier:
         # greedy: one argmax over every greedy entry's rows
         greedy = [j for j, c in enumerate(calls) if self._sampling(c).greedy]
         argmax: dict[int, torch.Tensor] = {}
+        last: dict[int, int] = {}  # each greedy entry's last-row argmax, on the host
         if greedy:
             rows = [logits[j] for j in greedy]
             flat = torch.argmax(torch.cat(rows) if len(rows) > 1 else rows[0], dim=-1)
-            for j, a in zip(greedy, flat.split([r.shape[0] for r in rows])):
+            sizes = [r.shape[0] for r in rows]
+            for j, a in zip(greedy, flat.split(sizes)):
                 argmax[j] = a
+            # decodes and prefills read only their last row's token: one device-to-host copy for all
+            # of them (a tree's acceptance makes its own, its round's one copy)
+            ends = torch.tensor(sizes, device="cpu").cumsum(0).sub_(1)
+            wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)]
+            if wants:
+                picked = flat.index_select(0, ends[wants].to(flat.device)).tolist()
+                last = {greedy[n]: tok for n, tok in zip(wants, picked)}
         results: list[Result] = []
         for j, call in enumerate(calls):
             features = self._features(out, j, self._kind(call))
@@ -256,7 +265,7 @@ class Verifier:
                 slot = new_slots[index[j]]
                 self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling,
                                                     self._kind(call), prefilling=call.more, seen=seen.get(j))
-                first = -1 if call.more else (int(argmax[j][-1]) if j in argmax
+                first = -1 if call.more else (last[j] if j in last
                          else next_token(logits[j][-1], call.sampling,
                                      round_generator(call.sampling.seed, 0, out.logits[j].device)))
                 self._keep_logprobs(call.seq_id, out.logits[j][-1:], [first] if first >= 0 else [])
@@ -268,7 +277,7 @@ class Verifier:
                 first = -1
                 if call.last:
                     seq.prefilling = False
-                    first = (int(argmax[j][-1]) if j in argmax
+                    first = (last[j] if j in last
                              else next_token(logits[j][-1], seq.sampling,
                                              round_generator(seq.sampling.seed, 0, out.logits[j].device)))
                     self._keep_logprobs(call.seq_id, out.logits[j][-1:], [first])
@@ -280,7 +289,7 @@ class Verifier:
                 seq.length += 1
                 if call.keep_features and features.shape[0]:
                     seq.kept.append(features.clone())  # one row: not a view holding the batch's hidden
-                token = int(argmax[j][-1]) if j in argmax else next_token(logits[j][-1], seq.sampling, gen)
+                token = last[j] if j in last else next_token(logits[j][-1], seq.sampling, gen)
                 self._keep_logprobs(call.seq_id, out.logits[j][-1:], [token])
                 results.append(token)
                 continue

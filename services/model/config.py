@@ -76,7 +76,7 @@ class ModelConfig:
         return (2, n // 2, n - 3)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
         model_type = d.get("model_type", "")
         arch = None
@@ -130,6 +130,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from either the transformers<5 fields (`rope_theta`, `rope_scaling`)
     or the transformers>=5 `rope_parameters` dict."""
     params = d.get("rope_parameters")
+    scaling: dict | None
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling = dict(params)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from itertools import pairwise
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from torch import nn
 
 from services.model.config import rope_inv_freq
 from services.model.kv_cache import KVCache
-from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask
+from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask, host_bound
 from services.model.linear import Linear
 
 HeadKind = Literal["eagle", "eagle3"]
@@ -172,7 +173,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         if positions is None:
             positions = torch.arange(prefix, prefix + t, device=ids.device)
         mask = attention_mask(prefix, t, tree_mask, self.device)
-        cos, sin = self.rotary(positions, self.dtype)
+        cos, sin = self.rotary(positions, self.dtype, host_bound(positions, prefix + t))
         out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin, cache, mask)
         cache.advance(t)
         return out
@@ -188,14 +189,16 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         if len(caches) == 1:
             a, b = offsets[0], offsets[1]
             return self(features[a:b], ids[a:b], caches[0], positions[a:b], masks[0])
-        sizes = [b - a for a, b in zip(offsets, offsets[1:])]
-        for cache, t in zip(caches, sizes):
+        sizes = [b - a for a, b in pairwise(offsets)]
+        for cache, t in zip(caches, sizes, strict=True):
             cache.reserve(t)
-        dense = [attention_mask(cache.length, t, m, self.device) for cache, t, m in zip(caches, sizes, masks)]
-        cos, sin = self.rotary(positions, self.dtype)
+        dense = [attention_mask(cache.length, t, m, self.device)
+                 for cache, t, m in zip(caches, sizes, masks, strict=True)]
+        bound = max(cache.length + t for cache, t in zip(caches, sizes, strict=True))
+        cos, sin = self.rotary(positions, self.dtype, host_bound(positions, bound))
         out = self._layer(features.to(self.dtype), self.embed_tokens(ids), cos, sin,
                           BatchKV(caches, dense, list(offsets)), None)
-        for cache, t in zip(caches, sizes):
+        for cache, t in zip(caches, sizes, strict=True):
             cache.advance(t)
         return out
 
@@ -230,7 +233,7 @@ class Eagle2Head(DraftHead):
         self._target_head = (target_lm_head,)  # a tuple keeps it out of parameters/state_dict
 
     def _layer(self, features, emb, cos, sin, cache, mask):
-        layer = self.layers[0]
+        layer = cast(_Eagle2Layer, self.layers[0])
         x = self.fc(torch.cat((emb, features), dim=-1))  # order [embedding, feature]; no activation
         x = x + layer.self_attn(x, cos, sin, cache, 0, mask)  # layer 0 has no input_layernorm
         return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -242,8 +245,8 @@ class Eagle2Head(DraftHead):
 
     def _projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.vocab_proj is not None:
-            return self.vocab_proj.weight, self.to_target(torch.arange(self.draft_vocab_size, device=self.device))
-        w = self._target_head[0].weight
+            return _weight(self.vocab_proj), self.to_target(torch.arange(self.draft_vocab_size, device=self.device))
+        w = _weight(self._target_head[0])
         return w, torch.arange(w.shape[0], device=w.device)
 
 
@@ -291,8 +294,8 @@ class Eagle3Head(DraftHead):
         return draft_ids + self.d2t[draft_ids]
 
     def _projection(self) -> tuple[torch.Tensor, torch.Tensor]:
-        proj = self.vocab_proj if self.vocab_proj is not None else self.lm_head
-        return proj.weight, self.to_target(torch.arange(proj.weight.shape[0], device=self.device))
+        w = _weight(self.vocab_proj if self.vocab_proj is not None else self.lm_head)
+        return w, self.to_target(torch.arange(w.shape[0], device=self.device))
 
 
 class _Eagle3Layer(nn.Module):
@@ -313,6 +316,15 @@ def _drop_derived(module, state, prefix, local_metadata) -> None:
     """The reduced / recast projection is derived at load time: never part of a checkpoint."""
     for key in [k for k in state if k.startswith(prefix + "vocab_proj.")]:
         del state[key]
+
+
+def _weight(projection: nn.Module) -> torch.Tensor:
+    """A projection's [V, H] weight: a Linear's (an int8 QuantLinear keeps none; `_projection` runs
+    before `set_draft_dtype`)."""
+    w = projection.weight
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"the draft projection {type(projection).__name__} has no weight tensor")
+    return w
 
 
 def build_head(cfg: HeadConfig, target_lm_head: nn.Module | None = None) -> DraftHead:

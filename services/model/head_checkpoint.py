@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -25,7 +26,7 @@ WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 
 
 def head_config_from_dict(d: dict, state: dict[str, torch.Tensor]) -> HeadConfig:
-    kind = "eagle3" if any(k.endswith("hidden_norm.weight") for k in state) else "eagle"
+    kind: Literal["eagle", "eagle3"] = "eagle3" if any(k.endswith("hidden_norm.weight") for k in state) else "eagle"
     try:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling:
@@ -74,7 +75,7 @@ def check_compatible(cfg: HeadConfig, target: TargetModel) -> None:
                 f"this one has {t.num_layers}")
 
 
-# Draft vocabulary when the head directory has token counts and none is asked for (README
+# Draft vocabulary when the head directory has token counts and none is asked for (docs/design.md
 # "Cheaper rounds": draft cost and acceptance at 4k/8k/16k/full on the dev prompts).
 DEFAULT_DRAFT_VOCAB = 8192
 
@@ -86,9 +87,11 @@ def load_head(path: str | Path, target: TargetModel, dtype: torch.dtype | None =
     draft_vocab: K most frequent tokens to draft from (the directory's `token_counts.safetensors`);
     None = DEFAULT_DRAFT_VOCAB when the directory has counts, else the full vocabulary; 0 = full.
     draft_dtype: "fp32" | "bf16" | "int8" (eagle_head.set_draft_dtype); None = as `dtype`."""
-    root = Path(path)
+    from services.model.hub import resolve_model
+
+    root = Path(resolve_model(str(path), "draft head"))  # a Hub id -> its cached snapshot
     if not root.is_dir():
-        raise CheckpointError(f"draft-head directory {root} does not exist")
+        raise CheckpointError(f"draft-head path {root} is not a directory")
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"draft-head directory {root} has no config.json")

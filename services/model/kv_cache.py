@@ -19,13 +19,10 @@ import torch
 from services.errors import CapacityExceeded
 
 
-class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, num_kv_heads, capacity, head_dim)
-        # empty, not zeros: a row is always written before any forward reads it (reads stop at length + T)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+class RowSpan:
+    """The row bookkeeping every KV cache shares: `capacity` rows, the first `length` in use."""
+
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.length = 0  # rows in use
 
@@ -34,6 +31,24 @@ class KVCache:
         if self.length + num_new > self.capacity:
             raise CapacityExceeded(
                 f"KV cache holds {self.capacity} rows; {self.length} used, {num_new} more requested")
+
+    def advance(self, num_new: int) -> None:
+        self.length += num_new
+
+    def truncate(self, length: int) -> None:
+        """Forget every row at or after `length` (the draft drops its tree rows this way)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+
+
+class KVCache(RowSpan):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(capacity)
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        # empty, not zeros: a row is always written before any forward reads it (reads stop at length + T)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,14 +62,6 @@ class KVCache:
         self.k[layer, :, self.length:end] = k_new
         self.v[layer, :, self.length:end] = v_new
         return self.k[layer, :, :end], self.v[layer, :, :end]
-
-    def advance(self, num_new: int) -> None:
-        self.length += num_new
-
-    def truncate(self, length: int) -> None:
-        """Forget every row at or after `length` (the draft drops its tree rows this way)."""
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
 
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Compact: copy the rows at absolute `slots` [n] (ascending; slots[i] >= start + i) to

@@ -67,14 +67,18 @@ class KVPool:
     def fits(self, rows: int) -> bool:
         return self.max_rows is None or self._rows_allocated + rows <= self.max_rows
 
+    def refusal(self, rows: int) -> KVBudgetExceeded:
+        """The error for `rows` rows that do not fit, naming the budget and what holds it."""
+        return KVBudgetExceeded(
+            f"KV for {rows} rows does not fit {self.budget_text()}: {self._rows_allocated} rows are "
+            f"held by {len(self._slots)} sequences", fits_empty=rows <= (self.max_rows or 0))
+
     def allocate(self, rows: int) -> int:
         """A slot of `rows` KV rows (length 0): the lowest free slot id."""
         if rows < 1:
             raise ValueError(f"a KV slot needs rows >= 1; got {rows}")
         if not self.fits(rows):
-            raise KVBudgetExceeded(
-                f"KV for {rows} rows does not fit {self.budget_text()}: {self._rows_allocated} rows are "
-                f"held by {len(self._slots)} sequences", fits_empty=rows <= self.max_rows)
+            raise self.refusal(rows)
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         self._slots[slot] = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, rows,
                                     self.dtype, self.device)

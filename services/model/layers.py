@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from services.model import fused
+from services.model.attention import attend
 from services.model.kv_cache import KVCache
 from services.model.linear import Linear, PackedLinear, keep_part_names
 
@@ -28,10 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -51,31 +49,41 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T] -> cos, sin [T, head_dim]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim]. `upto`: a bound the caller knows on the host
+        (every position < upto), so that a positions tensor on a GPU is never read back (a host
+        synchronisation); without it the tables grow to positions.max() + 1."""
         if torch.is_grad_enabled() or positions.numel() == 0 or self.inv_freq.is_meta:
             return self.table(positions, dtype)
-        need = int(positions.max()) + 1
+        need = upto if upto is not None else int(positions.max()) + 1
+        cos, sin = self.tables(need, dtype, positions.device)
+        return cos[positions], sin[positions]
+
+    def tables(self, need: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] for positions [0, n), n >= need (grown by doubling, at least 512)."""
         cached = self._tables.get(dtype)
-        if cached is None or cached[0].shape[0] < need or cached[0].device != positions.device:
+        if cached is None or cached[0].shape[0] < need or cached[0].device != device:
             n = max(need, 2 * cached[0].shape[0] if cached is not None else 512)
             cached = self.table(torch.arange(n, device=self.inv_freq.device), dtype)
             self._tables[dtype] = cached
-        return cached[0][positions], cached[1][positions]
+        return cached
 
     def _apply(self, fn, recurse=True):  # .to()/.float() move inv_freq: drop the tables
         self._tables = {}
         return super()._apply(fn, recurse)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def host_bound(positions: torch.Tensor, bound: int) -> int | None:
+    """`bound` (every position < bound, known on the host) for positions on a GPU, where reading
+    their maximum would synchronise; None on the CPU, where the maximum is read (free, and exact for
+    callers that pass positions of their own)."""
+    return bound if positions.device.type == "cuda" else None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [heads, T, hd] with cos, sin [T, hd]; or x [T, heads, hd] with cos, sin [T, 1, hd]
-    return x * cos + _rotate_half(x) * sin
+    return fused.rotary(x, cos, sin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,15 +160,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         prefix = cache.length
         k_all, v_all = cache.write(layer, k, v)  # [nKV, S, hd], S = length + T
-        gqa = self.num_heads != self.num_kv_heads
-        if mask is not None:
-            out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=mask[None, None],
-                                                 enable_gqa=gqa)
-        else:
+        if mask is None:
             assert t == 1 or prefix == 0, "a maskless forward needs T == 1 or an empty cache"
-            out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], is_causal=t > 1,
-                                                 enable_gqa=gqa)
-        return out[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+        out = attend(q, k_all, v_all, mask, causal=mask is None and t > 1)  # [H, T, hd]
+        return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -172,7 +175,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(gate, up))
 
 
 def attention_mask(prefix_len: int, num_new: int, tree_mask: torch.Tensor | None,

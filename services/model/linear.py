@@ -9,11 +9,11 @@
 tensor-parallel transform can slice it (rows = column-parallel outputs; `PackedLinear.parts()` gives
 each projection's row range so it can be sliced per projection). `freeze("transposed")` (inference
 only) replaces the storage by one contiguous [in, out] copy, `weight_t`, that `x @ weight_t` reads:
-MKL's `F.linear` path is slow at one row for wide outputs on this CPU (README "Cheaper rounds");
+MKL's `F.linear` path is slow at one row for wide outputs on this CPU (docs/design.md "Cheaper rounds");
 `weight` is then a view of `weight_t`. `freeze("onednn")` keeps that one [in, out] copy for a single
 row and a oneDNN-prepacked copy for 2+ rows (`torch.ops.mkldnn._linear_pointwise`, the kernel
 torch.compile's CPU backend uses): MKL's sgemm costs ~2x per added row at 2-16 rows here, the packed
-kernel about the same at 1-16 rows (README "Cheaper rounds"); it falls back to "both" off the CPU or
+kernel about the same at 1-16 rows (docs/design.md "Cheaper rounds"); it falls back to "both" off the CPU or
 without oneDNN.
 
 A module owning a PackedLinear calls `keep_part_names(self, attr)`: its state_dict shows the parts
@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 
 ONEDNN_ROW_STEP = 4  # the packed kernel sees row counts padded (zero rows) to a multiple of this
 ONEDNN_MAX_ROWS = 64  # more rows (prefill chunks) go to F.linear: at most 16 oneDNN shapes per weight
@@ -110,14 +109,14 @@ class PackedLinear(Linear):
     def parts(self) -> dict[str, tuple[int, int]]:
         """name -> (first output row, row count) inside `weight` [sum(splits), in]."""
         out, start = {}, 0
-        for name, size in zip(self.names, self.splits):
+        for name, size in zip(self.names, self.splits, strict=True):
             out[name] = (start, size)
             start += size
         return out
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[T, sum(splits)] -> one [T, split] view per part."""
-        return torch.split(y, self.splits, dim=-1)
+        return torch.split(y, list(self.splits), dim=-1)
 
     def part_weight(self, name: str) -> torch.Tensor:
         start, size = self.parts()[name]
@@ -130,7 +129,7 @@ class PackedLinear(Linear):
         return self.bias[start:start + size]
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", parts={dict(zip(self.names, self.splits))}"
+        return super().extra_repr() + f", parts={dict(zip(self.names, self.splits, strict=True))}"
 
 
 def keep_part_names(owner: nn.Module, attr: str) -> None:

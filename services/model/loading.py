@@ -20,7 +20,9 @@ Tensor parallelism (`tp=TPShard(rank, world, comm)`): the model is built on `met
 read (safetensors slices read only this rank's rows from disk; `.bin` files are memory-mapped), so
 no rank ever holds the full model. Shapes are still checked against the full model.
 
-It does not download anything, quantize or load draft heads (`head_checkpoint.py` does that).
+A Hugging Face Hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`) is resolved to its cached snapshot,
+downloaded when not cached (services/model/hub.py). It does not quantize or load draft heads
+(`head_checkpoint.py` does that).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,8 +69,8 @@ class LoadedTarget:
     path: str  # the directory actually loaded (the converted cache directory for GGUF)
 
 
-# Inference weight layout of the linears (linear.py `parse_layout`; measured in README "Cheaper
-# rounds"): "onednn" keeps [in, out] for one row (decode) and a oneDNN-packed copy for 2+ rows
+# Inference weight layout of the linears (linear.py `parse_layout`; measured in docs/design.md
+# "Cheaper rounds"): "onednn" keeps [in, out] for one row (decode) and a oneDNN-packed copy for 2+ rows
 # (verification, batches, prefill), at twice the linears' memory (on a GPU or without oneDNN it is
 # "both:1"); "both:2" was the default before (MKL's F.linear from 3 rows: ~1.7x slower at 4-16 rows
 # here); "transposed/onednn" keeps one copy of the body (+ the lm_head's second copy only) for large
@@ -93,9 +95,9 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
     """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
     `layout`: the linears' inference weight layout (default `default_layout()`); `tp`: load only
     this rank's tensor-parallel shard."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"model path {path} does not exist")
+    from services.model.hub import resolve_model
+
+    path = Path(resolve_model(source)).expanduser()  # a Hub id -> its cached snapshot; missing: ModelUnavailable
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(
@@ -162,7 +164,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path), device="cpu")
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated files raise many different types
-        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"weights {path} do not hold a dict of tensors")
     return state
@@ -226,7 +228,7 @@ def _read_shard(path: Path, plan, expected: dict[str, tuple[int, ...]]):
     except CheckpointError:
         raise
     except Exception as e:  # corrupt or truncated files raise many different types
-        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"weights {path} do not hold a dict of tensors")
     for key, tensor in state.items():
@@ -267,7 +269,7 @@ def _assign(model: TargetModel, state: dict[str, torch.Tensor], device: str) -> 
         state[TIED_HEAD_KEY] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = cast(torch.nn.Parameter, model.model.embed_tokens.weight)  # a Parameter (loaded)
     model.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a TargetModel change this loader does not know about
@@ -282,7 +284,7 @@ def load_tokenizer(model_dir: Path) -> Any | None:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
-        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +322,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"cannot convert GGUF {gguf_path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot convert GGUF {gguf_path}: {type(e).__name__}: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -331,7 +333,7 @@ def _check_gguf(gguf_path: Path) -> None:
     try:
         metadata, tensor_names = _gguf_metadata(gguf_path)
     except Exception as e:
-        raise CheckpointError(f"cannot read GGUF {gguf_path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read GGUF {gguf_path}: {type(e).__name__}: {e}") from e
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"GGUF {gguf_path} has architecture {arch!r}; aerie supports {GGUF_ARCHITECTURES}")
@@ -351,8 +353,8 @@ def _gguf_metadata(gguf_path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
     try:
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:
-        read_gguf_metadata = None
-    if read_gguf_metadata is not None:
+        pass
+    else:
         return read_gguf_metadata(str(gguf_path))
     from gguf import GGUFReader, GGUFValueType
     reader = GGUFReader(str(gguf_path))
@@ -370,8 +372,13 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.progress import note, phase
+
     src, name = str(gguf_path.parent), gguf_path.name
-    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    note(f"converting {gguf_path} once into a Hugging Face directory of fp32 weights (later loads read the "
+         f"converted copy under {out.parent})")
+    with phase("  [1/3] dequantizing the GGUF weights (transformers)"):
+        hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     cfg = hf.config
     cfg.architectures = [type(hf).__name__]
     if hasattr(cfg, "quantization_config"):  # the weights written below are plain fp32, not GGUF blocks
@@ -379,9 +386,11 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in hf.state_dict().items()}
     if getattr(cfg, "tie_word_embeddings", False):
         state.pop(TIED_HEAD_KEY, None)
-    cfg.save_pretrained(str(out))
-    save_file(state, str(out / SAFETENSORS), metadata={"format": "pt", "source": str(gguf_path)})
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
+    with phase(f"  [2/3] writing {len(state)} fp32 tensors to {SAFETENSORS}"):
+        cfg.save_pretrained(str(out))
+        save_file(state, str(out / SAFETENSORS), metadata={"format": "pt", "source": str(gguf_path)})
+    with phase("  [3/3] rebuilding the tokenizer from the GGUF vocabulary"):
+        AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
     read_config(out)  # the cached config must be one aerie accepts, or nothing is cached
 
 

@@ -25,6 +25,10 @@ class QuantLinear(nn.Module):
     is then lossless against its own plain decoding). Per-tensor dynamic quantization (torch's
     `quantize_dynamic`) breaks that: its activation scale is taken over the whole batch."""
 
+    w_scale: torch.Tensor  # [out] (buffers, registered in __init__)
+    wq_t: torch.Tensor  # [in, out] int8
+    bias: torch.Tensor | None  # [out]
+
     def __init__(self, source: Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
@@ -48,7 +52,7 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.split(y, self.splits, dim=-1)
+        return torch.split(y, list(self.splits), dim=-1)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 weights per channel, activations per row"

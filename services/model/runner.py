@@ -11,22 +11,53 @@ RPC. The verifier (services/engine/verifier.py) calls it through these four meth
 tensor-parallel group proxy with the same four methods (every rank runs a ModelRunner over its
 shard and its own pool; arguments are picklable, tensors on the CPU are fine) can stand in for it.
 Calls are deterministic: the same calls in the same order give the same slots and rows on every rank.
+
+On CUDA the pool is a `PagedKVPool` (one arena, a page table per sequence) and every step whose
+entries are short (decodes, trees, small chunks: services/model/uniform.py) runs the static-shape
+forward, replayed from a CUDA graph per padded shape (AERIE_CUDA_GRAPHS=0: eagerly); longer steps
+(prefill chunks) run the per-entry forward over the same pages. On the CPU: a KVPool of contiguous
+slots and the per-entry forward, as before.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from services.errors import CapacityExceeded
 from services.model.kv_pool import KVPool
+from services.model.paged_kv import PagedKVPool
 from services.model.step import Step, StepOutput
 from services.model.target import TargetModel
+from services.model.uniform import UniformRunner
+
+GRAPHS_ENV = "AERIE_CUDA_GRAPHS"
+
+
+def graphs_default(device: torch.device) -> bool:
+    """CUDA graphs: on by default on CUDA (AERIE_CUDA_GRAPHS=0 turns them off), never on the CPU."""
+    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") not in ("0", "false", "no", "off")
+
+
+def pool_for(target: TargetModel, max_rows: int | None = None, paged: bool | None = None) -> KVPool:
+    """The KV pool a runner of `target` uses: paged on CUDA (its arena sized by `max_rows`, default
+    half the free memory), contiguous slots on the CPU (`paged` forces either)."""
+    if paged if paged is not None else target.device.type == "cuda":
+        return PagedKVPool.for_model(target, max_rows)
+    return KVPool.for_model(target, max_rows)
 
 
 class ModelRunner:
-    def __init__(self, target: TargetModel, pool: KVPool | None = None) -> None:
+    def __init__(self, target: TargetModel, pool: KVPool | None = None, graphs: bool | None = None) -> None:
+        """`pool` None: `pool_for(target)`; `graphs` None: on for CUDA (graphs_default). A paged pool
+        runs short steps through the static-shape forward (graphs or not)."""
         self.target = target
-        self.pool = pool if pool is not None else KVPool.for_model(target)
+        self.pool = pool if pool is not None else pool_for(target)
+        self.uniform: UniformRunner | None = None
+        if isinstance(self.pool, PagedKVPool):
+            on = graphs_default(target.device) if graphs is None else graphs
+            self.uniform = UniformRunner(target, self.pool, graphs=on)
 
     @property
     def device(self) -> torch.device:
@@ -58,4 +89,8 @@ class ModelRunner:
             if cache.length + e.rows > cache.capacity:
                 raise CapacityExceeded(f"KV slot {e.slot} holds {cache.capacity} rows; {cache.length} used, "
                                        f"{e.rows} more requested")
+        if self.uniform is not None:
+            shape = self.uniform.shape_for(step)
+            if shape is not None:
+                return self.uniform.execute(step, shape)
         return self.target.forward_step(step, caches)

@@ -23,7 +23,7 @@ from torch import nn
 
 from services.model.config import ModelConfig, rope_inv_freq
 from services.model.kv_cache import KVCache
-from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask
+from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask, host_bound
 from services.model.linear import Linear, freeze_linears, parse_layout
 from services.model.step import Step, StepEntry, StepOutput
 
@@ -123,7 +123,8 @@ class TargetModel(nn.Module):
         input_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
         positions = pos[0] if len(pos) == 1 else torch.cat(pos)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        bound = max(cache.length + e.rows for e, cache in zip(step.entries, caches))
+        cos, sin = self.rotary(positions, x.dtype, host_bound(positions, bound))
         taps: list[torch.Tensor] = []
         tap_layers = self.config.eagle3_tap_layers if step.want_taps else ()
         for i, layer in enumerate(self.model.layers):

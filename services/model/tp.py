@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ from torch import nn
 from services.errors import AerieError
 from services.model.config import ModelConfig
 from services.model.linear import Linear, PackedLinear
+
+if TYPE_CHECKING:
+    from services.model.target import DecoderLayer, TargetModel
 
 
 class TPShapeError(AerieError, ValueError):
@@ -71,7 +74,7 @@ class TPPlan:
         return self.vocab_sizes[self.rank]
 
     @staticmethod
-    def for_config(cfg: ModelConfig, rank: int, world: int) -> "TPPlan":
+    def for_config(cfg: ModelConfig, rank: int, world: int) -> TPPlan:
         if world < 1 or not 0 <= rank < world:
             raise TPShapeError(f"tensor-parallel rank {rank} of a group of {world} is not valid")
         h, g = cfg.num_heads, cfg.num_kv_heads
@@ -149,7 +152,7 @@ class VocabParallelHead(Linear):
 # ---- the transform -------------------------------------------------------------------------------
 
 
-def apply_tp(model: nn.Module, plan: TPPlan, comm: Comm) -> nn.Module:
+def apply_tp(model: TargetModel, plan: TPPlan, comm: Comm) -> TargetModel:
     """Replace `model`'s (a TargetModel, on meta or loaded in full) modules by this rank's shards.
     A loaded model's weights are sliced (`shard_tensor`); a meta model keeps meta shards for
     `load_state_dict(assign=True)` to fill. Returns the model."""
@@ -160,7 +163,7 @@ def apply_tp(model: nn.Module, plan: TPPlan, comm: Comm) -> nn.Module:
     first = model.model.embed_tokens.weight
     meta = first.is_meta  # new modules are built on meta; a loaded model's slices are assigned
 
-    for layer in model.model.layers:
+    for layer in cast("list[DecoderLayer]", model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.num_heads, attn.num_kv_heads = plan.num_heads, plan.num_kv_heads
         q, kv = plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim
@@ -175,13 +178,13 @@ def apply_tp(model: nn.Module, plan: TPPlan, comm: Comm) -> nn.Module:
         model.model.embed_tokens = VocabParallelEmbedding(plan.vocab_rows, cfg.hidden_size, plan.vocab_start, comm)
         model.lm_head = VocabParallelHead(cfg.hidden_size, plan, comm)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = cast(nn.Parameter, model.model.embed_tokens.weight)
     if not meta:
         state = {k: shard_tensor(k, v, plan).clone() for k, v in full.items()}
         model.load_state_dict(state, strict=True, assign=True)
         if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-    model.tp_plan = plan
+            model.lm_head.weight = cast(nn.Parameter, model.model.embed_tokens.weight)
+    object.__setattr__(model, "tp_plan", plan)  # a plain attribute (nn.Module's setattr is typed for tensors)
     return model
 
 

@@ -20,6 +20,7 @@ from typing import ContextManager, Protocol
 import grpc
 import torch
 
+from services.engine.roles import FeatureKind
 from services.engine.verifier import PrefillResult, VerifyResult
 from services.rpc import codec
 from services.rpc.channel import open_channel
@@ -94,7 +95,7 @@ class VerifierClient(ServiceClient):
         super().__init__(address, max_message_bytes, timeout_s, security)
         self.stub = verifier_grpc.VerifierStub(self.channel)
 
-    def for_sequence(self, feature_kind: str, phases: Phases = NO_PHASES) -> RemoteVerifier:
+    def for_sequence(self, feature_kind: FeatureKind, phases: Phases = NO_PHASES) -> RemoteVerifier:
         return RemoteVerifier(self, feature_kind, phases)
 
 
@@ -112,11 +113,13 @@ class DrafterClient(ServiceClient):
 class RemoteVerifier:
     """The verifier role over gRPC (see services.engine.roles.VerifierRole)."""
 
-    def __init__(self, client: VerifierClient, feature_kind: str, phases: Phases) -> None:
+    def __init__(self, client: VerifierClient, feature_kind: FeatureKind, phases: Phases) -> None:
         self.client = client
         self.feature_kind = feature_kind
         self.phases = phases
-        self.vocab_size = int(client.info().vocab_size)
+        info = client.info()
+        self.vocab_size = int(info.vocab_size)
+        self.prefill_chunk = int(info.prefill_chunk)  # rows per prefill call (0 = the whole prompt in one)
         self._kept = 0  # Decode calls since the last Verify that kept their row's features there
         self._logprobs: TokenLogprobs | None = None  # the latest call's (sampling.logprobs set)
 
@@ -126,12 +129,16 @@ class RemoteVerifier:
         return out
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
-                rebuild: bool = False) -> PrefillResult:
+                rebuild: bool = False, offset: int = 0, prompt_tokens: int = 0) -> PrefillResult:
         """`rebuild`: prompt + committed tokens of an admitted sequence (a fail-over), not bounded by
-        the verifier's max_prompt_tokens."""
+        the verifier's max_prompt_tokens. A chunk (coordinator/prefill.py): prompt [c] holds rows
+        [offset, offset + c) of a `prompt_tokens`-row prompt (0 = `prompt` is all of it); its own
+        deadline; first_token is -1 until the last chunk; features [c, F] of these rows only."""
+        more = bool(prompt_tokens) and offset + len(prompt) < prompt_tokens
         request = vpb.VerifierPrefillRequest(
             sequence_id=seq_id, prompt_ids=prompt.tolist(), sampling=codec.encode_sampling(sampling),
-            capacity=capacity, feature_kind=codec.WIRE_FEATURE_KINDS[self.feature_kind], rebuild=rebuild)
+            capacity=capacity, feature_kind=codec.WIRE_FEATURE_KINDS[self.feature_kind], rebuild=rebuild,
+            offset=offset, more=more, prompt_tokens=prompt_tokens)
         rows = 0 if self.feature_kind == "none" else len(prompt)  # plain decoding gets no features
         features = codec.TensorAssembler("features", shape=(rows, None))
         first_token = None
@@ -188,7 +195,7 @@ class RemoteDrafter:
         self._round: dict[str, int] = {}  # the round the latest tree is for
 
     @property
-    def feature_kind(self) -> str:
+    def feature_kind(self) -> FeatureKind:
         return self._feature_kind
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:

@@ -19,14 +19,15 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from services.engine.engine import GenerationRequest, RoundStats
+from services.engine.roles import FeatureKind
 from services.engine.verifier import VerifyResult
 from services.errors import InvalidRequest
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import verifier as vpb
+from services.spec.cost import CostCurve
 from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
-from services.spec.budget import CostCurve
 from services.spec.tree import DraftTree, TreeParams, ancestors
 from services.spec.verify import Acceptance
 
@@ -37,7 +38,7 @@ DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_INT64: torch.int64, pb.DTYPE_INT32: torch.int32, pb.DTYPE_BOOL: torch.bool,
 }
 WIRE_DTYPES = {v: k for k, v in DTYPES.items()}
-FEATURE_KINDS = {pb.FEATURE_KIND_HIDDEN: "hidden", pb.FEATURE_KIND_TAPS: "taps", pb.FEATURE_KIND_NONE: "none"}
+FEATURE_KINDS: dict[int, FeatureKind] = {pb.FEATURE_KIND_HIDDEN: "hidden", pb.FEATURE_KIND_TAPS: "taps", pb.FEATURE_KIND_NONE: "none"}
 WIRE_FEATURE_KINDS = {v: k for k, v in FEATURE_KINDS.items()}
 SEQUENCE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_TREE_NODES = 4096  # far above any useful tree (EAGLE-2 uses 60); bounds the [N, N] mask
@@ -223,7 +224,7 @@ def decode_logprobs(msg: pb.TokenLogprobs, tokens: Sequence[int]) -> TokenLogpro
 
 
 def encode_tree_params(t: TreeParams) -> pb.TreeParams:
-    msg = pb.TreeParams(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens)
+    msg = pb.TreeParams(top_k=t.top_k, depth=t.depth, size=t.size, total_tokens=t.size)  # (deprecated copy)
     if t.stop_logprob > float("-inf"):
         msg.stop_logprob = t.stop_logprob
     return msg
@@ -232,7 +233,7 @@ def encode_tree_params(t: TreeParams) -> pb.TreeParams:
 def decode_tree_params(msg: pb.TreeParams) -> TreeParams:
     """Raises InvalidRequest naming the bad field (TreeParams checks every value)."""
     stop = msg.stop_logprob if msg.HasField("stop_logprob") else float("-inf")
-    return TreeParams(msg.top_k, msg.depth, msg.total_tokens, stop)
+    return TreeParams(msg.top_k, msg.depth, msg.size or msg.total_tokens, stop)  # (an older peer: total_tokens)
 
 
 def encode_cost(curve: CostCurve) -> pb.CostCurve:
@@ -253,29 +254,26 @@ def decode_budget(vinfo, dinfo, retrieval: bool):
     """The coordinator's budget from the services' GetInfo: t_verify from the verifier, t_draft and
     the head's prior from the drafter, its largest (or fixed) shape. Services that report no cost
     curves (built without calibration) give the drafter's shape every round, as before."""
-    from dataclasses import replace
-
-    from services.spec.budget import CostModel, build_budget
+    from services.spec.budget import NOMINAL_COSTS, build_budget
+    from services.spec.cost import ZERO, CostModel
 
     verify = decode_cost(vinfo.verify_cost, "verifier verify_cost")
     if dinfo is None:
         if not retrieval:
             return None
-        nominal = CostCurve((1, 2), (1.0, 2.0))
-        return build_budget(CostModel(verify or nominal), None, None, eagle=False, retrieval=True)
+        return build_budget(CostModel(verify) if verify else None, None, None, eagle=False, retrieval=True)
     tree = decode_tree_params(dinfo.tree)
     head = decode_cost(dinfo.head_cost, "drafter head_cost")
     logits = decode_cost(dinfo.logits_cost, "drafter logits_cost")
     if dinfo.fixed_tree or verify is None or head is None or logits is None:
-        costs = CostModel(verify or CostCurve((1, 2), (1.0, 2.0)), head or CostCurve((1,), (0.0,)),
-                          logits or CostCurve((1,), (0.0,)))
+        costs = CostModel(verify or NOMINAL_COSTS.verify, head or ZERO, logits or ZERO)
         return build_budget(costs, None, tree, eagle=True, retrieval=retrieval)
     report = {"top1_agreement": dinfo.top1_agreement} if dinfo.top1_agreement > 0 else None
-    budget = build_budget(CostModel(verify, head, logits), report, None, eagle=True, retrieval=retrieval)
-    return replace(budget, largest=tree)  # the drafter's KV is sized for its own largest shape
+    # the drafter's KV is sized for its own largest shape
+    return build_budget(CostModel(verify, head, logits), report, None, eagle=True, retrieval=retrieval, largest=tree)
 
 
-def feature_kind(value: int) -> str:
+def feature_kind(value: int) -> FeatureKind:
     try:
         return FEATURE_KINDS[value]
     except KeyError:
@@ -332,7 +330,8 @@ def decode_tree(msg: pb.DraftTree, vocab_size: int, max_nodes: int = MAX_TREE_NO
 
 def encode_verify_result(res: VerifyResult) -> vpb.VerifyResponse:
     acc = res.acceptance
-    return vpb.VerifyResponse(path=acc.path, accept_length=acc.accept_length, nodes=acc.nodes.tolist(),
+    return vpb.VerifyResponse(path=acc.path, accepted=acc.accepted, accept_length=acc.accepted,  # (deprecated copy)
+                              nodes=acc.nodes.tolist(),
                               tokens=acc.tokens.tolist(), bonus=acc.bonus, features=encode_tensor(res.features))
 
 
@@ -340,11 +339,11 @@ def decode_verify_result(msg: vpb.VerifyResponse, with_features: bool = True, ke
     """`with_features` False for a sequence whose drafter consumes none (feature kind "none");
     `kept`: rows that Decode calls kept on the verifier since the previous Verify (their features
     come first)."""
-    m = msg.accept_length
+    m = msg.accepted or msg.accept_length  # (an older verifier fills only the deprecated field)
     if len(msg.nodes) != m + 1 or len(msg.tokens) != m + 1:
         raise InvalidRequest(f"verify result has {len(msg.nodes)} nodes and {len(msg.tokens)} tokens for "
-                             f"accept_length {m}")
-    acc = Acceptance(path=msg.path, accept_length=m, nodes=torch.tensor(list(msg.nodes), dtype=torch.long),
+                             f"accepted {m}")
+    acc = Acceptance(path=msg.path, accepted=m, nodes=torch.tensor(list(msg.nodes), dtype=torch.long),
                      tokens=torch.tensor(list(msg.tokens), dtype=torch.long), bonus=msg.bonus)
     return VerifyResult(acc, decode_tensor(msg.features, "features",
                                            shape=(kept + m + 1 if with_features else 0, None)))

@@ -2,7 +2,7 @@
 same output either way:
 
     session = connect("127.0.0.1:50051", target=None)
-    for step in session.engine.generate(GenerationRequest(...)):   # StepOutput per committed round
+    for out in session.engine.generate(GenerationRequest(...)):    # RoundOutput per committed round
         ...
 
 The tokenizer is the served target's (GetInfo names it; `connect` refuses a --target that names
@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from services.engine.engine import GenerationRequest, StepOutput
+from services.engine.engine import GenerationRequest, RoundOutput
 from services.errors import AerieError, InvalidRequest
 from services.rpc import codec
 from services.rpc.channel import open_channel
@@ -71,8 +71,8 @@ class RemoteEngine:
     def __init__(self, session: RemoteSession) -> None:
         self._session = session
 
-    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[StepOutput]:
-        """One continuous stream of the sequence's StepOutputs. When the stream breaks with
+    def generate(self, req: GenerationRequest, seq_id: str | None = None) -> Iterator[RoundOutput]:
+        """One continuous stream of the sequence's RoundOutputs. When the stream breaks with
         UNAVAILABLE after the sequence id is known (a coordinator that drains or dies), it calls
         Resume(sequence_id, from_token_index=<tokens received>) on the next address (backoff 0.2 s
         doubling to 2 s, for up to `session.resume_s` per outage), so no token is missed or repeated.
@@ -98,9 +98,9 @@ class RemoteEngine:
                             s.resumed_at.append((s.address, outage.from_index))
                             outage = None
                         received += len(msg.tokens)
-                        yield StepOutput(list(msg.tokens), codec.decode_stats(msg.stats), msg.finish_reason or None,
-                                         codec.decode_logprobs(msg.logprobs, msg.tokens)
-                                         if msg.HasField("logprobs") else None)
+                        yield RoundOutput(list(msg.tokens), codec.decode_stats(msg.stats), msg.finish_reason or None,
+                                          codec.decode_logprobs(msg.logprobs, msg.tokens)
+                                          if msg.HasField("logprobs") else None)
                     if outage is not None:  # a Resume stream that ended at once: the sequence had ended
                         s.resumed_at.append((s.address, outage.from_index))
                     return
@@ -234,7 +234,9 @@ def served_tokenizer_source(target: str | None, served: str, address: str) -> st
             raise InvalidRequest(f"--target {target} is not the target the pipeline at {address} serves "
                                  f"({served}, from its GetInfo): leave --target out or name that model")
         return target
-    if Path(served).expanduser().exists():  # `aerie up`, or a cluster sharing the file system
+    from services.model.hub import cached
+
+    if cached(served) is not None:  # `aerie up`, a cluster sharing the file system, a Hub id in the local cache
         return served
     try:
         default = find_default_gguf()

@@ -20,21 +20,22 @@ log = logging.getLogger("aerie.reaper")
 class IdleSequences:
     """Last-use time of each sequence a service holds (thread-safe)."""
 
-    def __init__(self, idle_ttl_s: float) -> None:
+    def __init__(self, idle_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.idle_ttl_s = idle_ttl_s
+        self.clock = clock  # seconds; tests set a manual clock so that idleness does not follow the load
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def touch(self, seq_id: str) -> None:
         with self._lock:
-            self._seen[seq_id] = time.monotonic()
+            self._seen[seq_id] = self.clock()
 
     def forget(self, seq_id: str) -> None:
         with self._lock:
             self._seen.pop(seq_id, None)
 
     def expired(self, now: float | None = None) -> list[str]:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         with self._lock:
             return [s for s, t in self._seen.items() if now - t > self.idle_ttl_s]
 

@@ -58,6 +58,9 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise ConfigError(f"cannot read {what} ({e.strerror})") from None
 
 
+MIN_TOKEN_CHARS = 16  # an API token shorter than this is refused (guessable)
+
+
 def parse_tokens(text: str) -> dict[str, str]:
     """`identity token` per line (# comments, blank lines) -> {token: identity}."""
     out: dict[str, str] = {}
@@ -69,8 +72,9 @@ def parse_tokens(text: str) -> dict[str, str]:
         if len(parts) != 2:
             raise ConfigError(f"API tokens file line {n}: expected 'identity token'")
         identity, token = parts
-        if len(token) < 16:
-            raise ConfigError(f"API tokens file line {n}: the token of {identity!r} is shorter than 16 characters")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"API tokens file line {n}: the token of {identity!r} is shorter than "
+                              f"{MIN_TOKEN_CHARS} characters")
         out[token] = identity
     return out
 

@@ -27,12 +27,12 @@ class TokenLogprobs:
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
-    def head(self, n: int) -> "TokenLogprobs":
+    def head(self, n: int) -> TokenLogprobs:
         """The first n positions (a round cut by a stop token or the token budget)."""
         return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
 
     @staticmethod
-    def cat(parts: list["TokenLogprobs"]) -> "TokenLogprobs":
+    def cat(parts: list[TokenLogprobs]) -> TokenLogprobs:
         return TokenLogprobs(*(torch.cat([getattr(p, f) for p in parts])
                                for f in ("token_ids", "logprobs", "top_ids", "top_logprobs")))
 

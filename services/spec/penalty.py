@@ -52,6 +52,7 @@ class SeenTokens:
         if self.ids.numel():
             x[:, self.ids] = _penalized(x[:, self.ids], penalty)
         if tokens is not None:
+            assert ancestors is not None, "a tree's tokens need its ancestors mask"
             tokens = tokens.to(self.mask.device)
             n = tokens.shape[0]
             index = tokens[None].expand(n, -1)  # [N, N]: column tokens[j] in every row

@@ -14,7 +14,7 @@ Phases (same names as the reference where it has them):
                (one position per level), takes `top_k` children per node and keeps the global best
                `top_k` by cumulative draft log-probability. Tree rows are appended to the draft KV
                and dropped afterwards: the draft KV keeps only committed rows.
-  3. `rerank`  keeps the `total_tokens - 1` best of all K + D*K^2 candidates (expanded or not),
+  3. `rerank`  keeps the `size - 1` best of all K + D*K^2 candidates (expanded or not),
                in flat-index order so parents precede children, and builds mask, depths, paths.
 
 Dynamic depth (the DDD/SVIP idea; `TreeParams.stop_logprob`, chosen by services/spec/budget.py):
@@ -48,7 +48,7 @@ from services.model.kv_cache import KVCache
 class TreeParams:
     top_k: int = 10  # children per expanded node and beam width per level
     depth: int = 5  # expansion steps; the deepest draft node is at depth `depth + 1` (0: one level)
-    total_tokens: int = 60  # nodes kept, root included
+    size: int = 60  # the tree size: nodes kept, root included (the reference's total_tokens; --tree-tokens)
     stop_logprob: float = float("-inf")  # dynamic depth: no level / node below this cumulative log-prob
 
     def __post_init__(self) -> None:
@@ -58,11 +58,11 @@ class TreeParams:
             raise InvalidRequest(f"tree_depth must be >= 0; got {self.depth}")
         if self.stop_logprob != self.stop_logprob or self.stop_logprob > 0:
             raise InvalidRequest(f"stop_logprob must be a log-probability (<= 0); got {self.stop_logprob}")
-        if self.total_tokens < 2:
-            raise InvalidRequest(f"tree_tokens must be >= 2 (root + one draft); got {self.total_tokens}")
-        if self.total_tokens - 1 > self.num_candidates:
+        if self.size < 2:
+            raise InvalidRequest(f"tree_tokens must be >= 2 (root + one draft); got {self.size}")
+        if self.size - 1 > self.num_candidates:
             raise InvalidRequest(
-                f"tree_tokens={self.total_tokens} needs more than the {self.num_candidates} candidates "
+                f"tree_tokens={self.size} needs more than the {self.num_candidates} candidates "
                 f"(top_k + depth * top_k^2) that tree_top_k={self.top_k}, tree_depth={self.depth} "
                 f"produce; lower tree_tokens or raise tree_top_k / tree_depth")
 
@@ -76,18 +76,18 @@ class TreeParams:
         return self.depth * self.top_k
 
     @staticmethod
-    def from_flags(top_k: int | None, depth: int | None, total_tokens: int | None) -> "TreeParams | None":
+    def from_flags(top_k: int | None, depth: int | None, size: int | None) -> "TreeParams | None":
         """--tree-* flags -> a fixed shape, or None (auto budget) when none is given; a missing one
         takes the class default."""
-        if top_k is None and depth is None and total_tokens is None:
+        if top_k is None and depth is None and size is None:
             return None
         d = TreeParams()
         return TreeParams(d.top_k if top_k is None else top_k, d.depth if depth is None else depth,
-                          d.total_tokens if total_tokens is None else total_tokens)
+                          d.size if size is None else size)
 
     def covers(self, other: "TreeParams") -> bool:
         """True if a KV sized for this shape holds `other`'s expansion and tree."""
-        return other.draft_rows <= self.draft_rows and other.total_tokens <= self.total_tokens
+        return other.draft_rows <= self.draft_rows and other.size <= self.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class Candidates:
 
 @dataclass(frozen=True, slots=True)
 class DraftTree:
-    tokens: torch.Tensor  # [N] int64 target ids; node 0 is the root; N = total_tokens
+    tokens: torch.Tensor  # [N] int64 target ids; node 0 is the root; N = TreeParams.size
     parents: torch.Tensor  # [N] int64 parent node index; -1 for the root
     depths: torch.Tensor  # [N] int64; root 0 (the reference's tree_position_ids)
     mask: torch.Tensor  # [N, N] bool: mask[i, j] = node j is node i or an ancestor of it
@@ -262,15 +262,15 @@ def expand_many(head: DraftHead, caches: list[KVCache], lasts: list[torch.Tensor
 
 
 def rerank(cand: Candidates, root: int, params: TreeParams, sort_paths: bool) -> DraftTree:
-    """Keep the best `total_tokens - 1` candidates and build the tree around `root`.
+    """Keep the best `size - 1` candidates and build the tree around `root`.
 
     `sort_paths` (sampling) orders paths lexicographically by node index with -1 last, so siblings
     are tried in descending draft probability; greedy keeps leaf order.
 
-    Worked example (eagle.md; K=2, D=2, total_tokens=6, root 16):
+    Worked example (eagle.md; K=2, D=2, size=6, root 16):
         tokens [16, 18, 0, 24, 16, 24], depths [0, 1, 1, 2, 2, 2],
         paths [[0,1,3],[0,1,4],[0,2,5]], mask rows 100000/110000/101000/110100/110010/101001."""
-    k, m = params.top_k, params.total_tokens - 1
+    k, m = params.top_k, params.size - 1
     device = cand.scores.device
     if params.stop_logprob > float("-inf"):  # dynamic depth: drop nodes unlikely to pay (keep one)
         m = max(1, min(m, int((cand.scores >= params.stop_logprob).sum())))

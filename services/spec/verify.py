@@ -2,9 +2,13 @@
 
 Vocabulary:
   * accepted token   a draft node on the chosen path that the target also produces.
-  * accept_length    m, the number of accepted draft tokens (root excluded); a round commits the
+  * accepted         m, the number of accepted draft tokens (root excluded); a round commits the
                      root and the m accepted tokens to the target KV and emits m + 1 new tokens
                      (the m accepted ones and the bonus).
+  * accept_length    m + 1: the tokens one round (one target forward) commits, accepted drafts and
+                     the bonus; the EAGLE papers' acceptance length tau is its mean. 1 for a plain
+                     step. (Before this release `VerifyResponse.accept_length` on the wire was m:
+                     now `accepted`; see proto/aerie/v1/verifier.proto.)
   * bonus token      the target's own next token after the last accepted node: its argmax (greedy),
                      a draw from the residual when every child at the next level was rejected, or a
                      draw from the full processed distribution when the path ran out of children.
@@ -33,7 +37,7 @@ from services.spec.tree import DraftTree
 @dataclass(frozen=True, slots=True)
 class Acceptance:
     path: int  # the chosen row of tree.paths
-    accept_length: int  # m: accepted draft tokens, root excluded
+    accepted: int  # m: accepted draft tokens, root excluded
     nodes: torch.Tensor  # [m + 1] node indices: root, then the accepted nodes (on the host)
     tokens: torch.Tensor  # [m + 1] their token ids (on the host)
     bonus: int  # the target's next token after nodes[-1]
@@ -73,7 +77,7 @@ def accept_greedy_argmax(tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
     m, best_i = host[0], host[1]
     nodes = torch.tensor(host[2:3 + m], dtype=torch.long, device="cpu")
     tokens = torch.tensor(host[2 + width:3 + width + m], dtype=torch.long, device="cpu")
-    return Acceptance(path=best_i, accept_length=m, nodes=nodes, tokens=tokens, bonus=host[2 + 2 * width + m])
+    return Acceptance(path=best_i, accepted=m, nodes=nodes, tokens=tokens, bonus=host[2 + 2 * width + m])
 
 
 def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
@@ -116,7 +120,8 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
     nodes = paths[best][: m + 1]
     if not (adjusted and len(accepted) != width):
         p = target_probs(logits[nodes[-1]], params)
-    return Acceptance(path=best, accept_length=m, nodes=torch.tensor(nodes, dtype=torch.long, device="cpu"),
+    assert p is not None  # adjusted: the loop set it
+    return Acceptance(path=best, accepted=m, nodes=torch.tensor(nodes, dtype=torch.long, device="cpu"),
                       tokens=torch.tensor(accepted, dtype=torch.long, device="cpu"), bonus=sample(p, generator))
 
 

@@ -54,7 +54,7 @@ def measure(head_dir: str | Path, prompts: str | Path, target: str | None = None
 
     return {"prompts": str(prompts), "per_category": per_category, "limit": limit,
             "max_new_tokens": max_new_tokens, "target_dtype": "fp32", "torch_threads": torch.get_num_threads(),
-            "budget": "auto (cost model)" if tree is None else f"fixed {tree.total_tokens}/{tree.depth}/{tree.top_k}",
+            "budget": "auto (cost model)" if tree is None else f"fixed {tree.size}/{tree.depth}/{tree.top_k}",
             **row(s["methods"]["eagle"]),
             "categories": {c: row(ms["eagle"]) for c, ms in s["categories"].items()}}
 

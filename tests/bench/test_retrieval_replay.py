@@ -4,7 +4,9 @@ replay never beats the oracle, and the candidate list follows its ranking rule."
 import importlib.util
 from pathlib import Path
 
-from services.spec.budget import Budget, CostCurve, CostModel, prior_stats
+from services.spec.acceptance import prior_stats
+from services.spec.budget import Budget
+from services.spec.cost import CostCurve, CostModel
 
 spec = importlib.util.spec_from_file_location(
     "retrieval_replay", Path(__file__).resolve().parents[2] / "bench" / "retrieval_replay.py")

@@ -49,7 +49,8 @@ def commands() -> list[str]:
 
 
 def test_commands_are_registered():
-    assert commands() == ["bench", "coordinator", "draft-vocab", "drafter", "generate", "train-draft", "up", "verifier"]
+    assert commands() == ["bench", "coordinator", "draft-vocab", "drafter", "gateway", "generate", "serve", "train-draft",
+                          "up", "verifier"]
 
 
 @pytest.mark.parametrize("argv", [[]] + [[c] for c in commands()], ids=lambda a: " ".join(a) or "aerie")

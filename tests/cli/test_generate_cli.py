@@ -128,11 +128,12 @@ def test_bad_input_is_one_line_and_exit_2(dirs, capsys, argv, message):
 def test_missing_checkpoints(dirs, capsys, tmp_path):
     target, head, _ = dirs
     code, _, err = run_cli(capsys, "--target", tmp_path / "nope", "--prompt-ids", "1")
-    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    assert code == 3 and "does not exist" in err and err.count("\n") == 1  # exit code 3: model unavailable
     code, _, err = run_cli(capsys, "--target", target, "--draft", tmp_path, "--prompt-ids", "1")
     assert code == 2 and "no config.json" in err
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_console_script_exit_code(dirs):
     target, _, _ = dirs
     proc = subprocess.run([sys.executable, "-m", "aerie_cli", "generate", "--target", str(target),

@@ -178,7 +178,9 @@ def test_one_address_is_retried_until_a_new_coordinator_serves_there(pipeline, c
 def test_an_in_process_drain_is_resumed_by_aerie_generate(pipeline, model_dirs, redis_url, capsys):
     """`aerie generate --coordinator A,B`: A drains mid-stream (the hand-over that SIGTERM runs, here
     called in process), the CLI prints the undisturbed tokens and a note on stderr."""
-    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=0.6)
+    # a 30 s lease: a live stream is never taken over because a loaded machine delayed a renewal, and
+    # the hand-over (not an expiry) is what lets the other coordinator claim it
+    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=30.0)
     req = GenerationRequest(PROMPT, NEW_TOKENS, SamplingParams(), ignore_eos=True)
     expected = expected_tokens(model_dirs, req)
     store = pipeline.coordinator.store

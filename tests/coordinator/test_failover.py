@@ -14,10 +14,9 @@ import pytest
 from drafter_svc.server import create_server as create_drafter
 from services.engine.engine import GenerationRequest
 from services.rpc import codec
-from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.spec.sampling import SamplingParams
-from tests.pipeline import HOST, local_engine, local_run, start_pipeline, wait_until
+from tests.pipeline import local_engine, local_run, start_pipeline, wait_until
 
 PROMPT = (5, 17, 99, 3, 42, 8)
 
@@ -138,7 +137,7 @@ def test_no_drafter_left_plain_rounds_then_drafting_resumes(model_dirs, redis_ur
                     if client is not None:
                         pool.release(client)
                     return client is not None
-                wait_until(placeable, timeout=20)
+                wait_until(placeable)
                 gate.set()
                 events["up"] = i
 

@@ -7,8 +7,8 @@ chi-square test checks that, and fails a deliberately wrong rule (temperature an
 import torch
 from scipy import stats
 
-from coordinator.sequence_placement import root_tree
 from services.spec.sampling import SamplingParams, round_generator, sample, target_probs
+from services.spec.tree import root_tree
 from services.spec.verify import accept_sampling
 
 V = 6
@@ -40,6 +40,6 @@ def test_a_plain_round_draws_from_the_target_distribution():
     real = counts(lambda g: accept_sampling(tree, logits[None], params, g).bonus)
     assert pvalue(real, probs) > 1e-3
     # the accepted path is the root alone: the round commits exactly one token
-    assert accept_sampling(tree, logits[None], params, round_generator(0, 7)).accept_length == 0
+    assert accept_sampling(tree, logits[None], params, round_generator(0, 7)).accepted == 0
     wrong = counts(lambda g: sample(torch.softmax(logits, -1), g))  # temperature / top-p ignored
     assert pvalue(wrong, probs) < 1e-6

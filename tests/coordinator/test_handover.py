@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.sequence_store import LeaseLost, SequenceRecord
+from coordinator.sequence_store import LeaseLost, SequenceParams, SequenceRecord
 from services.engine.engine import GenerationRequest
 from services.rpc.coordinator_client import RemoteSession
 from services.rpc.stubs import common as pb
@@ -47,9 +47,8 @@ def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_
     # what a coordinator that died after round 4 leaves behind
     store = pipeline.coordinator.store
     seq_id = f"dead-{sampling.seed}-{int(sampling.greedy)}"
-    store.create(SequenceRecord(seq_id, PROMPT, {"max_new_tokens": 60, "temperature": sampling.temperature,
-                                                 "top_p": sampling.top_p, "top_k": sampling.top_k,
-                                                 "stop_token_ids": [], "ignore_eos": True},
+    store.create(SequenceRecord(seq_id, PROMPT, SequenceParams(60, sampling.temperature, sampling.top_p, sampling.top_k,
+                                                               ignore_eos=True),
                                 sampling.seed, "gone:1", "gone:2", owner="dead-coordinator"))
     for s in steps[:5]:
         store.commit(seq_id, s.stats.index, s.tokens, None, owner="dead-coordinator")
@@ -57,7 +56,7 @@ def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_
     t0 = time.monotonic()
     tokens, reason = resume(pipeline, seq_id, len(seen))
     assert seen + tokens == expected and reason == "length"
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120  # no hang (a bound for a failing test: load makes it slow, not wrong)
     state = store.get(seq_id)
     assert state.owner == pipeline.coordinator.sequences.owner and state.tokens == expected
     assert state.verifier == pipeline.addresses["verifier"]  # the new placement is recorded
@@ -68,7 +67,7 @@ def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_
 
 def test_commits_are_fenced_by_the_lease(pipeline):
     store = pipeline.coordinator.store
-    store.create(SequenceRecord("fenced-1", PROMPT, {"max_new_tokens": 9}, 0, "", "v:1", owner="a"))
+    store.create(SequenceRecord("fenced-1", PROMPT, SequenceParams(9, 0.0, 1.0, 0), 0, "", "v:1", owner="a"))
     store.commit("fenced-1", 0, [1], None, owner="a")
     with pytest.raises(LeaseLost):
         store.commit("fenced-1", 1, [2], None, owner="b")  # a's lease is live
@@ -120,8 +119,7 @@ def test_a_take_over_before_the_prefill_commit_reuses_a_verifier_that_holds_the_
     store = pipeline.coordinator.store
     seq_id = "died-before-its-first-commit"
     address = pipeline.addresses["verifier"]
-    store.create(SequenceRecord(seq_id, PROMPT, {"max_new_tokens": 30, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                                                 "stop_token_ids": [], "ignore_eos": True},
+    store.create(SequenceRecord(seq_id, PROMPT, SequenceParams(30, 0.0, 1.0, 0, ignore_eos=True),
                                 0, "", address, owner="dead-coordinator"))
     client = next(c for c in pipeline.coordinator.sequences.verifiers.clients() if c.address == address)
     client.for_sequence("hidden").prefill(seq_id, torch.tensor(PROMPT), SamplingParams(), 64)  # the old KV
@@ -141,7 +139,9 @@ def test_a_draining_coordinator_hands_its_sequences_over(pipeline, model_dirs, r
     coordinator refuses new sequences."""
     import threading
 
-    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=0.6)
+    # a 30 s lease: a live stream is never taken over because a loaded machine delayed a renewal, and
+    # the hand-over (not an expiry) is what lets the other coordinator claim it
+    draining, address = pipeline.add_coordinator(redis_url, lease_ttl_s=30.0)
     req = GenerationRequest(PROMPT, 80, SamplingParams(0.8, 0.95, 0, 11), ignore_eos=True)
     expected = local_run(local_engine(model_dirs, draft_dtype="fp32"), req)[0]
     stub = coordinator_grpc.CoordinatorStub(pipeline.channel_to(address))

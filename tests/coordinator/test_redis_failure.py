@@ -90,16 +90,46 @@ def test_health_tracks_redis(pipeline, tmp_path):
     try:
         assert status() == serving and status("aerie.v1.Coordinator") == serving
         stop_process(proc)
-        wait_until(lambda: status() == not_serving and status("aerie.v1.Coordinator") == not_serving, 10)
+        wait_until(lambda: status() == not_serving and status("aerie.v1.Coordinator") == not_serving)
         with pytest.raises(grpc.RpcError) as e:  # and it cannot admit (Redis named)
             list(coordinator_grpc.CoordinatorStub(pipeline.channel_to(address)).Generate(
                 codec.encode_generation_request(GenerationRequest((1, 2, 3), 4), "health-down"), timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
         proc, _ = start_redis(tmp_path / "health", port, appendfsync="everysec")
-        wait_until(lambda: status() == serving and status("aerie.v1.Coordinator") == serving, 10)
+        wait_until(lambda: status() == serving and status("aerie.v1.Coordinator") == serving)
         msgs = list(coordinator_grpc.CoordinatorStub(pipeline.channel_to(address)).Generate(
             codec.encode_generation_request(GenerationRequest((1, 2, 3), 4), "health-back"), timeout=30))
         assert sum(len(m.tokens) for m in msgs) == 4 and msgs[-1].finish_reason == "length"
         assert coordinator.redis_watch.up is True
     finally:
+        stop_process(proc)
+
+
+def test_health_follows_a_stalled_redis(pipeline, tmp_path):
+    """A Redis that keeps its connections but answers nothing (SIGSTOP): health turns NOT_SERVING
+    after one bounded PING (AERIE_REDIS_PING_TIMEOUT_S), not after the store's own socket timeout and
+    retries (which outlast the 30 s waited here), and SERVING again once Redis answers (SIGCONT)."""
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from coordinator.redis_server import start_redis, stop_process
+
+    proc, url = start_redis(tmp_path / "stalled")
+    coordinator, address = pipeline.add_coordinator(url, redis_ping_timeout_s=0.5)
+    health = health_pb2_grpc.HealthStub(pipeline.channel_to(address))
+
+    def status():
+        return health.Check(health_pb2.HealthCheckRequest(service="aerie.v1.Coordinator"), timeout=10).status
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        wait_until(lambda: status() == serving, 30)
+        proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: status() == not_serving, 30)
+        assert coordinator.redis_watch.up is False
+        proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: status() == serving, 30)
+    finally:
+        proc.send_signal(signal.SIGCONT)
         stop_process(proc)

@@ -125,7 +125,7 @@ def test_a_text_sequence_survives_a_take_over(pipeline, tok):
     assert msgs[-1].finish_reason == "stop" and len(expected) == c + 1  # the stop completes just after the cut
     store = pipeline.coordinator.store
     params = store.get(msgs[0].sequence_id).params
-    assert params["stop"] == [stop] and params["skip_special_tokens"] is True
+    assert params.stop == (stop,) and params.skip_special_tokens is True
     seq_id = "text-dead-coordinator"
     store.create(SequenceRecord(seq_id, (5, 17, 9), params, 0, "gone:1", "gone:2", owner="dead-coordinator"))
     for m in ref_msgs[:3]:

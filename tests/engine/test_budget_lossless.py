@@ -8,7 +8,9 @@ import torch
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine, GenerationRequest
 from services.engine.verifier import Verifier
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, prior_stats
+from services.spec.acceptance import prior_stats
+from services.spec.budget import AUTO_LARGEST, Budget
+from services.spec.cost import CostCurve, CostModel
 from services.spec.sampling import SamplingParams
 from tests.helpers import VOCAB, hf_greedy
 

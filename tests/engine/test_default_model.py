@@ -5,13 +5,14 @@ equals plain greedy output token for token in fp32."""
 import json
 
 import pytest
-import torch
 
 from aerie_cli.main import main
 from services.engine.engine import GenerationRequest
 from services.engine.local import DEFAULT_HEAD, build_local_engine
 from services.spec.tree import TreeParams
 from services.train.data import chat_ids
+
+pytestmark = pytest.mark.slow  # docs/testing.md: loads the default model (SmolLM2-135M GGUF)
 
 
 @pytest.fixture(scope="module")

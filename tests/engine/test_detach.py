@@ -8,7 +8,6 @@ Real tiny models; the counts of calls show the detach really happens."""
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,8 +16,11 @@ from services.engine.batched import BatchedDrafter, BatchedVerifier
 from services.engine.batcher import BatchLimits
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine, GenerationRequest
-from services.engine.verifier import DecodeCall, PrefillCall, Verifier, VerifyCall
-from services.spec.budget import REALIZED_MAX, REALIZED_MIN, Budget, CostCurve, CostModel, LoadBoard, prior_stats
+from services.engine.verifier import DecodeCall, Verifier, VerifyCall
+from services.spec.acceptance import REALIZED_MAX, REALIZED_MIN, prior_stats
+from services.spec.budget import Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.spec.tree import TreeParams, root_tree
 from tests.helpers import VOCAB

@@ -31,7 +31,7 @@ from services.spec.sampling import SamplingParams, round_generator
 from services.spec.tree import TreeParams, build_tree
 from services.spec.verify import accept_greedy, accept_sampling
 
-TREE = TreeParams(top_k=3, depth=2, total_tokens=8)
+TREE = TreeParams(top_k=3, depth=2, size=8)
 
 
 def small_tree(device="cpu"):
@@ -46,8 +46,21 @@ def test_device_names():
         with pytest.raises(InvalidRequest, match="device must be cpu, cuda or cuda:N"):
             check_device(bad)
     assert default_dtype("cuda:0") == "bf16" and default_dtype("cpu") == "fp32"
-    if not torch.cuda.is_available():
-        assert resolve_device(None) in ("cpu", resolve_device(None))  # AERIE_DEVICE may say cpu
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_resolve_device_defaults_to_cuda_when_torch_sees_one(monkeypatch, gpus):
+    """Both branches on any machine: torch's view of the GPUs is stubbed (this test never touches one)."""
+    monkeypatch.delenv("AERIE_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_device(None) == ("cuda" if gpus else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    if gpus:
+        assert resolve_device("cuda:0") == "cuda:0"
+        with pytest.raises(InvalidRequest, match=r"'cuda:1' asked for, but torch sees 1 GPU"):
+            resolve_device("cuda:1")
+    else:
         with pytest.raises(InvalidRequest, match="torch sees no CUDA GPU"):
             resolve_device("cuda")
 
@@ -100,7 +113,7 @@ def test_greedy_acceptance_matches_on_a_moved_tree():
     logits = torch.randn(5, 16)
     logits[0, 7] = logits[1, 9] = logits[3, 2] = 100.0  # root -> 7 -> 9 accepted, bonus 2
     acc = accept_greedy(small_tree(), logits)
-    assert (acc.accept_length, acc.nodes.tolist(), acc.tokens.tolist(), acc.bonus) == (2, [0, 1, 3], [5, 7, 9], 2)
+    assert (acc.accepted, acc.nodes.tolist(), acc.tokens.tolist(), acc.bonus) == (2, [0, 1, 3], [5, 7, 9], 2)
     assert acc.nodes.device.type == "cpu" and acc.tokens.device.type == "cpu"
 
 

@@ -101,6 +101,7 @@ def test_restricted_vocab_keeps_the_d2t_convention(llama_pair, eagle3_pair):
     assert "vocab_proj.weight" not in h3.state_dict()  # derived at load, never saved
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_sampling_with_reduced_vocab_preserves_the_target_law(llama_pair):
     """Chi-square over the first two emitted tokens at temperature 1 with a K=8 draft."""
     _, target, head = llama_pair
@@ -152,7 +153,7 @@ def _chi_square_p(obs, joint, n) -> float:
 
 def test_int8_target_speculative_equals_int8_plain(llama_pair):
     """Opt-in int8 target on the tiny models: speculative == aerie's own int8 plain decoding. (On the
-    default model this does NOT hold on most prompts — README "Cheaper rounds": verify and decode take
+    default model this does NOT hold on most prompts — docs/design.md "Cheaper rounds": verify and decode take
     different fp32 paths whose tiny differences int8 rounding amplifies.)"""
     hf, target, head = llama_pair
     q = quantize_linears(copy.deepcopy(target))

@@ -34,7 +34,7 @@ def test_chat_equals_aerie_generate_in_process(client, capsys):
     assert "Paris" in text
     assert aerie_main(["generate", "--prompt", QUESTION, "--max-new-tokens", "12", "--dtype", "fp32",
                        "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth),
-                       "--tree-tokens", str(TREE.total_tokens), "--json"]) == 0
+                       "--tree-tokens", str(TREE.size), "--json"]) == 0
     local = json.loads(capsys.readouterr().out)
     assert text == local["text"] and r.usage.prompt_tokens == local["prompt_tokens"]
     assert r.usage.completion_tokens == len(local["tokens"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import re
-from pathlib import Path
 
 import pytest
 
@@ -54,7 +53,7 @@ NOT_SET_BY_CHART = {
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
     "AERIE_DRAFT_DTYPE": "drafter: the draft head's precision; default int8 (CPU)",
-    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default onednn (README, Cheaper rounds)",
+    "AERIE_WEIGHT_LAYOUT": "the linears' inference weight layout; default onednn (docs/design.md, Cheaper rounds)",
     # security (docs/security.md)
     "AERIE_API_TOKEN": "client side: the bearer token of `aerie generate --coordinator`",
     "AERIE_INTERNAL_TOKEN_FILE": "the chart passes the token itself from a Secret (AERIE_INTERNAL_TOKEN)",
@@ -113,6 +112,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_SEQUENCE_TTL_S": str(c["sequenceTtlSeconds"]),
             "AERIE_MAX_SEQUENCES": str(c["maxSequences"]),
             "AERIE_RPC_TIMEOUT_S": str(c["rpcTimeoutSeconds"]),
+            "AERIE_PREFILL_TRIES": str(c["prefillTries"]),
             "AERIE_RESOLVE_INTERVAL_S": str(c["resolveIntervalSeconds"]),
             "AERIE_RETRIEVAL": "1" if c["retrieval"] else "0",
             "AERIE_VERIFIER_WAIT_S": str(c["verifierWaitSeconds"]),
@@ -120,9 +120,14 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_LEASE_TTL_S": str(c["leaseTtlSeconds"]),
             "AERIE_FINISHED_TTL_S": str(c["finishedTtlSeconds"]),
             "AERIE_REDIS_RETRY_S": str(c["redisRetrySeconds"]),
+            "AERIE_REDIS_PING_TIMEOUT_S": str(c["redisPingTimeoutSeconds"]),
             "AERIE_DISCOVER": str(c["discoverRegistered"]),
             "AERIE_DISCOVER_INTERVAL_S": str(c["discoverIntervalSeconds"]),
             "AERIE_HTTP_PORT": str(c["httpPort"]),
+            "AERIE_HTTP_MAX_BODY_BYTES": str(c["http"]["maxBodyBytes"]),
+            "AERIE_HTTP_MAX_HEADER_BYTES": str(c["http"]["maxHeaderBytes"]),
+            "AERIE_HTTP_MAX_MESSAGES": str(c["http"]["maxMessages"]),
+            "AERIE_HTTP_MAX_CONNECTIONS_PER_PEER": str(c["http"]["maxConnectionsPerPeer"]),
             "AERIE_MAX_SEQUENCES_PER_CLIENT": str(c["maxSequencesPerClient"]),
             "AERIE_TOKENIZER": model_path(v, c["tokenizer"]) if c["tokenizer"] else None,
             "AERIE_SERVED_MODEL_NAME": c["servedModelName"] or None,
@@ -416,7 +421,7 @@ def test_models_are_mounted_read_only_and_never_downloaded(scale_render, externa
 def test_services_read_no_setting_the_chart_does_not_know(helm):
     """Every AERIE_* name in the service code is set by the chart (or listed in NOT_SET_BY_CHART)."""
     read: set[str] = set()
-    for top in ("services", "coordinator", "drafter_svc", "verifier_svc"):
+    for top in ("services", "coordinator", "drafter_svc", "verifier_svc", "gateway"):
         for f in (ROOT / top).rglob("*.py"):
             if "gen" in f.relative_to(ROOT).parts:
                 continue

@@ -33,6 +33,7 @@ def run_group(model_dir: Path, world: int, out: Path, layout: str = "both:2") ->
     return torch.load(out)
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 @pytest.mark.parametrize("spec,world", [("llama_gqa", 2), ("qwen2_bias", 2), ("tied_smollm2", 2),
                                         ("llama_gqa", 4)])
 def test_tp_equals_tp1(tiny, tmp_path, spec, world):

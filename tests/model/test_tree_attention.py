@@ -16,7 +16,7 @@ CANDIDATES = Candidates(
     tokens=torch.arange(10, 20),
     parents=torch.tensor([0, 1, 2, 3, 5]),  # per K-block: 1 + flat index of the parent, 0 = root
 )
-PARAMS = TreeParams(top_k=2, depth=2, total_tokens=7)
+PARAMS = TreeParams(top_k=2, depth=2, size=7)
 # by hand: nodes 1..6 = flat 0, 1, 2, 4, 6, 8 (ascending flat order, parents first)
 PATHS = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 1, 3, 5], [0, 2, 4, 6]]
 PARENTS = [-1, 0, 0, 1, 2, 3, 4]

@@ -62,7 +62,7 @@ def test_assembler_refuses_bad_streams():
 
 
 def tree() -> DraftTree:
-    # the worked example of services/spec/tree.py rerank: K=2, D=2, total_tokens=6, root 16
+    # the worked example of services/spec/tree.py rerank: K=2, D=2, size=6, root 16
     parents = torch.tensor([-1, 0, 0, 1, 1, 2])
     tokens = torch.tensor([16, 18, 0, 24, 16, 24])
     paths = torch.tensor([[0, 1, 3], [0, 1, 4], [0, 2, 5]])
@@ -120,3 +120,21 @@ def test_parameters():
         codec.sequence_id("bad id!")
     with pytest.raises(InvalidRequest, match="feature_kind must be HIDDEN, TAPS or NONE; got 0"):
         codec.feature_kind(0)
+
+
+def test_verify_result_carries_accepted_and_reads_an_older_verifiers_accept_length():
+    """`accepted` (m) is new; `accept_length` (m, deprecated on the verifier's wire) is still filled
+    for older coordinators and still read from older verifiers."""
+    from services.engine.verifier import VerifyResult
+    from services.rpc.stubs import verifier as vpb
+    from services.spec.verify import Acceptance
+
+    acc = Acceptance(path=1, accepted=2, nodes=torch.tensor([0, 1, 4]), tokens=torch.tensor([7, 8, 9]), bonus=5)
+    msg = codec.encode_verify_result(VerifyResult(acc, torch.zeros(3, 2)))
+    assert msg.accepted == msg.accept_length == 2
+    assert codec.decode_verify_result(msg).acceptance.accepted == 2
+    older = vpb.VerifyResponse(path=1, accept_length=2, nodes=[0, 1, 4], tokens=[7, 8, 9], bonus=5,
+                               features=codec.encode_tensor(torch.zeros(3, 2)))
+    assert codec.decode_verify_result(older).acceptance.accepted == 2
+    with pytest.raises(InvalidRequest, match="verify result has 3 nodes and 3 tokens for accepted 1"):
+        codec.decode_verify_result(vpb.VerifyResponse(accepted=1, nodes=[0, 1, 4], tokens=[7, 8, 9]))

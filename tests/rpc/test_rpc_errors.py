@@ -245,6 +245,7 @@ def test_verifier_past_its_deadline_fails_over_then_unavailable(pipeline, redis_
         pipeline.loop.run(rpc_server.drain(server, 0.5))
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_a_failing_sequence_does_not_disturb_others(pipeline, model_dirs):
     req = GenerationRequest((8, 6, 4), 80, SamplingParams(0.7, 0.9, 0, 21))
     result = {}

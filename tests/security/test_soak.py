@@ -106,7 +106,7 @@ def up(model_dirs, tmp_path):
            "AERIE_INTERNAL_TOKEN": INTERNAL}
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
-            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
+            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.size),
             "--draft-dtype", "fp32", "--port", "0", "--http-port", "0", "--state-file", str(state)]
     proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
                             env=env)

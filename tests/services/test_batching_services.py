@@ -41,7 +41,7 @@ def prefill(stub, seq_id: str, prompt: list[int]) -> int:
 def held(servicer):
     """Hold the servicer's model thread until the returned event is set."""
     gate = threading.Event()
-    servicer.batcher.exclusive(gate.wait, 30)
+    servicer.batcher.exclusive(gate.wait, 120)  # released by the test (120 s: a hang guard)
     return gate
 
 
@@ -119,9 +119,16 @@ def test_concurrent_sequences_through_the_coordinator_equal_batch1(pipeline, mod
         s.close()
 
     pipeline.verifier.batcher.largest_batch = pipeline.drafter.batcher.largest_batch = 0
+    # both model threads held until two sequences' calls queue at each: the batches of >= 2 asserted
+    # below are made so, not left to how the threads happen to be scheduled
+    verifier_gate, drafter_gate = held(pipeline.verifier), held(pipeline.drafter)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(reqs))]
     for t in threads:
         t.start()
+    wait_until(lambda: pipeline.verifier.batcher.waiting >= 2)
+    verifier_gate.set()
+    wait_until(lambda: pipeline.drafter.batcher.waiting >= 2)
+    drafter_gate.set()
     for t in threads:
         t.join(180)
     for i, req in enumerate(reqs):
@@ -235,7 +242,7 @@ def test_an_adaptive_sequence_detaches_its_drafter_through_the_services(pipeline
     from drafter_svc.config import DrafterConfig
     from drafter_svc.server import create_server as create_drafter
     from drafter_svc.server import load_servicer as load_drafter
-    from services.spec.budget import CostCurve
+    from services.spec.cost import CostCurve
 
     config = DrafterConfig(pipeline.service, draft=str(model_dirs.head), target=str(model_dirs.target), dtype="fp32",
                            tree=None, max_sequences=4)

@@ -40,7 +40,7 @@ def test_auto_budget_with_retrieval_streams_what_the_in_process_engine_does(pipe
     """The coordinator's load board also charges the latencies it measures (draft and verify round
     trips), which the in-process engine has not got: with them, the stream is still the target's
     greedy one; with that measurement off, it is the in-process engine's round for round."""
-    from services.spec.budget import LoadBoard
+    from services.spec.load_board import LoadBoard
 
     hf = llama_pair[0]
     local = build_local_engine(str(model_dirs.target), f"{model_dirs.head}+sam", "fp32", None).engine

@@ -38,7 +38,7 @@ def start_up(model_dirs, tmp_path):
            "AERIE_DRAIN_S": "0.5"}
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
-            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens),
+            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.size),
             "--draft-dtype", "fp32", "--port", "0", "--http-port", "0", "--verifiers", "2", "--drafters", "2", "--coordinators", "2", "--state-file", str(state)]
     up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
                           env=env)

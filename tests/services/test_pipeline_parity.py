@@ -54,7 +54,7 @@ def test_stream_equals_in_process_engine(session, pipeline, reference, sampling)
         assert max(accepts) > 1  # speculation really happens
     state = pipeline.coordinator.store.get(session.sequence_id)
     assert state.tokens == tokens and state.status == "finished" and state.round == len(steps) - 1
-    assert state.prompt_ids == list(PROMPT) and state.params["temperature"] == sampling.temperature
+    assert state.prompt_ids == list(PROMPT) and state.params.temperature == sampling.temperature
 
 
 def test_four_concurrent_sequences(session, pipeline, reference):
@@ -138,7 +138,7 @@ def test_metrics_are_recorded(session):
 def test_get_info_names_what_the_pipeline_serves(session, model_dirs):
     info = session.get_info()
     assert info.target == model_dirs.target.name and info.draft == model_dirs.head.name  # names, never paths
-    assert (info.tree.top_k, info.tree.depth, info.tree.total_tokens) == (TREE.top_k, TREE.depth, TREE.total_tokens)
+    assert (info.tree.top_k, info.tree.depth, info.tree.size) == (TREE.top_k, TREE.depth, TREE.size)
     assert info.dtype == "float32" and info.vocab_size == 128
 
 

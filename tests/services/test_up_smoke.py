@@ -26,7 +26,7 @@ def alive(pid: int) -> bool:
 def test_up_then_generate_then_sigterm(model_dirs, capsys):
     env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING"}
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
-            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.total_tokens)]
+            "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.size)]
     up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv, "--port", "0", "--http-port", "0"],
                           stdout=subprocess.PIPE, text=True, env=env)
     lines = []

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.spec.budget import AUTO_LARGEST, Budget, CostCurve, CostModel, Load, LoadBoard, prior_stats, same_load
+import pytest
+
+from services.spec.acceptance import prior_stats
+from services.spec.budget import AUTO_LARGEST, Budget
+from services.spec.cost import CostCurve, CostModel
+from services.spec.load_board import Load, LoadBoard, same_load
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -18,7 +23,7 @@ def budget(board: LoadBoard | None, fixed: float = 1.0, per_row: float = 0.05) -
 
 
 def rows(plan) -> int:
-    return (plan.tree.total_tokens if plan.tree is not None else 1) + plan.chain
+    return (plan.tree.size if plan.tree is not None else 1) + plan.chain
 
 
 def test_alone_the_batch_budget_is_the_batch1_budget() -> None:
@@ -126,6 +131,7 @@ def test_a_measured_verify_latency_dilutes_the_cost_of_tree_rows() -> None:
     assert b.plan(flat(0.3, b), key="me").tree is not None
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_under_load_a_draft_must_beat_plain_by_the_margin() -> None:
     """With three plain neighbours: for each measured draft extra, the margin-0 chooser's best draft
     beats plain by some ratio; where that ratio is below 1.05 the default margin (0.05) keeps the
@@ -232,6 +238,7 @@ def test_an_unchanged_round_reuses_the_choice_and_a_changed_one_does_not() -> No
     assert not same_load(base, replace(base, sequences=4)) and not same_load(base, replace(base, draft_extra=0.02))
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_the_search_bound_never_changes_a_choice_and_skips_under_load(monkeypatch) -> None:
     """`_eagle_bound` lets `_choose` skip the tree search when no shape can beat plain: on random
     statistics, curves (not monotone) and loads the choice equals the full search's; under a
@@ -244,7 +251,6 @@ def test_the_search_bound_never_changes_a_choice_and_skips_under_load(monkeypatc
 
     rng = random.Random(7)
     full = lambda *a: math.inf  # noqa: E731 - the search always runs
-    skipped = 0
     for _ in range(300):
         base, per = rng.uniform(0.01, 0.1), rng.uniform(1e-4, 1e-2)
         costs = CostModel(CostCurve(ROWS, tuple(base + per * (r - 1) * rng.uniform(0.7, 1.3) for r in ROWS)),

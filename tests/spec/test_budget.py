@@ -1,5 +1,6 @@
 """The draft budget: expected accept lengths, EMA updates, the chooser on synthetic cost tables
-(it must pick the known best shape, plain decoding included), dynamic depth and the cost cache."""
+(it must pick the known best shape, plain decoding included), dynamic depth
+(the cost cache: tests/engine/test_calibration.py)."""
 
 import math
 from dataclasses import replace
@@ -8,17 +9,20 @@ import pytest
 import torch
 
 from services.errors import InvalidRequest
+from services.spec import acceptance as A
 from services.spec import budget as B
-from services.spec.budget import (AcceptanceStats, Budget, CostCurve, CostModel, RoundPlan, chain_accept, ema,
-                                  expected_accept, observe, observe_realized, prior_stats)
+from services.spec.acceptance import (AcceptanceStats, chain_accept, ema, expected_accept, observe, observe_realized,
+                                      prior_stats)
+from services.spec.budget import Budget, RoundPlan
+from services.spec.cost import CostCurve, CostModel
 from services.spec.tree import TreeParams, build_tree, expand, extend, grow_tree, rerank
 from tests.spec.test_tree import random_head
 
 
 def stats(a, c=(0.2,), s=0.5, conf=None) -> AcceptanceStats:
-    a = list(a) + [a[-1]] * (B.MAX_LEVELS - len(a))
-    c = list(c) + [c[-1]] * (B.MAX_RANK - 1 - len(c))
-    return AcceptanceStats(a, c, [s] * B.MAX_LEVELS, confidence=conf or a[0])
+    a = list(a) + [a[-1]] * (A.MAX_LEVELS - len(a))
+    c = list(c) + [c[-1]] * (A.MAX_RANK - 1 - len(c))
+    return AcceptanceStats(a, c, [s] * A.MAX_LEVELS, confidence=conf or a[0])
 
 
 def linear(per_row: float, base: float, rows=(1, 2, 4, 8, 16, 32, 64)) -> CostCurve:
@@ -36,9 +40,9 @@ def test_ema_and_prior():
     assert ema(0.2, 1.0, 0.15) == pytest.approx(0.32)
     assert ema(0.2, 0.0, 0.15) == pytest.approx(0.17)
     p = prior_stats({"top1_agreement": 0.6})
-    assert p.depth[0] == pytest.approx(0.6) and p.depth[1] == pytest.approx(0.6 * B.DEEPER_DECAY)
-    assert prior_stats(None).depth[0] == B.CONSERVATIVE_A
-    assert prior_stats({"nothing": 1}).depth[0] == B.CONSERVATIVE_A
+    assert p.depth[0] == pytest.approx(0.6) and p.depth[1] == pytest.approx(0.6 * A.DEEPER_DECAY)
+    assert prior_stats(None).depth[0] == A.CONSERVATIVE_A
+    assert prior_stats({"nothing": 1}).depth[0] == A.CONSERVATIVE_A
 
 
 def test_observe_updates_depth_rank_and_chain():
@@ -79,10 +83,10 @@ def test_chooser_picks_the_known_best_shape(case):
     elif case == "long_chain":  # nearly free verification up to 32 rows, siblings never accepted
         costs = CostModel(CostCurve((1, 32, 64), (1.0, 1.0, 2.0)), linear(0.01, 0.0), linear(0.0, 0.005))
         plan = Budget(costs).plan(stats([0.95], c=[0.0]))
-        assert (plan.tree.top_k, plan.tree.depth, plan.tree.total_tokens) == (1, 7, 9)
+        assert (plan.tree.top_k, plan.tree.depth, plan.tree.size) == (1, 7, 9)
     else:  # the top child is a coin flip, the runner-up is usually right: branch
         plan = Budget(FLAT_GPU).plan(stats([0.5], c=[0.8]))
-        assert plan.tree.top_k >= 2 and plan.tree.total_tokens > plan.tree.depth + 2
+        assert plan.tree.top_k >= 2 and plan.tree.size > plan.tree.depth + 2
 
 
 def test_realized_gain_scales_predictions_and_turns_an_overestimated_tree_plain():
@@ -99,10 +103,10 @@ def test_realized_gain_scales_predictions_and_turns_an_overestimated_tree_plain(
     assert s.realized == before
     for _ in range(100):
         observe_realized(s, plan, 3)  # 2 accepted against 0.6 predicted
-    assert s.realized == B.REALIZED_MAX
+    assert s.realized == A.REALIZED_MAX
     for _ in range(100):
         observe_realized(s, plan, 1)
-    assert s.realized == B.REALIZED_MIN
+    assert s.realized == A.REALIZED_MIN
     costs = CostModel(CostCurve((1, 2, 3, 64), (1.0, 1.1, 2.0, 50.0)), linear(0, 0.0), linear(0, 0.02))
     full = Budget(costs).plan(stats([0.6], c=[0.0]))
     assert full.tree is not None and full.head_gain == pytest.approx(0.6)
@@ -129,7 +133,7 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     s = stats([0.05])
     plans = [b.plan(s) for _ in range(8)]
     assert [p.drafts for p in plans] == [False, False, False, True] * 2
-    assert plans[3].tree.total_tokens == 2 and plans[3].chain == 0
+    assert plans[3].tree.size == 2 and plans[3].chain == 0
     # a probe after which the budget stays plain doubles the gap, up to probe_backoff x probe_every
     b = replace(b, probe_backoff=4)
     s = stats([0.05])
@@ -137,7 +141,7 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     assert probes == [3, 11, 27, 43 - 4][:3], probes  # gaps 4, 8, 16 (then 16: capped)
     assert [i for i in range(40, 80) if b.plan(s).drafts] == [43, 59, 75]
     # a drafting round resets the gap
-    s.depth = [0.95] * B.MAX_LEVELS
+    s.depth = [0.95] * A.MAX_LEVELS
     assert b.plan(s).drafts and s.probe_gap == 0 and s.idle_rounds == 0
     # a probe with a retrieved chain verifies its first PROBE_CHAIN tokens (not a 16-row verify)
     b = Budget(CostModel(linear(0.3, 1.0)), eagle=False, chain_limit=8, probe_every=2, probe_backoff=1)
@@ -147,7 +151,7 @@ def test_fixed_shape_is_kept_and_plain_rounds_probe():
     b = Budget(CostModel(linear(0.3, 1.0), linear(0, 0.05), linear(0, 0.05)), chain_limit=8, probe_every=2)
     s = stats([0.05], s=0.05)
     probe = [b.plan(s, chain=8) for _ in range(2)][-1]
-    assert probe.tree.total_tokens == 2 and probe.chain == B.PROBE_CHAIN
+    assert probe.tree.size == 2 and probe.chain == B.PROBE_CHAIN
 
 
 def test_stop_logprob_from_costs():
@@ -239,73 +243,3 @@ def test_bad_inputs_are_named():
 def test_cost_curve_interpolates():
     c = CostCurve((1, 4, 8), (1.0, 2.0, 4.0))
     assert [c(0), c(1), c(2.5), c(6), c(12)] == pytest.approx([1.0, 1.0, 1.5, 3.0, 6.0])
-
-
-def test_costs_are_cached_per_key_and_recalibrated_on_request(tmp_path, monkeypatch):
-    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path / "costs"))
-    monkeypatch.delenv("AERIE_RECALIBRATE", raising=False)
-    calls = []
-
-    def measure():
-        calls.append(1)
-        return {"n": len(calls)}
-
-    assert B.cached("k1", measure) == {"n": 1}
-    assert B.cached("k1", measure) == {"n": 1}
-    assert B.cached("k2", measure) == {"n": 2}
-    assert B.cached("k1", measure, recalibrate=True) == {"n": 3}
-    monkeypatch.setenv("AERIE_RECALIBRATE", "1")
-    assert B.cached("k1", measure) == {"n": 4}
-
-
-def test_calibration_measures_real_forwards(llama_pair, tmp_path, monkeypatch):
-    monkeypatch.setenv("AERIE_COST_DIR", str(tmp_path / "costs"))
-    _, target, head = llama_pair
-    verify = B.target_costs(target, "tiny")
-    layer, proj = B.head_costs(head, "tiny")
-    assert verify.rows == B.VERIFY_ROWS and all(s > 0 for s in verify.seconds)
-    assert layer.rows == B.HEAD_ROWS and all(s > 0 for s in proj.seconds)
-    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
-
-
-def test_time_calls_interleaves_repeats_so_a_load_burst_does_not_step_the_curve():
-    """A burst (another process) slows 6 consecutive calls: timed one row count after another,
-    all of row 2's calls would fall in it (t(2) >= 20 ms); interleaved, each row keeps clean repeats."""
-    import time as _t
-
-    base, calls = {1: 0.0, 2: 0.001, 4: 0.002}, [0]
-
-    def fn(r):
-        _t.sleep(base[r] + (0.02 if 6 <= calls[0] < 12 else 0.0))
-        calls[0] += 1
-
-    curve = B.time_calls(fn, (1, 2, 4), repeats=5)
-    assert calls[0] == 3 * 6
-    assert curve.seconds[1] < 0.01 and curve.seconds[2] < 0.012
-
-
-def test_time_calls_takes_the_fastest_and_is_made_non_decreasing():
-    delays = {1: [0.0] * 6, 2: [0.004] * 5 + [0.02], 4: [0.001] * 6}
-    import time as _t
-
-    curve = B.time_calls(lambda r: _t.sleep(delays[r].pop()), (1, 2, 4), repeats=5)
-    assert curve.seconds[1] >= 0.004 and curve.seconds[2] == curve.seconds[1]
-
-
-def test_a_head_replaced_in_place_by_another_shape_gets_its_own_calibration(tmp_path, llama_pair, eagle3_pair):
-    """The head's cost key names its shape (config and weight-file sizes), not only its path: the
-    default head's directory held an EAGLE-2 head and now holds an EAGLE-3 one."""
-    import shutil
-
-    from services.engine.local import checkpoint_shape_id
-    from services.model.head_checkpoint import save_head
-
-    save_head(llama_pair[2], tmp_path / "a")
-    save_head(eagle3_pair[2], tmp_path / "b")
-    before = checkpoint_shape_id(tmp_path / "a")
-    (tmp_path / "a" / "report.json").write_text('{"top1_agreement": 0.5}')
-    assert checkpoint_shape_id(tmp_path / "a") == before  # a report does not change the cost
-    shutil.rmtree(tmp_path / "a")
-    shutil.copytree(tmp_path / "b", tmp_path / "a")
-    assert checkpoint_shape_id(tmp_path / "a") != before
-    assert checkpoint_shape_id(tmp_path / "a") == checkpoint_shape_id(tmp_path / "b")

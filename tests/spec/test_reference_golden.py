@@ -91,6 +91,11 @@ def test_tree_builder_equals_reference_topK_genrate(case):
 
 @pytest.fixture(scope="module")
 def greedy_models():
+    return build_greedy_models()
+
+
+def build_greedy_models():
+    """(target, head) of the greedy golden case, fp32 on the CPU (tests/gpu moves them to CUDA)."""
     g = GOLDEN["greedy"]
     case = g["case"]
     assert rg.greedy_case_digest(case) == g["digest"], DIGEST_HINT

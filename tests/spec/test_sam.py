@@ -115,6 +115,7 @@ def first_three_merged(params, draw, wrong):
     return tuple(out[:3])
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_sampling_with_a_merged_chain_keeps_the_target_distribution(monkeypatch):
     monkeypatch.setattr(ts, "first_three", first_three_merged)
     params = SamplingParams(1.0, seed=7)

@@ -151,11 +151,13 @@ SETTINGS = [SamplingParams(1.0, seed=1), SamplingParams(0.8, top_p=0.95, seed=2)
 IDS = ["T=1", "T=0.8,top_p=0.95", "T=1,top_k=3", "T=1,min_p=0.2", "T=1,rep=1.8", "T=0.9,top_k=4,min_p=0.1,rep=1.5"]
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 @pytest.mark.parametrize("params", SETTINGS, ids=IDS)
 def test_rejection_sampling_preserves_the_target_distribution(params):
     assert chi_square_p(params, wrong=False) > 1e-3
 
 
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
 def test_the_test_detects_a_wrong_rule():
     assert chi_square_p(SETTINGS[0], wrong=True) < 1e-6
 

@@ -57,7 +57,7 @@ def test_tree_scores_equal_a_plain_run_along_each_path(params):
     cache = head.new_cache(100)
     tree = grow_tree(head, cache, feats, toks, params, sort_paths=False)
     assert cache.length == 6, "tree rows must not stay in the draft KV"
-    assert tree.size == params.total_tokens and tree.tokens[0] == toks[-1]
+    assert tree.size == params.size and tree.tokens[0] == toks[-1]
     for node in range(1, tree.size):
         path, n = [], node
         while n > 0:

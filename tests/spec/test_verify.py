@@ -25,21 +25,21 @@ def logits_with_argmax(per_node: list[int]) -> torch.Tensor:
 def test_perfect_match_accepts_the_whole_path():
     # target: after root -> 18, after 18 -> 16, after node 4 (16) -> 9
     acc = accept_greedy(tree(), logits_with_argmax([18, 16, 3, 3, 9, 3]))
-    assert acc.accept_length == 2 and acc.nodes.tolist() == [0, 1, 4]
+    assert acc.accepted == 2 and acc.nodes.tolist() == [0, 1, 4]
     assert acc.tokens.tolist() == [16, 18, 16] and acc.bonus == 9
     assert acc.new_tokens == [18, 16, 9]
 
 
 def test_early_mismatch_accepts_nothing_and_bonus_is_target_argmax():
     acc = accept_greedy(tree(), logits_with_argmax([30, 1, 1, 1, 1, 1]))
-    assert acc.accept_length == 0 and acc.nodes.tolist() == [0] and acc.bonus == 30
+    assert acc.accepted == 0 and acc.nodes.tolist() == [0] and acc.bonus == 30
     assert acc.new_tokens == [30]
 
 
 def test_second_sibling_accepted():
     # after root the target wants 0 (node 2), then 24 (node 5, a leaf): bonus from node 5's logits
     acc = accept_greedy(tree(), logits_with_argmax([0, 1, 24, 1, 1, 11]))
-    assert acc.nodes.tolist() == [0, 2, 5] and acc.bonus == 11 and acc.accept_length == 2
+    assert acc.nodes.tolist() == [0, 2, 5] and acc.bonus == 11 and acc.accepted == 2
 
 
 def test_partial_path_bonus_from_last_accepted_node():

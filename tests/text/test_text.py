@@ -8,6 +8,8 @@ import pytest
 from services.errors import CheckpointError
 from services.text import REPLACEMENT, IncrementalDetokenizer, load_tokenizer
 
+pytestmark = pytest.mark.slow  # docs/testing.md: loads the default model's tokenizer (~10 s)
+
 JAPANESE = "日本の首都は東京です。美しい桜が咲いています。"
 
 

@@ -111,7 +111,8 @@ def test_pipeline_writes_eagle3_head_with_draft_vocab_that_loads(tmp_path):
     assert report["data"]["train_answer_tokens"] > 0 and len(report["dev"]["top1"]) == 2
     # the budget's prior comes from the dev answers' position-1 agreement
     assert report["top1_agreement"] == report["dev"]["top1"][0]
-    from services.spec.budget import load_report, prior_stats
+    from services.engine.calibration import load_report
+    from services.spec.acceptance import prior_stats
     assert prior_stats(load_report(out)).depth[0] == pytest.approx(min(0.95, max(0.01, report["top1_agreement"])))
 
 

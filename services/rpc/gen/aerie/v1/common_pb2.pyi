@@ -82,16 +82,18 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., top_texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("top_k", "depth", "total_tokens", "stop_logprob")
+    __slots__ = ("top_k", "depth", "total_tokens", "size", "stop_logprob")
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     STOP_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     top_k: int
     depth: int
     total_tokens: int
+    size: int
     stop_logprob: float
-    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop_logprob: _Optional[float] = ...) -> None: ...
+    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., total_tokens: _Optional[int] = ..., size: _Optional[int] = ..., stop_logprob: _Optional[float] = ...) -> None: ...
 
 class CostCurve(_message.Message):
     __slots__ = ("rows", "seconds")

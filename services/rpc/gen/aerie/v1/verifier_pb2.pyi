@@ -8,20 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind", "rebuild")
+    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind", "rebuild", "offset", "more", "prompt_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FEATURE_KIND_FIELD_NUMBER: _ClassVar[int]
     REBUILD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     capacity: int
     feature_kind: _common_pb2.FeatureKind
     rebuild: bool
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., rebuild: _Optional[bool] = ...) -> None: ...
+    offset: int
+    more: bool
+    prompt_tokens: int
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., rebuild: _Optional[bool] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("first_token", "features", "logprobs")
@@ -44,9 +50,10 @@ class VerifyRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("path", "accept_length", "nodes", "tokens", "bonus", "features", "logprobs")
+    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -54,12 +61,13 @@ class VerifyResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     path: int
     accept_length: int
+    accepted: int
     nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     features: _common_pb2.Tensor
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "token", "keep_features")
@@ -82,7 +90,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens", "verify_cost")
+    __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens", "verify_cost", "prefill_chunk")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +100,7 @@ class VerifierInfo(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     target: str
     dtype: str
     vocab_size: int
@@ -101,4 +110,5 @@ class VerifierInfo(_message.Message):
     num_sequences: int
     max_prompt_tokens: int
     verify_cost: _common_pb2.CostCurve
-    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., num_sequences: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., verify_cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ...) -> None: ...
+    prefill_chunk: int
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., num_sequences: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., verify_cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every GPU check in one command, in a few minutes on an H100/H200: what to run first on a GPU machine.
+#   bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else gpu_check_out/)
+# 1. the GPU tests (pytest -m gpu: graphs == eager bit for bit, fp32 CUDA == CPU == transformers, the
+#    EAGLE reference fixture on CUDA, bf16 plain == transformers bf16, batched == alone, no host sync);
+# 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's.
+# Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. Uses the python that has torch
+# with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu_check_out}}
+PY=${PYTHON:-python3}
+SHAPES=${GPU_CHECK_SHAPES:-llama-3.1-8b smollm2-135m}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'transformers', transformers.__version__)"
+  git rev-parse HEAD 2>/dev/null; } | tee "$OUT_DIR/env.txt"
+timeout "${GPU_TEST_TIMEOUT:-300}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs 2>&1 \
+  | tee "$OUT_DIR/pytest.txt"
+tests_rc=${PIPESTATUS[0]}
+bench_rc=0
+for shape in $SHAPES; do
+  timeout "${GPU_BENCH_TIMEOUT:-240}" "$PY" -m aerie_cli bench --shape "$shape" --device cuda \
+    --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --json-out "$OUT_DIR/bench-$shape.json" 2>&1 | tee "$OUT_DIR/bench-$shape.txt"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc
+done
+echo "gpu_check: tests exit $tests_rc, bench exit $bench_rc (results in $OUT_DIR)"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

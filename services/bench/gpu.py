@@ -1,0 +1,452 @@
+"""The model-free device benchmark: random weights of a real model's shape, built on the device.
+
+    aerie bench --shape llama-3.1-8b --device cuda --json-out gpu.json
+
+In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`-token prompt:
+  floor           weight bytes read per decode step / measured device copy bandwidth
+  forward         one bare eager decode forward at KV length `prompt` (contiguous KV; the default
+                  attention backend and the pre-issue one, SDPA's own choice = cuDNN on Hopper)
+  kernels         device kernels (and copies) per decode forward, from torch.profiler
+  plain           ms/token of plain decoding through the engine: the pre-issue path (contiguous
+                  KV, SDPA), the paged static-shape path eagerly, and replayed from CUDA graphs
+  rounds          EAGLE rounds of fixed trees (60/5/10, 16/3/4, 8/7/1) through the engine with a
+                  random head of the matching shape: ms per round (draft + verify) in plain tokens
+  batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
+  hf              transformers' eager generate on the same shape: ms/token
+Random weights accept nothing, so rounds here measure cost, never speed-up. Every timing is a median
+of repeats after a warm-up, GPU work timed to its completion (synchronised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+SHAPES: dict[str, dict] = {
+    # name: Hugging Face config fields (LlamaConfig names)
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=1024,
+                 tie_word_embeddings=False),
+}
+TREES = {"60/5/10": (10, 5, 60), "16/3/4": (4, 3, 16), "chain 8/7/1": (1, 7, 8)}  # name: (top_k, depth, tokens)
+
+
+@dataclass
+class GpuBenchConfig:
+    shape: str = "llama-3.1-8b"
+    device: str = "cuda"
+    dtype: str = "bf16"
+    prompt: int = 512
+    tokens: int = 64  # decode tokens per measured generation
+    batches: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 20
+    hf: bool = True
+    legacy: bool = True  # also the pre-issue path (contiguous KV, SDPA's own kernel choice)
+
+
+def hf_config(shape: str):
+    from transformers import LlamaConfig
+
+    fields = dict(SHAPES[shape], rms_norm_eps=1e-5, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return LlamaConfig(**fields)
+
+
+def random_target(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """aerie's TargetModel of `shape` with N(0, 0.02) weights (norms 1), built on `device`."""
+    from services.model.config import ModelConfig
+    from services.model.target import TargetModel
+
+    cfg = ModelConfig.from_hf_dict(hf_config(shape).to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _fill(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def random_head(target, seed: int = 1):
+    """An EAGLE-2 head of the target's shape (one decoder layer) with random weights."""
+    from services.model.eagle_head import HeadConfig, build_head
+
+    c = target.config
+    cfg = HeadConfig("eagle", c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps,
+                     c.vocab_size, rope_theta=c.rope_theta)
+    with torch.device("meta"):
+        head = build_head(cfg, target.lm_head)
+    head = head.to_empty(device=target.device).to(target.dtype)  # the target's lm_head is held by reference
+    _fill(head, seed)
+    return head.eval().requires_grad_(False)
+
+
+def _fill(module: torch.nn.Module, seed: int, skip: tuple[str, ...] = ()) -> None:
+    g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if any(name.startswith(s) for s in skip):
+                continue
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    # rotary inv_freq is a non-persistent buffer computed at construction: on meta it has no values
+    for m in module.modules():
+        if type(m).__name__ == "Rotary":
+            _recompute_inv_freq(m, module)
+
+
+def _recompute_inv_freq(rotary, root) -> None:
+    from services.model.config import rope_inv_freq
+
+    cfg = getattr(root, "config", None)
+    if cfg is None:
+        return
+    if hasattr(cfg, "rope_scaling") and hasattr(cfg, "head_dim"):
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    else:
+        inv = rope_inv_freq(cfg.hidden_size // cfg.num_heads, cfg.rope_theta, cfg.rope_scaling)
+    rotary.inv_freq = inv.float().to(rotary.inv_freq.device)
+    rotary._tables = {}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: str, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of fn() over `repeats` calls after `warmup`, each synchronised."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def attention_backend(name: str | None):
+    return env("AERIE_ATTENTION", name)
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    s = timed(lambda: b.copy_(a), device, 10)
+    return 2 * a.numel() * a.element_size() / s
+
+
+def weight_bytes(target) -> int:
+    """Bytes a decode step must read: every linear weight and the lm_head (not the embedding table,
+    of which it reads one row)."""
+    seen, total = set(), 0
+    for name, p in target.named_parameters():
+        if "embed_tokens" in name and not target.config.tie_word_embeddings:
+            continue
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def count_kernels(fn, device: str) -> int:
+    """Device activities (kernels, copies, sets) one call of fn() launches, by torch.profiler."""
+    if not device.startswith("cuda"):
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _prompt(vocab: int, n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+
+
+def decode_ms(engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, int]:
+    """ms per round after the prefill (wall, synchronised by the engine's host reads); rounds."""
+    from services.engine.engine import GenerationRequest
+
+    req = GenerationRequest(prompt, tokens, ignore_eos=True)
+    t_first, rounds = None, 0
+    for out in engine.generate(req):
+        if out.stats.index == 0:
+            t_first = time.perf_counter()
+        else:
+            rounds += 1
+    return (time.perf_counter() - t_first) * 1e3 / max(rounds, 1), rounds
+
+
+def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
+    from services.engine.drafter import Drafter
+    from services.engine.engine import Engine
+    from services.engine.verifier import Verifier
+    from services.model.kv_pool import KVPool
+    from services.model.runner import ModelRunner
+    from services.spec.sampling import SamplingParams
+    from services.spec.tree import TreeParams
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    dev = cfg.device
+    t0 = time.perf_counter()
+    target = random_target(cfg.shape, dev, dtype)
+    c = target.config
+    name = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else "cpu"
+    res: dict = {"shape": cfg.shape, "device": name, "dtype": cfg.dtype, "prompt": cfg.prompt,
+                 "torch": torch.__version__, "build_s": round(time.perf_counter() - t0, 2)}
+    log(f"built {cfg.shape} ({sum(p.numel() for p in target.parameters()) / 1e9:.2f} B params) on {name} "
+        f"in {res['build_s']} s")
+    wb = weight_bytes(target)
+    bw = copy_bandwidth(dev) if dev.startswith("cuda") else float("nan")
+    res["weight_gb"] = wb / 1e9
+    res["copy_tb_s"] = bw / 1e12
+    res["floor_ms"] = wb / bw * 1e3
+    prompt = _prompt(c.vocab_size, cfg.prompt, 0)
+
+    # bare eager decode forward at KV length `prompt` (contiguous KV)
+    cache = target.new_cache(cfg.prompt + 8)
+    target(torch.tensor(prompt, device=dev), cache)
+    tok = torch.tensor([1], device=dev)
+
+    def one():
+        target(tok, cache, logits_for="last")
+        cache.truncate(cfg.prompt)
+
+    res["forward_ms"] = timed(one, dev, cfg.repeats) * 1e3
+    res["kernels_forward"] = count_kernels(one, dev)
+    if cfg.legacy:
+        with attention_backend("sdpa"), env("AERIE_FUSE", "0"):
+            res["forward_sdpa_ms"] = timed(one, dev, max(3, cfg.repeats // 4)) * 1e3
+            res["kernels_forward_sdpa"] = count_kernels(one, dev)
+    log(f"floor {res['floor_ms']:.2f} ms ({wb / 1e9:.1f} GB at {bw / 1e12:.2f} TB/s); bare forward "
+        f"{res['forward_ms']:.2f} ms, {res['kernels_forward']} kernels")
+
+    # plain decoding through the engine
+    rows = max(cfg.batches) * (cfg.prompt + cfg.tokens + cfg.repeats + 80) + 4096
+    runners = {"graphs": lambda: ModelRunner(target, _paged(target, rows), graphs=True),
+               "paged_eager": lambda: ModelRunner(target, _paged(target, rows), graphs=False)}
+    if not dev.startswith("cuda"):
+        runners.pop("graphs")
+    else:  # the same graphs over unfused stages (AERIE_FUSE=0 while they are captured)
+        runners["graphs_unfused"] = lambda: ModelRunner(target, _paged(target, rows), graphs=True)
+    plain: dict[str, float] = {}
+    runner_objs = {}
+    for label, make in runners.items():
+        with env("AERIE_FUSE", "0" if label == "graphs_unfused" else None):
+            runner = make()
+            runner_objs[label] = runner
+            eng = Engine(Verifier(None, "hidden", runner=runner), None, c.max_context, c.vocab_size)
+            decode_ms(eng, prompt, 4)  # warm-up (graph capture)
+            plain[label] = decode_ms(eng, prompt, cfg.tokens)[0]
+        if label == "graphs_unfused":  # its arena is not needed again
+            runner_objs.pop(label)
+            del runner, eng
+            torch.cuda.empty_cache()
+        log(f"plain decoding ({label}): {plain[label]:.2f} ms/token")
+    if cfg.legacy:
+        with attention_backend("sdpa"), env("AERIE_FUSE", "0"):
+            eng = Engine(Verifier(None, "hidden", runner=ModelRunner(target, KVPool.for_model(target))), None,
+                         c.max_context, c.vocab_size)
+            decode_ms(eng, prompt, 2)
+            plain["legacy_sdpa"] = decode_ms(eng, prompt, max(8, cfg.tokens // 4))[0]
+            log(f"plain decoding (legacy: contiguous KV, SDPA): {plain['legacy_sdpa']:.2f} ms/token")
+    best_label = "graphs" if "graphs" in plain else "paged_eager"
+    res["plain_ms"] = plain
+    best = plain[best_label]
+    res["plain_vs_floor"] = best / res["floor_ms"] if bw == bw else None
+    kernel_runner = runner_objs.get("paged_eager")
+    if kernel_runner is not None and dev.startswith("cuda"):
+        res["kernels_uniform_decode"] = _uniform_kernels(kernel_runner, prompt)
+
+    # EAGLE rounds of fixed trees
+    head = random_head(target)
+    rounds = {}
+    for tname, (k, d, n) in TREES.items():
+        tree = TreeParams(k, d, n)
+        eng = Engine(Verifier(None, "hidden", runner=runner_objs[best_label]), Drafter(head, tree),
+                     c.max_context, c.vocab_size)
+        decode_ms(eng, prompt, 4)
+        ms, nr = _round_ms(eng, prompt, max(8, cfg.tokens // 2))
+        rounds[tname] = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
+                         "plain_tokens": ms["round"] / best, "rounds": nr,
+                         "draft_graphs": getattr(eng.drafter.graphs, "captures", 0)}
+        log(f"round {tname}: {ms['round']:.2f} ms (draft {ms['draft']:.2f} + verify {ms['verify']:.2f}) = "
+            f"{ms['round'] / best:.2f} plain tokens")
+    res["rounds"] = rounds
+
+    # batched decode
+    batched = {}
+    runner = runner_objs[best_label]
+    for n in cfg.batches:
+        v = Verifier(None, "hidden", runner=runner)
+        ids = [f"b{n}-{i}" for i in range(n)]
+        last = {}
+        for i, s in enumerate(ids):
+            last[s] = v.prefill(s, torch.tensor(_prompt(c.vocab_size, cfg.prompt, i + 1)), SamplingParams(),
+                                cfg.prompt + cfg.repeats + 16).first_token
+        step_s = timed(functools.partial(_decode_step, v, ids, last, [1]), dev, cfg.repeats // 2, warmup=2)
+        for s in ids:
+            v.release(s)
+        batched[n] = {"step_ms": step_s * 1e3, "tokens_per_s": n / step_s}
+        log(f"batched decode N={n}: {step_s * 1e3:.2f} ms/step, {n / step_s:.0f} tok/s")
+    base = batched[cfg.batches[0]]["tokens_per_s"]
+    for n in cfg.batches:
+        batched[n]["vs_n1"] = batched[n]["tokens_per_s"] / base
+    res["batched"] = {str(k): v for k, v in batched.items()}
+    if isinstance(runner.uniform, object) and getattr(runner, "uniform", None) is not None:
+        res["graph_captures"] = runner.uniform.captures
+        res["graph_capture_s"] = round(runner.uniform.capture_s, 2)
+    if dev.startswith("cuda"):
+        res["max_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+
+    if cfg.hf:
+        res["hf_ms"] = _hf_ms(cfg, dev, dtype, target, prompt)
+        log(f"transformers eager generate: {res['hf_ms']:.2f} ms/token")
+        res["vs_hf"] = res["hf_ms"] / best
+    return res
+
+
+def _decode_step(verifier, ids: list[str], last: dict[str, int], round_index: list[int]) -> None:
+    """One batched decode step of every sequence in `ids` (round_index[0] advances)."""
+    from services.engine.verifier import DecodeCall
+
+    out = verifier.run([DecodeCall(s, last[s], round_index[0]) for s in ids])
+    round_index[0] += 1
+    for s, o in zip(ids, out, strict=True):
+        last[s] = o
+
+
+def _paged(target, rows: int):
+    from services.model.paged_kv import PagedKVPool
+
+    return PagedKVPool.for_model(target, rows)
+
+
+def _uniform_kernels(runner, prompt) -> int:
+    """Device activities of one eager static-shape decode step (batch 1) at KV length len(prompt)."""
+    from services.model.step import Step, StepEntry
+
+    slot = runner.allocate(len(prompt) + 64)
+    runner.execute(Step((StepEntry(slot, torch.tensor(prompt), logits="last"),)))
+    step = Step((StepEntry(slot, torch.tensor([1]), logits="last"),))
+    cache = runner.pool.cache(slot)
+
+    def one():
+        runner.execute(step)
+        cache.truncate(len(prompt))
+
+    n = count_kernels(one, str(runner.device))
+    runner.release(slot)
+    return n
+
+
+def _round_ms(engine, prompt, tokens) -> tuple[dict[str, float], int]:
+    from services.engine.engine import GenerationRequest
+
+    draft, verify, walls = [], [], []
+    t_prev = None
+    for out in engine.generate(GenerationRequest(prompt, tokens, ignore_eos=True)):
+        now = time.perf_counter()
+        if out.stats.index > 0:
+            walls.append(now - t_prev)
+            draft.append(out.stats.draft_s)
+            verify.append(out.stats.verify_s)
+        t_prev = now
+    med = statistics.median
+    return {"round": med(walls) * 1e3, "draft": med(draft) * 1e3, "verify": med(verify) * 1e3}, len(walls)
+
+
+def _hf_ms(cfg: GpuBenchConfig, dev: str, dtype: torch.dtype, target, prompt) -> float:
+    from transformers import LlamaForCausalLM
+
+    hcfg = hf_config(cfg.shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hcfg)
+    model = model.to_empty(device=dev).to(dtype)
+    state = {k: v for k, v in target.state_dict().items()}
+    model.load_state_dict(state, strict=False, assign=False)
+    rot = model.model.rotary_emb  # its inv_freq was built on meta: build it again on the device
+    model.model.rotary_emb = type(rot)(hcfg).to(dev)
+    model.eval()
+    ids = torch.tensor([prompt], device=dev)
+    n = max(8, cfg.tokens // 2)
+
+    def gen(k):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=k, do_sample=False, pad_token_id=0)
+
+    gen(2)
+    one = timed(lambda: gen(1), dev, 2, warmup=0)
+    full = timed(lambda: gen(n + 1), dev, 2, warmup=0)
+    return (full - one) * 1e3 / n
+
+
+def table(res: dict) -> str:
+    """The benchmark's result as a text table."""
+    f = lambda x: "-" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))  # noqa: E731
+    plain = res["plain_ms"]
+    rows = [("device", res["device"]), ("shape / dtype / prompt", f"{res['shape']} / {res['dtype']} / {res['prompt']}"),
+            ("weights read per step (GB)", f(res["weight_gb"])), ("copy bandwidth (TB/s)", f(res["copy_tb_s"])),
+            ("bandwidth floor (ms/token)", f(res["floor_ms"])),
+            ("bare eager forward (ms)", f(res["forward_ms"])),
+            ("bare eager forward, SDPA own kernel, unfused (ms)", f(res.get("forward_sdpa_ms"))),
+            ("kernels per eager decode forward", f(res["kernels_forward"])),
+            ("kernels per eager forward, SDPA own kernel, unfused", f(res.get("kernels_forward_sdpa"))),
+            ("kernels per static-shape decode step", f(res.get("kernels_uniform_decode")))]
+    rows += [(f"plain decoding, {k} (ms/token)", f(v)) for k, v in plain.items()]
+    rows += [("plain / floor", f(res.get("plain_vs_floor")))]
+    for name, r in res["rounds"].items():
+        rows.append((f"round {name}: ms (draft + verify) = plain tokens",
+                     f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}) = {r['plain_tokens']:.2f}"))
+    for n, b in res["batched"].items():
+        rows.append((f"batched decode N={n}: ms/step, tok/s, x N=1", f"{b['step_ms']:.2f}, {b['tokens_per_s']:.0f}, "
+                                                                   f"{b['vs_n1']:.2f}x"))
+    rows += [("CUDA graphs captured (s)", f"{res.get('graph_captures', '-')} ({res.get('graph_capture_s', '-')})"),
+             ("transformers eager generate (ms/token)", f(res.get("hf_ms"))),
+             ("speed-up over transformers", f(res.get("vs_hf")))]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

@@ -1,0 +1,111 @@
+"""Attention kernels: which one runs for a forward, chosen by device and shape.
+
+    attend(q [H, T, hd], k [nKV, S, hd], v [nKV, S, hd], mask [T, S] bool | None, causal) -> [H, T, hd]
+    attend_grouped(q [B, H, T, hd], k [B, nKV, S, hd], v [B, nKV, S, hd], mask [B, T, S] bool)
+        -> [B, H, T, hd]
+
+Backends:
+  sdpa     torch's scaled_dot_product_attention with `enable_gqa` (the CPU path, unchanged).
+  grouped  two batched GEMMs over the query heads of each KV head ([nKV, G*T, hd] x [nKV, hd, S]),
+           a boolean mask and an fp32 softmax: no KV expansion, any KV length, no plan to build.
+           The CUDA path for short query blocks (decode, trees, small chunks).
+  expanded the KV heads repeated to the query heads, then SDPA restricted to the flash and
+           memory-efficient kernels (they refuse grouped heads with dense inputs). The CUDA path for
+           long query blocks (prefill chunks), where the grouped scores [nKV, G*T, S] would be large.
+
+Why not SDPA's default on CUDA: from torch 2.11 it picks cuDNN on Hopper, whose execution plans are
+cached by exact shape (KV length included), so a KV that grows by one row per token builds a new plan
+every call (~2 ms of CPU each; the GPU issue's profile). Nothing here builds per-shape state, and
+nothing reads a device value on the host (no synchronisation): positions, lengths and masks are
+tensors.
+
+`AERIE_ATTENTION=sdpa|grouped|expanded` forces one backend for every call (measurements, tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from services.model import fused
+
+BACKENDS = ("sdpa", "grouped", "expanded")
+ENV = "AERIE_ATTENTION"
+GROUPED_MAX_ROWS = 64  # CUDA: query blocks up to this many rows use `grouped`, longer ones `expanded`
+
+
+def backend_for(device: torch.device, rows: int) -> str:
+    """The backend for a query block of `rows` rows on `device` (AERIE_ATTENTION overrides)."""
+    forced = os.environ.get(ENV)
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}; got {forced!r}")
+        return forced
+    if device.type != "cuda":
+        return "sdpa"
+    return "grouped" if rows <= GROUPED_MAX_ROWS else "expanded"
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool) -> torch.Tensor:
+    """q [H, T, hd]; k, v [nKV, S, hd]; mask [T, S] bool (True = may attend) or None with `causal`
+    (T == S: the causal triangle) or not (every row sees every key) -> [H, T, hd]."""
+    h, t, hd = q.shape
+    nkv, s = k.shape[0], k.shape[1]
+    backend = backend_for(q.device, t)
+    if backend == "sdpa":
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if mask is None
+                                             else mask[None, None], is_causal=causal and mask is None,
+                                             enable_gqa=h != nkv)
+        return out[0]
+    if backend == "expanded":
+        return _expanded(q, k, v, mask, causal)
+    if mask is None:
+        mask = (torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if causal
+                else torch.ones(t, s, dtype=torch.bool, device=q.device))
+    return attend_grouped(q[None], k[None], v[None], mask[None])[0]
+
+
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, H, T, hd]; k, v [B, nKV, S, hd] (any strides); mask [B, T, S] bool -> [B, H, T, hd].
+
+    Query head h reads KV head h // G (G = H / nKV, transformers' repeat_kv order), so the G query
+    heads of one KV head form one [G*T, hd] block: scores [B, nKV, G*T, S] by one batched GEMM,
+    masked, softmax in fp32, cast back, times V. Every row must see at least one key."""
+    b, h, t, hd = q.shape
+    nkv, s = k.shape[1], k.shape[2]
+    g = h // nkv
+    qg = q.reshape(b, nkv, g * t, hd)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, nkv, g, t, s)  # [B, nKV, G, T, S]
+    probs = fused.masked_softmax(scores, mask[:, None, None], hd ** -0.5, v.dtype).view(b, nkv, g * t, s)
+    return torch.matmul(probs, v).view(b, h, t, hd)
+
+
+def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attend_grouped` over keys as a paged gather leaves them: q [B, H, T, hd]; k, v [nKV, B, S, hd]
+    (contiguous: one index_select of the pool's rows); mask [B, T, S] bool -> [B, H, T, hd].
+    The GEMMs batch over (KV head, sequence), so the keys are read where the gather wrote them and
+    only the (small) queries are permuted."""
+    b, h, t, hd = q.shape
+    nkv, s = k.shape[0], k.shape[2]
+    g = h // nkv
+    qg = q.reshape(b, nkv, g * t, hd).transpose(0, 1)  # [nKV, B, G*T, hd]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(nkv, b, g, t, s)  # [nKV, B, G, T, S]
+    probs = fused.masked_softmax(scores, mask[None, :, None], hd ** -0.5, v.dtype).view(nkv, b, g * t, s)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, h, t, hd)
+
+
+def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = q.shape[0] // k.shape[0]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                             attn_mask=None if mask is None else mask[None, None],
+                                             is_causal=causal and mask is None)
+    return out[0]

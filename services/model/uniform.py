@@ -1,0 +1,264 @@
+"""The static-shape forward: B sequences x T rows each over a paged KV, capturable in a CUDA graph.
+
+    runner = UniformRunner(target, pool, graphs=True)   # pool: a PagedKVPool
+    shape = runner.shape_for(step)                      # a UniformShape, or None (an eager step)
+    out = runner.execute(step, shape)                   # StepOutput, as TargetModel.forward_step
+
+A Step whose entries each have at most `max_width` rows (plain decodes, verification trees, short
+chunks) is padded to a captured shape (B, T, S): B sequences (batch buckets 1, 2, 4, 8, 16, 32, ...),
+T rows each (width buckets 1, 2, 4, ... 64) and S key slots each (`key_bucket`: a multiple of 256 covering the
+longest prefix + T). Every entry becomes a tree of T rows: its own tree mask (or the causal triangle)
+top-left, padded rows seeing only themselves; padded rows and padded sequences write their K/V to
+the pool's trash page and nothing real reads them. All inputs travel in one int64 buffer filled by
+one host-to-device copy per step:
+
+    ids [B*T], positions [B*T], write_rows [B*T] (arena row of each new row's K/V),
+    row_table [B*S] (arena row of each key slot), prefix [B] (committed rows), tree [B*T*T] (0/1)
+
+so `forward_uniform` reads no device value on the host (a graph replays it as captured) and its
+Python control flow depends only on (B, T, S). With `graphs=True` (CUDA) each shape is captured
+once, on first use, into a graph sharing one memory pool; replays give the eager forward's bits.
+A replay's logits are views of the graph's own buffers, valid until the next `execute` (the
+verifier reads them at once); its hidden states and taps are copies (features outlive the step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.model import fused
+from services.model.attention import attend_gathered
+from services.model.paged_kv import TRASH_ROW, PagedKVPool
+from services.model.step import Step, StepOutput
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_KEYS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class UniformShape:
+    batch: int  # B: sequences (padded)
+    width: int  # T: rows per sequence (padded)
+    keys: int  # S: key slots per sequence
+    taps: bool  # also return the EAGLE-3 taps
+
+    def sizes(self) -> tuple[int, ...]:
+        """Lengths of the input buffer's parts: ids, positions, write_rows, row_table, prefix, tree."""
+        b, t, s = self.batch, self.width, self.keys
+        return (b * t, b * t, b * t, b * s, b, b * t * t)
+
+
+@dataclass(frozen=True, slots=True)
+class UniformOutput:
+    logits: torch.Tensor  # [B*T, V] fp32
+    hidden: torch.Tensor  # [B*T, H]
+    taps: torch.Tensor | None  # [B*T, 3H]
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+def key_bucket(need: int) -> int:
+    """Key slots for `need` rows: a multiple of MIN_KEYS up to 16 of them, then a power of two (the
+    gather and the scores are paid per slot: 532 rows take 768 slots, not 1024)."""
+    if need <= 16 * MIN_KEYS:
+        return MIN_KEYS * max(1, -(-need // MIN_KEYS))
+    return 1 << (need - 1).bit_length()
+
+
+@torch.no_grad()
+def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torch.Tensor) -> UniformOutput:
+    """One target forward over B x T rows (see the module doc); `inputs` is the int64 buffer.
+    Writes every row's K/V into the pool (padding into the trash page); lengths are the caller's."""
+    b, t, s = shape.batch, shape.width, shape.keys
+    ids, positions, write_rows, row_table, prefix, tree = inputs.split(shape.sizes())
+    x = target.model.embed_tokens(ids)  # [B*T, H]
+    cos_t, sin_t = target.rotary.tables(0, x.dtype, x.device)  # precomputed (UniformRunner)
+    cos, sin = cos_t[positions], sin_t[positions]
+    mask = key_mask(prefix, tree.view(b, t, t).bool(), s)  # [B, T, S]
+    taps: list[torch.Tensor] = []
+    tap_layers = target.config.eagle3_tap_layers if shape.taps else ()
+    layers = target.model.layers
+    h = layers[0].input_layernorm(x)
+    for i, layer in enumerate(layers):
+        if i in tap_layers:
+            taps.append(x)
+        attn = layer.self_attn
+        q, k, v = attn.rotated(attn.qkv_proj(h), cos, sin)  # [B*T, h|g, hd]
+        ka, va = pool.k[i], pool.v[i]  # [g, rows, hd]
+        ka.index_copy_(1, write_rows, k.transpose(0, 1))
+        va.index_copy_(1, write_rows, v.transpose(0, 1))
+        g, hd = attn.num_kv_heads, attn.head_dim
+        keys = ka.index_select(1, row_table).view(g, b, s, hd)  # [g, B, S, hd], contiguous
+        vals = va.index_select(1, row_table).view(g, b, s, hd)
+        out = attend_gathered(q.view(b, t, attn.num_heads, hd).transpose(1, 2), keys, vals, mask)  # [B, h, T, hd]
+        post = layer.post_attention_layernorm
+        x, h = fused.add_rms_norm(x, attn.o_proj(out.transpose(1, 2).reshape(b * t, attn.num_heads * hd)),
+                                  post.weight, post.eps)
+        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else target.model.norm
+        x, h = fused.add_rms_norm(x, layer.mlp(h), norm.weight, norm.eps)
+    hidden = h  # the final norm of the last residual
+    logits = target.lm_head(hidden).float()
+    return UniformOutput(logits, hidden, torch.cat(taps, dim=-1) if shape.taps else None)
+
+
+def key_mask(prefix: torch.Tensor, tree: torch.Tensor, keys: int) -> torch.Tensor:
+    """prefix [B], tree [B, T, W] bool -> [B, T, S] bool: key slot r is visible to row t when it is
+    committed (r < prefix) or one of the W new rows after the prefix that row t may see
+    (tree[t, r - prefix])."""
+    b, t, w = tree.shape
+    rel = torch.arange(keys, device=tree.device)[None, :] - prefix[:, None]  # [B, S]
+    in_tree = (rel >= 0) & (rel < w)
+    seen = tree.gather(2, rel.clamp(0, w - 1)[:, None, :].expand(b, t, keys))  # [B, T, S]
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)
+
+
+class UniformRunner:
+    """Plans, fills and runs uniform steps for one target over one paged pool (eagerly, or from
+    CUDA graphs captured per shape)."""
+
+    def __init__(self, target, pool: PagedKVPool, graphs: bool = False, max_width: int = WIDTH_BUCKETS[-1],
+                 max_batch: int = BATCH_BUCKETS[-1]) -> None:
+        self.target, self.pool = target, pool
+        self.graphs_on = graphs
+        self.max_width, self.max_batch = max_width, max_batch
+        self.max_keys = 1 << max(MIN_KEYS.bit_length() - 1, (target.config.max_context - 1).bit_length())
+        # RoPE tables for every position, computed once: a graph holds their address
+        target.rotary.tables(self.max_keys, target.dtype, target.device)
+        self._graphs: dict[UniformShape, _Graph] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if graphs else None
+        self.capture_s = 0.0  # total capture time so far
+        self.captures = 0
+
+    def shape_for(self, step: Step) -> UniformShape | None:
+        """The padded shape of `step`, or None when an entry is wider than `max_width` or the batch
+        larger than `max_batch` (such steps run eagerly, entry by entry)."""
+        caches = [self.pool.cache(e.slot) for e in step.entries]
+        width = bucket(max(e.rows for e in step.entries), WIDTH_BUCKETS)
+        batch = bucket(len(step.entries), BATCH_BUCKETS)
+        if width is None or width > self.max_width or batch is None or batch > self.max_batch:
+            return None
+        need = max(c.length + width for c in caches)
+        keys = key_bucket(need)
+        if keys > self.max_keys:
+            return None
+        return UniformShape(batch, width, keys, step.want_taps)
+
+    def fill(self, step: Step, shape: UniformShape) -> torch.Tensor:
+        """The int64 input buffer of `step` padded to `shape` (host, numpy-built)."""
+        b, t, s = shape.batch, shape.width, shape.keys
+        ids = np.zeros((b, t), np.int64)
+        pos = np.zeros((b, t), np.int64)
+        write = np.full((b, t), TRASH_ROW, np.int64)
+        table = np.full((b, s), TRASH_ROW, np.int64)
+        prefix = np.zeros(b, np.int64)
+        tree = np.broadcast_to(np.eye(t, dtype=np.int64), (b, t, t)).copy()
+        for j, e in enumerate(step.entries):
+            cache = self.pool.paged(e.slot)
+            rows = cache.rows_host
+            n, p = e.rows, cache.length
+            ids[j, :n] = e.input_ids.cpu().numpy()
+            pos[j, :n] = e.positions.cpu().numpy() if e.positions is not None else np.arange(p, p + n)
+            write[j, :n] = rows[p:p + n]
+            m = min(s, rows.shape[0])
+            table[j, :m] = rows[:m]
+            prefix[j] = p
+            tree[j, :n, :n] = (e.tree_mask.cpu().numpy() if e.tree_mask is not None
+                               else np.tril(np.ones((n, n), np.int64)))
+        return torch.from_numpy(np.concatenate([a.reshape(-1) for a in (ids, pos, write, table, prefix, tree)]))
+
+    def execute(self, step: Step, shape: UniformShape) -> StepOutput:
+        """One forward over every entry of `step` padded to `shape`; advances the entries' lengths.
+        Raises (writing nothing) when an entry's slot cannot take its rows."""
+        caches = [self.pool.cache(e.slot) for e in step.entries]
+        for e, cache in zip(step.entries, caches, strict=True):
+            cache.reserve(e.rows)
+        host = self.fill(step, shape)
+        if self.graphs_on:
+            graph = self._graphs.get(shape) or self._capture(shape)
+            graph.inputs.copy_(host, non_blocking=True)
+            graph.graph.replay()
+            out = graph.output
+        else:
+            out = forward_uniform(self.target, self.pool, shape, host.to(self.target.device))
+        for e, cache in zip(step.entries, caches, strict=True):
+            cache.advance(e.rows)
+        return self._unpad(step, shape, out)
+
+    def _unpad(self, step: Step, shape: UniformShape, out: UniformOutput) -> StepOutput:
+        t = shape.width
+        offsets = [0]
+        for e in step.entries:
+            offsets.append(offsets[-1] + e.rows)
+        logits = tuple(out.logits[j * t:j * t + e.rows] if e.logits == "all"
+                       else out.logits[j * t + e.rows - 1:j * t + e.rows] for j, e in enumerate(step.entries))
+        if all(e.rows == t for e in step.entries):  # copies: callers keep features past the next step
+            hidden = out.hidden[:offsets[-1]].clone()
+            taps = out.taps[:offsets[-1]].clone() if out.taps is not None else None
+        else:
+            rows = [np.arange(j * t, j * t + e.rows) for j, e in enumerate(step.entries)]
+            idx = torch.from_numpy(np.concatenate(rows)).to(out.hidden.device)
+            hidden = out.hidden.index_select(0, idx)
+            taps = out.taps.index_select(0, idx) if out.taps is not None else None
+        return StepOutput(logits=logits, hidden=hidden, taps=taps if step.want_taps else None, offsets=tuple(offsets))
+
+    def _capture(self, shape: UniformShape) -> _Graph:
+        t0 = time.perf_counter()
+        device = self.target.device
+        inputs = torch.zeros(sum(shape.sizes()), dtype=torch.long, device=device)
+        # a valid warm-up input: every row sees itself only, all writes go to the trash page
+        inputs.copy_(self._idle(shape))
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward_uniform(self.target, self.pool, shape, inputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            output = forward_uniform(self.target, self.pool, shape, inputs)
+        torch.cuda.synchronize(device)
+        g = _Graph(graph, inputs, output)
+        self._graphs[shape] = g
+        dt = time.perf_counter() - t0
+        self.capture_s += dt
+        self.captures += 1
+        log.info("captured a CUDA graph for %d sequence(s) x %d row(s) x %d keys%s in %.2f s "
+                 "(%d graphs, %.1f s in all)", shape.batch, shape.width, shape.keys,
+                 " with taps" if shape.taps else "", dt, self.captures, self.capture_s)
+        return g
+
+    def _idle(self, shape: UniformShape) -> torch.Tensor:
+        b, t, s = shape.batch, shape.width, shape.keys
+        parts = [np.zeros(b * t, np.int64), np.zeros(b * t, np.int64), np.full(b * t, TRASH_ROW, np.int64),
+                 np.full(b * s, TRASH_ROW, np.int64), np.zeros(b, np.int64),
+                 np.broadcast_to(np.eye(t, dtype=np.int64), (b, t, t)).reshape(-1)]
+        return torch.from_numpy(np.concatenate(parts))
+
+    def capture(self, batches: tuple[int, ...], widths: tuple[int, ...], keys: tuple[int, ...],
+                taps: bool = False) -> float:
+        """Capture these shapes now (start-up); returns the seconds it took."""
+        t0 = time.perf_counter()
+        for b in batches:
+            for w in widths:
+                for s in keys:
+                    shape = UniformShape(b, w, s, taps)
+                    if shape not in self._graphs:
+                        self._capture(shape)
+        return time.perf_counter() - t0
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # the static int64 input buffer
+    output: UniformOutput  # the static outputs

@@ -1,0 +1,112 @@
+"""The load: the other sequences that share one verifier's target forwards (continuous batching),
+as the budget sees them when it plans one sequence's round.
+
+    board = LoadBoard()                        # one per verifier (in process) or verifier address
+    board.join(key)                            # a sequence starts: counted as a plain step
+    load = board.others(key)                   # -> Load: what the others asked for
+    board.post(key, rows, tokens, draft_s)     # this sequence's latest plan
+    board.observe_draft(s); board.observe_verify(s)   # measured latency beyond the cost model
+    board.leave(key)
+
+Thread-safe; pure (no I/O).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+from services.spec.acceptance import ema
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the other sequences batched into the same target forwards asked for in their latest
+    round (their plans): the batch this sequence's rows join."""
+
+    sequences: int = 0
+    rows: float = 0.0  # rows they verify per forward (1 for a plain decode step)
+    tokens: float = 0.0  # tokens they are predicted to commit per forward
+    draft_s: float = 0.0  # their draft seconds per round
+    draft_extra: float = 0.0  # measured: a draft's latency beyond the cost model's compute, seconds
+    verify_extra: float = 0.0  # measured: a round's verify latency beyond the modelled forward, seconds
+
+
+def same_load(a: Load, b: Load, tolerance: float = 0.1) -> bool:
+    """Whether two loads are the same batch for planning: the same sequences, rows and tokens (to
+    0.001) and seconds within `tolerance` relative (or 0.5 ms): the measured extras move by less
+    than their noise from round to round, and a steady batch must not be re-planned for that."""
+    def near(x: float, y: float) -> bool:
+        return abs(x - y) <= max(5e-4, tolerance * max(abs(x), abs(y)))
+
+    return (a.sequences == b.sequences and abs(a.rows - b.rows) < 1e-3 and abs(a.tokens - b.tokens) < 1e-3
+            and near(a.draft_s, b.draft_s) and near(a.draft_extra, b.draft_extra)
+            and near(a.verify_extra, b.verify_extra))
+
+
+class LoadBoard:
+    """The sequences that share one verifier's forwards (continuous batching), each with its latest
+    plan, and two latencies measured on the rounds they run (EMAs, weight `alpha`): how much longer a
+    draft takes than the cost model's compute for it (the draft call's round trip, the drafter's
+    queue, catching up the draft KV) and how much longer a verify call takes than the modelled
+    forward (the verify call's round trip, the batch's gathering, a batch forward's per-sequence
+    attention). The calibrated curves are one sequence's forward in process; these extras are what
+    the services add on this machine, and the chooser charges them (Budget._choose).
+    Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[str, tuple[float, float, float]] = {}  # key -> (rows, tokens, draft_s)
+        self.alpha = alpha
+        self._draft_extra: float | None = None  # None until measured
+        self._verify_extra: float | None = None
+        self.realized: float | None = None  # the latest AcceptanceStats.realized of a greedy sequence
+        #                                     here (None until one drafted): where new ones start
+
+    def others(self, key: str) -> Load:
+        with self._lock:
+            rest = [v for k, v in self._plans.items() if k != key]
+            de, ve = self._draft_extra or 0.0, self._verify_extra or 0.0
+        return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
+                    de, ve)
+
+    def observe_draft(self, excess_s: float) -> None:
+        """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""
+        self._observe("_draft_extra", excess_s)
+
+    def observe_verify(self, excess_s: float) -> None:
+        """One verify (or decode) call's measured seconds minus the modelled batch forward. The draft
+        extra is forgotten slowly meanwhile (by alpha / 16 per call): measured under another load
+        (a burst of catch-up drafts), it must not rule out drafting, and probing, for good."""
+        self._observe("_verify_extra", excess_s)
+        with self._lock:
+            if self._draft_extra:
+                self._draft_extra *= 1.0 - self.alpha / 16
+
+    def _observe(self, name: str, x: float) -> None:
+        if not math.isfinite(x):
+            return
+        x = max(0.0, x)
+        with self._lock:
+            old = getattr(self, name)
+            setattr(self, name, x if old is None else ema(old, x, self.alpha))
+
+    def post(self, key: str, rows: float, tokens: float, draft_s: float) -> None:
+        with self._lock:
+            self._plans[key] = (rows, tokens, draft_s)
+
+    def join(self, key: str) -> None:
+        """A sequence starts (before its prefill): until it plans, the others count it as a plain
+        step, so sequences that start together see each other from their first plan on."""
+        with self._lock:
+            self._plans.setdefault(key, (1.0, 1.0, 0.0))
+
+    def leave(self, key: str) -> None:
+        with self._lock:
+            self._plans.pop(key, None)
+
+    def rows(self) -> dict[str, float]:
+        """key -> the rows of that sequence's latest plan (1 = a plain decode step)."""
+        with self._lock:
+            return {k: v[0] for k, v in self._plans.items()}

@@ -1,0 +1,83 @@
+"""The EAGLE-2 expansion with static shapes, for one sequence over a paged draft KV: capturable in a
+CUDA graph (services/engine/draft_graphs.py replays it; the CPU runs it eagerly in tests).
+
+    cand = expand_static(head, pool, key_rows [S], stable [1], last [H], top_k, depth)   -> Candidates
+
+The same steps as `tree.expand_many` for a fixed shape (no dynamic depth): K first-level children of
+`last`, then `depth` head steps over the K frontier nodes, each keeping the global best K of their
+K x K children; candidates in the reference's flat order (`rerank` then keeps the best N - 1 on the
+host). What changes is only how the draft KV is addressed: level i writes its K rows at logical rows
+stable + i*K .. stable + i*K + K - 1 (arena rows `key_rows[...]`, gathered on the device) and
+attends over all S key slots with a mask built on the device from `stable`, so nothing depends on a
+value read back to the host. The tree rows stay in the arena past the committed length and are
+overwritten by the next extension (the eager path truncates them; the effect is the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.model.eagle_head import DraftHead
+from services.model.paged_kv import PagedKVPool
+from services.model.uniform import key_mask
+from services.spec.tree import Candidates
+
+
+class StaticKV:
+    """What the head's attention asks of a cache (`write`), over device index tensors: new rows go
+    to `write_rows` [T] of the pool's arena, attention reads `key_rows` [S]."""
+
+    def __init__(self, pool: PagedKVPool, write_rows: torch.Tensor, key_rows: torch.Tensor) -> None:
+        self.pool, self.write_rows, self.key_rows = pool, write_rows, key_rows
+        self.length = -1  # no host-side length: the mask carries it
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_new, v_new [nKV, T, hd] -> the layer's K and V at the S key slots [nKV, S, hd]."""
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        k.index_copy_(1, self.write_rows, k_new.to(k.dtype))
+        v.index_copy_(1, self.write_rows, v_new.to(v.dtype))
+        return k.index_select(1, self.key_rows), v.index_select(1, self.key_rows)
+
+
+@torch.no_grad()
+def expand_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, stable: torch.Tensor,
+                  last: torch.Tensor, top_k: int, depth: int) -> Candidates:
+    """key_rows [S] arena rows of the sequence's logical rows 0..S-1 (S >= stable + depth*top_k);
+    stable [1] its committed draft rows; last [H] the head output of its last committed row."""
+    k, s = top_k, int(key_rows.shape[0])
+    device = last.device
+    cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
+    lp = head.log_probs(last[None])[0]  # [Vd]
+    top = torch.topk(lp, k)
+    scores_list, tokens_list = [top.values], [head.to_target(top.indices)]
+    parents_list = [torch.zeros(1, dtype=torch.long, device=device)]
+    sel = torch.arange(k, device=device)  # the frontier: flat indices into its block
+    scores = top.values  # [K] cumulative log-prob
+    cur_ids = tokens_list[0]  # [K]
+    cur_hidden = last[None].expand(k, -1)  # [K, H]
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    tree_mask = eye  # [K, rows of the levels so far + K]: ancestors and itself
+    block_start, total = 0, k
+    offsets = torch.arange(k, device=device)
+    for i in range(depth):
+        write_rows = key_rows[stable + i * k + offsets]  # [K]
+        positions = (stable + i).expand(k)
+        mask = key_mask(stable, tree_mask[None], s)[0]  # [K, S]: the committed rows, then the tree's
+        out = head._layer(cur_hidden.to(head.dtype), head.embed_tokens(cur_ids), cos_t[positions], sin_t[positions],
+                          StaticKV(pool, write_rows, key_rows), mask)  # [K, H]
+        lp = head.log_probs(out)  # [K, Vd]
+        parents_list.append(sel + 1 + block_start)  # 1 + flat index of each expanded node
+        child = torch.topk(lp, k, dim=-1)  # [K, K]
+        cu = child.values + scores[:, None]  # [K, K] cumulative log-prob
+        best = torch.topk(cu.view(-1), k)
+        sel, scores = best.indices, best.values
+        rows = sel // k  # which expanded node each survivor hangs from
+        cur_hidden = out[rows]
+        cur_ids = head.to_target(child.indices.view(-1)[sel])
+        tokens_list.append(head.to_target(child.indices))
+        scores_list.append(cu)
+        tree_mask = torch.cat((tree_mask[rows], eye), dim=1)
+        block_start, total = total, total + k * k
+    return Candidates(scores=torch.cat([x.reshape(-1) for x in scores_list]),
+                      tokens=torch.cat([x.reshape(-1) for x in tokens_list]),
+                      parents=torch.cat(parents_list))

@@ -1,0 +1,164 @@
+"""vLLM's and SGLang's flag names map onto aerie's (aerie_cli/spec_flags.py, flags.py, up.py), a
+refused one exits 2 naming it, and the exit codes tell usage, model and server failures apart."""
+
+import argparse
+import os
+import socket
+import stat
+
+import grpc
+import pytest
+
+from aerie_cli import exit_codes
+from aerie_cli.flags import finish_model_flags, tree_values
+from aerie_cli.main import build_parser, main
+from coordinator.up import api_key, role_flags
+from services.errors import CapacityExceeded, CheckpointError, InvalidRequest, ModelUnavailable, Unreachable
+from services.rpc.config import ConfigError
+from services.rpc.coordinator_client import RemoteError
+from verifier_svc.config import add_flags as add_verifier_flags
+
+REQUIRED = {"generate": ["--prompt-ids", "1"], "bench": ["--prompts", "p.jsonl"]}
+
+
+def parse(command, *argv):
+    args = build_parser().parse_args([command, *REQUIRED.get(command, []), *argv])
+    finish_model_flags(args)
+    return args
+
+
+@pytest.mark.parametrize("command", ["generate", "up", "serve", "bench"])
+@pytest.mark.parametrize("given,dtype", [("auto", None), ("bfloat16", "bf16"), ("bf16", "bf16"),
+                                         ("float32", "fp32"), ("float", "fp32"), ("int8", "int8")])
+def test_dtype_names(command, given, dtype):
+    assert parse(command, "--dtype", given).dtype == dtype  # None: the device's default
+
+
+@pytest.mark.parametrize("given,message", [("float16", "float16 is not supported: aerie has no fp16 path"),
+                                           ("half", "half is not supported"),
+                                           ("fp64", "must be auto, bfloat16 (bf16), float32 (fp32) or int8")])
+def test_refused_dtypes(capsys, given, message):
+    with pytest.raises(SystemExit) as e:
+        parse("generate", "--dtype", given)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    add_verifier_flags(p)  # the services take the same names
+    assert p.parse_args(["--dtype", "bfloat16"]).dtype == "bf16"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dtype", given])
+
+
+@pytest.mark.parametrize("argv,draft", [
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "H"], "H"),
+    (["--speculative-algorithm", "eagle3", "--speculative-draft-model", "H"], "H"),
+    (["--speculative-draft-model-path", "org/h", "--speculative-draft-model-revision", "v2"], "org/h@v2"),
+    (["--speculative-algorithm", "NGRAM"], "sam"),
+    (["--speculative-algorithm", "NONE"], "none"),
+    (["--speculative-algorithm", "EAGLE"], "eagle"),  # the default model's shipped head
+    (["--speculative-config", '{"method": "eagle3", "model": "H"}'], "H"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'], "sam"),
+    (["--speculative-config", '{"method": "suffix"}'], "sam"),
+    (["--speculative-accept-threshold-single", "1", "--speculative-accept-threshold-acc", "1.0",
+      "--speculative-attention-mode", "decode", "--speculative-draft-load-format", "pt"], None),
+])
+def test_speculative_flags_set_the_draft(argv, draft):
+    assert parse("generate", *argv).draft == draft
+    assert parse("serve", *argv).draft == draft
+
+
+def test_vllm_num_speculative_tokens_is_the_tree_depth():
+    args = parse("up", "--speculative-config", '{"method": "eagle", "model": "H", "num_speculative_tokens": 5}')
+    assert (args.draft, tree_values(args)) == ("H", (None, 4, None))  # 5 levels = depth 4 (tree_flags.py)
+
+
+REFUSED = [
+    (["--speculative-algorithm", "NEXTN"], "NEXTN (a model's own multi-token-prediction layers) is not implemented"),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "D"], "STANDALONE (a small draft LLM)"),
+    (["--speculative-accept-threshold-acc", "0.5"], "must be 1.0: aerie verifies losslessly"),
+    (["--speculative-token-map", "m.pt"], "--speculative-token-map is not supported"),
+    (["--speculative-draft-model-quantization", "fp8"], "--speculative-draft-model-quantization is not supported"),
+    (["--speculative-moe-runner-backend", "triton"], "--speculative-moe-runner-backend must be auto"),
+    (["--speculative-config", '{"method": "eagle", "model": "H", "max_model_len": 9}'],
+     "--speculative-config keys ['max_model_len'] are not supported"),
+    (["--speculative-config", '{"method": "medusa"}'], "--speculative-config method must be one of"),
+    (["--speculative-config", "eagle"], "--speculative-config must be a JSON object"),
+    (["--speculative-config", '{"model": "H", "draft_tensor_parallel_size": 2}'], "draft_tensor_parallel_size must be 1"),
+    (["--speculative-config", '{"model": "H"}', "--speculative-algorithm", "EAGLE"], "not both"),
+    (["--draft", "none", "--speculative-algorithm", "EAGLE"], "give --draft none or the --speculative-* flags, not both"),
+    (["--model", "M", "--speculative-algorithm", "EAGLE"], "needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "H"], "takes no draft model"),
+    (["--speculative-algorithm", "MEDUSA"], "must be one of EAGLE, EAGLE3"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: `aerie generate` loads the target in this process"),
+    (["-tp", "0"], "--tensor-parallel-size must be >= 1; got 0"),
+]
+
+
+@pytest.mark.parametrize("argv,message", REFUSED, ids=[m[:40] for _, m in REFUSED])
+def test_refused_flags_exit_2_naming_them(capsys, argv, message):
+    try:
+        code = main(["generate", "--prompt-ids", "1", *argv])
+    except SystemExit as e:  # refused by argparse (a flag's type)
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_takes_vllm_names():
+    args = parse("serve", "org/m", "--port", "9000", "--grpc-port", "0", "--tensor-parallel-size", "2",
+                 "--max-num-seqs", "8", "--kv-budget-mb", "512", "--log-level", "WARNING")
+    assert (args.target, args.http_port, args.port, args.tp) == ("org/m", 9000, 0, 2)
+    assert role_flags(args, "verifier") == ["--log-level", "WARNING", "--max-sequences", "8", "--kv-budget-mb", "512.0"]
+    assert role_flags(args, "drafter") == ["--log-level", "WARNING", "--max-sequences", "8"]
+    assert "--served-model-name" not in role_flags(args, "coordinator")  # `aerie serve` fills it in cmd_serve
+    named = parse("serve", "--served-model-name", "m", "org/x")  # MODEL after the name: one value, not a list
+    assert (named.served_model_name, named.target) == ("m", "org/x")
+    assert role_flags(named, "coordinator")[-2:] == ["--served-model-name", "m"]
+    assert parse("serve", "--model", "org/m").target == "org/m"
+    assert parse("serve").http_port == 8000 and parse("serve").port == 50051  # vLLM's HTTP port, aerie's gRPC
+    up = parse("up", "--port", "1", "--http-port", "2", "--tp", "2", "--max-running-requests", "4")
+    assert (up.port, up.http_port, up.tp, up.max_num_seqs) == (1, 2, 2, 4)  # aerie up keeps its names
+
+
+def test_serve_refuses_two_models(capsys):
+    assert main(["serve", "a/b", "--model", "c/d"]) == 2
+    assert "two models given: MODEL a/b and --model c/d" in capsys.readouterr().err
+
+
+def test_api_key_goes_to_a_private_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("AERIE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = argparse.Namespace(api_key=None, api_key_file=None)
+    assert api_key(args, tmp_path) == {}
+    monkeypatch.setenv("VLLM_API_KEY", "sk-1-0123456789abcdef")
+    env = api_key(args, tmp_path)
+    path = env["AERIE_API_TOKENS_FILE"]
+    assert open(path).read() == "default sk-1-0123456789abcdef\n" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    (tmp_path / "k").write_text("sk-2-0123456789abcdef\n")
+    api_key(argparse.Namespace(api_key=None, api_key_file=str(tmp_path / "k")), tmp_path)
+    assert open(path).read() == "default sk-2-0123456789abcdef\n"
+
+
+@pytest.mark.parametrize("error,code", [
+    (InvalidRequest("x"), 2), (ConfigError("x"), 2), (CheckpointError("x"), 2), (ModelUnavailable("x"), 3),
+    (Unreachable("x"), 4), (RemoteError(grpc.StatusCode.UNAVAILABLE, "x"), 4),
+    (RemoteError(grpc.StatusCode.DEADLINE_EXCEEDED, "x"), 4), (RemoteError(grpc.StatusCode.INVALID_ARGUMENT, "x"), 2),
+    (RemoteError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x"), 1), (CapacityExceeded("x"), 1), (KeyboardInterrupt(), 130),
+])
+def test_exit_codes(error, code):
+    assert exit_codes.exit_code(error) == code
+
+
+def test_a_refused_connection_exits_4(capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["generate", "--coordinator", f"127.0.0.1:{port}", "--prompt-ids", "1", "--resume-s", "0"]) == 4
+    assert capsys.readouterr().err.startswith("aerie: error: ")
+
+
+def test_docs_list_the_exit_codes():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    for name in ("OK", "FAILED", "USAGE", "MODEL_UNAVAILABLE", "UNREACHABLE", "INTERRUPTED"):
+        assert f"| {getattr(exit_codes, name)} |" in text, name

@@ -1,0 +1,195 @@
+"""CUDA checks (`pytest -m gpu`; skipped without a GPU; scripts/gpu_check.sh runs them): the paged,
+static-shape path and its CUDA graphs against the eager path, the CPU, transformers and the EAGLE
+reference fixture."""
+
+import copy
+
+import pytest
+import torch
+
+from services.engine.drafter import Drafter
+from services.engine.engine import Engine, GenerationRequest
+from services.engine.verifier import DecodeCall, Verifier
+from services.model.paged_kv import PagedKVPool
+from services.model.runner import ModelRunner
+from services.model.step import Step, StepEntry
+from services.model.uniform import UniformRunner, forward_uniform
+from services.spec.sampling import SamplingParams
+from services.spec.tree import TreeParams
+from tests.helpers import VOCAB, hf_greedy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on one)")]
+
+SHAPES = {"60/5/10": TreeParams(10, 5, 60), "16/3/4": TreeParams(4, 3, 16), "chain 8/7/1": TreeParams(1, 7, 8)}
+
+
+def on_cuda(target, head=None, dtype=torch.float32):
+    """Copies of a CPU target (and its head, re-pointed at the copy's lm_head) on the GPU."""
+    t = copy.deepcopy(target).to("cuda", dtype)
+    if head is None:
+        return t
+    h = copy.deepcopy(head)
+    if hasattr(h, "_target_head"):
+        h._target_head = (t.lm_head,)
+    return t, h.to("cuda", dtype)
+
+
+def generate(engine, prompt, n, **kw):
+    tokens, accepts = [], []
+    for out in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
+        tokens += out.tokens
+        accepts.append(out.stats.accept_length)
+    return tokens, accepts
+
+
+def prompts(seed, count=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """cuBLAS and torch in their deterministic modes (no atomics-based reductions)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def _steps(runner):
+    """The same steps on a fresh runner: 3 prefills, 4 batched decodes, a 3-node tree. Each step's
+    outputs are copied at once: a replay's logits are the graph's buffers, reused by the next one."""
+    ss = [runner.allocate(200) for _ in range(3)]
+    steps = [Step(tuple(StepEntry(s, torch.tensor(p), logits="last") for s, p in zip(ss, prompts(1))))]
+    steps += [Step(tuple(StepEntry(s, torch.tensor([5 + k + i]), logits="last") for i, s in enumerate(ss)))
+              for k in range(4)]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool()
+    steps.append(Step((StepEntry(ss[0], torch.tensor([3, 4, 5]), tree_mask=tree),)))
+    outs = []
+    for step in steps:
+        o = runner.execute(step)
+        outs.append((torch.cat([x.clone() for x in o.logits]), o.hidden.clone()))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_equals_eager_bit_for_bit(llama_pair, dtype, deterministic):
+    """The same steps through captured graphs and through the eager static-shape forward: the same
+    logits and hidden states, bit for bit (decodes at batch 3, then a tree). Precondition checked
+    first: two eager runs agree bit for bit (else the comparison would say nothing)."""
+    _, target, _ = llama_pair
+    t = on_cuda(target, dtype=dtype)
+    runs = [_steps(ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=g)) for g in (False, False, True)]
+    for (l0, h0), (l1, h1) in zip(runs[0], runs[1]):
+        assert torch.equal(l0, l1) and torch.equal(h0, h1), "eager is not deterministic here"
+    for k, ((le, he), (lg, hg)) in enumerate(zip(runs[0], runs[2])):
+        assert torch.equal(le, lg) and torch.equal(he, hg), (
+            f"step {k}: graph vs eager max |diff| logits {(le - lg).abs().max().item():.3g}, "
+            f"hidden {(he - hg).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_fp32_cuda_equals_cpu_token_for_token(pair, shape, request):
+    """EAGLE in fp32 on CUDA (paged KV, graphs) == on the CPU, and == transformers' greedy."""
+    hf, target, head = request.getfixturevalue(pair)
+    t, h = on_cuda(target, head)
+    cpu = Engine(Verifier(target, head.feature_kind), Drafter(head, SHAPES[shape]), 512, VOCAB)
+    gpu = Engine(Verifier(t, h.feature_kind), Drafter(h, SHAPES[shape]), 512, VOCAB)
+    assert isinstance(gpu.verifier.runner.pool, PagedKVPool) and gpu.verifier.runner.uniform.graphs_on
+    for prompt in prompts(seed=len(shape)):
+        expected = generate(cpu, prompt, 40)
+        assert generate(gpu, prompt, 40) == expected, prompt
+        assert expected[0] == hf_greedy(hf, prompt, 40)
+    assert gpu.drafter.graphs.captures >= 1 and gpu.drafter.graphs.expansions > 3  # the draft-loop graph ran
+
+
+def test_reference_fixture_replays_on_cuda_fp32():
+    """The EAGLE reference's greedy rounds (tests/spec/golden) through the CUDA path in fp32."""
+    from tests.spec import test_reference_golden as ref
+
+    target, head = ref.build_greedy_models()
+    t, h = on_cuda(target, head)
+    g = ref.GOLDEN["greedy"]
+    for run in g["runs"]:
+        total, depth, top_k = run["shape"]
+        engine = Engine(Verifier(t, h.feature_kind), Drafter(h, TreeParams(top_k, depth, total)),
+                        t.config.max_context, t.config.vocab_size, ())
+        tokens, accepts = generate(engine, run["prompt"], g["case"]["max_new_tokens"], ignore_eos=True)
+        assert accepts[1:] == run["accept_lengths"][: len(accepts) - 1]
+        assert tokens == run["tokens"][: len(tokens)]
+        assert engine.drafter.graphs.expansions > 0
+
+
+def test_draft_graph_replay_equals_static_eager(llama_pair):
+    """The draft expansion replayed from its CUDA graph == the same static code run eagerly."""
+    from services.engine.draft_graphs import DraftGraphs
+
+    _, target, head = llama_pair
+    t, h = on_cuda(target, head)
+    trees = []
+    for graphs in (False, True):
+        d = Drafter(h, SHAPES["60/5/10"])
+        d.graphs = DraftGraphs(h, d.pool, graphs=graphs)
+        engine = Engine(Verifier(t, h.feature_kind), d, 512, VOCAB)
+        seen = []
+        original = d.draft_many
+        d.draft_many = lambda calls, original=original, seen=seen: seen.extend(original(calls)) or seen[-len(calls):]
+        generate(engine, prompts(seed=2, count=1)[0], 32)
+        trees.append([(x.tokens.tolist(), x.parents.tolist()) for x in seen])
+        assert d.graphs.expansions > 3
+    assert trees[0] == trees[1]
+
+
+def test_bf16_plain_equals_transformers_bf16(llama_pair):
+    hf, target, _ = llama_pair
+    hf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)
+    t = on_cuda(target, dtype=torch.bfloat16)
+    engine = Engine(Verifier(t), None, 512, VOCAB)
+    for prompt in prompts(seed=4):
+        out = hf16.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert generate(engine, prompt, 32)[0] == out[0, len(prompt):].tolist()
+
+
+def test_batched_equals_alone_on_cuda(llama_pair):
+    _, target, _ = llama_pair
+    t = on_cuda(target)
+    batch, alone = Verifier(t), Verifier(t)
+    last = {}
+    for i, p in enumerate(prompts(seed=6, count=5)):
+        last[i] = batch.prefill(f"s{i}", torch.tensor(p), SamplingParams(), 100).first_token
+        assert alone.prefill(f"s{i}", torch.tensor(p), SamplingParams(), 100).first_token == last[i]
+    for r in range(1, 20):
+        got = batch.run([DecodeCall(f"s{i}", last[i], r) for i in range(5)])
+        for i in range(5):
+            assert alone.decode(f"s{i}", last[i], r) == got[i]
+            last[i] = got[i]
+
+
+def test_static_forward_and_replay_never_synchronise(llama_pair):
+    """torch's sync debug mode raises on any host synchronisation inside the forward and the replay."""
+    _, target, _ = llama_pair
+    t = on_cuda(target)
+    pool = PagedKVPool.for_model(t, 1024)
+    runner = UniformRunner(t, pool, graphs=True)
+    slot = pool.allocate(64)
+    step = Step((StepEntry(slot, torch.tensor([1]), logits="last"),))
+    shape = runner.shape_for(step)
+    inputs = runner.fill(step, shape).to("cuda")
+    graph = runner._capture(shape)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward_uniform(t, pool, shape, inputs)
+        graph.inputs.copy_(inputs)
+        graph.graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):  # the detector works
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            int(inputs.max())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
