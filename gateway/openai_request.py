@@ -153,8 +153,10 @@ def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | Non
     req = cpb.GenerateRequest(sampling=sampling)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise BadParameter("stop_token_ids", f"stop_token_ids must be a list of token ids (>= 0); got {_show(ids)}")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
+                                                for t in ids):
+            raise BadParameter("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {INT64_MAX}]; "
+                                                 f"got {_show(ids)}")
         req.stop_token_ids.extend(ids)
     stop = body.get("stop")
     if isinstance(stop, str):

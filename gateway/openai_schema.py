@@ -28,7 +28,7 @@ class _Body(BaseModel):
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 class StreamOptions(_Body):
@@ -39,7 +39,8 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     """Fields of both generation routes."""
     model: str | None = Field(None, description="the served model (/v1/models); omitted = it")
-    max_tokens: int | None = Field(None, ge=1, description="at most the server's cap (/v1/models max_tokens)")
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1,
+                                   description="at most the server's cap (/v1/models max_tokens)")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy; default: the model's "
                                       "generation_config.json, else 1")
     top_p: float | None = Field(None, gt=0, le=1)
@@ -94,7 +95,7 @@ class ResponseFormat(_Body):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
     messages: list[ChatMessage] = Field(min_length=1, description="the model's chat template is applied")
-    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name")
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1, description="max_tokens' newer name")
     logprobs: bool | None = Field(None, description="the target's log-probabilities of the answer's tokens")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs=true")
     tools: list[Any] | None = Field(None, max_length=0, description="only empty (tools are not supported)")

@@ -99,7 +99,8 @@ def merged_tree():
 MERGED = merged_tree()
 
 
-def first_three_merged(params, draw, wrong):
+def first_three_merged(params, draw, wrong, wrong_context=False):
+    assert not wrong_context and params.repetition_penalty == 1.0  # (mock_logits: no penalty here)
     gen = round_generator(params.seed, draw)
     logits = torch.stack([mock_logits(node_prefix(MERGED, i)) for i in range(MERGED.size)])
     acc = accept_sampling(MERGED, logits, params, gen)
