@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -58,10 +59,14 @@ INFO_TIMEOUT_S = 10.0
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, body: dict) -> None:
+    def __init__(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
         super().__init__(body["error"]["message"])
         self.status = status
         self.body = body
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
 def _error(status: int, body: dict) -> JSONResponse:
@@ -188,6 +193,25 @@ class Gateway:
             "id": info.model, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
             "max_model_len": info.max_context, "max_tokens": info.max_new_tokens}]})
 
+    async def read_json(self, request: Request, messages: bool) -> Any:
+        """The request's JSON body under the HTTP limits (gateway/limits.py), or HttpError: 413 over
+        the body limit (the rest of the body is never read: the connection closes), 400 not JSON,
+        400 (`messages`: a body that may hold chat messages) more messages than the limit."""
+        try:
+            body = json.loads(await read_body(request, self.limits.max_body_bytes))
+        except BodyTooLarge as e:
+            raise HttpError(413, error_body(str(e), "invalid_request_error", code="request_too_large"),
+                            {"connection": "close"}) from None
+        except ValueError as e:
+            raise HttpError(400, error_body(f"the request body is not valid JSON: {e}",
+                                            "invalid_request_error")) from None
+        listed = body.get("messages") if messages and isinstance(body, dict) else None
+        if isinstance(listed, list) and len(listed) > self.limits.max_messages:
+            raise HttpError(400, error_body(f"messages has {len(listed)} entries; this server accepts at most "
+                                            f"{self.limits.max_messages} (AERIE_HTTP_MAX_MESSAGES)",
+                                            "invalid_request_error", "messages"))
+        return body
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion, chat=False)
 
@@ -202,17 +226,9 @@ class Gateway:
         except HttpError as e:
             return _error(e.status, e.body)
         try:
-            body = json.loads(await read_body(request, self.limits.max_body_bytes))
-        except BodyTooLarge as e:  # the rest of the body is never read: the connection closes
-            return JSONResponse(error_body(str(e), "invalid_request_error", code="request_too_large"),
-                                status_code=413, headers={"connection": "close"})
-        except ValueError as e:
-            return _error(400, error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"))
-        messages = body.get("messages") if chat and isinstance(body, dict) else None
-        if isinstance(messages, list) and len(messages) > self.limits.max_messages:
-            return _error(400, error_body(f"messages has {len(messages)} entries; this server accepts at most "
-                                          f"{self.limits.max_messages} (AERIE_HTTP_MAX_MESSAGES)",
-                                          "invalid_request_error", "messages"))
+            body = await self.read_json(request, messages=chat)
+        except HttpError as e:
+            return e.response()
         try:
             metadata = self._caller(request)
             parsed = parse(body)

@@ -16,7 +16,6 @@ one answers 400). Request fields are checked as openai_request.py checks them: a
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from typing import Any
 
 import grpc
@@ -105,12 +104,9 @@ class Extras:
 
         try:
             metadata = self.gateway._caller(request)
-            body = json.loads(await request.body())
+            body = await self.gateway.read_json(request, messages=method == "Tokenize")  # (the HTTP limits)
         except HttpError as e:
-            return None, JSONResponse(e.body, status_code=e.status)
-        except ValueError as e:
-            return None, JSONResponse(error_body(f"the request body is not valid JSON: {e}", "invalid_request_error"),
-                                      status_code=400)
+            return None, e.response()
         try:
             parsed = parse(body)
             info = await self.gateway._served(body.get("model"))

@@ -10,19 +10,24 @@ on how fast anything runs, only on that order of events.
   stored answer: every chunk runs exactly once, nothing moves, the tokens are those of an undisturbed run;
 - a chunk that misses AERIE_PREFILL_TRIES deadlines fails the sequence once, with DEADLINE_EXCEEDED
   naming the chunk, and frees its KV;
-- Cancel (or the client going away) while a chunk runs stops the prefill before the next chunk.
+- Cancel (or the client going away) while a chunk runs stops the prefill before the next chunk;
+- a sequence that asks for logprobs gets the first token's with the last chunk's answer, also when
+  that chunk is answered again from its stored answer.
 """
 
 import threading
 
 import grpc
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
 from services.engine.engine import GenerationRequest
 from services.engine.verifier import PrefillCall, PrefillMoreCall
+from services.rpc import codec
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
+from services.spec.logprobs import TokenLogprobs
 from services.spec.sampling import SamplingParams
 from tests.pipeline import local_engine, local_run, remote_run, start_pipeline, wait_until
 
@@ -43,9 +48,11 @@ def failovers() -> float:
 
 class SlowChunk:
     """Wraps the verifier's forward: counts the forwards of each prefill chunk (by its first row)
-    and holds the forward of chunk SLOW until `release()` returns True (polled on the worker thread)."""
+    and holds the forward of the chunk at row `at` until `release()` returns True (polled on the
+    worker thread)."""
 
-    def __init__(self, servicer) -> None:
+    def __init__(self, servicer, at: int = SLOW) -> None:
+        self.at = at
         self.engine = servicer.verifier
         self.run = self.engine.run
         self.rows: dict[str, int] = {}  # prompt rows each sequence holds, as the forwards saw them
@@ -60,7 +67,7 @@ class SlowChunk:
                 offset = 0 if isinstance(c, PrefillCall) else self.rows[c.seq_id]
                 self.rows[c.seq_id] = offset + c.rows
                 self.forwards[offset] = self.forwards.get(offset, 0) + 1
-                if offset == SLOW:
+                if offset == self.at:
                     self.held.set()
                     wait_until(self.release, timeout=60)
         return self.run(calls)
@@ -151,6 +158,30 @@ def test_cancel_stops_a_prefill_within_one_chunk(pipeline, how):
     wait_until(lambda: pipeline.verifier.num_sequences == 0 and len(pipeline.coordinator.sequences) == 0)
     if how == "cancel":  # the stream ends with a last message: no tokens, finish_reason "cancel"
         assert [(list(m.tokens), m.finish_reason) for m in received] == [([], "cancel")]
+
+
+def test_logprobs_come_with_the_last_chunk_also_when_it_is_sent_again(pipeline, model_dirs):
+    """The first token's logprobs ride on the last chunk's answer; here that chunk outlives its
+    deadline and the second call is answered from its stored answer, logprobs included. Every
+    message's logprobs are the in-process engine's (one whole-prompt prefill)."""
+    sampling = SamplingParams(logprobs=2)
+    req = GenerationRequest(tuple(PROMPT), 12, sampling, ignore_eos=True)
+    want = TokenLogprobs.cat([out.logprobs for out in local_engine(model_dirs).generate(req)])
+    slow = SlowChunk(pipeline.verifier, at=32)  # the last of the 5 chunks
+    t0 = timeouts()
+    slow.release = lambda: timeouts() >= t0 + 1  # the coordinator gave up on the first call
+    try:
+        messages = list(pipeline.coordinator_stub().Generate(cpb.GenerateRequest(
+            prompt_ids=PROMPT, max_new_tokens=12, ignore_eos=True, sequence_id="f" * 32,
+            sampling=codec.encode_sampling(sampling)), timeout=120))
+    finally:
+        slow.undo()
+    assert slow.forwards[32] == 1 and timeouts() == t0 + 1  # sent twice, run once
+    assert messages[0].stats.index == 0 and messages[0].logprobs.token_ids == messages[0].tokens
+    got = TokenLogprobs.cat([codec.decode_logprobs(m.logprobs, m.tokens) for m in messages])
+    assert got.token_ids.tolist() == want.token_ids.tolist()
+    assert torch.allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert torch.equal(got.top_ids, want.top_ids)
 
 
 def _drain(stream):

@@ -75,7 +75,7 @@ def test_a_body_under_the_limit_is_served(served):
 @pytest.mark.parametrize("field,value,message", [
     ("max_tokens", 10**12, "max_tokens must be >= 1 and <= 2147483647; got 1000000000000"),
     ("prompt", [5, 2**64], "prompt token ids must be in [0, 9223372036854775807]"),
-    ("seed", 2**64, "seed must be >= 0 and <= 18446744073709551615"),
+    ("seed", 2**63, "seed must be >= 0 and <= 9223372036854775807"),  # (the engine's seed range)
     ("top_k", 2**40, "top_k must be >= -1 and <= 2147483647"),
 ])
 def test_out_of_range_integers_are_400_naming_the_field(served, field, value, message):
@@ -84,6 +84,30 @@ def test_out_of_range_integers_are_400_naming_the_field(served, field, value, me
     status, answer = post(port, "/v1/completions", body)
     assert status == 400, answer
     assert answer["error"]["param"] == field and message in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_the_extra_routes_keep_the_body_limit(served, path):
+    _, port = served
+    conn = http.client.HTTPConnection(HOST, port, timeout=60)
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(200_000_000))
+    conn.endheaders()  # never sent, as above
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 413 and r.getheader("connection") == "close" and "AERIE_HTTP_MAX_BODY_BYTES" in \
+        body["error"]["message"]
+    conn.close()
+
+
+def test_too_many_messages_to_tokenize_is_400(served):
+    _, port = served
+    messages = [{"role": "user", "content": "t5"}] * 4
+    status, answer = post(port, "/tokenize", {"messages": messages})
+    assert status == 400 and answer["error"]["param"] == "messages" and "4 entries" in answer["error"]["message"]
+    status, answer = post(port, "/tokenize", {"messages": messages[:3]})
+    assert status == 200 and answer["count"] > 0
 
 
 def test_too_many_chat_messages_is_400(served):
