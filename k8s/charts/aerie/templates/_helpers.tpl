@@ -326,6 +326,48 @@ livenessProbe:
   failureThreshold: {{ $p.liveness.failureThreshold }}
 {{- end }}
 
+{{/* "true" when the drafter runs as a process in every verifier container (drafter.placement verifier). */}}
+{{- define "aerie.drafterInVerifier" -}}
+{{- $d := .Values.drafter }}
+{{- if not (has $d.placement (list "pool" "verifier")) }}
+{{- fail (printf "drafter.placement must be pool or verifier; got %v" $d.placement) }}
+{{- end }}
+{{- if and $d.enabled (eq $d.placement "verifier") }}true{{ end }}
+{{- end }}
+
+{{/*
+The verifier container's command with drafter.placement verifier: bash starts `aerie drafter` (its
+settings that the verifier shares a name with given on its own command line through env) and `aerie
+verifier`, waits for the first to exit, stops the other and exits with the first one's status, so the
+kubelet restarts the container (both processes) when either dies. SIGTERM reaches both (each drains).
+$(POD_IP) is expanded by the kubelet.
+*/}}
+{{- define "aerie.verifierWithDrafter" -}}
+{{- $v := .Values -}}
+drafter= verifier=
+stop() { kill -TERM $drafter $verifier 2>/dev/null; }
+trap stop TERM INT
+env AERIE_MAX_SEQUENCES={{ $v.drafter.maxSequences | int64 }} \
+    AERIE_IDLE_TTL_S={{ $v.drafter.idleTtlSeconds }} \
+    AERIE_METRICS_PORT={{ $v.drafter.inVerifier.metricsPort | int64 }} \
+    {{- if $v.security.tls.enabled }}
+    AERIE_HEALTH_PORT={{ $v.drafter.inVerifier.healthPort | int64 }} \
+    {{- end }}
+    {{- if eq ($v.coordinator.discoverRegistered | toString) "1" }}
+    AERIE_ADVERTISE_ADDRESS=$(POD_IP):{{ $v.drafter.port | int64 }} \
+    {{- end }}
+    OTEL_SERVICE_NAME=aerie-drafter \
+    aerie drafter &
+drafter=$!
+aerie verifier &
+verifier=$!
+wait -n $drafter $verifier
+status=$?
+stop
+wait
+exit $status
+{{- end }}
+
 {{/* Ports of an aerie container: gRPC and metrics. */}}
 {{- define "aerie.containerPorts" -}}
 - name: grpc
