@@ -28,6 +28,7 @@ VALUE_SETS: dict[str, list[Path]] = {
     "default": [],
     "scale": [HERE / "values-scale.yaml"],
     "external-redis": [HERE / "values-external-redis.yaml"],
+    "hub": [HERE / "values-hub.yaml"],
 }
 
 

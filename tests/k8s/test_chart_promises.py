@@ -59,11 +59,21 @@ NOT_SET_BY_CHART = {
     "AERIE_INTERNAL_TOKEN_FILE": "the chart passes the token itself from a Secret (AERIE_INTERNAL_TOKEN)",
     "AERIE_MAX_TREE_NODES": "the drafters'/verifiers' own cap (512) is far above the budget's largest tree (32)",
     "AERIE_MAX_SEQUENCE_ROWS": "default: the target's context + one tree; set it through extraEnv to cap KV per sequence",
+    # `aerie up` / `aerie serve` and GPU tuning knobs (the chart runs the services one by one)
+    "AERIE_API_KEY": "`aerie up`/`aerie serve`'s --api-key; the chart gives coordinators AERIE_API_TOKENS_FILE",
+    "AERIE_PROGRESS": "progress bars on stderr; off in a pod's log unless set through extraEnv",
+    "AERIE_ATTENTION": "forces one attention backend (measurements, tests); the code picks per call",
+    "AERIE_CUDA_GRAPHS": "CUDA graphs on GPU, on by default; extraEnv AERIE_CUDA_GRAPHS=0 runs eagerly",
+    "AERIE_FUSE": "compiled fused stages on GPU, on by default; extraEnv AERIE_FUSE=0 keeps them eager",
+    "AERIE_OFFLINE": "the chart sets HF_HUB_OFFLINE=1 instead (the same switch, huggingface_hub's name)",
 }
 
 
 def model_path(values: dict, p: str) -> str:
-    return p if p.startswith("/") or p in ("none", "auto") else f"{values['model']['mountPath']}/{p}"
+    """As the chart maps a model value: Hub ids (model.source hub) and absolute paths as given."""
+    if values["model"]["source"] == "hub" or p.startswith("/") or p in ("none", "auto"):
+        return p
+    return f"{values['model']['mountPath']}/{p}"
 
 
 def redis_url(values: dict) -> str:
@@ -88,9 +98,11 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
         "AERIE_CACHE_DIR": v["config"]["cacheDir"],
         "OTEL_EXPORTER_OTLP_ENDPOINT": v["otel"]["endpoint"] or None,
     }
+    download_dir = v["model"]["mountPath"] if v["model"]["source"] == "hub" else None
     model = {
         "AERIE_TARGET": model_path(v, v["model"]["target"]) if v["model"]["target"] else None,
         "AERIE_DTYPE": v["model"]["dtype"],
+        "AERIE_DOWNLOAD_DIR": download_dir,
     }
     d, ver, c = v["drafter"], v["verifier"], v["coordinator"]
     registers = str(c["discoverRegistered"]) == "1"
@@ -131,6 +143,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_MAX_SEQUENCES_PER_CLIENT": str(c["maxSequencesPerClient"]),
             "AERIE_TOKENIZER": model_path(v, c["tokenizer"]) if c["tokenizer"] else None,
             "AERIE_SERVED_MODEL_NAME": c["servedModelName"] or None,
+            "AERIE_DOWNLOAD_DIR": download_dir,
         },
         "drafter": common | model | {
             "AERIE_DRAFTER_PORT": str(d["port"]),
@@ -188,7 +201,8 @@ def test_autoscaled_pools_leave_replicas_to_the_hpa(helm, scale_render):
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                              "name": name("coordinator")}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
-    r = render(helm, [], ["--set", "drafter.autoscaling.enabled=true"])
+    r = render(helm, [], ["--set", "drafter.autoscaling.enabled=true",
+                          "--api-versions", "external.metrics.k8s.io/v1beta1"])
     assert "replicas" not in r.component("drafter")["spec"]
     assert r.get("HorizontalPodAutoscaler", name("drafter"))["spec"]["scaleTargetRef"]["name"] == name("drafter")
 
@@ -440,7 +454,8 @@ def test_services_read_no_setting_the_chart_does_not_know(helm):
 # --- probes and services -----------------------------------------------------------------------
 
 def test_probes_are_grpc_health_checks(rendered, helm):
-    """gRPC health probes. With TLS (the default) they ask the plaintext health-only port
+    """gRPC health probes (the coordinator's startup probe asks its HTTP API instead:
+    test_chart_operations.py). With TLS (the default) they ask the plaintext health-only port
     (probes.healthPort -> AERIE_HEALTH_PORT): kubelet gRPC probes cannot speak TLS."""
     plain = render(helm, [], ["--set", "security.tls.enabled=false"])
     for r, tls in ((rendered, rendered.values["security"]["tls"]["enabled"]), (plain, False)):
@@ -455,6 +470,10 @@ def test_probes_are_grpc_health_checks(rendered, helm):
             else:
                 assert "health" not in ports and "AERIE_HEALTH_PORT" not in r.env(component)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if (component, probe) == ("coordinator", "startupProbe") or (
+                        (component, probe) == ("coordinator", "readinessProbe")
+                        and r.values["probes"]["coordinatorReadiness"] == "http"):
+                    continue  # GET /metrics, GET /health on the HTTP API (test_chart_operations.py)
                 assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (component, probe)
                 # readiness asks "": a coordinator is NOT_SERVING while Redis is unreachable or it drains; its
                 # liveness asks "liveness", which stays SERVING while Redis is down (a restart cannot help)

@@ -2,10 +2,10 @@
 `kubernetes-validate --strict` against Kubernetes 1.30, the ServiceMonitor passes the vendored
 prometheus-operator schema, and values.yaml documents every value.
 
-NOTE: kubernetes-validate has no schema for CRDs; it only warns and passes them. The one CRD the
-chart renders (monitoring.coreos.com/v1 ServiceMonitor) is therefore validated here against the
-openAPIV3Schema vendored in tests/k8s/schemas/ (see its README), made strict the way the API server's
-strict field validation is: unknown fields are rejected.
+NOTE: kubernetes-validate has no schema for CRDs; it only warns and passes them. The CRDs the chart
+renders (monitoring.coreos.com/v1 ServiceMonitor, keda.sh/v1alpha1 ScaledObject) are therefore
+validated here against the openAPIV3Schemas vendored in tests/k8s/schemas/ (see its README), made
+strict the way the API server's strict field validation is: unknown fields are rejected.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tests.k8s.chart import CHART, HERE, KUBE_VERSION, VALUE_SETS, run_helm, tem
 KUBERNETES_VALIDATE = Path(sys.executable).with_name("kubernetes-validate")
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): HERE / "schemas" / "servicemonitor-monitoring.coreos.com-v1.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): HERE / "schemas" / "scaledobject-keda.sh-v1alpha1.json",
 }
 
 

@@ -167,6 +167,7 @@ def test_http_gateway_needs_a_valid_token_over_https(secured, pki):
                 assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
                 assert h.get(f"{base}/v1/models", headers=headers).status_code == 401
             assert h.get(f"{base}/health").status_code == 200  # probes carry no token
+            assert h.get(f"{base}/metrics").status_code == 200  # nor does the chart's startup probe
             ok = h.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {TOKENS['bob']}"})
             assert ok.status_code == 200, ok.text
             models = h.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {TOKENS['bob']}"}).json()

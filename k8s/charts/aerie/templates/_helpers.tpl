@@ -50,8 +50,15 @@ app.kubernetes.io/part-of: aerie
 {{- end }}
 {{- end }}
 
+{{/* The aerie image of a pod, for (dict "ctx" $ "gpu" true|false): image.tag as set, else the
+appVersion, plus image.gpuTagSuffix (the CUDA build) on a pod that runs on a GPU. */}}
 {{- define "aerie.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $i := .ctx.Values.image }}
+{{- $tag := $i.tag | toString }}
+{{- if not $tag }}
+{{- $tag = printf "%s%s" .ctx.Chart.AppVersion (ternary $i.gpuTagSuffix "" (.gpu | default false)) }}
+{{- end }}
+{{- printf "%s:%s" $i.repository $tag }}
 {{- end }}
 
 {{/* In-cluster DNS name of a component's Service. */}}
@@ -97,10 +104,11 @@ manifest and needs no URL-encoding (the kubelet would expand $(VAR) into a URL v
 {{- end }}
 {{- end }}
 
-{{/* A model path value: absolute paths and "none"/"auto" as given, others under model.mountPath. */}}
+{{/* A model path value: Hub ids (model.source hub), absolute paths and "none"/"auto" as given, others
+under model.mountPath. */}}
 {{- define "aerie.modelPath" -}}
 {{- $p := .path }}
-{{- if or (hasPrefix "/" $p) (has $p (list "none" "auto")) }}
+{{- if or (eq .ctx.Values.model.source "hub") (hasPrefix "/" $p) (has $p (list "none" "auto")) }}
 {{- $p }}
 {{- else }}
 {{- printf "%s/%s" (trimSuffix "/" .ctx.Values.model.mountPath) $p }}
@@ -133,6 +141,30 @@ OTEL_EXPORTER_OTLP_ENDPOINT: {{ . | quote }}
 AERIE_DTYPE: {{ .ctx.Values.model.dtype | quote }}
 {{- with .ctx.Values.model.target }}
 AERIE_TARGET: {{ include "aerie.modelPath" (dict "ctx" $.ctx "path" .) | quote }}
+{{- end }}
+{{- include "aerie.downloadDirConfig" .ctx }}
+{{- end }}
+
+{{/* AERIE_DOWNLOAD_DIR (model.source hub): the Hugging Face cache on the model PVC, where Hub ids are
+read from (HF_HUB_OFFLINE=1: never downloaded by aerie's containers). */}}
+{{- define "aerie.downloadDirConfig" -}}
+{{- if eq .Values.model.source "hub" }}
+AERIE_DOWNLOAD_DIR: {{ .Values.model.mountPath | quote }}
+{{- end }}
+{{- end }}
+
+{{/* model.source hub: the Hub ids are checked and the PVC named ("" otherwise). */}}
+{{- define "aerie.hubClaimName" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "hub" }}
+{{- $id := "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+(@[A-Za-z0-9_./-]+)?(/[A-Za-z0-9_.-]+[.]gguf)?$" }}
+{{- if not (regexMatch $id ($m.target | toString)) }}
+{{- fail (printf "model.target must be a Hugging Face Hub id ORG/NAME[@REVISION][/FILE.gguf] with model.source hub; got %q" ($m.target | toString)) }}
+{{- end }}
+{{- if and .Values.drafter.enabled (not (regexMatch $id ($m.draft | toString))) }}
+{{- fail (printf "model.draft must be the Hub id of an EAGLE head for the target (e.g. yuhuili/EAGLE-LLaMA3.1-Instruct-8B) with model.source hub and drafter.enabled; got %q" ($m.draft | toString)) }}
+{{- end }}
+{{- default (include "aerie.componentName" (dict "ctx" . "component" "models")) $m.hub.existingClaim }}
 {{- end }}
 {{- end }}
 
@@ -232,10 +264,8 @@ API. Empty while coordinator.discoverRegistered is "0". */}}
 {{- end }}
 {{- end }}
 
-{{/* gRPC startup, readiness and liveness probes on a port (the standard gRPC health service).
-`liveness` (optional): the health service name the liveness probe asks for. The coordinator's is
-"liveness", which stays SERVING while Redis is down: its "" turns NOT_SERVING then (readiness takes
-the pod out of the Service), and a restart would not bring Redis back. */}}
+{{/* gRPC startup, readiness and liveness probes of a drafter or verifier on a port (the standard gRPC
+health service ""). */}}
 {{- define "aerie.grpcProbes" -}}
 {{- $p := .ctx.Values.probes -}}
 startupProbe:
@@ -252,12 +282,90 @@ readinessProbe:
 livenessProbe:
   grpc:
     port: {{ include "aerie.probePort" . }}
-    {{- with .liveness }}
-    service: {{ . | quote }}
-    {{- end }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
+{{- end }}
+
+{{/* The coordinator's probes: startup asks the HTTP API (GET /metrics: no token, no downstream call;
+the HTTP server starts after gRPC, so both listen once it passes), readiness the gRPC health "" or, with
+probes.coordinatorReadiness http, vLLM's GET /health (200 only while a verifier answers), liveness the
+gRPC health name "liveness" (SERVING while Redis is down: a restart would not bring Redis back). */}}
+{{- define "aerie.coordinatorProbes" -}}
+{{- $p := .ctx.Values.probes -}}
+{{- $scheme := ternary "HTTPS" "HTTP" .ctx.Values.security.tls.enabled -}}
+{{- if not (has $p.coordinatorReadiness (list "grpc" "http")) }}
+{{- fail (printf "probes.coordinatorReadiness must be grpc or http; got %v" $p.coordinatorReadiness) }}
+{{- end -}}
+startupProbe:
+  httpGet:
+    path: /metrics
+    port: http
+    scheme: {{ $scheme }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+readinessProbe:
+  {{- if eq $p.coordinatorReadiness "http" }}
+  httpGet:
+    path: /health
+    port: http
+    scheme: {{ $scheme }}
+  {{- else }}
+  grpc:
+    port: {{ include "aerie.probePort" . }}
+  {{- end }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ include "aerie.probePort" . }}
+    service: liveness
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+{{- end }}
+
+{{/* "true" when the drafter runs as a process in every verifier container (drafter.placement verifier). */}}
+{{- define "aerie.drafterInVerifier" -}}
+{{- $d := .Values.drafter }}
+{{- if not (has $d.placement (list "pool" "verifier")) }}
+{{- fail (printf "drafter.placement must be pool or verifier; got %v" $d.placement) }}
+{{- end }}
+{{- if and $d.enabled (eq $d.placement "verifier") }}true{{ end }}
+{{- end }}
+
+{{/*
+The verifier container's command with drafter.placement verifier: bash starts `aerie drafter` (its
+settings that the verifier shares a name with given on its own command line through env) and `aerie
+verifier`, waits for the first to exit, stops the other and exits with the first one's status, so the
+kubelet restarts the container (both processes) when either dies. SIGTERM reaches both (each drains).
+$(POD_IP) is expanded by the kubelet.
+*/}}
+{{- define "aerie.verifierWithDrafter" -}}
+{{- $v := .Values -}}
+drafter= verifier=
+stop() { kill -TERM $drafter $verifier 2>/dev/null; }
+trap stop TERM INT
+env AERIE_MAX_SEQUENCES={{ $v.drafter.maxSequences | int64 }} \
+    AERIE_IDLE_TTL_S={{ $v.drafter.idleTtlSeconds }} \
+    AERIE_METRICS_PORT={{ $v.drafter.inVerifier.metricsPort | int64 }} \
+    {{- if $v.security.tls.enabled }}
+    AERIE_HEALTH_PORT={{ $v.drafter.inVerifier.healthPort | int64 }} \
+    {{- end }}
+    {{- if eq ($v.coordinator.discoverRegistered | toString) "1" }}
+    AERIE_ADVERTISE_ADDRESS=$(POD_IP):{{ $v.drafter.port | int64 }} \
+    {{- end }}
+    OTEL_SERVICE_NAME=aerie-drafter \
+    aerie drafter &
+drafter=$!
+aerie verifier &
+verifier=$!
+wait -n $drafter $verifier
+status=$?
+stop
+wait
+exit $status
 {{- end }}
 
 {{/* Ports of an aerie container: gRPC and metrics. */}}
@@ -309,8 +417,13 @@ livenessProbe:
 - name: models
   emptyDir:
     sizeLimit: {{ $m.emptyDir.sizeLimit }}
+{{- else if eq $m.source "hub" }}
+# The Hugging Face cache: written by the fetch-model init container, mounted read-only in aerie's.
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ include "aerie.hubClaimName" . }}
 {{- else if ne $m.source "image" }}
-{{- fail (printf "model.source must be one of image, pvc, hostPath, emptyDir; got %q" $m.source) }}
+{{- fail (printf "model.source must be one of image, hub, pvc, hostPath, emptyDir; got %q" $m.source) }}
 {{- end }}
 {{- end }}
 
@@ -323,11 +436,66 @@ livenessProbe:
 {{- end }}
 
 {{/*
-Init containers that fill the model volume; they run before aerie in drafter and verifier pods. One
-without a securityContext gets the restricted one, and one without volumeMounts gets the model volume.
+Init containers that fill the model volume; they run before aerie in drafter and verifier pods, for
+(dict "ctx" $ "heads" true|false "gpu" <the pod's image is the CUDA build>): with model.source hub first "fetch-model", which downloads the
+target (and with heads the draft head) into the Hugging Face cache on the model PVC with aerie's own
+resolver (services/model/hub.py: only the files aerie loads; a model already cached is not fetched
+again; concurrent pods share huggingface_hub's file locks). Then model.initContainers: one without a
+securityContext gets the restricted one, one without volumeMounts gets the model volume.
 */}}
 {{- define "aerie.modelInitContainers" -}}
-{{- range .Values.model.initContainers }}
+{{- $ := .ctx }}
+{{- $m := $.Values.model }}
+{{- if eq $m.source "hub" }}
+- name: fetch-model
+  image: {{ include "aerie.image" (dict "ctx" $ "gpu" .gpu) }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import sys
+      from services.errors import AerieError
+      from services.model.hub import resolve_model
+      try:
+          print("target", resolve_model(sys.argv[1]), flush=True)
+          for head in sys.argv[2:]:
+              print("draft head", resolve_model(head, "draft head"), flush=True)
+      except AerieError as e:
+          sys.exit(f"fetch-model: {e}")
+  args:
+    - {{ $m.target | quote }}
+    {{- if and .heads $m.draft }}
+    - {{ $m.draft | quote }}
+    {{- end }}
+  env:
+    - name: AERIE_DOWNLOAD_DIR
+      value: {{ $m.mountPath | quote }}
+    # The image sets HF_HUB_OFFLINE=1 for aerie's services; this container is the one that downloads.
+    - name: HF_HUB_OFFLINE
+      value: "0"
+    - name: HF_HOME
+      value: /tmp/huggingface
+    - name: HOME
+      value: /tmp
+    {{- with $m.hub.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.hub.tokenSecretKey }}
+    {{- end }}
+  securityContext:
+    {{- include "aerie.containerSecurityContext" $ | nindent 4 }}
+  resources:
+    {{- toYaml $m.hub.resources | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: {{ $m.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- range $m.initContainers }}
 - {{ toYaml (omit . "securityContext" "volumeMounts") | nindent 2 | trim }}
   securityContext:
     {{- if .securityContext }}
@@ -357,14 +525,31 @@ without a securityContext gets the restricted one, and one without volumeMounts 
 {{- toYaml $res }}
 {{- end }}
 
-{{/* HorizontalPodAutoscaler (autoscaling/v2) for a component's workload. */}}
-{{- define "aerie.hpa" -}}
-{{- $a := (index .ctx.Values .component).autoscaling }}
+{{/*
+The autoscaler of a component's workload, for (dict "ctx" $ "component" name "kind" Deployment|StatefulSet):
+an autoscaling/v2 HorizontalPodAutoscaler (autoscaling.engine hpa) or a KEDA ScaledObject (keda), on the
+coordinators' aerie:num_requests_waiting (<pool>.autoscaling.targetRequestsWaiting per pod) and/or CPU
+utilisation (targetCPUUtilizationPercentage). Each refuses to render without its API in the cluster.
+*/}}
+{{- define "aerie.autoscaler" -}}
+{{- $ctx := .ctx }}
+{{- $a := (index $ctx.Values .component).autoscaling }}
+{{- $g := $ctx.Values.autoscaling }}
+{{- $waiting := $a.targetRequestsWaiting | default 0 }}
+{{- $cpu := $a.targetCPUUtilizationPercentage | default 0 }}
+{{- $coordinator := include "aerie.componentName" (dict "ctx" $ctx "component" "coordinator") }}
+{{- if not (or $waiting $cpu $a.metrics) }}
+{{- fail (printf "%s.autoscaling.enabled needs a signal: targetRequestsWaiting, targetCPUUtilizationPercentage or metrics" .component) }}
+{{- end }}
+{{- if eq $g.engine "hpa" }}
+{{- if and $waiting (not ($ctx.Capabilities.APIVersions.Has "external.metrics.k8s.io/v1beta1")) }}
+{{- fail (printf "%s.autoscaling.targetRequestsWaiting with autoscaling.engine hpa needs the external metrics API (external.metrics.k8s.io/v1beta1, e.g. prometheus-adapter with the rule in docs/kubernetes.md); install it (helm template: --api-versions external.metrics.k8s.io/v1beta1) or set autoscaling.engine keda" .component) }}
+{{- end }}
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
   name: {{ include "aerie.componentName" . }}
-  namespace: {{ .ctx.Release.Namespace }}
+  namespace: {{ $ctx.Release.Namespace }}
   labels:
     {{- include "aerie.labels" . | nindent 4 }}
 spec:
@@ -375,17 +560,82 @@ spec:
   minReplicas: {{ $a.minReplicas }}
   maxReplicas: {{ $a.maxReplicas }}
   metrics:
-    {{- with $a.targetCPUUtilizationPercentage }}
+    {{- if $waiting }}
+    # The coordinators' aerie:num_requests_waiting summed over this release, per pod of this pool.
+    - type: External
+      external:
+        metric:
+          name: {{ $g.externalMetricName }}
+          selector:
+            matchLabels:
+              namespace: {{ $ctx.Release.Namespace }}
+              service: {{ $coordinator }}
+        target:
+          type: AverageValue
+          averageValue: {{ $waiting | toString | quote }}
+    {{- end }}
+    {{- if $cpu }}
     - type: Resource
       resource:
         name: cpu
         target:
           type: Utilization
-          averageUtilization: {{ . }}
+          averageUtilization: {{ $cpu }}
     {{- end }}
     {{- with $a.metrics }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+  {{- with $a.scaleDownSeconds }}
+  behavior:
+    scaleDown:
+      stabilizationWindowSeconds: {{ . }}
+  {{- end }}
+{{- else if eq $g.engine "keda" }}
+{{- if not ($ctx.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject") }}
+{{- fail "autoscaling.engine keda needs KEDA's ScaledObject CRD (keda.sh/v1alpha1) in the cluster; install KEDA (helm template: --api-versions keda.sh/v1alpha1/ScaledObject) or set autoscaling.engine hpa" }}
+{{- end }}
+{{- if $a.metrics }}
+{{- fail (printf "%s.autoscaling.metrics are autoscaling/v2 metric specs (autoscaling.engine hpa); with keda use autoscaling.query" .component) }}
+{{- end }}
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ include "aerie.componentName" . }}
+  namespace: {{ $ctx.Release.Namespace }}
+  labels:
+    {{- include "aerie.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: {{ .kind }}
+    name: {{ include "aerie.componentName" . }}
+  minReplicaCount: {{ $a.minReplicas }}
+  maxReplicaCount: {{ $a.maxReplicas }}
+  {{- with $a.scaleDownSeconds }}
+  advanced:
+    horizontalPodAutoscalerConfig:
+      behavior:
+        scaleDown:
+          stabilizationWindowSeconds: {{ . }}
+  {{- end }}
+  triggers:
+    {{- if $waiting }}
+    - type: prometheus
+      metricType: AverageValue
+      metadata:
+        serverAddress: {{ required "autoscaling.prometheusAddress is required with autoscaling.engine keda (the Prometheus KEDA queries)" $g.prometheusAddress | quote }}
+        query: {{ default (printf "sum(aerie:num_requests_waiting{namespace=%q,service=%q})" $ctx.Release.Namespace $coordinator) $g.query | quote }}
+        threshold: {{ $waiting | toString | quote }}
+    {{- end }}
+    {{- if $cpu }}
+    - type: cpu
+      metricType: Utilization
+      metadata:
+        value: {{ $cpu | toString | quote }}
+    {{- end }}
+{{- else }}
+{{- fail (printf "autoscaling.engine must be hpa or keda; got %v" $g.engine) }}
+{{- end }}
 {{- end }}
 
 {{/* PodDisruptionBudget (policy/v1) for a component. */}}
