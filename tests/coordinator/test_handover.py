@@ -39,7 +39,10 @@ def resume(p, seq_id, start, address=None):
     return tokens, last.finish_reason
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 7)], ids=["greedy", "seeded"])
+# "penalised": the taker-over rebuilds min_p and the repetition penalty from the stored SequenceParams
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 7),
+                                      SamplingParams(0.8, 0.95, 0, 8, min_p=0.05, repetition_penalty=1.3)],
+                         ids=["greedy", "seeded", "penalised"])
 def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_dirs, sampling):
     req = GenerationRequest(PROMPT, 60, sampling, ignore_eos=True)
     steps = list(local_engine(model_dirs, draft_dtype="fp32").generate(req))
@@ -48,7 +51,8 @@ def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_
     store = pipeline.coordinator.store
     seq_id = f"dead-{sampling.seed}-{int(sampling.greedy)}"
     store.create(SequenceRecord(seq_id, PROMPT, SequenceParams(60, sampling.temperature, sampling.top_p, sampling.top_k,
-                                                               ignore_eos=True),
+                                                               ignore_eos=True, min_p=sampling.min_p,
+                                                               repetition_penalty=sampling.repetition_penalty),
                                 sampling.seed, "gone:1", "gone:2", owner="dead-coordinator"))
     for s in steps[:5]:
         store.commit(seq_id, s.stats.index, s.tokens, None, owner="dead-coordinator")

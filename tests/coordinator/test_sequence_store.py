@@ -205,3 +205,14 @@ def test_params_round_trip_and_records_from_before_the_text_path_read():
     assert SequenceParams.from_json(p.to_json()) == p
     old = '{"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop_token_ids": [2], "ignore_eos": false}'
     assert SequenceParams.from_json(old) == SequenceParams(10, 0.0, 1.0, 0, (2,))
+
+
+def test_the_drop_in_sampling_fields_round_trip_and_default_for_older_records():
+    """min_p, repetition_penalty and logprobs are stored: a coordinator taking the sequence over
+    rebuilds the same target distribution (and keeps returning logprobs)."""
+    p = SequenceParams(7, 0.8, 0.9, 5, min_p=0.05, repetition_penalty=1.3, logprobs=2)
+    assert SequenceParams.from_json(p.to_json()) == p
+    assert SequenceParams.from_json(SequenceParams(7, 0.8, 0.9, 5, logprobs=0).to_json()).logprobs == 0
+    before = '{"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ["x"]}'
+    q = SequenceParams.from_json(before)
+    assert (q.min_p, q.repetition_penalty, q.logprobs) == (0.0, 1.0, None)
