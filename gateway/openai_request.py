@@ -79,15 +79,14 @@ def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     return float(v)
 
 
-def _int(body: dict, name: str, lo: int, hi: int = 2**63 - 1) -> int | None:
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadParameter(name, f"{name} must be an integer; got {_show(v)}")
     if not lo <= v <= hi:
-        raise BadParameter(name, f"{name} must be >= {lo}" + (f" and <= {hi}" if hi != 2**63 - 1 else "")
-                           + f"; got {v}")
+        raise BadParameter(name, f"{name} must be >= {lo} and <= {hi}; got {v}")
     return v
 
 
@@ -141,7 +140,7 @@ def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | Non
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", -1, 2**31 - 1)
-    seed = _int(body, "seed", 0, 2**63 - 1)
+    seed = _int(body, "seed", 0, INT64_MAX)
     min_p = _number(body, "min_p", 0.0, 1.0)
     repetition_penalty = _number(body, "repetition_penalty", 0.0, 100.0, lo_open=True)
     sampling = pb.SamplingParams(temperature=1.0 if temperature is None else temperature,
