@@ -124,7 +124,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
     g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 512),
-                   help="prompt tokens per prefill forward; other sequences' rounds run between the chunks "
+                   help="prompt tokens per prefill forward, at most (cut to the step budget of --itl-target-ms); "
+                        "other sequences' rounds run between the chunks "
                         "(AERIE_PREFILL_CHUNK; default: 512; 0 = off: the whole prompt in one forward)")
     g.add_argument("--itl-target-ms", type=float, default=env("AERIE_ITL_TARGET_MS", 200.0),
                    help="inter-token latency target of one step: each step serves every running decode, then "
