@@ -173,7 +173,7 @@ class Sequences:
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
-                prefill_tries=self.config.prefill_tries, kv_client=f"identity {state.client}")
+                prefill_tries=self.config.prefill_tries, kv_client=f"identity {self.store.client_of(seq_id)}")
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens, state.round)
                 placement.release_elsewhere(state.drafter, state.verifier)
