@@ -84,10 +84,12 @@ class Move:
 class SequencePlacement:
     def __init__(self, seq_id: str, verifiers: Pool[VerifierClient], drafters: Pool[DrafterClient] | None,
                  phases: Phases = NO_PHASES, verifier_wait_s: float = 30.0,
-                 on_move: Callable[[str, str], None] | None = None, prefill_tries: int = 3) -> None:
-        """`prefill_tries`: calls per prefill chunk that misses its deadline before the sequence fails
+                 on_move: Callable[[str, str], None] | None = None, prefill_tries: int = 3,
+                 kv_client: str = "") -> None:
+        """`kv_client`: who the sequence's verifier KV counts against (its shares). `prefill_tries`: calls per prefill chunk that misses its deadline before the sequence fails
         (AERIE_PREFILL_TRIES). `stop` (assign it; default: never) raises to stop a prefill between chunks."""
         self.seq_id = seq_id
+        self.kv_client = kv_client
         self.prefill_tries = prefill_tries
         self.stop: Callable[[], None] = lambda: None
         self.verifiers = verifiers
@@ -113,7 +115,7 @@ class SequencePlacement:
         # the verifier's features follow the drafter's kind; with a drafter pool but no drafter yet,
         # "hidden" (rounds verify root-only trees, whose answer carries features)
         self._kind = self._rd.feature_kind if self._rd else ("hidden" if drafters is not None else "none")
-        self._rv = self.verifier_client.for_sequence(self._kind, phases)
+        self._rv = self.verifier_client.for_sequence(self._kind, phases, self.kv_client)
         # what a rebuild needs, recorded from the engine's own calls
         self.prompt: list[int] = []
         self.committed: list[int] = []  # every token the verifier produced, in order
@@ -248,7 +250,7 @@ class SequencePlacement:
                                   f"sequence {self.seq_id!r} lost its verifier ({e}) and {none}") from None
         if not e.lost_sequence and self.verifier_client.address != old.address:
             _release_later(old, self.seq_id)  # (the same replica again: the rebuild releases it in line)
-        self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
+        self._rv = self.verifier_client.for_sequence(self._kind, self.phases, self.kv_client)
         self._moved(Move("verifier", old.address, self.verifier_client.address, str(e), 0.0, 0), failover_reason(e))
 
     def _reprefill(self) -> PrefillResult:
@@ -330,7 +332,7 @@ class SequencePlacement:
         full = self.prompt + self.committed
         if self._rd.feature_kind != self._kind or len(tokens) != len(full) - 1:
             self._kind = self._rd.feature_kind
-            self._rv = self.verifier_client.for_sequence(self._kind, self.phases)
+            self._rv = self.verifier_client.for_sequence(self._kind, self.phases, self.kv_client)
             features = self._reprefill().features
             tokens = torch.tensor(full[1:], dtype=torch.long)
         # a replica that was only unreachable (or a restart racing our old release) may still hold

@@ -70,11 +70,12 @@ class Sequences:
     def admit(self, request: GenerationRequest, seq_id: str | None,
               emit: Callable[[Committed | BaseException], None], request_span: Any = None,
               wrap_engine: Callable[[Engine], Any] | None = None, text: dict | None = None,
-              client: str = "anonymous") -> Admitted:
+              client: str = "anonymous", kv_client: str = "") -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
         `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine; `text` (stop
         strings, skip_special_tokens) is stored with the sequence for a take-over and Resume. `client`
-        is the caller's identity (services/rpc/security.py), stored as the sequence's creator."""
+        is the caller's identity (services/rpc/security.py), stored as the sequence's creator; `kv_client`
+        who its verifier KV counts against (the per-client key: identity, else peer host; "" = `client`)."""
         # 128 random bits: the id is the capability to read, resume or cancel the sequence
         seq_id = seq_id or secrets.token_hex(16)
         if self.draining.is_set():
@@ -93,7 +94,7 @@ class Sequences:
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
-                prefill_tries=self.config.prefill_tries)
+                prefill_tries=self.config.prefill_tries, kv_client=kv_client or f"identity {client}")
             vinfo, engine = self._engine(placement)
             engine.validate(request)
             if wrap_engine is not None:
@@ -182,7 +183,7 @@ class Sequences:
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
-                prefill_tries=self.config.prefill_tries)
+                prefill_tries=self.config.prefill_tries, kv_client=f"identity {self.store.client_of(seq_id)}")
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens)
                 placement.release_elsewhere(state.drafter, state.verifier)

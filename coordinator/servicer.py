@@ -121,12 +121,12 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         key = self._client_key(identity, context)
         self._take_slot(key)  # before any work: a client over its limit costs nothing
         try:
-            async for response in self._generate(request, context, identity):
+            async for response in self._generate(request, context, identity, key):
                 yield response
         finally:
             self._give_slot(key)
 
-    async def _generate(self, request: cpb.GenerateRequest, context, identity: str):
+    async def _generate(self, request: cpb.GenerateRequest, context, identity: str, key: str = ""):
         text = await asyncio.to_thread(self.text)
         prompt_ids = text.prompt_ids(request)
         stream = text.stream(request)  # validates the stop strings
@@ -148,7 +148,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         request_metrics = RequestMetrics(self.model_name)
         try:
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
-                                               text.stop_engine(request), text.params(request), identity)
+                                               text.stop_engine(request), text.params(request), identity, key)
             request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)

@@ -153,7 +153,9 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb (verifiers), --served-model-name
-    (coordinators)."""
+    (coordinators). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
+    AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
+    more than the share of the host's free memory."""
     out = []
     if getattr(args, "log_level", None):
         out += ["--log-level", args.log_level]
@@ -161,9 +163,17 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--max-sequences", str(args.max_num_seqs)]
     if role == "verifier" and getattr(args, "kv_budget_mb", None) is not None:
         out += ["--kv-budget-mb", str(args.kv_budget_mb)]
+    elif role == "verifier" and getattr(args, "verifiers", 1) > 1:
+        out += ["--kv-budget-share", f"{kv_share(args):g}"]
     if role == "coordinator" and getattr(args, "served_model_name", None):
         out += ["--served-model-name", args.served_model_name]
     return out
+
+
+def kv_share(args: argparse.Namespace) -> float:
+    """Each verifier's share of the memory free at its start: AERIE_KV_BUDGET_SHARE (0.5) split over
+    the --verifiers of this host."""
+    return float(os.environ.get("AERIE_KV_BUDGET_SHARE") or 0.5) / max(1, getattr(args, "verifiers", 1))
 
 
 def pinned(base: int | None, offset: int) -> int:
@@ -273,6 +283,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         else:
             print(f"security     WARNING: services listen on {args.host} WITHOUT TLS or API tokens: anyone who can "
                   f"reach this machine can use and read them (docs/security.md)", file=sys.stderr, flush=True)
+        if args.verifiers > 1 and getattr(args, "kv_budget_mb", None) is None:
+            print(f"kv budget    split over the {args.verifiers} verifiers of this host: each takes {kv_share(args):g} "
+                  f"of the memory free at its start (AERIE_KV_BUDGET_SHARE / {args.verifiers}; --kv-budget-mb "
+                  f"sets each one's MiB)", flush=True)
         if not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinators[0].address} --prompt 'Hello'   (Ctrl-C stops)",

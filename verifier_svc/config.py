@@ -45,6 +45,8 @@ class VerifierConfig:
     kv_wait_s: float = 5.0  # how long a Prefill whose KV does not fit waits for KV to be released
     kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
     prefill_chunk: int = 512  # prompt tokens per prefill forward (0 = the whole prompt in one)
+    itl_target_ms: float = 0.0  # one step's target time: sizes prefill chunks and the step's token budget; 0 = off (default: docs/distributed.md)
+    kv_client_share: float = 0.5  # most of the KV budget one client identity holds while others want KV
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
 
@@ -57,6 +59,10 @@ class VerifierConfig:
             raise ConfigError(f"kv_wait_s must be >= 0; got {self.kv_wait_s}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0 = off); got {self.prefill_chunk}")
+        if not self.itl_target_ms >= 0:
+            raise ConfigError(f"itl_target_ms must be >= 0 (0 = off); got {self.itl_target_ms}")
+        if not 0 < self.kv_client_share <= 1:
+            raise ConfigError(f"kv_client_share must be in (0, 1]; got {self.kv_client_share}")
         if self.kv_queue < 0:
             raise ConfigError(f"kv_queue must be >= 0; got {self.kv_queue}")
         if not 2 <= self.max_tree_nodes <= MAX_TREE_NODES:
@@ -118,8 +124,18 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
     g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 512),
-                   help="prompt tokens per prefill forward; other sequences' rounds run between the chunks "
+                   help="prompt tokens per prefill forward, at most (cut to the step budget of --itl-target-ms); "
+                        "other sequences' rounds run between the chunks "
                         "(AERIE_PREFILL_CHUNK; default: 512; 0 = off: the whole prompt in one forward)")
+    g.add_argument("--itl-target-ms", type=float, default=env("AERIE_ITL_TARGET_MS", 0.0),
+                   help="inter-token latency target of one step: each step serves every running decode, then "
+                        "prefill rows up to the budget whose measured forward time fits this target; the "
+                        "prefill chunk is cut to that budget, e.g. 200 (AERIE_ITL_TARGET_MS; default: 0 = off: arrival "
+                        "order, --prefill-chunk as given; on for now it trades a long prompt's TTFT for its "
+                        "neighbours' gaps, docs/distributed.md)")
+    g.add_argument("--kv-client-share", type=float, default=env("AERIE_KV_CLIENT_SHARE", 0.5),
+                   help="most of the KV budget one client identity may hold while other identities hold or wait "
+                        "for KV; alone it may use all of it (AERIE_KV_CLIENT_SHARE, 0.5)")
     g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
                    help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
@@ -135,5 +151,6 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
                           max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
                           kv_budget_mb=args.kv_budget_mb, kv_budget_share=args.kv_budget_share, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
-                          prefill_chunk=args.prefill_chunk,
+                          prefill_chunk=args.prefill_chunk, itl_target_ms=args.itl_target_ms,
+                          kv_client_share=args.kv_client_share,
                           tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)

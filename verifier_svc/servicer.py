@@ -15,6 +15,18 @@ chunk by chunk (`offset`, `more`: each chunk its own call and deadline, see prot
 A chunk call that fails leaves the rows prefilled so far in place, so the caller resumes from them;
 the latest chunk's answer is kept until the sequence's first Verify or Decode, so a chunk sent again
 after its deadline (it ran meanwhile) is answered from it instead of running twice.
+
+Steps (services/engine/step_scheduler.py): each forward serves every queued Verify/Decode first, then
+prefill chunks up to a token budget: the most rows whose measured forward (`verify_cost`) fits
+--itl-target-ms (at least STEP_FLOOR_ROWS). The prefill chunk is cut to that budget, and GetInfo
+reports the cut chunk, so a coordinator sends chunks of that size: a long prompt never holds a
+running neighbour longer than about one budgeted step.
+
+KV shares (services/engine/kv_shares.py): each client identity (gRPC metadata `aerie-client`, set by
+the coordinator: the caller's API identity, else its peer host) may hold at most --kv-client-share of
+the KV budget while other identities hold or wait for KV; alone it may use all of it. A Prefill over
+its identity's share waits like one over the budget, and is refused naming the share: the greedy
+identity is refused, the others are admitted as KV is released.
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ import torch
 
 from services.device import free_memory_bytes
 from services.engine.batcher import Batcher
+from services.engine.kv_shares import ANONYMOUS, KVShares
+from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
@@ -50,6 +64,8 @@ from verifier_svc.config import VerifierConfig
 log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
+CLIENT_METADATA = "aerie-client"  # the identity a Prefill's KV counts against (set by the coordinator)
+STEP_FLOOR_ROWS = 32  # a step's token budget never goes below this (a slow CPU still prefills)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +120,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 metrics.KV_CACHE_USAGE.labels(metrics.model_label(target_path)).set_function(
                     lambda: pool.rows_allocated / pool.max_rows)
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
+        self.shares = KVShares(pool.max_rows if pool is not None else None, config.kv_client_share)
+        # the token budget of one step and the prefill chunk cut to it (None / as configured: no ITL target
+        # or no measured cost)
+        self.step_rows = (step_rows(verify_cost, config.itl_target_ms / 1000, STEP_FLOOR_ROWS, config.batch.max_rows)
+                          if config.itl_target_ms > 0 and verify_cost is not None else None)
+        self.prefill_chunk = config.prefill_chunk
+        if self.step_rows is not None and self.prefill_chunk:
+            self.prefill_chunk = min(self.prefill_chunk, self.step_rows)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
@@ -112,7 +136,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._chunks: dict[str, tuple[int, int, ChunkAnswer]] = {}
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
-                                              on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind))
+                                              on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind),
+                                              prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall)),
+                                              step_rows=self.step_rows)
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
@@ -150,10 +176,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not total < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{total + 1}, {self.max_capacity}] for a {total}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
+        client = _client(context)
         if offset == 0 and not more:
-            work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind))
+            work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind), client)
         elif offset == 0:
-            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True))
+            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True), client)
         else:
             work = self.batcher.call_async(NextChunk(seq_id, prompt, last=not more, offset=offset))
         answer = await timed(PREFILL_SECONDS.labels(SERVICE), work)
@@ -166,15 +193,15 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk,
                                               logprobs=logprobs if i == 0 else None)
 
-    async def _prefill(self, call: PrefillCall) -> PrefillResult:
-        """The whole prompt in one forward, or (--prefill-chunk C) in chunks of C tokens, each its own
-        batcher call: other sequences' rounds run between the chunks instead of waiting for the
-        whole prompt."""
-        chunk = self.config.prefill_chunk
+    async def _prefill(self, call: PrefillCall, client: str) -> PrefillResult:
+        """The whole prompt in one forward, or in chunks of the prefill chunk (--prefill-chunk, cut to
+        the step budget), each its own batcher call: other sequences' rounds run between the chunks
+        instead of waiting for the whole prompt."""
+        chunk = self.prefill_chunk
         if not chunk or call.rows <= chunk:
-            return await self._admit(call)
+            return await self._admit(call, client)
         parts = call.prompt.split(chunk)
-        first = await self._admit(replace(call, prompt=parts[0], more=True))
+        first = await self._admit(replace(call, prompt=parts[0], more=True), client)
         features = [first.features]
         try:
             for k, part in enumerate(parts[1:], 1):
@@ -185,12 +212,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             raise
         return PrefillResult(out.first_token, torch.cat(features))
 
-    async def _admit(self, call: PrefillCall):
-        """Prefill under the KV budget: a sequence whose KV does not fit now waits (at most
-        --kv-wait-s, at most --kv-queue of them) for other sequences to release theirs, then is
-        refused with RESOURCE_EXHAUSTED naming the budget; never partially admitted."""
+    async def _admit(self, call: PrefillCall, client: str = ANONYMOUS):
+        """Prefill under the KV budget and `client`'s share of it: a sequence whose KV does not fit
+        now waits (at most --kv-wait-s, at most --kv-queue of them) for other sequences to release
+        theirs, then is refused with RESOURCE_EXHAUSTED naming the budget (or the share); never
+        partially admitted."""
         deadline = time.monotonic() + self.config.kv_wait_s
         queued = False
+        self.shares.claim(call.seq_id, client)
         try:
             while True:
                 try:
@@ -207,10 +236,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     if not queued:
                         queued = True
                         self._kv_waiting += 1
+                        self.shares.wait(client)
                     await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
         finally:
             if queued:
                 self._kv_waiting -= 1
+                self.shares.done_waiting(client)
+            if call.seq_id not in self._kind:
+                self.shares.unclaim(call.seq_id)  # not admitted
 
     @rpc_errors
     async def Verify(self, request: vpb.VerifyRequest, context) -> vpb.VerifyResponse:
@@ -241,7 +274,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                 vocab_size=cfg.vocab_size, max_context=cfg.max_context,
                                 eos_token_ids=list(self.eos_token_ids), max_sequences=self.config.max_sequences,
                                 num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens,
-                                prefill_chunk=self.config.prefill_chunk)
+                                prefill_chunk=self.prefill_chunk)
         if self.verify_cost is not None:
             info.verify_cost.CopyFrom(codec.encode_cost(self.verify_cost))
         return info
@@ -254,6 +287,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         results: list = [None] * len(calls)
         todo: list[int] = []
         admitted = 0
+        batch_rows: dict[str, int] = {}  # client -> KV rows the Prefills of this batch reserve
         for i, call in enumerate(calls):
             try:
                 if isinstance(call, (FirstChunk, NextChunk)):
@@ -267,6 +301,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     if len(self._kind) + admitted >= self.config.max_sequences:
                         raise CapacityExceeded(f"verifier holds its maximum of {self.config.max_sequences} "
                                                f"sequences (AERIE_MAX_SEQUENCES)")
+                    client = self.shares.client_of(call.seq_id)
+                    self.shares.check(client, call.capacity, batch_rows)
+                    batch_rows[client] = batch_rows.get(client, 0) + call.capacity
                     admitted += 1
                 elif isinstance(call, PrefillMoreCall):
                     self._check(call.seq_id)
@@ -313,6 +350,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
 
     def _admitted(self, call: PrefillCall) -> None:
         self._kind[call.seq_id] = call.feature_kind
+        self.shares.hold(call.seq_id, call.capacity)
         self.idle.touch(call.seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
 
@@ -321,6 +359,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._last.pop(seq_id, None)
         self._chunks.pop(seq_id, None)
         self.idle.forget(seq_id)
+        self.shares.release(seq_id)
         self.verifier.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
         return kind is not None
@@ -355,6 +394,16 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             return last[1]
         raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest round {last[0]}")
 
+
+
+def _client(context) -> str:
+    """The identity a Prefill's KV counts against: the `aerie-client` metadata (verifiers are internal:
+    only coordinators, holding the internal token or client certificate, call them), else ANONYMOUS."""
+    for k, v in (context.invocation_metadata() if context is not None else None) or ():
+        if k == CLIENT_METADATA:
+            value = (v.decode() if isinstance(v, bytes) else v).strip()
+            return value[:200] or ANONYMOUS
+    return ANONYMOUS
 
 
 def _check_round(round_index: int) -> None:

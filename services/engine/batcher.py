@@ -6,10 +6,12 @@
     result = await b.call_async(call)        # from an asyncio task
     b.exclusive(fn, *args)                   # run fn alone on the worker, between batches (release...)
 
-One worker thread owns the model. It takes the oldest waiting call, then every call queued behind
-it, in arrival order, until the batch holds `max_batch` calls or the next call would take it past
-`max_rows` rows (a single call larger than `max_rows` runs alone), and hands them to `run_batch` as
-one list: one forward. Calls queued during that forward form the next batch. Gathering: when fewer
+One worker thread owns the model. Each step (one forward) serves the calls queued before the first
+exclusive function, as services/engine/step_scheduler.py picks them: every decode/verify call first
+(arrival order, up to `max_batch` calls and `max_rows` rows), then Prefill chunks while the step stays
+within `step_rows` (the token budget from the cost model and the ITL target; a call larger than
+`max_rows` runs alone), and hands them to `run_batch` as one list: one forward. Calls queued during
+that forward form the next batch. Gathering: when fewer
 calls wait than sequences hold state here (`expect`), the worker waits for the missing ones, at most
 min(max_wait_s, half the last forward's time), so that sequences whose calls come back after a
 round trip elsewhere stay in one batch instead of taking turns; alone (one sequence) it never
@@ -37,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from services.engine.step_scheduler import STARVE_STEPS, Queued, pick
 from services.errors import CapacityExceeded, InvalidRequest
 
 C = TypeVar("C")
@@ -80,9 +83,12 @@ class Batcher(Generic[C]):
     def __init__(self, name: str, run_batch: Callable[[list[C]], list[Any]], rows: Callable[[C], int],
                  key: Callable[[C], Hashable], limits: BatchLimits = BatchLimits(),
                  on_batch: Callable[[BatchStats], None] | None = None,
-                 expect: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 expect: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic,
+                 prefill: Callable[[C], bool] | None = None, step_rows: int | None = None) -> None:
         """`expect`: how many calls the next batch could hold (the sequences holding state here);
-        None = never wait for more calls. `clock`: seconds, for a batch's run time and the gathering
+        None = never wait for more calls. `prefill`: whether a call is a Prefill chunk (None = none
+        is); `step_rows`: the token budget of one step (services/engine/step_scheduler.py; None =
+        `max_rows` only). `clock`: seconds, for a batch's run time and the gathering
         deadline (tests pass a manual clock, so what they assert does not follow the machine's
         speed); the queue's admission deadline is always real time."""
         self.name = name
@@ -91,6 +97,9 @@ class Batcher(Generic[C]):
         self._clock = clock
         self._last_s = 0.0  # the last batch's run time
         self._run_batch, self._rows, self._key, self._on_batch = run_batch, rows, key, on_batch
+        self._prefill = prefill or (lambda call: False)
+        self.step_rows = step_rows
+        self._passed_over = 0  # steps in a row that ran no prefill while one waited
         self._queue: deque[_Item] = deque()
         self._calls_waiting = 0
         self._cond = threading.Condition()
@@ -179,27 +188,22 @@ class Batcher(Generic[C]):
                 self._cond.wait()
             if self._queue[0].fn is None and self._expect is not None:
                 self._gather()
-            first = self._queue.popleft()
-            if first.fn is not None:
-                return [first]
-            batch, rows, keys = [first], self._rows(first.call), {self._key(first.call)}
-            deferred: list[_Item] = []
-            while self._queue and len(batch) < self.limits.max_batch:
-                nxt = self._queue[0]
-                if nxt.fn is not None:
-                    break  # a barrier
-                r = self._rows(nxt.call)
-                if rows + r > self.limits.max_rows:
+            if self._queue[0].fn is not None:
+                return [self._queue.popleft()]
+            head: list[_Item] = []  # the calls before the first barrier
+            for item in self._queue:
+                if item.fn is not None:
                     break
-                self._queue.popleft()
-                k = self._key(nxt.call)
-                if k in keys:
-                    deferred.append(nxt)  # the same sequence twice: the next batch
-                    continue
-                batch.append(nxt)
-                rows += r
-                keys.add(k)
-            self._queue.extendleft(reversed(deferred))
+                head.append(item)
+            queued = [Queued(self._rows(i.call), self._prefill(i.call), self._key(i.call)) for i in head]
+            chosen = pick(queued, self.limits.max_batch, self.limits.max_rows, self.step_rows,
+                          starved=self._passed_over >= STARVE_STEPS)
+            batch = [head[i] for i in chosen]
+            waiting_prefill = any(q.prefill for q in queued)
+            ran_prefill = any(queued[i].prefill for i in chosen)
+            self._passed_over = 0 if ran_prefill or not waiting_prefill else self._passed_over + 1
+            taken = set(map(id, batch))
+            self._queue = deque(i for i in self._queue if id(i) not in taken)
             self._calls_waiting -= len(batch)
             self._cond.notify_all()  # places freed in the queue
             return batch

@@ -95,8 +95,9 @@ class VerifierClient(ServiceClient):
         super().__init__(address, max_message_bytes, timeout_s, security)
         self.stub = verifier_grpc.VerifierStub(self.channel)
 
-    def for_sequence(self, feature_kind: FeatureKind, phases: Phases = NO_PHASES) -> RemoteVerifier:
-        return RemoteVerifier(self, feature_kind, phases)
+    def for_sequence(self, feature_kind: FeatureKind, phases: Phases = NO_PHASES, client: str = "") -> RemoteVerifier:
+        """`client`: the identity the sequence's KV counts against on the verifier ("" = anonymous)."""
+        return RemoteVerifier(self, feature_kind, phases, client)
 
 
 class DrafterClient(ServiceClient):
@@ -113,8 +114,9 @@ class DrafterClient(ServiceClient):
 class RemoteVerifier:
     """The verifier role over gRPC (see services.engine.roles.VerifierRole)."""
 
-    def __init__(self, client: VerifierClient, feature_kind: FeatureKind, phases: Phases) -> None:
+    def __init__(self, client: VerifierClient, feature_kind: FeatureKind, phases: Phases, kv_client: str = "") -> None:
         self.client = client
+        self.kv_client = kv_client  # sent as `aerie-client` metadata with Prefill: the verifier's KV shares
         self.feature_kind = feature_kind
         self.phases = phases
         info = client.info()
@@ -144,7 +146,8 @@ class RemoteVerifier:
         first_token = None
         with self.phases.phase(0, "verify"):
             try:
-                for msg in self.client.stub.Prefill(request, timeout=self.client.timeout_s):
+                metadata = (("aerie-client", self.kv_client),) if self.kv_client else None
+                for msg in self.client.stub.Prefill(request, timeout=self.client.timeout_s, metadata=metadata):
                     if first_token is None:
                         first_token = int(msg.first_token)
                         if msg.HasField("logprobs"):

@@ -162,3 +162,15 @@ def test_docs_list_the_exit_codes():
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     for name in ("OK", "FAILED", "USAGE", "MODEL_UNAVAILABLE", "UNREACHABLE", "INTERRUPTED"):
         assert f"| {getattr(exit_codes, name)} |" in text, name
+
+
+def test_up_splits_the_kv_share_over_the_verifiers_of_one_host(monkeypatch):
+    """Several verifiers under one `aerie up` each take AERIE_KV_BUDGET_SHARE / M of the memory free at
+    their start (together at most the share); one verifier, or an explicit --kv-budget-mb, is left as given."""
+    monkeypatch.delenv("AERIE_KV_BUDGET_SHARE", raising=False)
+    assert role_flags(parse("up", "--verifiers", "4"), "verifier") == ["--kv-budget-share", "0.125"]
+    assert role_flags(parse("up"), "verifier") == []
+    monkeypatch.setenv("AERIE_KV_BUDGET_SHARE", "0.8")
+    assert role_flags(parse("up", "--verifiers", "2"), "verifier") == ["--kv-budget-share", "0.4"]
+    assert role_flags(parse("up", "--verifiers", "2", "--kv-budget-mb", "256"), "verifier") == \
+        ["--kv-budget-mb", "256.0"]

@@ -1,0 +1,111 @@
+"""Which queued calls one forward (a *step*) serves: decodes first, then prefill rows up to a token
+budget (vLLM's chunked-prefill policy).
+
+    budget = step_rows(cost, itl_target_s=0.2, floor=32, cap=1024)   # rows one step may hold
+    picked = pick(queued, max_calls=16, max_rows=1024, budget=budget, starved=False)
+    # -> indices into `queued`, ascending (arrival order)
+
+Vocabulary:
+  * step        one target forward over the calls the batcher hands to run_batch together.
+  * decode row  a row of a Verify or Decode call: a running sequence's next tokens (tree nodes or one
+                token). Its neighbours' inter-token latency (ITL) is the time between its steps.
+  * prefill row a prompt row of a Prefill chunk.
+  * budget      the rows a step may hold so that it stays within the ITL target: the largest row count
+                whose measured forward time t_verify(rows) is at most the target, never below `floor`
+                (a CPU whose single-row forward already misses the target must still make progress
+                on prompts) and never above `cap`.
+
+Policy of `pick`, over the calls queued up to the first barrier:
+  1. every decode call, in arrival order (one call per key: a sequence's second call waits for the
+     next step), up to `max_calls` calls and `max_rows` rows: a running sequence is never passed over
+     for a prompt;
+  2. then prefill calls, in arrival order, while decode rows + prefill rows stay within `budget`
+     (and `max_rows`, `max_calls`);
+  within each kind no call overtakes an older one that did not fit (it would wait forever behind
+  smaller ones);
+  3. a prefill that was passed over for several steps in a row (`starved`, the batcher counts) joins
+     even beyond the budget (within `max_rows`): decodes that fill every step cannot starve a prompt;
+  4. a call larger than `max_rows` runs alone: at the head of the queue, or as the starved prefill;
+     a step never comes out empty (with nothing picked, the oldest call runs).
+
+Prefill chunks are sized to the budget where they are cut (the verifier's effective prefill chunk, which
+its GetInfo reports, so a coordinator sends chunks of that size), so rule 2 normally fits one chunk
+next to the decodes. What the budget does not model: a chunk at a long offset attends to the whole
+prefix, so it costs more than t_verify(rows) measured after a short prefix.
+
+Pure: no threads, no clocks, no model; the batcher (services/engine/batcher.py) calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+STARVE_STEPS = 4  # steps a waiting prefill may be passed over before it joins beyond the budget
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """One queued call, as the scheduler sees it."""
+
+    rows: int  # rows it adds to the forward (prompt rows, tree nodes, 1 for a decode)
+    prefill: bool  # a Prefill chunk (True) or a decode/verify of a running sequence (False)
+    key: Hashable  # its sequence: a step holds one call per key
+
+
+def step_rows(cost: Callable[[float], float], itl_target_s: float, floor: int, cap: int) -> int:
+    """The largest rows r in [floor, cap] with cost(r) <= itl_target_s (floor when even that misses it).
+    `cost` must not decrease with rows (a CostCurve). Example: cost = 0.05 + 0.001 * r, target 0.2 s,
+    floor 8, cap 1024 -> 150."""
+    floor = max(1, min(floor, cap))
+    if cost(floor) > itl_target_s:
+        return floor
+    lo, hi = floor, cap  # cost(lo) <= target; find the last such row count by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= itl_target_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def pick(queued: Sequence[Queued], max_calls: int, max_rows: int, budget: int | None,
+         starved: bool = False) -> list[int]:
+    """This step's calls: indices into `queued` (the calls before the first barrier, oldest first),
+    ascending. `budget` None = no token budget (prefill rows bounded by `max_rows` only)."""
+    if not queued:
+        return []
+    if queued[0].rows > max_rows:  # 4. alone
+        return [0]
+    if starved:
+        oldest = next((i for i, q in enumerate(queued) if q.prefill), None)
+        if oldest is not None and queued[oldest].rows > max_rows:
+            return [oldest]
+    limit = max_rows if budget is None else min(budget, max_rows)
+    picked: list[int] = []
+    keys: set[Hashable] = set()
+    rows = 0
+    for i, q in enumerate(queued):  # 1. every decode
+        if q.prefill or q.key in keys:
+            continue
+        if len(picked) >= max_calls or rows + q.rows > max_rows:
+            break  # no overtaking: a later, smaller call does not pass this one
+        picked.append(i)
+        keys.add(q.key)
+        rows += q.rows
+    for i, q in enumerate(queued):  # 2. prefill rows within the budget; 3. a starved one beyond it
+        if not q.prefill or q.key in keys:
+            continue
+        if len(picked) >= max_calls:
+            break
+        if rows + q.rows <= limit or (starved and rows + q.rows <= max_rows):
+            picked.append(i)
+            keys.add(q.key)
+            rows += q.rows
+            starved = False  # one starved prompt per step
+        else:
+            break  # prompts in arrival order
+    if not picked:  # 4. never an empty step
+        picked.append(0)
+    return sorted(picked)

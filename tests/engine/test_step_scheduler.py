@@ -1,0 +1,113 @@
+"""The step scheduler (services/engine/step_scheduler.py) alone and inside the batcher: every running
+decode is in every step while long prompts prefill, prefill rows stay within the token budget, prompts
+take turns in arrival order, decodes that fill the budget cannot starve a prompt, and the budget
+follows the cost model.
+
+No timing: the batcher's worker is driven by its own run_batch, which queues each sequence's next
+call before it returns (as a coordinator does after each answer), so the steps are the same on any
+machine; what is asserted is the rows each step holds."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from services.engine.batcher import Batcher, BatchLimits
+from services.engine.step_scheduler import STARVE_STEPS, Queued, pick, step_rows
+from services.spec.budget import CostCurve
+
+
+@dataclass(frozen=True)
+class Call:
+    seq: str
+    rows: int
+    prefill: bool
+    left: int  # calls this sequence still sends after this one
+
+
+class Driver:
+    """run_batch: records each step's calls and queues each sequence's next call before returning."""
+
+    def __init__(self) -> None:
+        self.batcher: Batcher | None = None
+        self.steps: list[list[Call]] = []
+        self.done = threading.Event()
+        self.gate = threading.Event()
+        self.live = 0
+
+    def __call__(self, calls: list[Call]) -> list:
+        self.steps.append(list(calls))
+        for c in calls:
+            if c.left:
+                self.batcher.submit(Call(c.seq, c.rows, c.prefill, c.left - 1), block=False)
+            else:
+                self.live -= 1
+        if self.live == 0:
+            self.done.set()
+        return [None] * len(calls)
+
+
+def run(calls: list[Call], budget: int | None, limits: BatchLimits = BatchLimits(max_batch=16, max_rows=1024)):
+    d = Driver()
+    b = Batcher("test", d, rows=lambda c: c.rows, key=lambda c: c.seq, limits=limits,
+                prefill=lambda c: c.prefill, step_rows=budget)
+    d.batcher = b
+    d.live = len(calls)
+    try:
+        b.exclusive(d.gate.wait, 10)  # every first call is queued before the first step
+        for c in calls:
+            b.submit(c)
+        d.gate.set()
+        assert d.done.wait(30)
+    finally:
+        b.close()
+    return d.steps
+
+
+def test_a_decode_runs_in_every_step_while_two_long_prompts_prefill():
+    """A 4,096- and an 8,192-token prompt in 512-row chunks arrive before a running sequence's decode;
+    budget 600 rows (max_rows 1,024): every step holds the decode and one chunk (513 rows), the
+    prompts take turns. (In arrival order alone, the two chunks fill a 1,024-row step and the decode
+    waits for every other step.)"""
+    steps = run([Call("p4k", 512, True, 7), Call("p8k", 512, True, 15), Call("d", 1, False, 40)], budget=600)
+    prefill_steps = [s for s in steps if any(c.prefill for c in s)]
+    for s in prefill_steps:
+        assert [c.seq for c in s if not c.prefill] == ["d"], s  # the decode, in every step
+        assert sum(c.rows for c in s) == 513  # one chunk + the decode: within the budget
+    assert sum(c.prefill for s in steps for c in s) == 24  # every chunk ran, one per step
+    assert len(prefill_steps) == 24
+    # turns while both prompts prefill: p4k, p8k, p4k, ... then p8k alone
+    order = [next(c.seq for c in s if c.prefill) for s in prefill_steps]
+    assert order[:16] == ["p4k", "p8k"] * 8 and order[16:] == ["p8k"] * 8
+
+
+def test_decodes_that_fill_the_budget_do_not_starve_a_prompt():
+    """Three running sequences verify 100-node trees (300 rows = the budget): the 64-row chunks of a
+    prompt join beyond the budget once passed over STARVE_STEPS steps in a row."""
+    trees = [Call(f"t{i}", 100, False, 40) for i in range(3)]
+    steps = run(trees + [Call("p", 64, True, 4)], budget=300)
+    with_prompt = [i for i, s in enumerate(steps) if any(c.prefill for c in s)]
+    assert len(with_prompt) == 5
+    assert with_prompt == [STARVE_STEPS * (k + 1) + k for k in range(5)]  # every (STARVE_STEPS + 1)th step
+    assert all(sum(1 for c in steps[i] if not c.prefill) == 3 for i in with_prompt)  # decodes kept
+
+
+def test_pick_rules():
+    q = [Queued(512, True, "a"), Queued(1, False, "d"), Queued(512, True, "b"), Queued(8, False, "e")]
+    assert pick(q, 16, 1024, budget=600) == [0, 1, 3]  # decodes first, then what fits
+    assert pick(q, 16, 1024, budget=None) == [0, 1, 3]  # max_rows: 512 + 9 + 512 > 1024
+    assert pick(q, 16, 1024, budget=100) == [1, 3]  # no chunk fits next to the decodes
+    assert pick(q, 16, 1024, budget=100, starved=True) == [0, 1, 3]  # a passed-over prompt joins
+    assert pick(q[:1], 16, 1024, budget=100) == [0]  # alone: never an empty step
+    assert pick([Queued(2000, True, "a"), Queued(1, False, "d")], 16, 1024, budget=100) == [0]  # too big: alone
+    assert pick([Queued(1, False, "d"), Queued(1, False, "d"), Queued(4, True, "p")], 16, 1024, 100) == [0, 2]
+    # no overtaking inside a kind: the 600-row chunk blocks the later 10-row one
+    assert pick([Queued(600, True, "a"), Queued(10, True, "b"), Queued(1, False, "d")], 16, 1024, 300) == [2]
+
+
+def test_step_rows_follow_the_cost_model():
+    cost = CostCurve((1, 1000), (0.05, 1.049))  # 50 ms + 1 ms per extra row
+    assert step_rows(cost, 0.2, floor=8, cap=1024) == 151
+    assert step_rows(cost, 0.5, floor=8, cap=1024) == 451
+    assert step_rows(cost, 0.01, floor=32, cap=1024) == 32  # even the floor misses it: the floor
+    assert step_rows(cost, 10.0, floor=8, cap=1024) == 1024  # the cap
