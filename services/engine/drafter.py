@@ -75,7 +75,7 @@ class Drafter:
             raise InvalidRequest(f"sequence {seq_id!r} already exists on this drafter")
         if len(self._caches) >= self.max_sequences:
             raise CapacityExceeded(f"drafter holds its maximum of {self.max_sequences} sequences")
-        rows = max_rows + self.tree.draft_rows + self.tree.depth + 2  # + the rows of a guess (draft_ahead)
+        rows = max_rows + self.tree.draft_rows  # draft_ahead's guessed rows use the engine's tree slack
         cache: KVCache | PagedCache | None = None
         if self.pool is not None:
             try:
