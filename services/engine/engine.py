@@ -414,11 +414,11 @@ class Engine:
         if seq.index is not None:
             seq.index.extend(done.tokens)
         ahead, seq.ahead = seq.ahead, None
-        hit = None
-        if ahead is not None and ahead.tree is not None:
-            hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
-            if done.tokens[: len(ahead.guess)] == ahead.guess and seq.policy is not None:
-                seq.policy.observe_ahead(hit is not None)
+        if ahead is None or ahead.tree is None:
+            return self._draft(seq_id, seq, seq.root)
+        hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
+        if done.tokens[: len(ahead.guess)] == ahead.guess and seq.policy is not None:
+            seq.policy.observe_ahead(hit is not None)
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
     def _draft(self, seq_id: str, seq: _SequenceState, root: int, ahead: DraftTree | None = None,
@@ -439,8 +439,8 @@ class Engine:
             # root alone, whose answer brings them; the tree waits for the next round's plan
             plan = RoundPlan(None, 0, 1.0, 0.0)
         use = ahead is not None and plan.tree is not None
-        if use:
-            assert int(ahead.tokens[0]) == root, (int(ahead.tokens[0]), root)  # type: ignore[union-attr]
+        if ahead is not None and plan.tree is not None:
+            assert int(ahead.tokens[0]) == root, (int(ahead.tokens[0]), root)  # rerooted at the bonus
             tree = ahead
         else:
             tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
