@@ -417,7 +417,8 @@ class Engine:
         if ahead is None or ahead.tree is None:
             return self._draft(seq_id, seq, seq.root)
         hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
-        if done.tokens[: len(ahead.guess)] == ahead.guess and seq.policy is not None:
+        if (seq.policy is not None and done.tokens[: len(ahead.guess)] == ahead.guess
+                and len(done.tokens) <= len(ahead.guess) + 1):  # the guess + the bonus: was it on the tree?
             seq.policy.observe_ahead(hit is not None)
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 

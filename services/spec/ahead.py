@@ -99,10 +99,13 @@ def use_ahead(ahead: DraftTree, guess: list[int], committed: list[int], sort_pat
 
 
 def prefix_hits(guess_path: list[int], committed: list[int]) -> list[bool]:
-    """For each depth j = 1..len(guess_path): would the guess `guess_path[:j]` have matched the
-    committed tokens' prefix? (The policy learns the hit-rate per depth from every tree round, drafted
-    ahead or not.) Example: path [5, 3, 2], committed [5, 3, 9] -> [True, True, False]."""
+    """For each depth j = 1..len(guess_path): would a guess of `guess_path[:j]` have hit with the
+    bonus among the ahead tree's root children, i.e. are the committed tokens `guess_path[:j]` plus
+    at most one more token? (The policy learns this rate per depth from EVERY tree round, drafted
+    ahead or not: it is the distribution of accept lengths along the top path, so the policy guesses
+    the most likely one; a longer remainder is rarely on the ahead tree, see the module doc.)
+    Example: path [5, 3, 2], committed [5, 3, 9] -> [False, True, False]."""
     out = []
     for j in range(1, len(guess_path) + 1):
-        out.append(committed[:j] == guess_path[:j])
+        out.append(committed[:j] == guess_path[:j] and len(committed) <= j + 1)
     return out

@@ -7,13 +7,13 @@ verifier, or the drafter pool is busy). Per round, for each guess depth j:
 
     gain(j) = P(hit at j) * draft_s  -  contention * ahead_s(j)
     ahead_s(j) = draft_s + j * step_s          (the j guessed rows are j extra one-row head steps)
-    P(hit at j) = P(the committed tokens start with the top path's first j tokens)   (learned per j)
-                  * P(the rest of the verdict is a path of the ahead tree)          (learned)
+    P(hit at j) = P(the committed tokens are the top path's first j tokens + the bonus) (learned per j)
+                  * P(the bonus is on the ahead tree)                                    (learned)
 
 and the policy drafts ahead at the j of the largest gain, if that gain is positive; else not at all.
 
 Learning:
-  * the prefix hit-rate per depth is learned from EVERY tree round (the top path is known whether or
+  * the prefix hit-rate per depth (ahead.prefix_hits) is learned from EVERY tree round (the top path is known whether or
     not a tree was drafted ahead: `observe_verdict`), so a policy that turned overlap off keeps
     learning and turns it back on when guesses start to hit;
   * the in-tree rate from the rounds that drafted ahead and whose prefix matched (`observe_ahead`);
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class AheadPolicy:
-    max_depth: int = 3  # the deepest guess considered (tokens past the root)
+    max_depth: int = 8  # the deepest guess considered (tokens past the root; the top path bounds it)
     contention: float = 0.25  # prior: the fraction of an ahead draft's time on the critical path
     prior_hit: float = 0.5  # prior prefix hit-rate per depth (weight `prior_weight` rounds)
-    prior_in_tree: float = 0.7  # prior P(rest of the verdict in the ahead tree | prefix hit)
+    prior_in_tree: float = 0.7  # prior P(the bonus is on the ahead tree | prefix hit)
     prior_weight: float = 2.0
     decay: float = 0.97  # forgetting per observation
     enabled: bool = True  # False: never draft ahead (the --no-overlap switch)

@@ -36,7 +36,8 @@ def test_use_ahead_hit_and_miss():
     assert use_ahead(ahead, [5], [8, 3], False) is None  # prefix contradicted
     assert use_ahead(ahead, [5], [5, 4], False) is None  # bonus not in the ahead tree
     assert use_ahead(ahead, [5], [5, 2], False) is None  # a leaf: the root alone drafts nothing
-    assert prefix_hits([5, 3, 2], [5, 3, 9]) == [True, True, False]
+    assert prefix_hits([5, 3, 2], [5, 3, 9]) == [False, True, False]
+    assert prefix_hits([5, 3, 2], [5, 3, 2, 1]) == [False, False, True]
 
 
 def test_policy_turns_overlap_off_when_it_cannot_pay():
