@@ -4,7 +4,7 @@ Vocabulary (one word per concept, used across aerie):
   * guess       the tokens the drafter bets the verifier will commit this round, in order: a prefix
                 of a root-to-leaf path of the tree in flight (its draft tokens, root excluded),
                 optionally followed by a bet on the bonus. Default: the highest-scoring leaf's path
-                cut at `depth` tokens (`top_guess`).
+                cut at `depth` tokens (`top_guess`: the best child at every step).
   * ahead tree  the tree drafted from the guess: its root is the guess's last token; its draft KV
                 rows for the guessed tokens use the head's own predicted features (the target's
                 are not back yet). Those rows are dropped afterwards: the draft KV keeps only
@@ -34,22 +34,24 @@ from services.spec.tree import DraftTree, build_tree
 
 
 def top_guess(tree: DraftTree, depth: int) -> list[int]:
-    """The first `depth` draft tokens of the path to the highest-scoring leaf (root excluded).
+    """The first `depth` draft tokens of the tree's most likely path (root excluded): from the root,
+    the highest-scoring child at every step (a leaf's cumulative score favours shallow leaves, so the
+    best leaf is not the best guess of a long verdict).
     Example: tokens [7, 5, 8, 3], parents [-1, 0, 0, 1], scores [0, -.1, -2, -.3], depth 1 -> [5]."""
     if depth < 1 or tree.size < 2:
         return []
     parents = tree.parents.tolist()
-    inner = set(parents[1:])
-    leaves = [i for i in range(1, tree.size) if i not in inner]
     scores = tree.scores.tolist()
-    leaf = max(leaves, key=lambda i: (scores[i], -i))  # ties: the earlier node
-    path = []
-    node = leaf
-    while node > 0:
-        path.append(int(tree.tokens[node]))
-        node = parents[node]
-    path.reverse()
-    return path[:depth]
+    toks = tree.tokens.tolist()
+    path: list[int] = []
+    node = 0
+    while len(path) < depth:
+        children = [i for i in range(node + 1, len(toks)) if parents[i] == node]
+        if not children:
+            break
+        node = max(children, key=lambda i: (scores[i], -i))  # ties: the earlier node
+        path.append(toks[node])
+    return path
 
 
 def follow(tree: DraftTree, tokens: list[int]) -> int | None:

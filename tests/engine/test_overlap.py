@@ -63,9 +63,8 @@ def test_greedy_with_overlap_equals_the_target(pair, request):
         assert run(off, prompt, N)[0] == ref
         ahead += sum(s.ahead for s in stats)
         hits += sum(s.ahead_hit for s in stats)
-    # the top-path guess drafts ahead; how often it hits is NOT asserted (on these tiny heads it
-    # rarely does: see docs/distributed.md "Drafting ahead", unfinished)
-    assert ahead > 0 and hits <= ahead
+    # the top-path guess drafts ahead every round and hits in some (18 of 36 with llama_pair)
+    assert ahead > 0 and 0 < hits <= ahead
 
 
 @pytest.mark.parametrize("hit", [True, False], ids=["always-hits", "always-misses"])
