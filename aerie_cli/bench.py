@@ -23,7 +23,7 @@ from services.errors import InvalidRequest
 
 SWEEP = [(2, 0, 1), (3, 1, 1), (4, 2, 1), (6, 4, 1), (8, 6, 1), (6, 2, 2), (10, 3, 2), (16, 3, 4),
          (32, 5, 4)]  # (tokens, depth, top_k); a chain of L drafts is (L + 1, L - 1, 1)
-METHODS = ("hf", "native", "eagle", "sam", "eagle+sam", "pipeline")
+METHODS = ("hf", "native", "eagle", "sam", "eagle+sam", "eagle+ahead", "pipeline")
 
 
 def register(sub) -> None:
@@ -48,7 +48,7 @@ def register(sub) -> None:
                    help="comma list of categories to run, e.g. summarization,rag (default: all of the file's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--methods", default=None,
-                   help="comma list of hf,native,eagle,sam,eagle+sam,pipeline (default: hf,native,eagle,sam,"
+                   help="comma list of hf,native,eagle,sam,eagle+sam,eagle+ahead,pipeline (default: hf,native,eagle,sam,"
                         "eagle+sam; with --concurrency: none, only the concurrency sweep runs)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of a running pipeline (method 'pipeline'; default: none)")
     p.add_argument("--sweep", action="store_true", help="grid of fixed tree shapes and auto for EAGLE-2, with the cost model's predicted tok/s")
@@ -133,6 +133,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "eagle+sam": Engine(e.verifier, e.drafter, e.max_context, e.vocab_size, e.eos_token_ids, with_chain,
                             retrieval=True),
     }
+    if "eagle+ahead" in methods:  # the same EAGLE engine drafting the next tree ahead (a drafter thread)
+        from services.spec.overlap import AheadPolicy
+
+        if e.drafter is None:
+            raise InvalidRequest("method 'eagle+ahead' needs a draft head: pass --draft DIR")
+        retrieval["eagle+ahead"] = Engine(e.verifier, e.drafter, e.max_context, e.vocab_size, e.eos_token_ids,
+                                          e.budget, ahead=AheadPolicy())
     hf = HFBaseline(local.model_dir, DTYPES[dtype(args)], engine.eos_token_ids, device(args))
     # warm up every path once (first-call allocations and kernel selection)
     hf.run(prompts[0], 4)

@@ -64,6 +64,10 @@ class Run:
     eagle_rounds: int = 0  # rounds that verified a draft-head tree
     drafted_rounds: int = 0  # rounds that verified either (the rest were plain steps)
     drafted_tokens: int = 0  # tokens those rounds gave the stream (as tau counts them)
+    ahead_rounds: int = 0  # rounds that drafted the next tree ahead (overlapping their verify)
+    ahead_hits: int = 0  # rounds whose tree was drafted ahead (the previous round's guess hit)
+    saved_s: float = 0.0  # draft seconds the hit rounds did not wait for
+    ahead_wait_s: float = 0.0  # seconds rounds waited for an ahead draft after the verifier answered
 
 
 @dataclass(slots=True)
@@ -87,6 +91,10 @@ class Summary:
     eagle_rounds: int = 0
     drafted_rounds: int = 0
     drafted_tokens: int = 0
+    ahead_rounds: int = 0
+    ahead_hits: int = 0
+    saved_s: float = 0.0
+    ahead_wait_s: float = 0.0
     exact: int = 0
     per_prompt_tps: list[float] = field(default_factory=list)
 
@@ -110,6 +118,10 @@ class Summary:
         self.eagle_rounds += run.eagle_rounds
         self.drafted_rounds += run.drafted_rounds
         self.drafted_tokens += run.drafted_tokens
+        self.ahead_rounds += run.ahead_rounds
+        self.ahead_hits += run.ahead_hits
+        self.saved_s += run.saved_s
+        self.ahead_wait_s += run.ahead_wait_s
         self.exact += int(exact)
         self.per_prompt_tps.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
 
@@ -159,6 +171,12 @@ class Summary:
             "chain_round_share": per_rd(self.chain_rounds),
             "eagle_round_share": per_rd(self.eagle_rounds),
             "plain_round_share": per_rd(self.rounds - self.drafted_rounds),
+            # drafting ahead: the share of rounds that drafted the next tree ahead; of those, the
+            # guesses that hit; and the share of the round time the hits saved (their draft seconds)
+            "ahead_share": per_rd(self.ahead_rounds) if self.ahead_rounds else None,
+            "guess_hit_rate": round(self.ahead_hits / self.ahead_rounds, 4) if self.ahead_rounds else None,
+            "saved_share": round(self.saved_s / (self.round_s + self.saved_s), 4)
+            if self.ahead_rounds and self.round_s > 0 else None,
         }
 
 
@@ -224,6 +242,10 @@ def run_steps(start: Callable[[], Iterator[RoundOutput]]) -> Run:
             run.draft_s += step.stats.draft_s
             run.verify_s += step.stats.verify_s
             run.tree_nodes += step.stats.tree_size
+            run.ahead_rounds += int(step.stats.ahead)
+            run.ahead_hits += int(step.stats.ahead_hit)
+            run.saved_s += step.stats.saved_s
+            run.ahead_wait_s += step.stats.ahead_wait_s
             if step.stats.predicted_s > 0:
                 run.pred_tokens += step.stats.predicted_tokens
                 run.pred_s += step.stats.predicted_s

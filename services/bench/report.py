@@ -13,7 +13,10 @@ COLUMNS = [("tokens_per_s", "tok/s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"
            ("vs_plain", "e2e/plain", "{:.2f}x"), ("prefill_share", "prefill", "{:.0%}"),
            ("decode_tokens_per_s", "dec tok/s", "{:.2f}"), ("decode_vs_plain", "dec/plain", "{:.2f}x"),
            ("chain_per_round", "chain/rd", "{:.2f}"), ("chain_accepted_per_round", "ch acc/rd", "{:.2f}"),
-           ("plain_round_share", "plain rds", "{:.0%}")]
+           ("plain_round_share", "plain rds", "{:.0%}"),
+           # drafting ahead (method eagle+ahead): rounds that drafted ahead, guesses that hit, time saved
+           ("ahead_share", "ahead rds", "{:.0%}"), ("guess_hit_rate", "guess hit", "{:.0%}"),
+           ("saved_share", "saved", "{:.0%}")]
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:

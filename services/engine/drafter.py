@@ -23,7 +23,7 @@ from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudg
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVCache
 from services.model.paged_kv import PagedCache, PagedKVPool
-from services.spec.tree import DraftTree, TreeParams, extend_many, grow_trees, rerank
+from services.spec.tree import DraftTree, TreeParams, expand, expand_many, extend_many, rerank
 
 if TYPE_CHECKING:
     from services.engine.roles import FeatureKind
@@ -51,6 +51,7 @@ class Drafter:
         self._caches: dict[str, KVCache | PagedCache] = {}
         self._slots: dict[str, int] = {}  # paged: the sequence's slot in `pool`
         self._sort_paths: dict[str, bool] = {}
+        self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
         self.pool: PagedKVPool | None = None
         self.graphs = None
         if head.device.type == "cuda":
@@ -74,7 +75,7 @@ class Drafter:
             raise InvalidRequest(f"sequence {seq_id!r} already exists on this drafter")
         if len(self._caches) >= self.max_sequences:
             raise CapacityExceeded(f"drafter holds its maximum of {self.max_sequences} sequences")
-        rows = max_rows + self.tree.draft_rows
+        rows = max_rows + self.tree.draft_rows  # draft_ahead's guessed rows use the engine's tree slack
         cache: KVCache | PagedCache | None = None
         if self.pool is not None:
             try:
@@ -141,11 +142,13 @@ class Drafter:
             results[valid[0]] = self._draft_static(call, shapes[0])
         elif valid:
             dev = self.head.device
-            trees = grow_trees(self.head, [self._caches[calls[i].seq_id] for i in valid],
-                               [calls[i].features.to(dev) for i in valid], [calls[i].tokens.to(dev) for i in valid],
-                               shapes, [self._sort_paths[calls[i].seq_id] for i in valid])
-            for i, tree in zip(valid, trees):
-                results[i] = tree
+            caches = [self._caches[calls[i].seq_id] for i in valid]
+            lasts = extend_many(self.head, caches, [calls[i].features.to(dev) for i in valid],
+                                [calls[i].tokens.to(dev) for i in valid])  # (tree.grow_trees, keeping `lasts`)
+            cands = expand_many(self.head, caches, lasts, shapes)
+            for i, last, cand, params in zip(valid, lasts, cands, shapes):
+                self._last[calls[i].seq_id] = last
+                results[i] = rerank(cand, int(calls[i].tokens[-1]), params, self._sort_paths[calls[i].seq_id])
         return results  # type: ignore[return-value]
 
     def _static(self, seq_id: str, params: TreeParams) -> bool:
@@ -158,11 +161,49 @@ class Drafter:
         dev = self.head.device
         cache = self._caches[call.seq_id]
         last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
+        self._last[call.seq_id] = last
         cand = self.graphs.expand(cache, last, params, self.graphs.keys_for(cache, params))
         return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
 
+    def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
+                    params: TreeParams | None = None) -> DraftTree | None:
+        """Grow the ahead tree from a guessed verdict (services/spec/ahead.py) while the current tree
+        is verified. tokens [n] / features [n, F]: committed rows the draft KV has not seen (n may be
+        0: the KV is current); they are committed to the draft KV like a `draft` call's. Then each
+        guessed token gets a row fed with the head's own predicted feature of the row before it (one
+        one-row head step each), the tree is expanded from the last guessed row and rooted at the
+        guess's last token, and the guessed rows are dropped: the draft KV again holds only committed
+        rows with target features. None if the guess's rows do not fit the draft KV.
+        Eager on every device (the CUDA graphs replay fixed-shape expansions of committed rows only)."""
+        cache = self._cache(seq_id)
+        params = self.tree if params is None else params
+        self.check_params(params)
+        if not 1 <= len(guess) <= self.tree.depth + 2:
+            raise InvalidRequest(f"a guess has 1..{self.tree.depth + 2} tokens; got {len(guess)}")
+        dev = self.head.device
+        n = int(tokens.shape[0])
+        if n:
+            f = self.head.config.feature_size
+            if features.shape != (n, f):
+                raise InvalidRequest(f"features must have shape [{n}, {f}]; got {list(features.shape)}")
+            self._last[seq_id] = extend_many(self.head, [cache], [features.to(dev)], [tokens.to(dev)])[0]
+        last = self._last.get(seq_id)
+        if last is None:
+            raise InvalidRequest(f"sequence {seq_id!r} has no committed draft rows yet: draft before drafting ahead")
+        if cache.length + len(guess) + params.draft_rows > cache.capacity:
+            return None
+        stable = cache.length
+        try:
+            for tok in guess:  # row (predicted feature of the previous row, guessed token)
+                last = self.head(last[None], torch.tensor([tok], device=dev), cache)[0]
+            cand = expand(self.head, cache, last, params)
+        finally:
+            cache.truncate(stable)  # guessed rows came from draft features: never keep them
+        return rerank(cand, guess[-1], params, self._sort_paths[seq_id])
+
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
+        self._last.pop(seq_id, None)
         self._sort_paths.pop(seq_id, None)
         slot = self._slots.pop(seq_id, None)
         if slot is not None and self.pool is not None:

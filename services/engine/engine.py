@@ -26,13 +26,25 @@ plans (a seeded sequence's plans do not depend on the load), a seed replays the 
 The budget changes the tree, never the acceptance rule: output stays the target's. A budget with a
 load board (continuous batching) sizes each sequence's tree for the whole batch: the sequences
 sharing the verifier's forwards post their plans there, keyed by sequence id.
+
+Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
+verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
+the policy picks j, or not to draft ahead at all). If the verdict hits the guess, the next round
+verifies the ahead tree rerooted at the real bonus and no draft is waited for; otherwise it is
+thrown away and the next tree is drafted as without overlap. The draft KV keeps only committed rows
+with target features either way (the guessed rows are dropped), so only the ahead trees themselves
+differ from the non-overlapped run: output stays the target's (the verifier checks every token); a
+seed replays the same tokens (the guess and the ahead tree never depend on timing: the round always
+waits for the ahead draft before it looks at it).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -41,8 +53,10 @@ import torch
 from services.engine.roles import DrafterRole, VerifierRole
 from services.errors import InvalidRequest
 from services.spec.acceptance import AcceptanceStats, observe, observe_realized
+from services.spec.ahead import prefix_hits, top_guess, use_ahead
 from services.spec.budget import Budget, RoundPlan, build_budget
 from services.spec.logprobs import TokenLogprobs
+from services.spec.overlap import AheadPolicy
 from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
@@ -52,6 +66,10 @@ _seq_counter = itertools.count()
 # Why a sequence finished: a stop token (an EOS too) or, in the coordinator, a stop string; its
 # max_new_tokens; a cancel (the coordinator). The same strings reach clients (gRPC, HTTP).
 FinishReason = Literal["stop", "length", "cancel"]
+
+# (tree in flight, guess depth the policy chose, tokens produced so far) -> the guess (tokens past the
+# root). The default is services/spec/ahead.top_guess; tests inject guesses that always hit or miss.
+Guesser = Callable[[DraftTree, int, int], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +96,11 @@ class RoundStats:
     detached: bool = False  # a plain step with the drafter detached (no draft, no features sent)
     chain_accepted: int = 0  # of the retrieved chain tokens, accepted this round
     eagle_nodes: int = 0  # draft-head nodes in the tree, root excluded (0 = the head drafted nothing)
+    ahead: bool = False  # the next tree was drafted ahead while this one was verified
+    ahead_s: float = 0.0  # seconds that ahead draft ran (overlapping this round's verify)
+    ahead_wait_s: float = 0.0  # of those, seconds the round waited for it after the verifier answered
+    ahead_hit: bool = False  # this round's tree was drafted ahead (the previous round's guess hit)
+    saved_s: float = 0.0  # draft seconds this round did not wait for (its ahead tree's draft time)
 
     @property
     def accepted(self) -> int:
@@ -124,19 +147,40 @@ class _Draft:
     eagle_size: int  # nodes 0..eagle_size-1 came from the draft head (or the root alone)
     draft_s: float
     detached: bool = False  # a plain step through Decode(keep_features): no tree is verified
+    ahead_hit: bool = False  # the tree was drafted ahead (its draft_s is 0: nothing waited for it)
+    saved_s: float = 0.0  # that ahead draft's own seconds
+
+
+@dataclass
+class _Ahead:
+    """An ahead draft in flight (or done): the drafter thread's future and what it bet on."""
+    future: Future  # -> (DraftTree | None, seconds)
+    guess: list[int]  # the guessed committed tokens (the ahead tree is rooted at the last)
+    tree: DraftTree | None = None
+    ahead_s: float = 0.0
 
 
 class Engine:
     def __init__(self, verifier: VerifierRole, drafter: DrafterRole | None, max_context: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
-                 retrieval: bool = False) -> None:
-        """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains."""
+                 retrieval: bool = False, ahead: AheadPolicy | None = None, guesser: Guesser | None = None
+                 ) -> None:
+        """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains;
+        `ahead`: draft the next tree ahead while one is verified (module doc), guessing with
+        `guesser` (None: the top path)."""
         self.verifier = verifier
         self.drafter = drafter
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.retrieval = retrieval
+        if ahead is not None and (drafter is None or not hasattr(drafter, "draft_ahead")):
+            raise InvalidRequest("drafting ahead needs a drafter that can draft ahead (draft_ahead)")
+        self.ahead = ahead
+        self.guesser = guesser
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._open_ahead: dict[str, _Ahead] = {}  # seq_id -> its ahead draft in flight
+        self._draft_est = 0.0  # EWMA seconds of a head draft (the policy's draft_s)
         budget = budget or fixed_budget(drafter, retrieval)
         # what the budget may use is what this engine has: a head, retrieval
         self.budget = replace(budget, eagle=budget.eagle and drafter is not None,
@@ -200,6 +244,7 @@ class Engine:
         try:
             yield from self._run(req, seq_id, prompt, capacity, stop_ids, round_base)
         finally:
+            self._settle(self._open_ahead.pop(seq_id, None))  # never release under a running ahead draft
             if self.budget.load is not None:
                 self.budget.load.leave(seq_id)
             self.verifier.release(seq_id)
@@ -258,7 +303,8 @@ class Engine:
 
     def _new_sequence(self, req: GenerationRequest, root: int) -> _SequenceState:
         seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
-                             sort_paths=not req.sampling.greedy, root=root)
+                             sort_paths=not req.sampling.greedy, root=root,
+                             policy=copy.deepcopy(self.ahead) if self.ahead is not None else None)
         if req.sampling.greedy:  # where the latest greedy sequence left `realized` (see __init__)
             board = self.budget.load
             seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
@@ -291,10 +337,17 @@ class Engine:
 
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
+        ahead = self._launch_ahead(seq_id, seq, draft)
         t0 = time.perf_counter()
         tree = draft.tree
-        res = self.verifier.verify(seq_id, tree, index)
-        verify_s = time.perf_counter() - t0
+        try:
+            res = self.verifier.verify(seq_id, tree, index)
+        finally:
+            verify_s = time.perf_counter() - t0
+            self._settle(ahead)
+        self._open_ahead.pop(seq_id, None)
+        wait_s = time.perf_counter() - t0 - verify_s
+        seq.ahead = ahead
         self.budget.observe_verify(draft.plan, verify_s)
         tokens = res.acceptance.new_tokens
         accepted = res.acceptance.nodes.tolist()
@@ -308,8 +361,58 @@ class Engine:
                            tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
                            draft.plan.tokens, draft.plan.seconds,
                            chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
-                           eagle_nodes=draft.eagle_size - 1)
+                           eagle_nodes=draft.eagle_size - 1, ahead=ahead is not None,
+                           ahead_s=ahead.ahead_s if ahead else 0.0, ahead_wait_s=wait_s if ahead else 0.0,
+                           ahead_hit=draft.ahead_hit, saved_s=draft.saved_s)
+        policy = seq.policy
+        if policy is not None and draft.plan.tree is not None:
+            policy.observe_verdict(prefix_hits(top_guess(tree, tree.max_depth), tokens))
+            if not seq.sort_paths:  # measured seconds: greedy sequences only (see _launch_ahead)
+                if ahead is not None:
+                    policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
+                else:
+                    policy.observe_alone(verify_s)
         return _Verified(tokens, stats, res.features)
+
+    def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> _Ahead | None:
+        """Start the ahead draft of the next tree on the drafter thread, if the policy says it pays.
+        The pending committed rows go with it (the draft KV takes them now, as a draft would)."""
+        policy = seq.policy
+        if policy is None or draft.plan.tree is None or draft.tree.size < 2:
+            return None
+        params = draft.plan.tree
+        path = top_guess(draft.tree, draft.tree.max_depth)
+        # sampling: nominal seconds, so that a seed replays the same trees whatever the timing
+        draft_s = self._draft_est if not seq.sort_paths else 1.0
+        step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
+        depth = policy.choose(draft_s, step_s, len(path), busy=0.0)
+        if depth is None:
+            return None
+        guess = self.guesser(draft.tree, depth, seq.produced) if self.guesser else path[:depth]
+        if not guess:
+            return None
+        tokens = torch.cat(seq.pending_tokens) if seq.pending_tokens else torch.zeros(0, dtype=torch.long)
+        features = torch.cat(seq.pending_features) if seq.pending_features else torch.zeros(0)
+        seq.pending_tokens.clear()
+        seq.pending_features.clear()
+        drafter = self.drafter
+
+        def run() -> tuple[DraftTree | None, float]:
+            t0 = time.perf_counter()
+            tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params)  # type: ignore[union-attr]
+            return tree, time.perf_counter() - t0
+
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="aerie-ahead")
+        ahead = _Ahead(self._ahead_pool.submit(run), list(guess))
+        self._open_ahead[seq_id] = ahead
+        return ahead
+
+    @staticmethod
+    def _settle(ahead: _Ahead | None) -> None:
+        """Wait for an ahead draft to finish (its errors are raised: the drafter's KV may be gone)."""
+        if ahead is not None:
+            ahead.tree, ahead.ahead_s = ahead.future.result()
 
     def _next_draft(self, seq_id: str, seq: _SequenceState, done: _Verified) -> _Draft:
         """The committed tokens wait for the draft KV (with their features, unless the round was
@@ -323,11 +426,20 @@ class Engine:
                 seq.pending_features.append(done.features)
         if seq.index is not None:
             seq.index.extend(done.tokens)
-        return self._draft(seq_id, seq, seq.root)
+        ahead, seq.ahead = seq.ahead, None
+        if ahead is None or ahead.tree is None:
+            return self._draft(seq_id, seq, seq.root)
+        hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
+        if (seq.policy is not None and done.tokens[: len(ahead.guess)] == ahead.guess
+                and len(done.tokens) <= len(ahead.guess) + 1):  # the guess + the bonus: was it on the tree?
+            seq.policy.observe_ahead(hit is not None)
+        return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
-    def _draft(self, seq_id: str, seq: _SequenceState, root: int) -> _Draft:
+    def _draft(self, seq_id: str, seq: _SequenceState, root: int, ahead: DraftTree | None = None,
+               saved_s: float = 0.0) -> _Draft:
         """Plan the next round and build its tree: EAGLE (extending the draft KV with every pending
-        row), the retrieved chain, both, or the root alone."""
+        row; or `ahead`, the tree drafted ahead whose guess hit, leaving the pending rows for the
+        next draft), the retrieved chain, both, or the root alone."""
         t0 = time.perf_counter()
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
         plan = self._plan(seq_id, seq, len(chain))
@@ -340,10 +452,16 @@ class Engine:
             # the rows of the detached rounds have no features here yet: this round verifies the
             # root alone, whose answer brings them; the tree waits for the next round's plan
             plan = RoundPlan(None, 0, 1.0, 0.0)
-        tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
+        use = ahead is not None and plan.tree is not None
+        if ahead is not None and plan.tree is not None:
+            assert int(ahead.tokens[0]) == root, (int(ahead.tokens[0]), root)  # rerooted at the bonus
+            tree = ahead
+        else:
+            tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
         eagle_size = tree.size
         tree, chain_nodes = merge_chain(tree, chain[: plan.chain], seq.sort_paths)
-        return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0)
+        return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0,
+                      ahead_hit=use, saved_s=saved_s if use else 0.0)
 
     def _plan(self, seq_id: str, seq: _SequenceState, chain: int) -> RoundPlan:
         """The budget's plan for the next round, given `chain` retrieved tokens. Alone, the rows
@@ -364,7 +482,9 @@ class Engine:
         assert self.drafter is not None  # a plan with a head tree: the engine has a drafter
         t0 = time.perf_counter()
         tree = self.drafter.draft(seq_id, tokens, features, params)
-        self.budget.observe_draft(params, int(tokens.shape[0]), time.perf_counter() - t0)
+        draft_s = time.perf_counter() - t0
+        self.budget.observe_draft(params, int(tokens.shape[0]), draft_s)
+        self._draft_est = draft_s if self._draft_est == 0.0 else 0.8 * self._draft_est + 0.2 * draft_s
         return tree
 
 
@@ -387,3 +507,5 @@ class _SequenceState:
     root: int = -1  # the last committed token: the next round's root
     produced: int = 0  # tokens streamed so far (stop-truncated)
     draft: _Draft | None = None  # the planned next round (None: plain decoding, no speculation)
+    ahead: _Ahead | None = None  # the ahead draft of the round just verified (until _next_draft)
+    policy: AheadPolicy | None = None  # this sequence's copy of the engine's policy (None: no overlap)

@@ -204,3 +204,21 @@ def test_bench_categories_picks_those_and_names_one_the_file_lacks(setup, capsys
     assert code == 0
     res = json.loads((setup / "cat.json").read_text())
     assert set(res["categories"]) == {"writing"} and res["config"]["categories"] == ["writing"]
+
+
+def test_bench_reports_drafting_ahead(setup, capsys):
+    """Method eagle+ahead: the EAGLE engine drafting the next tree ahead is exact, and the table shows
+    the share of rounds that drafted ahead and the guess hit-rate (the values are timing-free counts)."""
+    out_json = setup / "ahead.json"
+    code = main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"),
+                 "--dtype", "fp32", "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "24",
+                 "--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4", "--limit", "2",
+                 "--methods", "hf,eagle,eagle+ahead", "--json-out", str(out_json)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "ahead rds" in table and "guess hit" in table
+    res = json.loads(out_json.read_text())
+    ahead, eagle = res["methods"]["eagle+ahead"], res["methods"]["eagle"]
+    assert ahead["exact_match"] == 1.0 and eagle["exact_match"] == 1.0
+    assert eagle["ahead_share"] is None and eagle["guess_hit_rate"] is None
+    assert ahead["ahead_share"] is not None and 0 <= ahead["guess_hit_rate"] <= 1

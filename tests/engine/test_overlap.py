@@ -1,0 +1,127 @@
+"""Drafting ahead (services/engine/engine.py, services/spec/ahead.py): lossless with overlap on and
+off, guesses that always hit or always miss give the target's tokens and the right counters, and a
+seeded sampling run replays. Every decision here is count-based (contention fixed, learn_cost off):
+nothing depends on timing."""
+
+import pytest
+import torch
+
+from services.engine.drafter import Drafter
+from services.engine.engine import Engine, GenerationRequest
+from services.engine.verifier import Verifier
+from services.spec.overlap import AheadPolicy
+from services.spec.sampling import SamplingParams
+from services.spec.tree import DraftTree, TreeParams
+from tests.helpers import VOCAB, hf_greedy
+
+SHAPE = TreeParams(4, 3, 16)
+PROMPTS = [[3, 17, 40, 9, 88], [101, 5, 5, 61, 2, 33, 7, 12]]
+N = 40
+
+
+def policy() -> AheadPolicy:
+    return AheadPolicy(contention=0.0, learn_cost=False)  # drafts ahead whenever a guess can hit
+
+
+def run(engine: Engine, prompt: list[int], n: int, **kw):
+    tokens, stats = [], []
+    for step in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
+        tokens += step.tokens
+        if step.stats.index > 0:
+            stats.append(step.stats)
+    return tokens, stats
+
+
+def oracle(ref: list[int], hit: bool):
+    """A guesser that knows the target's greedy text: the round's exact verdict (accepted path +
+    bonus) when `hit`, else a first token the target will not commit."""
+    def guess(tree: DraftTree, depth: int, produced: int) -> list[int]:
+        if not hit:
+            return [(ref[produced] + 1) % VOCAB]
+        parents, toks = tree.parents.tolist(), tree.tokens.tolist()
+        node, out = 0, []
+        while True:
+            want = ref[produced + len(out)]
+            nxt = next((i for i in range(1, len(toks)) if parents[i] == node and toks[i] == want), None)
+            out.append(want)
+            if nxt is None:
+                return out  # accepted drafts + the bonus
+            node = nxt
+    return guess
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_greedy_with_overlap_equals_the_target(pair, request):
+    hf, target, head = request.getfixturevalue(pair)
+    on = Engine(Verifier(target, head.feature_kind), Drafter(head, SHAPE), 512, VOCAB, ahead=policy())
+    off = Engine(Verifier(target, head.feature_kind), Drafter(head, SHAPE), 512, VOCAB)
+    ahead = hits = 0
+    for prompt in PROMPTS:
+        ref = hf_greedy(hf, prompt, N)
+        tokens, stats = run(on, prompt, N)
+        assert tokens == ref, prompt
+        assert run(off, prompt, N)[0] == ref
+        ahead += sum(s.ahead for s in stats)
+        hits += sum(s.ahead_hit for s in stats)
+    # the top-path guess drafts ahead every round and hits in some (18 of 36 with llama_pair)
+    assert ahead > 0 and 0 < hits <= ahead
+
+
+@pytest.mark.parametrize("hit", [True, False], ids=["always-hits", "always-misses"])
+def test_injected_guess_gives_target_tokens_and_counters(llama_pair, hit):
+    hf, target, head = llama_pair
+    prompt = PROMPTS[0]
+    ref = hf_greedy(hf, prompt, N + 20)
+    engine = Engine(Verifier(target), Drafter(head, SHAPE), 512, VOCAB, ahead=policy(), guesser=oracle(ref, hit))
+    tokens, stats = run(engine, prompt, N)
+    assert tokens == ref[:N]
+    rounds = len(stats)  # every round verifies a tree (fixed budget)
+    assert all(s.tree_size > 1 for s in stats)
+    assert sum(s.ahead for s in stats) == rounds  # every round drafts the next tree ahead
+    if hit:
+        assert [s.ahead_hit for s in stats] == [False] + [True] * (rounds - 1)
+        assert all(s.saved_s > 0 for s in stats[1:])
+    else:
+        assert not any(s.ahead_hit for s in stats) and all(s.saved_s == 0 for s in stats)
+
+
+def test_overlap_off_by_policy_never_drafts_ahead(llama_pair):
+    hf, target, head = llama_pair
+    engine = Engine(Verifier(target), Drafter(head, SHAPE), 512, VOCAB, ahead=AheadPolicy(enabled=False))
+    tokens, stats = run(engine, PROMPTS[1], 24)
+    assert tokens == hf_greedy(hf, PROMPTS[1], 24)
+    assert not any(s.ahead or s.ahead_hit for s in stats)
+
+
+def test_seeded_sampling_with_overlap_replays(llama_pair):
+    _, target, head = llama_pair
+    sampling = SamplingParams(0.9, top_p=0.95, seed=11)
+    outs = []
+    for _ in range(2):
+        engine = Engine(Verifier(target), Drafter(head, SHAPE), 512, VOCAB, ahead=AheadPolicy())
+        tokens, stats = run(engine, PROMPTS[0], 32, sampling=sampling)
+        assert all(0 <= t < VOCAB for t in tokens) and len(tokens) == 32
+        outs.append((tokens, [(s.ahead, s.ahead_hit) for s in stats]))
+    assert outs[0] == outs[1]
+    assert any(a for a, _ in outs[0][1])
+
+
+def test_engine_refuses_overlap_without_a_drafter(llama_pair):
+    _, target, _ = llama_pair
+    from services.errors import InvalidRequest
+    with pytest.raises(InvalidRequest, match="draft ahead"):
+        Engine(Verifier(target), None, 512, VOCAB, ahead=AheadPolicy())
+
+
+def test_draft_ahead_leaves_only_committed_rows(llama_pair):
+    _, _, head = llama_pair
+    d = Drafter(head, SHAPE)
+    d.start("s", 64, sampling=False)
+    f = head.config.feature_size
+    d.draft("s", torch.tensor([4, 9, 21]), torch.randn(3, f), SHAPE)
+    length = d._caches["s"].length
+    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE)
+    assert tree is not None and int(tree.tokens[0]) == 31 and tree.size == SHAPE.size
+    assert d._caches["s"].length == length
+    tree2 = d.draft_ahead("s", torch.tensor([30]), torch.randn(1, f), [31], SHAPE)
+    assert tree2 is not None and d._caches["s"].length == length + 1  # the committed row stays

@@ -1,0 +1,85 @@
+"""services/spec/ahead.py (guess, follow, reroot, use_ahead) and services/spec/overlap.py (the
+policy, with a synthetic cost model: no timing), and exact sampling on a rerooted ahead tree (chi-square
+with a wrong-rule control)."""
+
+import pytest
+import torch
+
+import tests.spec.test_sampling as ts
+from services.spec.ahead import follow, prefix_hits, reroot, top_guess, use_ahead
+from services.spec.overlap import AheadPolicy
+from services.spec.sampling import SamplingParams
+from services.spec.tree import build_tree
+
+
+def tree(tokens, parents, scores=None, sort_paths=False):
+    scores = torch.tensor(scores if scores is not None else [0.0] * len(tokens))
+    return build_tree(torch.tensor(tokens), torch.tensor(parents), scores, sort_paths)
+
+
+T = tree([7, 5, 8, 3, 4], [-1, 0, 0, 1, 1], [0, -0.1, -2, -0.3, -0.9])
+
+
+def test_top_guess_follow_reroot():
+    assert top_guess(T, 1) == [5] and top_guess(T, 5) == [5, 3]
+    assert follow(T, [5, 3]) == 3 and follow(T, []) == 0 and follow(T, [8, 1]) is None
+    sub = reroot(T, 1, False)
+    assert sub.tokens.tolist() == [5, 3, 4] and sub.parents.tolist() == [-1, 0, 0]
+    assert sub.scores.tolist() == pytest.approx([0.0, -0.2, -0.8])
+    assert sub.paths.tolist() == [[0, 1], [0, 2]]
+
+
+def test_use_ahead_hit_and_miss():
+    ahead = tree([5, 3, 9, 2, 6], [-1, 0, 1, 0, 2])  # rooted at the guess's last token 5
+    assert use_ahead(ahead, [5], [5, 3, 9], False).tokens.tolist() == [9, 6]  # rerooted at the bonus
+    assert use_ahead(ahead, [5], [5], False).size == 5  # the bonus was the guess's last token
+    assert use_ahead(ahead, [5], [8, 3], False) is None  # prefix contradicted
+    assert use_ahead(ahead, [5], [5, 4], False) is None  # bonus not in the ahead tree
+    assert use_ahead(ahead, [5], [5, 2], False) is None  # a leaf: the root alone drafts nothing
+    assert prefix_hits([5, 3, 2], [5, 3, 9]) == [False, True, False]
+    assert prefix_hits([5, 3, 2], [5, 3, 2, 1]) == [False, False, True]
+
+
+def test_policy_turns_overlap_off_when_it_cannot_pay():
+    """Synthetic cost model: draft 10 ms, head step 1 ms."""
+    p = AheadPolicy(contention=0.0, learn_cost=False)
+    assert p.choose(0.010, 0.001, path_len=3) == 1  # free overlap and the prior: draft ahead
+    assert AheadPolicy(contention=1.0, learn_cost=False).choose(0.010, 0.001, 3) is None  # never pays
+    assert p.choose(0.010, 0.001, 3, busy=1.0) is None  # a saturated drafter pool: not at all
+    assert p.choose(0.010, 0.001, path_len=0) is None  # nothing to guess from
+    q = AheadPolicy(contention=0.3, learn_cost=False)
+    for _ in range(60):  # guesses never hit: learned, and overlap turns off
+        q.observe_verdict([False, False, False])
+    assert q.choose(0.010, 0.001, 3) is None
+    for _ in range(60):  # they start to hit (learned from every round, drafted ahead or not): back on
+        q.observe_verdict([True, True, False])
+        q.observe_ahead(True)
+    assert q.choose(0.010, 0.001, 3) in (1, 2)
+
+
+def test_policy_learns_contention_from_seconds():
+    p = AheadPolicy(contention=0.0)
+    p.observe_alone(0.020)
+    for _ in range(30):  # every ahead draft (10 ms) is fully on the critical path
+        p.observe_cost(ahead_s=0.010, wait_s=0.0, verify_s=0.030)
+    assert p.contention > 0.9
+    assert p.choose(0.010, 0.001, 3) is None
+
+
+def _ahead_tree_around_ts():
+    """An ahead tree rooted at guessed token 3 whose child 0 carries test_sampling's tree, plus a
+    sibling: rerooting at 0 must give that tree exactly."""
+    t = ts.TREE
+    toks = [3] + t.tokens.tolist() + [1]
+    parents = [-1] + [p + 1 if p >= 0 else 0 for p in t.parents.tolist()] + [0]
+    return tree(toks, parents, sort_paths=True)
+
+
+@pytest.mark.slow  # docs/testing.md: out of the quick subset (> 4 s)
+def test_sampling_on_a_rerooted_ahead_tree_keeps_the_target_distribution(monkeypatch):
+    sub = use_ahead(_ahead_tree_around_ts(), [3], [3, 0], True)
+    assert sub.tokens.tolist() == ts.TREE.tokens.tolist() and sub.paths.tolist() == ts.TREE.paths.tolist()
+    monkeypatch.setattr(ts, "TREE", sub)
+    params = SamplingParams(1.0, seed=7)
+    assert ts.chi_square_p(params, wrong=False) > 1e-3
+    assert ts.chi_square_p(params, wrong=True) < 1e-6, "the check must fail a wrong rule"
