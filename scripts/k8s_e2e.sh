@@ -50,7 +50,9 @@ find_helm() {
 PY="${AERIE_PYTHON:-}"
 find_python() {
     [ -n "$PY" ] && return
-    if [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"; else PY=python3; fi
+    # The project's virtual environment (aerie installed): its site-packages go into the image.
+    [ -x "$REPO/.venv/bin/python" ] || die "no $REPO/.venv: run scripts/setup.sh or set AERIE_PYTHON to a venv's python"
+    PY="$REPO/.venv/bin/python"
 }
 
 # ================================================================ install
@@ -142,6 +144,8 @@ build_images() {
     # aerie: the rootfs + a venv at /opt/aerie with the project's site-packages and this tree's sources.
     find_python
     local site; site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -c 'import sys; assert sys.prefix != sys.base_prefix and sys.version_info[:2] == (3, 11)' \
+        || die "$PY is not a Python 3.11 virtual environment (the image's Debian python is 3.11)"
     local key; key=$( (cd "$REPO" && git ls-files -s aerie_cli services coordinator drafter_svc verifier_svc gateway \
         && git diff HEAD -- aerie_cli services coordinator drafter_svc verifier_svc gateway; ls "$site") | sha256sum | cut -c1-16)
     if [ "$(image_key "aerie-e2e:$IMAGE_TAG")" = "$key" ]; then log "image aerie-e2e:$IMAGE_TAG up to date"; return; fi
@@ -267,8 +271,8 @@ start_dnsmasq() {
 dns_sync() {
     local tpl='{{range .items}}{{$svc := .metadata.name}}{{$ns := .metadata.namespace}}{{range .subsets}}{{range .addresses}}{{.ip}} {{$svc}}.{{$ns}}.svc.cluster.local {{$svc}}.{{$ns}}.svc{{if .hostname}} {{.hostname}}.{{$svc}}.{{$ns}}.svc.cluster.local{{end}}{{"\n"}}{{end}}{{end}}{{end}}'
     while true; do
-        if kubectl get endpoints -A -o go-template="$tpl" > "$STATE/dns/.services.tmp" 2>/dev/null; then
-            cmp -s "$STATE/dns/.services.tmp" "$STATE/dns/services" || cp "$STATE/dns/.services.tmp" "$STATE/dns/services"
+        if kubectl get endpoints -A -o go-template="$tpl" > "$STATE/dns-services.tmp" 2>/dev/null; then
+            cmp -s "$STATE/dns-services.tmp" "$STATE/dns/services" || cp "$STATE/dns-services.tmp" "$STATE/dns/services"
         fi
         sleep 1
     done

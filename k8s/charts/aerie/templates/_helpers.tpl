@@ -409,7 +409,7 @@ spec:
 (before 1.21). */}}
 {{- define "aerie.pdb" -}}
 {{- $p := (index .ctx.Values .component).pdb }}
-apiVersion: {{ if or (.ctx.Capabilities.APIVersions.Has "policy/v1/PodDisruptionBudget") (not (.ctx.Capabilities.APIVersions.Has "policy/v1beta1")) }}policy/v1{{ else }}policy/v1beta1{{ end }}
+apiVersion: {{ if or (.ctx.Capabilities.APIVersions.Has "policy/v1") (not (.ctx.Capabilities.APIVersions.Has "policy/v1beta1")) }}policy/v1{{ else }}policy/v1beta1{{ end }}
 kind: PodDisruptionBudget
 metadata:
   name: {{ include "aerie.componentName" . }}
