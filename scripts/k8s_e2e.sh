@@ -86,8 +86,10 @@ build_k8s() {
     mkdir -p "$gopath/src/k8s.io" "$BIN"
     ln -sfn "$tree" "$gopath/src/k8s.io/kubernetes"
     # This sandbox cannot set a negative oom_score_adj (kubelet also runs with --oom-score-adj=0).
-    sed -i 's/defaultSandboxOOMAdj int = -998/defaultSandboxOOMAdj int = 0/' "$tree/pkg/kubelet/dockershim/docker_sandbox.go"
-    sed -i 's/guaranteedOOMScoreAdj int = -997/guaranteedOOMScoreAdj int = 0/' "$tree/pkg/kubelet/qos/policy.go"
+    # (sed only where the constant is still unpatched: the file's mtime decides what is rebuilt below)
+    local f="$tree/pkg/kubelet/dockershim/docker_sandbox.go" q="$tree/pkg/kubelet/qos/policy.go"
+    grep -q 'defaultSandboxOOMAdj int = -998' "$f" && sed -i 's/defaultSandboxOOMAdj int = -998/defaultSandboxOOMAdj int = 0/' "$f"
+    grep -q 'guaranteedOOMScoreAdj int = -997' "$q" && sed -i 's/guaranteedOOMScoreAdj int = -997/guaranteedOOMScoreAdj int = 0/' "$q"
     (
         export GOPATH="$gopath" GO111MODULE=off GOFLAGS= CGO_ENABLED=0 GOCACHE="$CACHE/gocache" HOME="${HOME:-/root}"
         cd "$gopath/src/k8s.io/kubernetes"
@@ -104,7 +106,7 @@ build_k8s() {
             ld="$ld -X $p.gitCommit=debian-bookworm -X $p.buildDate=1970-01-01T00:00:00Z"
         done
         for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
-            if [ -x "$BIN/$c" ] && [ "$BIN/$c" -nt "$tree/pkg/kubelet/qos/policy.go" ]; then continue; fi
+            if [ -x "$BIN/$c" ] && [ "$BIN/$c" -nt "$q" ] && [ "$BIN/$c" -nt "$f" ]; then continue; fi
             log "go build $c"
             go build -ldflags "-s -w $ld" -o "$BIN/$c.tmp" "./cmd/$c"
             mv "$BIN/$c.tmp" "$BIN/$c"
@@ -146,7 +148,7 @@ build_images() {
     local site; site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$PY" -c 'import sys; assert sys.prefix != sys.base_prefix and sys.version_info[:2] == (3, 11)' \
         || die "$PY is not a Python 3.11 virtual environment (the image's Debian python is 3.11)"
-    local key; key=$( (cd "$REPO" && git ls-files -s aerie_cli services coordinator drafter_svc verifier_svc gateway \
+    local key; key=$( (sha256sum < "$REPO/scripts/k8s_e2e.sh"; cd "$REPO" && git ls-files -s aerie_cli services coordinator drafter_svc verifier_svc gateway \
         && git diff HEAD -- aerie_cli services coordinator drafter_svc verifier_svc gateway; ls "$site") | sha256sum | cut -c1-16)
     if [ "$(image_key "aerie-e2e:$IMAGE_TAG")" = "$key" ]; then log "image aerie-e2e:$IMAGE_TAG up to date"; return; fi
     local root="$CACHE/rootfs/aerie"
@@ -156,6 +158,8 @@ build_images() {
         && python3 -m venv --without-pip /opt/aerie'
     local dest="$root/opt/aerie/lib/python3.11/site-packages"
     rsync -a --exclude='__editable__*' --exclude='aerie-*.dist-info' --exclude='__pycache__' "$site/" "$dest/"
+    # redis-py imports async_timeout on Python < 3.11.3 (Debian bookworm's python3 is 3.11.2).
+    "$PY" -m pip install -q --no-deps --target "$dest" "async-timeout==4.0.3"
     local pkg
     for pkg in aerie_cli services coordinator drafter_svc verifier_svc gateway; do
         (cd "$REPO" && git ls-files -co --exclude-standard "$pkg") | rsync -a --files-from=- "$REPO/" "$dest/"
@@ -293,6 +297,7 @@ cmd_up() {
     spawn kube-apiserver kube-apiserver --bind-address=127.0.0.1 --secure-port=$APISERVER_PORT --insecure-port=0 \
         --advertise-address="$ip" --etcd-servers="http://127.0.0.1:$ETCD_PORT" --cert-dir="$pki/apiserver" \
         --token-auth-file="$pki/token.csv" --authorization-mode=Node,RBAC --anonymous-auth=false \
+        --kubelet-preferred-address-types=InternalIP \
         --service-cluster-ip-range=10.96.0.0/16 --service-account-key-file="$pki/sa.pub" \
         --service-account-signing-key-file="$pki/sa.key" --service-account-issuer=https://kubernetes.default.svc \
         --allow-privileged=false --profiling=false
