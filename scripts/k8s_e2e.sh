@@ -271,13 +271,18 @@ start_dnsmasq() {
         --local=/cluster.local/ --local=/svc/ --local-ttl=1 --pid-file= --user=root --log-facility=-
 }
 
-# Headless Service names (and StatefulSet pod names) -> ready pod IPs, every second, for dnsmasq.
-dns_sync() {
+# Headless Service names (and StatefulSet pod names) -> ready pod IPs, for dnsmasq: rewritten on every
+# Endpoints change (one kubectl watch; a kubectl run per second would take half a core here).
+dns_write() {
     local tpl='{{range .items}}{{$svc := .metadata.name}}{{$ns := .metadata.namespace}}{{range .subsets}}{{range .addresses}}{{.ip}} {{$svc}}.{{$ns}}.svc.cluster.local {{$svc}}.{{$ns}}.svc{{if .hostname}} {{.hostname}}.{{$svc}}.{{$ns}}.svc.cluster.local{{end}}{{"\n"}}{{end}}{{end}}{{end}}'
+    if kubectl get endpoints -A -o go-template="$tpl" > "$STATE/dns-services.tmp" 2>/dev/null; then
+        cmp -s "$STATE/dns-services.tmp" "$STATE/dns/services" || cp "$STATE/dns-services.tmp" "$STATE/dns/services"
+    fi
+}
+dns_sync() {
     while true; do
-        if kubectl get endpoints -A -o go-template="$tpl" > "$STATE/dns-services.tmp" 2>/dev/null; then
-            cmp -s "$STATE/dns-services.tmp" "$STATE/dns/services" || cp "$STATE/dns-services.tmp" "$STATE/dns/services"
-        fi
+        dns_write
+        kubectl get endpoints -A --watch-only -o name 2>/dev/null | while read -r _; do dns_write; done
         sleep 1
     done
 }
@@ -441,6 +446,7 @@ cmd_down() {
     [ -d "$STATE" ] || return 0
     set +e
     kill_pid port-forward
+    if alive dns-sync; then pkill -TERM -P "$(cat "$(pidfile dns-sync)")" || true; fi  # its kubectl watch
     kill_pid dns-sync
     kill_pid kubelet
     if alive dockerd; then
