@@ -372,8 +372,11 @@ spec:
   hostPath: {path: "$STATE/pv/redis", type: Directory}
 PV
     t=$(date +%s)
-    "$HELM" install "$RELEASE" "$REPO/k8s/charts/aerie" -n "$NS" -f "$VALUES" --server-side=false \
-        || "$HELM" install "$RELEASE" "$REPO/k8s/charts/aerie" -n "$NS" -f "$VALUES"
+    local verb=install
+    "$HELM" status "$RELEASE" -n "$NS" >/dev/null 2>&1 && verb=upgrade  # a rerun on a cluster that has it
+    # helm 4 applies server-side by default, which a 1.20 API server does not do for it.
+    "$HELM" "$verb" "$RELEASE" "$REPO/k8s/charts/aerie" -n "$NS" -f "$VALUES" --server-side=false \
+        || "$HELM" "$verb" "$RELEASE" "$REPO/k8s/charts/aerie" -n "$NS" -f "$VALUES"
     wait_ready redis 1 300
     wait_ready verifier 1 450
     wait_ready drafter 2 450
