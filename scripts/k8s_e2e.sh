@@ -264,10 +264,11 @@ start_dnsmasq() {
     local ip=$1
     mkdir -p "$STATE/dns"
     : > "$STATE/dns/services"
-    # Serves the cluster's Service names (written by dns_sync from the Endpoints) on docker0 only;
+    # Serves the cluster's Service names (written by dns_sync from the Endpoints, SIGHUP re-reads them) on
+    # docker0 only;
     # --no-resolv: no upstream, nothing else is answered.
     spawn dnsmasq dnsmasq --keep-in-foreground --no-resolv --no-hosts --no-poll --bind-interfaces \
-        --listen-address="$ip" --interface=docker0 --except-interface=lo --port=53 --hostsdir="$STATE/dns" \
+        --listen-address="$ip" --interface=docker0 --except-interface=lo --port=53 --addn-hosts="$STATE/dns/services" \
         --local=/cluster.local/ --local=/svc/ --local-ttl=1 --pid-file= --user=root --log-facility=-
 }
 
@@ -276,7 +277,10 @@ start_dnsmasq() {
 dns_write() {
     local tpl='{{range .items}}{{$svc := .metadata.name}}{{$ns := .metadata.namespace}}{{range .subsets}}{{range .addresses}}{{.ip}} {{$svc}}.{{$ns}}.svc.cluster.local {{$svc}}.{{$ns}}.svc{{if .hostname}} {{.hostname}}.{{$svc}}.{{$ns}}.svc.cluster.local{{end}}{{"\n"}}{{end}}{{end}}{{end}}'
     if kubectl get endpoints -A -o go-template="$tpl" > "$STATE/dns-services.tmp" 2>/dev/null; then
-        cmp -s "$STATE/dns-services.tmp" "$STATE/dns/services" || cp "$STATE/dns-services.tmp" "$STATE/dns/services"
+        if ! cmp -s "$STATE/dns-services.tmp" "$STATE/dns/services"; then
+            cp "$STATE/dns-services.tmp" "$STATE/dns/services"
+            alive dnsmasq && kill -HUP "$(cat "$(pidfile dnsmasq)")"  # re-reads --addn-hosts, clears its cache
+        fi
     fi
 }
 dns_sync() {
