@@ -2,7 +2,7 @@
 
     python tests/k8s/e2e_client.py chat       one chat completion == `aerie generate` (same prompt, greedy)
     python tests/k8s/e2e_client.py failover   a streamed chat; the drafter holding the sequence is killed
-                                              (docker kill of its container) after the first chunk; the
+                                              (docker kill of its container) as soon as one reports it; the
                                               stream still completes, equal to `aerie generate`
 
 Environment (set by the script): AERIE_E2E_BASE_URL (https://127.0.0.1:PORT/v1, a kubectl port-forward to
@@ -64,20 +64,29 @@ def kubectl(*args: str) -> str:
     return subprocess.run(["kubectl", "-n", ns, *args], check=True, capture_output=True, text=True).stdout
 
 
-def drafters() -> list[tuple[str, str]]:
-    """(pod name, pod IP) of every running drafter pod of the release."""
-    sel = f"app.kubernetes.io/instance={os.environ.get('AERIE_E2E_RELEASE', 'aerie')},app.kubernetes.io/component=drafter"
+def drafters(component: str = "drafter") -> list[tuple[str, str]]:
+    """(pod name, pod IP) of every running pod of a component of the release."""
+    sel = f"app.kubernetes.io/instance={os.environ.get('AERIE_E2E_RELEASE', 'aerie')},app.kubernetes.io/component={component}"
     out = kubectl("get", "pods", "-l", sel, "-o", "go-template={{range .items}}{{.metadata.name}} {{.status.podIP}}\n{{end}}")
     return [tuple(line.split()) for line in out.splitlines() if len(line.split()) == 2]
 
 
-def sequences_in_flight(ip: str) -> float:
-    """aerie_sequences_in_flight{service="drafter"} of one drafter pod (its metrics port, plain HTTP)."""
+def metric(ip: str, prefix: str) -> float:
+    """The sample starting with `prefix` on one pod's metrics port (plain HTTP), 0 when absent."""
     with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith('aerie_sequences_in_flight{service="drafter"}'):
+            if line.startswith(prefix):
                 return float(line.split()[-1])
     return 0.0
+
+
+def sequences_in_flight(ip: str) -> float:
+    return metric(ip, 'aerie_sequences_in_flight{service="drafter"}')
+
+
+def drafter_failovers() -> float:
+    """aerie_failovers_total for drafters, summed over the coordinator pods."""
+    return sum(metric(ip, 'aerie_failovers_total{reason="unavailable",role="drafter"') for _, ip in drafters("coordinator"))
 
 
 def kill_container(pod: str) -> None:
@@ -93,6 +102,7 @@ def failover() -> None:
     local = reference(STORY, FAILOVER_TOKENS)
     c = client()
     [model] = c.models.list().data
+    failovers = drafter_failovers()
     stream = c.chat.completions.create(model=model.id, messages=[{"role": "user", "content": STORY}],
                                        max_tokens=FAILOVER_TOKENS, temperature=0, stream=True)
     parts: list[str] = []
@@ -103,19 +113,24 @@ def failover() -> None:
             continue
         parts.append(chunk.choices[0].delta.content or "")
         finish = chunk.choices[0].finish_reason or finish
-        if killed_after is None and "".join(parts):
-            pods = drafters()
-            holding = [pod for pod, ip in pods if sequences_in_flight(ip) > 0]
-            victim = holding[0] if holding else pods[0][0]
-            kill_container(victim)
-            killed_after = len("".join(parts))
-            print(f"failover: killed drafter {victim} ({'held the sequence' if holding else 'no drafter reported the sequence'})"
-                  f" after {killed_after} characters", flush=True)
+        if killed_after is None:  # kill the drafter that holds this sequence's draft KV, once it holds it
+            holding = [pod for pod, ip in drafters() if sequences_in_flight(ip) > 0]
+            if holding:
+                kill_container(holding[0])
+                killed_after = len("".join(parts))
+                print(f"failover: killed drafter {holding[0]} (holding the sequence) after {killed_after} characters",
+                      flush=True)
     text = "".join(parts)
     print(f"failover: stream finished ({finish}), {len(text)} characters, {len(text) - (killed_after or 0)} after the kill",
           flush=True)
-    if killed_after is None or killed_after >= len(text):
+    if killed_after is None:
+        raise SystemExit("no drafter reported holding the sequence (aerie_sequences_in_flight) while it streamed")
+    if killed_after >= len(text):
         raise SystemExit("the stream ended before the drafter was killed: nothing was failed over")
+    moved = drafter_failovers() - failovers
+    print(f"failover: the coordinator counted {moved:.0f} drafter fail-over(s)", flush=True)
+    if moved < 1:
+        raise SystemExit("the coordinator counted no drafter fail-over (aerie_failovers_total)")
     if text != local["text"]:
         raise SystemExit(f"the failed-over stream differs from aerie generate:\n{text!r}\n!=\n{local['text']!r}")
 
