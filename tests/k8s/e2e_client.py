@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -47,10 +48,27 @@ def reference(prompt: str, max_new_tokens: int) -> dict:
     return json.loads(path.read_text())
 
 
+def served_model(c: openai.OpenAI, tries: int = 120) -> str:
+    """The served model's id, once the coordinator answers /v1/models. A coordinator is Ready once it
+    reaches Redis, which can be a few seconds before its first verifier joined the pool: /v1/models then
+    answers 504 (seen on the real cluster), so it is asked again, once a second, `tries` times."""
+    for i in range(tries):
+        try:
+            [model] = c.models.list().data
+            if i:
+                print(f"/v1/models answered after {i} retries", flush=True)
+            return model.id
+        except openai.InternalServerError:
+            if i == tries - 1:
+                raise
+            time.sleep(1)
+    raise AssertionError("unreachable")
+
+
 def chat() -> None:
     c = client()
-    [model] = c.models.list().data
-    r = c.chat.completions.create(model=model.id, messages=[{"role": "user", "content": QUESTION}],
+    model_id = served_model(c)
+    r = c.chat.completions.create(model=model_id, messages=[{"role": "user", "content": QUESTION}],
                                   max_tokens=12, temperature=0)
     text = r.choices[0].message.content
     local = reference(QUESTION, 12)
@@ -101,9 +119,9 @@ def kill_container(pod: str) -> None:
 def failover() -> None:
     local = reference(STORY, FAILOVER_TOKENS)
     c = client()
-    [model] = c.models.list().data
+    model_id = served_model(c)
     failovers = drafter_failovers()
-    stream = c.chat.completions.create(model=model.id, messages=[{"role": "user", "content": STORY}],
+    stream = c.chat.completions.create(model=model_id, messages=[{"role": "user", "content": STORY}],
                                        max_tokens=FAILOVER_TOKENS, temperature=0, stream=True)
     parts: list[str] = []
     killed_after = None
