@@ -269,19 +269,16 @@ health service ""). */}}
 {{- define "aerie.grpcProbes" -}}
 {{- $p := .ctx.Values.probes -}}
 startupProbe:
-  grpc:
-    port: {{ include "aerie.probePort" . }}
+  {{- include "aerie.grpcProbeAction" (dict "ctx" .ctx "port" (include "aerie.probePort" .)) | nindent 2 }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 readinessProbe:
-  grpc:
-    port: {{ include "aerie.probePort" . }}
+  {{- include "aerie.grpcProbeAction" (dict "ctx" .ctx "port" (include "aerie.probePort" .) "timeout" $p.readiness.timeoutSeconds) | nindent 2 }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
-  grpc:
-    port: {{ include "aerie.probePort" . }}
+  {{- include "aerie.grpcProbeAction" (dict "ctx" .ctx "port" (include "aerie.probePort" .) "service" .liveness "timeout" $p.liveness.timeoutSeconds) | nindent 2 }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
@@ -311,16 +308,13 @@ readinessProbe:
     port: http
     scheme: {{ $scheme }}
   {{- else }}
-  grpc:
-    port: {{ include "aerie.probePort" . }}
+  {{- include "aerie.grpcProbeAction" (dict "ctx" .ctx "port" (include "aerie.probePort" .) "timeout" $p.readiness.timeoutSeconds) | nindent 2 }}
   {{- end }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
-  grpc:
-    port: {{ include "aerie.probePort" . }}
-    service: liveness
+  {{- include "aerie.grpcProbeAction" (dict "ctx" .ctx "port" (include "aerie.probePort" .) "service" "liveness" "timeout" $p.liveness.timeoutSeconds) | nindent 2 }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
@@ -366,6 +360,29 @@ status=$?
 stop
 wait
 exit $status
+{{- end }}
+
+{{/* The action of one gRPC health probe: a native `grpc:` probe on Kubernetes 1.24+ (on by default
+there, GA in 1.27); on older API servers, which drop the unknown `grpc` field, an `exec` probe running
+the same standard health Check with the image's Python (grpcio-health-checking) on 127.0.0.1. */}}
+{{- define "aerie.grpcProbeAction" -}}
+{{- if semverCompare ">=1.24.0-0" .ctx.Capabilities.KubeVersion.Version -}}
+grpc:
+  port: {{ .port }}
+  {{- with .service }}
+  service: {{ . | quote }}
+  {{- end }}
+{{- else -}}
+exec:
+  command:
+    - python
+    - -c
+    - >-
+      import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g;
+      r = g.HealthStub(grpc.insecure_channel("127.0.0.1:{{ .port }}")).Check(
+      h.HealthCheckRequest(service={{ default "" .service | quote }}), timeout={{ default 10 .timeout }});
+      sys.exit(r.status != h.HealthCheckResponse.SERVING)
+{{- end }}
 {{- end }}
 
 {{/* Ports of an aerie container: gRPC and metrics. */}}
@@ -638,10 +655,11 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* PodDisruptionBudget (policy/v1) for a component. */}}
+{{/* PodDisruptionBudget for a component: policy/v1, or policy/v1beta1 on API servers without it
+(before 1.21). */}}
 {{- define "aerie.pdb" -}}
 {{- $p := (index .ctx.Values .component).pdb }}
-apiVersion: policy/v1
+apiVersion: {{ if or (.ctx.Capabilities.APIVersions.Has "policy/v1") (not (.ctx.Capabilities.APIVersions.Has "policy/v1beta1")) }}policy/v1{{ else }}policy/v1beta1{{ end }}
 kind: PodDisruptionBudget
 metadata:
   name: {{ include "aerie.componentName" . }}
