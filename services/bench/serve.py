@@ -302,15 +302,7 @@ def summarize(config: ServeBenchConfig, model: str, results: list[RequestResult]
 
 
 def machine_name() -> str:
-    """This machine's CPU model and core count (the title of a chart; /proc/cpuinfo on Linux)."""
-    import platform
+    """This machine's CPU model and core count (the title of a chart)."""
+    from services.engine.calibration import device_name
 
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cpus"
+    return device_name("cpu")
