@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_tool(module: str, *args: str) -> subprocess.CompletedProcess:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed in this Python ({sys.executable}): pip install -e '.[test]'")
+    # scripts/setup.sh installs both (the `test` extra pins them): a missing one is a failed setup, not a skip
+    assert importlib.util.find_spec(module) is not None, (
+        f"{module} is not installed in this Python ({sys.executable}): pip install -e '.[test]'")
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
 
