@@ -21,7 +21,7 @@ import torch
 
 from services.model.eagle_head import DraftHead
 from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
-from services.model.uniform import key_bucket
+from services.model.uniform import capture_graph, key_bucket
 from services.spec.tree import Candidates, TreeParams
 from services.spec.tree_static import expand_static
 
@@ -85,16 +85,7 @@ class DraftGraphs:
             cand = expand_static(self.head, self.pool, key_rows, stable, last, k, d)
             return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()])
 
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            packed = run()
-        torch.cuda.synchronize(dev)
+        graph, packed = capture_graph(run, dev, self._mempool)
         c = k + d * k * k
         g = _DraftGraph(graph, key_rows, stable, last, packed, (c, c, 1 + d * k))
         self._graphs[(k, d, keys)] = g

@@ -1,7 +1,7 @@
 """Attention kernels: which one runs for a forward, chosen by device and shape.
 
     attend(q [H, T, hd], k [nKV, S, hd], v [nKV, S, hd], mask [T, S] bool | None, causal) -> [H, T, hd]
-    attend_grouped(q [B, H, T, hd], k [B, nKV, S, hd], v [B, nKV, S, hd], mask [B, T, S] bool)
+    attend_gathered(q [B, H, T, hd], k [nKV, B, S, hd], v [nKV, B, S, hd], mask [B, T, S] bool)
         -> [B, H, T, hd]
 
 Backends:
@@ -65,29 +65,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is None:
         mask = (torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if causal
                 else torch.ones(t, s, dtype=torch.bool, device=q.device))
-    return attend_grouped(q[None], k[None], v[None], mask[None])[0]
-
-
-def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, T, hd]; k, v [B, nKV, S, hd] (any strides); mask [B, T, S] bool -> [B, H, T, hd].
-
-    Query head h reads KV head h // G (G = H / nKV, transformers' repeat_kv order), so the G query
-    heads of one KV head form one [G*T, hd] block: scores [B, nKV, G*T, S] by one batched GEMM,
-    masked, softmax in fp32, cast back, times V. Every row must see at least one key."""
-    b, h, t, hd = q.shape
-    nkv, s = k.shape[1], k.shape[2]
-    g = h // nkv
-    qg = q.reshape(b, nkv, g * t, hd)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, nkv, g, t, s)  # [B, nKV, G, T, S]
-    probs = fused.masked_softmax(scores, mask[:, None, None], hd ** -0.5, v.dtype).view(b, nkv, g * t, s)
-    return torch.matmul(probs, v).view(b, h, t, hd)
+    return attend_gathered(q[None], k[:, None], v[:, None], mask[None])[0]
 
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`attend_grouped` over keys as a paged gather leaves them: q [B, H, T, hd]; k, v [nKV, B, S, hd]
-    (contiguous: one index_select of the pool's rows); mask [B, T, S] bool -> [B, H, T, hd].
-    The GEMMs batch over (KV head, sequence), so the keys are read where the gather wrote them and
-    only the (small) queries are permuted."""
+    """q [B, H, T, hd]; k, v [nKV, B, S, hd] (as a paged gather leaves them: one index_select of the
+    pool's rows); mask [B, T, S] bool -> [B, H, T, hd].
+
+    Query head h reads KV head h // G (G = H / nKV, transformers' repeat_kv order), so the G query
+    heads of one KV head form one [G*T, hd] block; the GEMMs batch over (KV head, sequence), so the
+    keys are read where they lie and only the (small) queries are permuted. Masked softmax in fp32.
+    Every row must see at least one key."""
     b, h, t, hd = q.shape
     nkv, s = k.shape[0], k.shape[2]
     g = h // nkv

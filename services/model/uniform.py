@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +63,22 @@ class UniformOutput:
     logits: torch.Tensor  # [B*T, V] fp32
     hidden: torch.Tensor  # [B*T, H]
     taps: torch.Tensor | None  # [B*T, 3H]
+
+
+def capture_graph(fn: Callable[[], Any], device: torch.device, mempool) -> tuple[Any, Any]:
+    """(graph, output): `fn` warmed up twice on a side stream (kernel selection, compiled stages),
+    then captured into a CUDA graph in `mempool`; its output tensors are the graph's static outputs."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        output = fn()
+    torch.cuda.synchronize(device)
+    return graph, output
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -217,16 +235,8 @@ class UniformRunner:
         inputs = torch.zeros(sum(shape.sizes()), dtype=torch.long, device=device)
         # a valid warm-up input: every row sees itself only, all writes go to the trash page
         inputs.copy_(self._idle(shape))
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward_uniform(self.target, self.pool, shape, inputs)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            output = forward_uniform(self.target, self.pool, shape, inputs)
-        torch.cuda.synchronize(device)
+        graph, output = capture_graph(lambda: forward_uniform(self.target, self.pool, shape, inputs), device,
+                                      self._mempool)
         g = _Graph(graph, inputs, output)
         self._graphs[shape] = g
         dt = time.perf_counter() - t0
@@ -243,18 +253,6 @@ class UniformRunner:
                  np.full(b * s, TRASH_ROW, np.int64), np.zeros(b, np.int64),
                  np.broadcast_to(np.eye(t, dtype=np.int64), (b, t, t)).reshape(-1)]
         return torch.from_numpy(np.concatenate(parts))
-
-    def capture(self, batches: tuple[int, ...], widths: tuple[int, ...], keys: tuple[int, ...],
-                taps: bool = False) -> float:
-        """Capture these shapes now (start-up); returns the seconds it took."""
-        t0 = time.perf_counter()
-        for b in batches:
-            for w in widths:
-                for s in keys:
-                    shape = UniformShape(b, w, s, taps)
-                    if shape not in self._graphs:
-                        self._capture(shape)
-        return time.perf_counter() - t0
 
 
 @dataclass
