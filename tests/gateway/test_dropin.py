@@ -11,12 +11,11 @@ import json
 import shutil
 
 import httpx
-import openai
 import pytest
 import torch
 
-from gateway.server import start_http
-from tests.pipeline import HOST, ModelDirs, start_pipeline
+from tests.gateway.http_pipeline import openai_client, served_pipeline, words
+from tests.pipeline import ModelDirs
 
 RAW = {"skip_special_tokens": False}
 CAP = 100
@@ -29,20 +28,12 @@ def served(text_model_dirs, redis_url, tmp_path_factory):
     config = json.loads((root / "target" / "generation_config.json").read_text())
     config.update(repetition_penalty=1.7, top_k=1)
     (root / "target" / "generation_config.json").write_text(json.dumps(config))
-    p = start_pipeline(ModelDirs(root / "target", text_model_dirs.head), redis_url, max_new_tokens=CAP)
-    http = p.loop.run(start_http(p.addresses["coordinator"], HOST, 0))
-    yield p, f"http://{HOST}:{http.port}"
-    p.loop.run(http.stop())
-    p.close()
+    yield from served_pipeline(ModelDirs(root / "target", text_model_dirs.head), redis_url, max_new_tokens=CAP)
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def words(text: str) -> list[int]:
-    return [int(w[1:]) for w in text.split()]
+    return openai_client(served[1])
 
 
 def complete(client, **kw) -> list[int]:

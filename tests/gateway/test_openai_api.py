@@ -15,27 +15,20 @@ import redis
 
 from gateway.server import start_http
 from aerie_cli.main import main as aerie_main
-from tests.pipeline import HOST, start_pipeline, wait_until
+from tests.gateway.http_pipeline import openai_client, served_pipeline, words
+from tests.pipeline import HOST, wait_until
 
 RAW = {"skip_special_tokens": False}  # text <-> tokens is then a bijection on the tiny vocabulary
 
 
 @pytest.fixture(scope="module")
 def served(text_model_dirs, redis_url):
-    p = start_pipeline(text_model_dirs, redis_url)
-    http = p.loop.run(start_http(p.addresses["coordinator"], HOST, 0))
-    yield p, f"http://{HOST}:{http.port}"
-    p.loop.run(http.stop())
-    p.close()
+    yield from served_pipeline(text_model_dirs, redis_url)
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def words(text: str) -> list[int]:
-    return [int(w[1:]) for w in text.split()]
+    return openai_client(served[1])
 
 
 def test_greedy_completion_equals_aerie_generate_in_process(client, text_model_dirs, capsys):
