@@ -165,7 +165,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     accepts: list[int] = []
     for ids in data["heldout_prompt_ids"]:
         for step in engine.generate(GenerationRequest(tuple(ids), args.eval_max_new_tokens)):
-            if step.stats.index:
+            if step.stats.round_index:
                 accepts.append(step.stats.accept_length)
     tau = sum(accepts) / max(len(accepts), 1)
     report = {"target": target_source, "kind": args.kind, "train_samples": len(data["train"]),

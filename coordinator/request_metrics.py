@@ -44,7 +44,7 @@ class RequestMetrics:
         m = self.model
         # a speculative round: one that verified at least one draft token (a plain step, or a
         # root-only tree on a pipeline without drafters, reports tree_depth 0: not a draft)
-        if stats.index > 0 and stats.tree_depth > 0:
+        if stats.round_index > 0 and stats.tree_depth > 0:
             accepted = stats.accepted
             metrics.SPEC_NUM_DRAFTS.labels(m).inc()
             metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_depth)

@@ -31,7 +31,8 @@ log = logging.getLogger("aerie.telemetry")
 
 # Span attribute names (the vocabulary of services/spec/verify.py).
 SEQ_ID = "specdec.seq_id"
-ROUND = "specdec.round"
+ROUND_INDEX = "specdec.round_index"  # the round's number (0 = prefill)
+ROUND = "specdec.round"  # DEPRECATED (removed next release): ROUND_INDEX, still set
 ACCEPT_LENGTH = "specdec.accept_length"
 TREE_SIZE = "specdec.tree.size"  # nodes verified, root included
 TREE_NODES = "specdec.tree.num_nodes"  # DEPRECATED (removed next release): TREE_SIZE, still set

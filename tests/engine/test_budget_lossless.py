@@ -27,7 +27,7 @@ def run(engine, prompt, n, **kw):
     tokens, rounds = [], []
     for step in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
         tokens += step.tokens
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             rounds.append(step.stats)
     return tokens, rounds
 

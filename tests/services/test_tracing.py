@@ -56,7 +56,8 @@ def test_one_connected_trace_across_three_services(pipeline, exporter):
 
     (generate,) = named("generate")
     assert parent(generate).name == "aerie.v1.Coordinator/Generate" and parent(parent(generate)).name == "client"
-    round_spans = {s.attributes[telemetry.ROUND]: s for s in named("round")}
+    round_spans = {s.attributes[telemetry.ROUND_INDEX]: s for s in named("round")}
+    assert all(s.attributes[telemetry.ROUND] == k for k, s in round_spans.items())  # the deprecated name, one release
     assert sorted(round_spans) == list(range(rounds + 1)) and all(parent(s) is generate for s in round_spans.values())
     for index, span in round_spans.items():
         children = sorted(s.name for s in spans if s.parent and s.parent.span_id == span.context.span_id)
