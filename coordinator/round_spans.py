@@ -58,7 +58,7 @@ class RoundSpans:
             return
         span.set_attributes({
             telemetry.TREE_SIZE: stats.tree_size, telemetry.TREE_NODES: stats.tree_size,
-            telemetry.TREE_DEPTH: stats.tree_depth,
+            telemetry.TREE_MAX_DEPTH: stats.tree_max_depth, telemetry.TREE_DEPTH: stats.tree_max_depth,
             telemetry.ACCEPT_LENGTH: stats.accept_length, telemetry.DRAFT_S: stats.draft_s,
             telemetry.VERIFY_S: stats.verify_s, telemetry.COMMIT_S: commit_s,
             telemetry.ROUND_S: stats.draft_s + stats.verify_s + commit_s,

@@ -160,7 +160,7 @@ class SequenceRun:
             log.warning("sequence %s: cannot record the stop in Redis: %s", self.seq_id, store_error)
             self.emit(store_error)
             return
-        none = RoundStats(round_index=0, accept_length=0, tree_size=0, tree_depth=0, draft_s=0.0, verify_s=0.0)
+        none = RoundStats(round_index=0, accept_length=0, tree_size=0, tree_max_depth=0, draft_s=0.0, verify_s=0.0)
         self.emit(Committed(RoundOutput([], none, "cancel"), 0.0))
 
 

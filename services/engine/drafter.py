@@ -44,7 +44,7 @@ class Drafter:
     def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64) -> None:
         if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
-                f"tree_top_k={tree.top_k} exceeds the draft vocabulary ({head.draft_vocab_size})")
+                f"top_k={tree.top_k} (--tree-top-k) exceeds the draft vocabulary ({head.draft_vocab_size})")
         self.head = head
         self.tree = tree
         self.max_sequences = max_sequences
@@ -90,12 +90,12 @@ class Drafter:
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
             raise InvalidRequest(
-                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.size} exceeds "
+                f"tree shape top_k={params.top_k}, depth={params.depth}, size={params.size} exceeds "
                 f"this drafter's largest shape top_k={self.tree.top_k}, depth={self.tree.depth}, "
-                f"tokens={self.tree.size} (its draft KV is sized for that)")
+                f"size={self.tree.size} (its draft KV is sized for that)")
         if params.top_k > self.head.config.draft_vocab:
             raise InvalidRequest(
-                f"tree_top_k={params.top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab})")
+                f"top_k={params.top_k} (--tree-top-k) exceeds the draft vocabulary ({self.head.config.draft_vocab})")
 
     def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
               params: TreeParams | None = None) -> DraftTree:

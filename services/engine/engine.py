@@ -86,8 +86,8 @@ class RoundStats:
     round_index: int  # the round's number: 0 = prefill, then round_base + 1, + 2, ...
     accept_length: int  # m + 1: tokens this round committed (accepted drafts + bonus); 1 for prefill
     tree_size: int  # nodes verified, root included (0 for prefill / plain decode)
-    tree_depth: int  # the deepest verified node's depth (root 0): a full tree of TreeParams.depth d
-    #                  (expansion steps) reaches d + 1
+    tree_max_depth: int  # the deepest verified node's depth (root 0; DraftTree.max_depth): a full tree
+    #                      of TreeParams.depth d (expansion steps, not a node depth) reaches d + 1
     draft_s: float  # time growing the tree that this round verified
     verify_s: float  # time in the verifier (target forward + acceptance + KV compaction)
     chain: int = 0  # retrieved chain tokens in the tree (shared with EAGLE nodes or not)
@@ -193,9 +193,9 @@ class Engine:
         largest = self.budget.fixed or self.budget.largest
         if drafter is not None and self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
-                                 f"tokens={largest.size}) does not fit the drafter's KV "
+                                 f"size={largest.size}) does not fit the drafter's KV "
                                  f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
-                                 f"tokens={drafter.tree.size})")
+                                 f"size={drafter.tree.size})")
 
     def plain(self) -> Engine:
         """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""

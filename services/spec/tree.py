@@ -4,7 +4,12 @@ Vocabulary used across aerie:
   * root        node 0: the token the target sampled last (the previous round's bonus, or the
                 prefill's first token). It is not in the target KV yet.
   * draft node  every other node: a token proposed by the draft head.
-  * depth       distance from the root (root 0); the target sees node i at position prefix + depth[i].
+  * depth       of a node: its distance from the root (root 0); the target sees node i at position
+                prefix + depth[i]. `DraftTree.max_depth` is the deepest node's (`RoundStats.tree_max_depth`
+                for the tree a round verified).
+  * TreeParams.depth  of a shape: the expansion steps (`--tree-depth`), NOT a node depth: a full
+                tree of depth d has max_depth d + 1 (the first level comes from the root's own head
+                output, then d steps each add one level).
   * path        a root-to-leaf list of node indices (the reference's `retrieve_indices` row).
 
 Phases (same names as the reference where it has them):
@@ -47,24 +52,24 @@ from services.model.kv_cache import KVCache
 @dataclass(frozen=True, slots=True)
 class TreeParams:
     top_k: int = 10  # children per expanded node and beam width per level
-    depth: int = 5  # expansion steps; the deepest draft node is at depth `depth + 1` (0: one level)
+    depth: int = 5  # expansion steps (--tree-depth); a full tree's max_depth is `depth + 1` (0: one level)
     size: int = 60  # the tree size: nodes kept, root included (the reference's total_tokens; --tree-tokens)
     stop_logprob: float = float("-inf")  # dynamic depth: no level / node below this cumulative log-prob
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
-            raise InvalidRequest(f"tree_top_k must be >= 1; got {self.top_k}")
+            raise InvalidRequest(f"top_k must be >= 1 (--tree-top-k); got {self.top_k}")
         if self.depth < 0:
-            raise InvalidRequest(f"tree_depth must be >= 0; got {self.depth}")
+            raise InvalidRequest(f"depth must be >= 0 (expansion steps, --tree-depth); got {self.depth}")
         if self.stop_logprob != self.stop_logprob or self.stop_logprob > 0:
             raise InvalidRequest(f"stop_logprob must be a log-probability (<= 0); got {self.stop_logprob}")
         if self.size < 2:
-            raise InvalidRequest(f"tree_tokens must be >= 2 (root + one draft); got {self.size}")
+            raise InvalidRequest(f"size must be >= 2 (root + one draft; --tree-tokens); got {self.size}")
         if self.size - 1 > self.num_candidates:
             raise InvalidRequest(
-                f"tree_tokens={self.size} needs more than the {self.num_candidates} candidates "
-                f"(top_k + depth * top_k^2) that tree_top_k={self.top_k}, tree_depth={self.depth} "
-                f"produce; lower tree_tokens or raise tree_top_k / tree_depth")
+                f"size={self.size} needs more than the {self.num_candidates} candidates "
+                f"(top_k + depth * top_k^2) that top_k={self.top_k}, depth={self.depth} produce; lower "
+                f"size (--tree-tokens) or raise top_k / depth (--tree-top-k / --tree-depth)")
 
     @property
     def num_candidates(self) -> int:

@@ -83,10 +83,10 @@ class FakeCoordinator(coordinator_grpc.CoordinatorServicer):
             if not context.is_active():
                 return
         yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[12, 13, 14], text="llo 🦀",
-                                   stats=cpb.RoundStats(round_index=1, accept_length=3, tree_size=16, tree_depth=3))
+                                   stats=cpb.RoundStats(round_index=1, accept_length=3, tree_size=16, tree_max_depth=3))
         # as an older coordinator sends it: the round's number only in the deprecated `index`
         yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[2**40 + 5], finish_reason="length", text="!",
-                                   stats=cpb.RoundStats(index=2, accept_length=1, tree_size=16, tree_depth=3))
+                                   stats=cpb.RoundStats(index=2, accept_length=1, tree_size=16, tree_max_depth=3))
 
     def Cancel(self, request, context):
         self.cancels.append(request.sequence_id)

@@ -66,7 +66,7 @@ def test_sam_alone_is_lossless_and_accepts_chains(llama_pair):
         tokens, rounds = run(engine, prompt, 48)
         assert tokens == hf_greedy(hf, prompt, 48), f"prompt {prompt}"
         accepted += sum(r.accept_length - 1 for r in rounds)
-        assert all(r.tree_depth <= 8 for r in rounds)
+        assert all(r.tree_max_depth <= 8 for r in rounds)
     assert accepted > 0, "retrieval never proposed an accepted token"
 
 

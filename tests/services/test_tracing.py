@@ -65,7 +65,7 @@ def test_one_connected_trace_across_three_services(pipeline, exporter):
         attrs = span.attributes
         assert attrs[telemetry.ACCEPT_LENGTH] == steps[index].stats.accept_length
         if index:
-            assert attrs[telemetry.TREE_SIZE] == attrs[telemetry.TREE_NODES] == 16 and 1 <= attrs[telemetry.TREE_DEPTH] <= 4
+            assert attrs[telemetry.TREE_SIZE] == attrs[telemetry.TREE_NODES] == 16 and 1 <= attrs[telemetry.TREE_MAX_DEPTH] == attrs[telemetry.TREE_DEPTH] <= 4
             assert attrs[telemetry.DRAFT_S] > 0 and attrs[telemetry.VERIFY_S] > 0 and attrs[telemetry.COMMIT_S] > 0
     # the drafter and verifier processes' server spans hang under the coordinator's client spans
     servers = {name: [s for s in spans if s.name == name] for name in (

@@ -136,12 +136,13 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "draft_s", "verify_s", "commit_s")
+    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "tree_max_depth", "draft_s", "verify_s", "commit_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_S_FIELD_NUMBER: _ClassVar[int]
@@ -150,10 +151,11 @@ class RoundStats(_message.Message):
     accept_length: int
     tree_size: int
     tree_depth: int
+    tree_max_depth: int
     draft_s: float
     verify_s: float
     commit_s: float
-    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., tree_max_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("drafter", "verifier")
