@@ -35,11 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model.config import rope_inv_freq
+from services.model.head_kind import HeadKind
 from services.model.kv_cache import KVCache
 from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask, host_bound
 from services.model.linear import Linear
-
-HeadKind = Literal["eagle", "eagle3"]
 
 
 @dataclass(frozen=True, slots=True)
