@@ -135,8 +135,11 @@ class Verifier:
         """`runner`: a shared runner (or a tensor-parallel proxy with its four methods); None = a
         ModelRunner of its own over `target` with an unbounded pool."""
         assert feature_kind in ("hidden", "taps", "none"), feature_kind
-        assert target is not None or runner is not None, "a Verifier needs a target or a runner"
-        self.runner = runner if runner is not None else ModelRunner(target)
+        if runner is None:
+            if target is None:
+                raise ValueError("a Verifier needs a target or a runner; got neither")
+            runner = ModelRunner(target)
+        self.runner = runner
         self.target = target if target is not None else getattr(self.runner, "target", None)
         self.feature_kind = feature_kind
         self.max_sequences = max_sequences
@@ -249,7 +252,7 @@ class Verifier:
             rows = [logits[j] for j in greedy]
             flat = torch.argmax(torch.cat(rows) if len(rows) > 1 else rows[0], dim=-1)
             sizes = [r.shape[0] for r in rows]
-            for j, a in zip(greedy, flat.split(sizes)):
+            for j, a in zip(greedy, flat.split(sizes), strict=True):
                 argmax[j] = a
             # decodes and prefills read only their last row's token: one device-to-host copy for all
             # of them (a tree's acceptance makes its own, its round's one copy)
@@ -257,7 +260,7 @@ class Verifier:
             wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)]
             if wants:
                 picked = flat.index_select(0, ends[wants].to(flat.device)).tolist()
-                last = {greedy[n]: tok for n, tok in zip(wants, picked)}
+                last = {greedy[n]: tok for n, tok in zip(wants, picked, strict=True)}
         results: list[Result] = []
         for j, call in enumerate(calls):
             features = self._features(out, j, self._kind(call))
@@ -316,7 +319,9 @@ class Verifier:
         if isinstance(call, PrefillCall):
             seen = SeenTokens(logits.shape[-1], logits.device)
         else:
-            seen = self._seqs[call.seq_id].seen
+            kept = self._seqs[call.seq_id].seen
+            assert kept is not None, f"penalised sequence {call.seq_id!r} lost the SeenTokens its prefill made"
+            seen = kept
         if isinstance(call, (PrefillCall, PrefillMoreCall)):
             seen.add(call.prompt)
         elif isinstance(call, DecodeCall):
@@ -368,6 +373,8 @@ class Verifier:
     @staticmethod
     def _features(out: StepOutput, j: int, kind: str) -> torch.Tensor:
         if kind == "taps":
-            return out.taps_of(j)
+            taps = out.taps_of(j)
+            assert taps is not None, "a step with a taps sequence runs with want_taps"
+            return taps
         hidden = out.hidden_of(j)
         return hidden if kind == "hidden" else hidden[:0]
