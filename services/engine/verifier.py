@@ -35,6 +35,7 @@ target's log-probabilities of the tokens a call produced, read once with `take_l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +48,9 @@ from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, next_token, round_generator
 from services.spec.tree import DraftTree
 from services.spec.verify import Acceptance, accept, accept_greedy_argmax
+
+if TYPE_CHECKING:
+    from services.engine.roles import FeatureKind  # (roles imports this module)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,7 @@ class PrefillCall:
     prompt: torch.Tensor  # [L] long
     sampling: SamplingParams
     capacity: int  # KV rows: prompt + generated tokens + one tree
-    feature_kind: str | None = None  # features this sequence returns: hidden | taps | none (None: the verifier's)
+    feature_kind: FeatureKind | None = None  # what this sequence returns (None: the verifier's)
     more: bool = False  # chunked prefill: `prompt` is the first chunk, PrefillMoreCalls follow (no token yet)
 
     @property
@@ -123,14 +127,14 @@ class _Sequence:
     length: int  # committed KV rows
     capacity: int
     sampling: SamplingParams
-    feature_kind: str  # hidden | taps | none
+    feature_kind: FeatureKind
     prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
     kept: list[torch.Tensor] = field(default_factory=list)  # [1, F] per Decode with keep_features
     seen: SeenTokens | None = None  # the committed context, when the sequence has a repetition penalty
 
 
 class Verifier:
-    def __init__(self, target: TargetModel | None, feature_kind: str = "hidden", max_sequences: int = 64,
+    def __init__(self, target: TargetModel | None, feature_kind: FeatureKind = "hidden", max_sequences: int = 64,
                  runner: ModelRunner | None = None) -> None:
         """`runner`: a shared runner (or a tensor-parallel proxy with its four methods); None = a
         ModelRunner of its own over `target` with an unbounded pool."""
@@ -154,7 +158,7 @@ class Verifier:
     # ---- batch 1 ---------------------------------------------------------------------------------
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
-                feature_kind: str | None = None) -> PrefillResult:
+                feature_kind: FeatureKind | None = None) -> PrefillResult:
         """prompt [L]; `capacity` KV rows (prompt + generated tokens + one tree); `feature_kind`
         the features this sequence's results carry (None: the verifier's own)."""
         return self._one(PrefillCall(seq_id, prompt, sampling, capacity, feature_kind))
@@ -343,7 +347,7 @@ class Verifier:
         if top is not None and tokens:
             self._logprobs[seq_id] = token_logprobs(logits, tokens, top)
 
-    def _kind(self, call: Call) -> str:
+    def _kind(self, call: Call) -> FeatureKind:
         if isinstance(call, PrefillCall):
             return call.feature_kind or self.feature_kind
         return self._seqs[call.seq_id].feature_kind
@@ -371,7 +375,7 @@ class Verifier:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier") from None
 
     @staticmethod
-    def _features(out: StepOutput, j: int, kind: str) -> torch.Tensor:
+    def _features(out: StepOutput, j: int, kind: FeatureKind) -> torch.Tensor:
         if kind == "taps":
             taps = out.taps_of(j)
             assert taps is not None, "a step with a taps sequence runs with want_taps"
