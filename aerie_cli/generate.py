@@ -116,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         reason = step.finish_reason
         if step.stats.accept_length == 0:
             pass  # a Resume stream's message: tokens without round statistics
-        elif step.stats.index == 0:
+        elif step.stats.round_index == 0:
             prefill_s = step.stats.verify_s
         else:
             accepts.append(step.stats.accept_length)

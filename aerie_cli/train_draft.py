@@ -18,13 +18,14 @@ from pathlib import Path
 
 from aerie_cli.flags import add_command
 from services.errors import InvalidRequest
+from services.model.head_kind import HEAD_KINDS
 
 
 def register(sub) -> None:
     p = add_command(sub, "train-draft", "train an EAGLE head on the target's own responses", __doc__)
     p.add_argument("--out", required=True, help="output head directory (required)")
     p.add_argument("--target", default=None, help="target model (default: the default model)")
-    p.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle", help="head type (eagle = EAGLE-1/2)")
+    p.add_argument("--kind", choices=HEAD_KINDS, default="eagle", help="head type (eagle = EAGLE-1/2)")
     p.add_argument("--draft-vocab", type=int, default=0, help="EAGLE-3 reduced draft vocabulary (0 = full)")
     p.add_argument("--prompts", default=None, help=".jsonl/.txt prompts (default: the built-in set)")
     p.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts (0 = all)")
@@ -165,7 +166,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     accepts: list[int] = []
     for ids in data["heldout_prompt_ids"]:
         for step in engine.generate(GenerationRequest(tuple(ids), args.eval_max_new_tokens)):
-            if step.stats.index:
+            if step.stats.round_index:
                 accepts.append(step.stats.accept_length)
     tau = sum(accepts) / max(len(accepts), 1)
     report = {"target": target_source, "kind": args.kind, "train_samples": len(data["train"]),

@@ -43,11 +43,11 @@ class RequestMetrics:
     def round(self, stats: RoundStats, n_tokens: int) -> None:
         m = self.model
         # a speculative round: one that verified at least one draft token (a plain step, or a
-        # root-only tree on a pipeline without drafters, reports tree_depth 0: not a draft)
-        if stats.index > 0 and stats.tree_depth > 0:
+        # root-only tree on a pipeline without drafters, reports tree_max_depth 0: not a draft)
+        if stats.round_index > 0 and stats.tree_max_depth > 0:
             accepted = stats.accepted
             metrics.SPEC_NUM_DRAFTS.labels(m).inc()
-            metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_depth)
+            metrics.SPEC_NUM_DRAFT_TOKENS.labels(m).inc(stats.tree_max_depth)
             metrics.SPEC_NUM_ACCEPTED_TOKENS.labels(m).inc(accepted)
             for pos in range(accepted):
                 metrics.SPEC_ACCEPTED_PER_POS.labels(m, str(pos)).inc()

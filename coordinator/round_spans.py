@@ -1,8 +1,8 @@
 """The tracing spans of one sequence:
 
     generate                       the request (under the client's span when it sent traceparent)
-      round {index=0}              the prefill round: verify (the verifier's Prefill), commit
-      round {index=k}              draft (the tree round k verifies), verify, commit
+      round {round_index=0}        the prefill round: verify (the verifier's Prefill), commit
+      round {round_index=k}        draft (the tree round k verifies), verify, commit
         draft / verify             CLIENT spans; the drafter / verifier add their SERVER span below
         commit                     the Redis commit
 
@@ -35,14 +35,14 @@ class RoundSpans:
             return contextlib.nullcontext()
         kind = "internal" if name == "commit" else "client"
         return telemetry.start_span(name, parent=self._round(round_index), kind=kind,
-                                    attributes={telemetry.ROUND: round_index, telemetry.SEQ_ID: self.seq_id})
+                                    attributes={**_round_index(round_index), telemetry.SEQ_ID: self.seq_id})
 
-    def _round(self, index: int):
-        span = self._rounds.get(index)
+    def _round(self, round_index: int):
+        span = self._rounds.get(round_index)
         if span is None:
             span = telemetry.begin_span("round", parent=self.request_span,
-                                        attributes={telemetry.ROUND: index, telemetry.SEQ_ID: self.seq_id})
-            self._rounds[index] = span
+                                        attributes={**_round_index(round_index), telemetry.SEQ_ID: self.seq_id})
+            self._rounds[round_index] = span
         return span
 
     def event(self, name: str, attributes: dict[str, Any]) -> None:
@@ -53,12 +53,12 @@ class RoundSpans:
         span.add_event(name, attributes)
 
     def end_round(self, stats: RoundStats, commit_s: float) -> None:
-        span = self._rounds.pop(stats.index, None)
+        span = self._rounds.pop(stats.round_index, None)
         if span is None:
             return
         span.set_attributes({
             telemetry.TREE_SIZE: stats.tree_size, telemetry.TREE_NODES: stats.tree_size,
-            telemetry.TREE_DEPTH: stats.tree_depth,
+            telemetry.TREE_MAX_DEPTH: stats.tree_max_depth, telemetry.TREE_DEPTH: stats.tree_max_depth,
             telemetry.ACCEPT_LENGTH: stats.accept_length, telemetry.DRAFT_S: stats.draft_s,
             telemetry.VERIFY_S: stats.verify_s, telemetry.COMMIT_S: commit_s,
             telemetry.ROUND_S: stats.draft_s + stats.verify_s + commit_s,
@@ -70,3 +70,8 @@ class RoundSpans:
         for span in self._rounds.values():
             span.end()
         self._rounds.clear()
+
+
+def _round_index(round_index: int) -> dict[str, int]:
+    """The round's number under its name and (one more release) its deprecated one."""
+    return {telemetry.ROUND_INDEX: round_index, telemetry.ROUND: round_index}

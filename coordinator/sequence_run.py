@@ -1,9 +1,9 @@
 """One sequence, driven on its own thread: `Engine.generate` over the remote drafter and verifier,
 each round committed to Redis before it is handed to the stream.
 
-    for step in engine.generate(request):      # prefill, then draft -> verify rounds
-        commit(step)                           # Redis, atomic, keyed by round index
-        emit(step)                             # to the Generate stream
+    for output in engine.generate(request):    # prefill, then draft -> verify rounds
+        commit(output)                         # Redis, atomic, keyed by round index
+        emit(output)                           # to the Generate stream
         stop on finish | cancel | error        # then both services release the KV
 
 A cancel (the Cancel RPC through any coordinator, or the client going away) takes effect after the
@@ -46,7 +46,7 @@ class HandedOver(Exception):
 @dataclass(frozen=True, slots=True)
 class Committed:
     """One committed round, as streamed."""
-    step: RoundOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
+    output: RoundOutput  # finish_reason "cancel" when a cancel stopped the sequence after this round
     commit_s: float
 
 
@@ -100,32 +100,32 @@ class SequenceRun:
             raise PrefillStopped("hand-over", f"sequence {self.seq_id!r} is handed over during its prefill")
 
     def _run(self) -> None:
-        steps = self.engine.generate(self.request, self.seq_id, self.round_base or 0)
+        outputs = self.engine.generate(self.request, self.seq_id, self.round_base or 0)
         try:
-            for step in steps:
-                if self.round_base is not None and step.stats.index == 0:
+            for output in outputs:
+                if self.round_base is not None and output.stats.round_index == 0:
                     continue  # a take-over: the rebuilt state's first token is committed already
                 t0 = time.perf_counter()
-                with self.spans.phase(step.stats.index, "commit"):
-                    result = self.store.commit(self.seq_id, step.stats.index, step.tokens, step.finish_reason,
+                with self.spans.phase(output.stats.round_index, "commit"):
+                    result = self.store.commit(self.seq_id, output.stats.round_index, output.tokens, output.finish_reason,
                                                self.owner)
                 commit_s = time.perf_counter() - t0
-                self.spans.end_round(step.stats, commit_s)
-                _observe(step, commit_s)
-                if step.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
+                self.spans.end_round(output.stats, commit_s)
+                _observe(output, commit_s)
+                if output.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
                     self.store.finish(self.seq_id, "cancelled", "cancel")
-                    step = replace(step, finish_reason="cancel")
-                self.emit(Committed(step, commit_s))
-                if step.finish_reason is not None:
+                    output = replace(output, finish_reason="cancel")
+                self.emit(Committed(output, commit_s))
+                if output.finish_reason is not None:
                     return
                 if self.handing_over.is_set():
-                    steps.close()  # releases the KV first: the new owner may pick the same replicas
+                    outputs.close()  # releases the KV first: the new owner may pick the same replicas
                     self.handed_over = self.store.hand_over(self.seq_id, self.owner)
-                    log.info("sequence %s handed over after round %d", self.seq_id, step.stats.index)
-                    self.emit(HandedOver(f"sequence {self.seq_id!r} was handed over after round {step.stats.index}"))
+                    log.info("sequence %s handed over after round %d", self.seq_id, output.stats.round_index)
+                    self.emit(HandedOver(f"sequence {self.seq_id!r} was handed over after round {output.stats.round_index}"))
                     return
         except PrefillStopped as e:
-            self._stopped_in_prefill(steps, e)
+            self._stopped_in_prefill(outputs, e)
         except LeaseLost as e:  # another coordinator drives it now: leave Redis alone
             log.warning("sequence %s: %s; stopping here", self.seq_id, e)
             if self.on_lease_lost is not None:
@@ -140,15 +140,15 @@ class SequenceRun:
                 log.warning("cannot mark %s failed in Redis: %s", self.seq_id, store_error)
             self.emit(e)
         finally:
-            steps.close()  # Engine.generate's finally releases the KV on both services
+            outputs.close()  # Engine.generate's finally releases the KV on both services
             self.spans.close()
             self.on_exit(self)
 
-    def _stopped_in_prefill(self, steps, e: PrefillStopped) -> None:
+    def _stopped_in_prefill(self, outputs, e: PrefillStopped) -> None:
         """A cancel or hand-over that came during a prefill (or a rebuild): release the KV on both
         services first, then end the sequence cancelled (a last message with no tokens and
         finish_reason "cancel") or let its lease go (HandedOver)."""
-        steps.close()
+        outputs.close()
         log.info("sequence %s: %s", self.seq_id, e)
         try:
             if e.reason == "hand-over":
@@ -160,15 +160,15 @@ class SequenceRun:
             log.warning("sequence %s: cannot record the stop in Redis: %s", self.seq_id, store_error)
             self.emit(store_error)
             return
-        none = RoundStats(index=0, accept_length=0, tree_size=0, tree_depth=0, draft_s=0.0, verify_s=0.0)
+        none = RoundStats(round_index=0, accept_length=0, tree_size=0, tree_max_depth=0, draft_s=0.0, verify_s=0.0)
         self.emit(Committed(RoundOutput([], none, "cancel"), 0.0))
 
 
-def _observe(step: RoundOutput, commit_s: float) -> None:
-    s = step.stats
+def _observe(output: RoundOutput, commit_s: float) -> None:
+    s = output.stats
     metrics.COMMIT_SECONDS.labels(SERVICE).observe(commit_s)
-    metrics.TOKENS_GENERATED.labels(SERVICE).inc(len(step.tokens))
-    if s.index == 0:
+    metrics.TOKENS_GENERATED.labels(SERVICE).inc(len(output.tokens))
+    if s.round_index == 0:
         metrics.PREFILL_SECONDS.labels(SERVICE).observe(s.verify_s)
         return
     metrics.ROUND_SECONDS.labels(SERVICE).observe(s.draft_s + s.verify_s + commit_s)

@@ -6,7 +6,9 @@ Layout (the `{id}` braces are a Redis Cluster hash tag: a sequence's two keys sh
                                    finish_reason, error, cancel, drafter, verifier, created
     aerie:seq:{id}:tokens   list   every committed token, in order
 
-`round` is the last committed round (-1 before the prefill commits). `commit` is one Lua script, so
+`round` is the last committed round's index (-1 before the prefill commits; read back as
+`SequenceState.round_index`: a stored field keeps its name, since coordinators of two releases share
+the records during a rolling upgrade). `commit` is one Lua script, so
 a round's tokens, its index and a finish land atomically; it is keyed by round index, so a retried
 commit of a round already there changes nothing. It also reports a pending cancel request, so a
 cancel issued through any coordinator reaches the one driving the sequence without an extra round
@@ -174,7 +176,7 @@ class SequenceState:
     tokens: list[int]  # every committed token
     status: Status
     finish_reason: str
-    round: int  # last committed round, -1 before the prefill commits
+    round_index: int  # the last committed round (hash field `round`), -1 before the prefill commits
     drafter: str
     verifier: str
     error: str = ""
@@ -370,7 +372,7 @@ class SequenceStore:
             return self.redis.hget(self.keys(seq_id)[0], "cancel") == "1"
 
     def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
-        """(tokens[start:], status, finish_reason, round, error, number of tokens) in one round trip."""
+        """(tokens[start:], status, finish_reason, round_index, error, number of tokens) in one round trip."""
         key, tokens_key = self.keys(seq_id)
 
         def read():
@@ -396,7 +398,7 @@ class SequenceStore:
         return SequenceState(
             sequence_id=seq_id, prompt_ids=[int(x) for x in prompt.split(",")] if prompt else [],
             tokens=[int(t) for t in tokens], status=h["status"], finish_reason=h.get("finish_reason", ""),
-            round=int(h["round"]), drafter=h.get("drafter", ""), verifier=h.get("verifier", ""),
+            round_index=int(h["round"]), drafter=h.get("drafter", ""), verifier=h.get("verifier", ""),
             error=h.get("error", ""), params=SequenceParams.from_json(h["params"]) if h.get("params") else None, seed=int(h.get("seed") or 0),
             owner=h.get("owner", ""))
 

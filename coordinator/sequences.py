@@ -202,11 +202,11 @@ class Sequences:
                 placement.close()
             return False
         log.warning("took over sequence %s from coordinator %s at round %d (%d tokens committed)", seq_id,
-                    state.owner or "?", state.round, len(state.tokens))
+                    state.owner or "?", state.round_index, len(state.tokens))
         metrics.FAILOVERS.labels("coordinator", "coordinator", "takeover").inc()
 
         run = SequenceRun(seq_id, request, engine, self.store, spans, lambda item: None, self._on_exit(placement),
-                          owner=self.owner, round_base=state.round if resumed else None,
+                          owner=self.owner, round_base=state.round_index if resumed else None,
                           on_lease_lost=placement.abandon)
         self._start(run, placement)
         return True

@@ -159,17 +159,17 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                     raise _handed_over(context, admitted.run.seq_id, produced, item)
                 if isinstance(item, BaseException):
                     raise item
-                step = item.step
-                produced += len(step.tokens)
-                finished = step.finish_reason is not None
-                delta, _ = stream.push(step.tokens)
+                output = item.output
+                produced += len(output.tokens)
+                finished = output.finish_reason is not None
+                delta, _ = stream.push(output.tokens)
                 if finished:
                     delta += stream.finish()
-                request_metrics.round(step.stats, len(step.tokens))
-                response = cpb.GenerateResponse(sequence_id=admitted.run.seq_id, tokens=step.tokens,
-                                                stats=codec.encode_stats(step.stats, item.commit_s),
-                                                finish_reason=step.finish_reason or "", text=delta,
-                                                logprobs=text.logprobs(step.logprobs))
+                request_metrics.round(output.stats, len(output.tokens))
+                response = cpb.GenerateResponse(sequence_id=admitted.run.seq_id, tokens=output.tokens,
+                                                stats=codec.encode_stats(output.stats, item.commit_s),
+                                                finish_reason=output.finish_reason or "", text=delta,
+                                                logprobs=text.logprobs(output.logprobs))
                 if first:
                     response.info.CopyFrom(admitted.info)
                     response.info.target, response.info.draft = public_name(response.info.target), \
@@ -177,9 +177,9 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                     response.info.prompt_tokens = len(req.prompt_ids)
                     first = False
                 yield response
-            request_metrics.finished(step.finish_reason)
+            request_metrics.finished(output.finish_reason)
             if span is not None:
-                span.set_attributes({telemetry.OUTPUT_TOKENS: produced, telemetry.FINISH_REASON: [step.finish_reason]})
+                span.set_attributes({telemetry.OUTPUT_TOKENS: produced, telemetry.FINISH_REASON: [output.finish_reason]})
         except Exception as e:
             telemetry.record_error(span, e)
             raise
@@ -203,7 +203,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         await asyncio.to_thread(self._check_owner, seq_id, self.identity(context))
         s = await asyncio.to_thread(self.store.get, seq_id)
         return cpb.Sequence(sequence_id=s.sequence_id, prompt_ids=s.prompt_ids, tokens=s.tokens,
-                            status=STATUS[s.status], finish_reason=s.finish_reason, round=s.round,
+                            status=STATUS[s.status], finish_reason=s.finish_reason, round_index=s.round_index,
+                            round=s.round_index,  # (deprecated copy)
                             placement=cpb.Placement(drafter=s.drafter, verifier=s.verifier), error=s.error)
 
     @rpc_errors
@@ -229,7 +230,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             final = status != "running"
             if status == "failed":
                 if tokens:
-                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
+                    yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=codec.round_only_stats(round_index),
                                                text=stream.push(tokens)[0])
                 raise DownstreamError(grpc.StatusCode.ABORTED, f"sequence {seq_id!r} failed: {error}")
             if tokens or final:
@@ -237,7 +238,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                 delta, _ = stream.push(tokens)
                 if final:
                     delta += stream.finish()
-                yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
+                yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=codec.round_only_stats(round_index),
                                            finish_reason=("cancel" if status == "cancelled" else reason) if final else "",
                                            text=delta)
                 poll_s = RESUME_POLL_S

@@ -591,7 +591,7 @@ def _aerie_greedy(greedy: dict) -> list[dict]:
             tokens, accepts = [], []
             for step in engine.generate(req):
                 tokens += step.tokens
-                if step.stats.index > 0:
+                if step.stats.round_index > 0:
                     accepts.append(step.stats.accept_length)
             runs.append({"shape": [t, d, k], "prompt": prompt, "tokens": tokens, "accept_lengths": accepts,
                          "trees": trees})

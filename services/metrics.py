@@ -30,7 +30,7 @@ example for each). The names are vLLM's with the `aerie:` prefix instead of `vll
 labelled with `model_name`:
 
     aerie:spec_decode_num_drafts_total                 rounds that verified a draft tree
-    aerie:spec_decode_num_draft_tokens_total           draft positions offered (the tree's depth per round)
+    aerie:spec_decode_num_draft_tokens_total           draft positions offered (the verified tree's max_depth per round)
     aerie:spec_decode_num_accepted_tokens_total        draft tokens accepted
     aerie:spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at depth position (0 = first)
     aerie:time_to_first_token_seconds                  request arrival -> first committed token
@@ -95,7 +95,7 @@ _REQUEST_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 SPEC_NUM_DRAFTS = Counter("aerie:spec_decode_num_drafts", "Rounds that verified a draft tree", _MODEL)
 SPEC_NUM_DRAFT_TOKENS = Counter("aerie:spec_decode_num_draft_tokens",
-                                "Draft positions offered: the verified tree's depth, per round", _MODEL)
+                                "Draft positions offered: the verified tree's max depth, per round", _MODEL)
 SPEC_NUM_ACCEPTED_TOKENS = Counter("aerie:spec_decode_num_accepted_tokens", "Draft tokens accepted", _MODEL)
 SPEC_ACCEPTED_PER_POS = Counter("aerie:spec_decode_num_accepted_tokens_per_pos",
                                 "Draft tokens accepted at each depth position (0 = first)", _MODEL + ["position"])

@@ -31,11 +31,13 @@ log = logging.getLogger("aerie.telemetry")
 
 # Span attribute names (the vocabulary of services/spec/verify.py).
 SEQ_ID = "specdec.seq_id"
-ROUND = "specdec.round"
+ROUND_INDEX = "specdec.round_index"  # the round's number (0 = prefill)
+ROUND = "specdec.round"  # DEPRECATED (removed next release): ROUND_INDEX, still set
 ACCEPT_LENGTH = "specdec.accept_length"
 TREE_SIZE = "specdec.tree.size"  # nodes verified, root included
 TREE_NODES = "specdec.tree.num_nodes"  # DEPRECATED (removed next release): TREE_SIZE, still set
-TREE_DEPTH = "specdec.tree.depth"
+TREE_MAX_DEPTH = "specdec.tree.max_depth"  # the deepest verified node's depth (root 0)
+TREE_DEPTH = "specdec.tree.depth"  # DEPRECATED (removed next release): TREE_MAX_DEPTH, still set
 DRAFT_S = "specdec.draft_s"
 VERIFY_S = "specdec.verify_s"
 COMMIT_S = "specdec.commit_s"

@@ -219,7 +219,7 @@ def local_run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str | 
     for step in engine.generate(req):
         tokens += step.tokens
         reason = step.finish_reason
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             accepts.append(step.stats.accept_length)
     return tokens, reason, accepts
 

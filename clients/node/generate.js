@@ -157,7 +157,9 @@ async function main(argv) {
     for await (const msg of call) {
       if (msg.sequence_id) result.sequence_id = msg.sequence_id;
       if (msg.info && !result.info) result.info = msg.info;
-      if (msg.stats && msg.stats.index > 0) result.accept_lengths.push(msg.stats.accept_length);
+      // round_index (0 = prefill); an older coordinator fills only the deprecated `index`
+      const roundIndex = msg.stats ? (msg.stats.round_index || msg.stats.index) : 0;
+      if (roundIndex > 0) result.accept_lengths.push(msg.stats.accept_length);
       result.tokens.push(...msg.tokens);
       result.text += msg.text;
       if (msg.finish_reason) result.finish_reason = msg.finish_reason;

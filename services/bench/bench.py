@@ -224,9 +224,9 @@ def run_steps(start: Callable[[], Iterator[RoundOutput]]) -> Run:
     for step in start():
         now = time.perf_counter()
         run.tokens += step.tokens
-        if step.stats.index == 0:
+        if step.stats.round_index == 0:
             run.prefill_s = step.stats.verify_s
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             run.chain_proposed += step.stats.chain
             run.chain_accepted += step.stats.chain_accepted
             run.chain_rounds += int(step.stats.chain > 0)
@@ -236,7 +236,7 @@ def run_steps(start: Callable[[], Iterator[RoundOutput]]) -> Run:
             run.drafted_tokens += len(step.tokens) if drafted else 0
             run.rounds += 1
             run.round_s += now - last
-            if step.stats.index == 1:
+            if step.stats.round_index == 1:
                 # round 1's tree was drafted inside the prefill step: count it in round 1
                 run.round_s += step.stats.draft_s
             run.draft_s += step.stats.draft_s
@@ -249,7 +249,7 @@ def run_steps(start: Callable[[], Iterator[RoundOutput]]) -> Run:
             if step.stats.predicted_s > 0:
                 run.pred_tokens += step.stats.predicted_tokens
                 run.pred_s += step.stats.predicted_s
-                run.pred_rounds_s += now - last + (step.stats.draft_s if step.stats.index == 1 else 0.0)
+                run.pred_rounds_s += now - last + (step.stats.draft_s if step.stats.round_index == 1 else 0.0)
                 run.pred_rounds_tokens += step.stats.accept_length
         last = now
     run.seconds = time.perf_counter() - t0

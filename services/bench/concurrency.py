@@ -49,7 +49,7 @@ def time_stream(steps: Iterator[RoundOutput]) -> SequenceTimes:
         n = len(step.tokens)
         if n and last is not None:
             out.itl += [(now - last) / n] * n
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             out.tree_nodes.append(max(step.stats.tree_size, 1))
         if n:
             last = now

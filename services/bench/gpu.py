@@ -214,7 +214,7 @@ def decode_ms(engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, int]
     req = GenerationRequest(prompt, tokens, ignore_eos=True)
     t_first, rounds = None, 0
     for out in engine.generate(req):
-        if out.stats.index == 0:
+        if out.stats.round_index == 0:
             t_first = time.perf_counter()
         else:
             rounds += 1
@@ -391,7 +391,7 @@ def _round_ms(engine, prompt, tokens) -> tuple[dict[str, float], int]:
     t_prev = None
     for out in engine.generate(GenerationRequest(prompt, tokens, ignore_eos=True)):
         now = time.perf_counter()
-        if out.stats.index > 0:
+        if out.stats.round_index > 0:
             walls.append(now - t_prev)
             draft.append(out.stats.draft_s)
             verify.append(out.stats.verify_s)

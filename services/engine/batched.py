@@ -12,6 +12,8 @@ the next one (services/engine/batcher.py). `aerie generate` keeps batch 1 (plain
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.engine.batcher import Batcher, BatchLimits
@@ -19,6 +21,9 @@ from services.engine.drafter import DraftCall, Drafter
 from services.engine.verifier import DecodeCall, PrefillCall, PrefillResult, Verifier, VerifyCall, VerifyResult
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams
+
+if TYPE_CHECKING:
+    from services.engine.roles import FeatureKind
 
 
 class BatchedVerifier:
@@ -30,7 +35,7 @@ class BatchedVerifier:
                                limits=limits, on_batch=on_batch, expect=lambda: verifier.num_sequences)
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
-                feature_kind: str | None = None) -> PrefillResult:
+                feature_kind: FeatureKind | None = None) -> PrefillResult:
         return self.batcher.call(PrefillCall(seq_id, prompt, sampling, capacity, feature_kind))
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
@@ -64,7 +69,7 @@ class BatchedDrafter:
                                limits=limits, on_batch=on_batch, expect=lambda: drafter.num_sequences)
 
     @property
-    def feature_kind(self) -> str:
+    def feature_kind(self) -> FeatureKind:
         return self.inner.feature_kind
 
     def _rows(self, call: DraftCall) -> int:

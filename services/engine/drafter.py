@@ -21,7 +21,7 @@ import torch
 
 from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services.model.eagle_head import DraftHead
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVRows
 from services.model.paged_kv import PagedCache, PagedKVPool
 from services.spec.tree import DraftTree, TreeParams, expand, expand_many, extend_many, rerank
 
@@ -44,11 +44,11 @@ class Drafter:
     def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64) -> None:
         if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
-                f"tree_top_k={tree.top_k} exceeds the draft vocabulary ({head.draft_vocab_size})")
+                f"top_k={tree.top_k} (--tree-top-k) exceeds the draft vocabulary ({head.draft_vocab_size})")
         self.head = head
         self.tree = tree
         self.max_sequences = max_sequences
-        self._caches: dict[str, KVCache | PagedCache] = {}
+        self._caches: dict[str, KVRows] = {}  # KVCache, or a PagedCache on CUDA
         self._slots: dict[str, int] = {}  # paged: the sequence's slot in `pool`
         self._sort_paths: dict[str, bool] = {}
         self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
@@ -76,12 +76,12 @@ class Drafter:
         if len(self._caches) >= self.max_sequences:
             raise CapacityExceeded(f"drafter holds its maximum of {self.max_sequences} sequences")
         rows = max_rows + self.tree.draft_rows  # draft_ahead's guessed rows use the engine's tree slack
-        cache: KVCache | PagedCache | None = None
+        cache: KVRows | None = None
         if self.pool is not None:
             try:
                 slot = self.pool.allocate(rows)
                 self._slots[seq_id] = slot
-                cache = self.pool.cache(slot)  # type: ignore[assignment]
+                cache = self.pool.cache(slot)
             except KVBudgetExceeded:  # the arena is full: a contiguous cache of its own, eager drafts
                 cache = None
         self._caches[seq_id] = cache if cache is not None else self.head.new_cache(rows)
@@ -90,12 +90,12 @@ class Drafter:
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
             raise InvalidRequest(
-                f"tree shape top_k={params.top_k}, depth={params.depth}, tokens={params.size} exceeds "
+                f"tree shape top_k={params.top_k}, depth={params.depth}, size={params.size} exceeds "
                 f"this drafter's largest shape top_k={self.tree.top_k}, depth={self.tree.depth}, "
-                f"tokens={self.tree.size} (its draft KV is sized for that)")
+                f"size={self.tree.size} (its draft KV is sized for that)")
         if params.top_k > self.head.config.draft_vocab:
             raise InvalidRequest(
-                f"tree_top_k={params.top_k} exceeds the draft vocabulary ({self.head.config.draft_vocab})")
+                f"top_k={params.top_k} (--tree-top-k) exceeds the draft vocabulary ({self.head.config.draft_vocab})")
 
     def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
               params: TreeParams | None = None) -> DraftTree:
@@ -106,7 +106,7 @@ class Drafter:
             raise out
         return out
 
-    def draft_many(self, calls: list["DraftCall"]) -> list[DraftTree | AerieError]:
+    def draft_many(self, calls: list[DraftCall]) -> list[DraftTree | AerieError]:
         """Grow the trees of many sequences with one head step per level (tree.grow_trees), in
         order; an invalid call's error takes its place and the others draft without it."""
         results: list[DraftTree | AerieError | None] = [None] * len(calls)
@@ -146,7 +146,7 @@ class Drafter:
             lasts = extend_many(self.head, caches, [calls[i].features.to(dev) for i in valid],
                                 [calls[i].tokens.to(dev) for i in valid])  # (tree.grow_trees, keeping `lasts`)
             cands = expand_many(self.head, caches, lasts, shapes)
-            for i, last, cand, params in zip(valid, lasts, cands, shapes):
+            for i, last, cand, params in zip(valid, lasts, cands, shapes, strict=True):
                 self._last[calls[i].seq_id] = last
                 results[i] = rerank(cand, int(calls[i].tokens[-1]), params, self._sort_paths[calls[i].seq_id])
         return results  # type: ignore[return-value]
@@ -159,10 +159,13 @@ class Drafter:
 
     def _draft_static(self, call: DraftCall, params: TreeParams) -> DraftTree:
         dev = self.head.device
-        cache = self._caches[call.seq_id]
+        cache, graphs = self._caches[call.seq_id], self.graphs
+        assert graphs is not None and isinstance(cache, PagedCache), "checked by _static"
         last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
         self._last[call.seq_id] = last
-        cand = self.graphs.expand(cache, last, params, self.graphs.keys_for(cache, params))
+        keys = graphs.keys_for(cache, params)  # after the extension: the rows the expansion reads
+        # (None: the extension took the sequence past the graphs' largest key count: eagerly, then)
+        cand = graphs.expand(cache, last, params, keys) if keys is not None else expand(self.head, cache, last, params)
         return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
@@ -209,7 +212,7 @@ class Drafter:
         if slot is not None and self.pool is not None:
             self.pool.release(slot)
 
-    def _cache(self, seq_id: str) -> KVCache:
+    def _cache(self, seq_id: str) -> KVRows:
         try:
             return self._caches[seq_id]
         except KeyError:

@@ -83,11 +83,11 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class RoundStats:
-    index: int  # 0 = prefill
+    round_index: int  # the round's number: 0 = prefill, then round_base + 1, + 2, ...
     accept_length: int  # m + 1: tokens this round committed (accepted drafts + bonus); 1 for prefill
     tree_size: int  # nodes verified, root included (0 for prefill / plain decode)
-    tree_depth: int  # the deepest verified node's depth (root 0): a full tree of TreeParams.depth d
-    #                  (expansion steps) reaches d + 1
+    tree_max_depth: int  # the deepest verified node's depth (root 0; DraftTree.max_depth): a full tree
+    #                      of TreeParams.depth d (expansion steps, not a node depth) reaches d + 1
     draft_s: float  # time growing the tree that this round verified
     verify_s: float  # time in the verifier (target forward + acceptance + KV compaction)
     chain: int = 0  # retrieved chain tokens in the tree (shared with EAGLE nodes or not)
@@ -193,9 +193,9 @@ class Engine:
         largest = self.budget.fixed or self.budget.largest
         if drafter is not None and self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
-                                 f"tokens={largest.size}) does not fit the drafter's KV "
+                                 f"size={largest.size}) does not fit the drafter's KV "
                                  f"(top_k={drafter.tree.top_k}, depth={drafter.tree.depth}, "
-                                 f"tokens={drafter.tree.size})")
+                                 f"size={drafter.tree.size})")
 
     def plain(self) -> Engine:
         """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""
@@ -229,7 +229,7 @@ class Engine:
 
     def generate(self, req: GenerationRequest, seq_id: str | None = None, round_base: int = 0
                  ) -> Iterator[RoundOutput]:
-        """Yield one RoundOutput after prefill (index 0) and one per round (index round_base + k, k =
+        """Yield one RoundOutput after prefill (round_index 0) and one per round (round_index round_base + k, k =
         1, 2, ...: a coordinator taking a sequence over continues it at its next round); the last has
         a finish_reason."""
         self.validate(req)
@@ -257,10 +257,10 @@ class Engine:
         was committed and plan + draft the next round -> yield."""
         seq, out = self._prefill(req, seq_id, prompt, capacity, stop_ids)
         yield out
-        for index in itertools.count(round_base + 1):
+        for round_index in itertools.count(round_base + 1):
             if out.finish_reason is not None:
                 return
-            done = self._round(seq_id, seq, index)
+            done = self._round(seq_id, seq, round_index)
             new, reason = check_stop(done.tokens, seq.produced, req.max_new_tokens, stop_ids)
             logprobs = self._logprobs(req, seq_id, len(new))  # (before the next draft's calls)
             seq.produced += len(new)
@@ -310,38 +310,38 @@ class Engine:
             seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
         return seq
 
-    def _round(self, seq_id: str, seq: _SequenceState, index: int) -> _Verified:
-        """Run round `index` as planned: a plain decode step (no speculation), a detached plain step,
+    def _round(self, seq_id: str, seq: _SequenceState, round_index: int) -> _Verified:
+        """Run round `round_index` as planned: a plain decode step (no speculation), a detached plain step,
         or the verification of the drafted tree (which may be the root alone)."""
         if seq.draft is None:
-            return self._plain_round(seq_id, seq.root, index)
+            return self._plain_round(seq_id, seq.root, round_index)
         if seq.draft.detached:
-            return self._detached_round(seq_id, seq.draft, seq.root, index)
-        return self._tree_round(seq_id, seq, seq.draft, index)
+            return self._detached_round(seq_id, seq.draft, seq.root, round_index)
+        return self._tree_round(seq_id, seq, seq.draft, round_index)
 
-    def _plain_round(self, seq_id: str, root: int, index: int) -> _Verified:
+    def _plain_round(self, seq_id: str, root: int, round_index: int) -> _Verified:
         """Plain decoding: one token per target forward."""
         t0 = time.perf_counter()
-        token = self.verifier.decode(seq_id, root, index)
-        return _Verified([token], RoundStats(index, 1, 0, 0, 0.0, time.perf_counter() - t0))
+        token = self.verifier.decode(seq_id, root, round_index)
+        return _Verified([token], RoundStats(round_index, 1, 0, 0, 0.0, time.perf_counter() - t0))
 
-    def _detached_round(self, seq_id: str, draft: _Draft, root: int, index: int) -> _Verified:
+    def _detached_round(self, seq_id: str, draft: _Draft, root: int, round_index: int) -> _Verified:
         """The budget chose a plain step with the drafter detached: the row's features stay on the
         verifier (they come with the next Verify)."""
         t0 = time.perf_counter()
-        token = self.verifier.decode(seq_id, root, index, keep_features=True)
-        stats = RoundStats(index, 1, 0, 0, draft.draft_s, time.perf_counter() - t0,
+        token = self.verifier.decode(seq_id, root, round_index, keep_features=True)
+        stats = RoundStats(round_index, 1, 0, 0, draft.draft_s, time.perf_counter() - t0,
                            predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
         self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
         return _Verified([token], stats)
 
-    def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, index: int) -> _Verified:
+    def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
         ahead = self._launch_ahead(seq_id, seq, draft)
         t0 = time.perf_counter()
         tree = draft.tree
         try:
-            res = self.verifier.verify(seq_id, tree, index)
+            res = self.verifier.verify(seq_id, tree, round_index)
         finally:
             verify_s = time.perf_counter() - t0
             self._settle(ahead)
@@ -357,7 +357,7 @@ class Engine:
             self.realized = seq.stats.realized
             if self.budget.load is not None:
                 self.budget.load.realized = seq.stats.realized
-        stats = RoundStats(index, len(tokens), tree.size if draft.plan.drafts else 0,
+        stats = RoundStats(round_index, len(tokens), tree.size if draft.plan.drafts else 0,
                            tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
                            draft.plan.tokens, draft.plan.seconds,
                            chain_accepted=len(set(accepted) & set(draft.chain_nodes)),

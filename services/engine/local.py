@@ -13,6 +13,7 @@ from services.device import default_draft_dtype, is_gpu
 from services.engine.calibration import head_costs, load_report, target_costs
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine
+from services.engine.roles import FeatureKind
 from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.head_checkpoint import load_head
@@ -121,7 +122,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     retrieval = spec.retrieval
     drafter = None
     head = None
-    feature_kind = "none"
+    feature_kind: FeatureKind = "none"
     if draft_path:
         draft_dtype = draft_dtype or default_draft_dtype(device)
         head = load_head(draft_path, model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)

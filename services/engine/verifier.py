@@ -35,6 +35,7 @@ target's log-probabilities of the tokens a call produced, read once with `take_l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +48,9 @@ from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, next_token, round_generator
 from services.spec.tree import DraftTree
 from services.spec.verify import Acceptance, accept, accept_greedy_argmax
+
+if TYPE_CHECKING:
+    from services.engine.roles import FeatureKind  # (roles imports this module)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,7 @@ class PrefillCall:
     prompt: torch.Tensor  # [L] long
     sampling: SamplingParams
     capacity: int  # KV rows: prompt + generated tokens + one tree
-    feature_kind: str | None = None  # features this sequence returns: hidden | taps | none (None: the verifier's)
+    feature_kind: FeatureKind | None = None  # what this sequence returns (None: the verifier's)
     more: bool = False  # chunked prefill: `prompt` is the first chunk, PrefillMoreCalls follow (no token yet)
 
     @property
@@ -123,20 +127,23 @@ class _Sequence:
     length: int  # committed KV rows
     capacity: int
     sampling: SamplingParams
-    feature_kind: str  # hidden | taps | none
+    feature_kind: FeatureKind
     prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
     kept: list[torch.Tensor] = field(default_factory=list)  # [1, F] per Decode with keep_features
     seen: SeenTokens | None = None  # the committed context, when the sequence has a repetition penalty
 
 
 class Verifier:
-    def __init__(self, target: TargetModel | None, feature_kind: str = "hidden", max_sequences: int = 64,
+    def __init__(self, target: TargetModel | None, feature_kind: FeatureKind = "hidden", max_sequences: int = 64,
                  runner: ModelRunner | None = None) -> None:
         """`runner`: a shared runner (or a tensor-parallel proxy with its four methods); None = a
         ModelRunner of its own over `target` with an unbounded pool."""
         assert feature_kind in ("hidden", "taps", "none"), feature_kind
-        assert target is not None or runner is not None, "a Verifier needs a target or a runner"
-        self.runner = runner if runner is not None else ModelRunner(target)
+        if runner is None:
+            if target is None:
+                raise ValueError("a Verifier needs a target or a runner; got neither")
+            runner = ModelRunner(target)
+        self.runner = runner
         self.target = target if target is not None else getattr(self.runner, "target", None)
         self.feature_kind = feature_kind
         self.max_sequences = max_sequences
@@ -151,7 +158,7 @@ class Verifier:
     # ---- batch 1 ---------------------------------------------------------------------------------
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
-                feature_kind: str | None = None) -> PrefillResult:
+                feature_kind: FeatureKind | None = None) -> PrefillResult:
         """prompt [L]; `capacity` KV rows (prompt + generated tokens + one tree); `feature_kind`
         the features this sequence's results carry (None: the verifier's own)."""
         return self._one(PrefillCall(seq_id, prompt, sampling, capacity, feature_kind))
@@ -249,7 +256,7 @@ class Verifier:
             rows = [logits[j] for j in greedy]
             flat = torch.argmax(torch.cat(rows) if len(rows) > 1 else rows[0], dim=-1)
             sizes = [r.shape[0] for r in rows]
-            for j, a in zip(greedy, flat.split(sizes)):
+            for j, a in zip(greedy, flat.split(sizes), strict=True):
                 argmax[j] = a
             # decodes and prefills read only their last row's token: one device-to-host copy for all
             # of them (a tree's acceptance makes its own, its round's one copy)
@@ -257,7 +264,7 @@ class Verifier:
             wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)]
             if wants:
                 picked = flat.index_select(0, ends[wants].to(flat.device)).tolist()
-                last = {greedy[n]: tok for n, tok in zip(wants, picked)}
+                last = {greedy[n]: tok for n, tok in zip(wants, picked, strict=True)}
         results: list[Result] = []
         for j, call in enumerate(calls):
             features = self._features(out, j, self._kind(call))
@@ -316,7 +323,9 @@ class Verifier:
         if isinstance(call, PrefillCall):
             seen = SeenTokens(logits.shape[-1], logits.device)
         else:
-            seen = self._seqs[call.seq_id].seen
+            kept = self._seqs[call.seq_id].seen
+            assert kept is not None, f"penalised sequence {call.seq_id!r} lost the SeenTokens its prefill made"
+            seen = kept
         if isinstance(call, (PrefillCall, PrefillMoreCall)):
             seen.add(call.prompt)
         elif isinstance(call, DecodeCall):
@@ -338,7 +347,7 @@ class Verifier:
         if top is not None and tokens:
             self._logprobs[seq_id] = token_logprobs(logits, tokens, top)
 
-    def _kind(self, call: Call) -> str:
+    def _kind(self, call: Call) -> FeatureKind:
         if isinstance(call, PrefillCall):
             return call.feature_kind or self.feature_kind
         return self._seqs[call.seq_id].feature_kind
@@ -366,8 +375,10 @@ class Verifier:
             raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier") from None
 
     @staticmethod
-    def _features(out: StepOutput, j: int, kind: str) -> torch.Tensor:
+    def _features(out: StepOutput, j: int, kind: FeatureKind) -> torch.Tensor:
         if kind == "taps":
-            return out.taps_of(j)
+            taps = out.taps_of(j)
+            assert taps is not None, "a step with a taps sequence runs with want_taps"
+            return taps
         hidden = out.hidden_of(j)
         return hidden if kind == "hidden" else hidden[:0]

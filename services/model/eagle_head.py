@@ -35,11 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model.config import rope_inv_freq
-from services.model.kv_cache import KVCache
+from services.model.head_kind import HeadKind
+from services.model.kv_cache import KVCache, KVRows
 from services.model.layers import MLP, Attention, BatchKV, RMSNorm, Rotary, attention_mask, host_bound
 from services.model.linear import Linear
-
-HeadKind = Literal["eagle", "eagle3"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +161,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         c = self.config
         return KVCache(1, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
-    def forward(self, features: torch.Tensor, ids: torch.Tensor, cache: KVCache,
+    def forward(self, features: torch.Tensor, ids: torch.Tensor, cache: KVRows,
                 positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """features [T, F]; ids [T]; tree_mask [T, T'] over the last T' key rows (None = causal).
@@ -178,7 +177,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         cache.advance(t)
         return out
 
-    def forward_batch(self, features: torch.Tensor, ids: torch.Tensor, caches: list[KVCache],
+    def forward_batch(self, features: torch.Tensor, ids: torch.Tensor, caches: list[KVRows],
                       positions: torch.Tensor, masks: list[torch.Tensor | None], offsets: list[int]
                       ) -> torch.Tensor:
         """Many sequences in one head step: rows [offsets[i], offsets[i+1]) of features [R, F],

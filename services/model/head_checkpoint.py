@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from services.errors import CheckpointError, IncompatibleHead, InvalidRequest
 from services.model.draft_vocab import COUNTS_FILE, load_counts, save_counts
 from services.model.eagle_head import DraftHead, HeadConfig, build_head
+from services.model.head_kind import HeadKind
 from services.model.loading import read_weights
 from services.model.target import TargetModel
 
@@ -26,7 +26,7 @@ WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 
 
 def head_config_from_dict(d: dict, state: dict[str, torch.Tensor]) -> HeadConfig:
-    kind: Literal["eagle", "eagle3"] = "eagle3" if any(k.endswith("hidden_norm.weight") for k in state) else "eagle"
+    kind: HeadKind = "eagle3" if any(k.endswith("hidden_norm.weight") for k in state) else "eagle"
     try:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling:

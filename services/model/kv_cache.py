@@ -14,9 +14,30 @@ to the slots right after the committed prefix and drops the rest of the tree, as
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from services.errors import CapacityExceeded
+
+
+class KVRows(Protocol):
+    """The KV cache interface a forward reads and writes: one sequence's rows. `KVCache` (below, one
+    contiguous tensor per K and V) and `services.model.paged_kv.PagedCache` (a slot of the paged arena)
+    both provide it; the model, the heads and the tree builder take either."""
+
+    capacity: int  # rows reserved
+    length: int  # rows in use
+
+    def reserve(self, num_new: int) -> None: ...
+
+    def advance(self, num_new: int) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def keep(self, start: int, slots: torch.Tensor) -> None: ...
 
 
 class RowSpan:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from services.errors import KVBudgetExceeded
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVCache, KVRows
 
 
 class KVPool:
@@ -33,11 +33,11 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_rows = max_rows
-        self._slots: dict[int, KVCache] = {}
+        self._slots: dict[int, KVRows] = {}
         self._rows_allocated = 0
 
     @classmethod
-    def for_model(cls, target, max_rows: int | None = None) -> "KVPool":
+    def for_model(cls, target, max_rows: int | None = None) -> KVPool:
         """A pool shaped for `target` (a TargetModel: its layers, KV heads, head_dim, dtype, device)."""
         c = target.config
         # the layers' own KV heads: fewer than the config's on a tensor-parallel shard (services/model/tp.py)
@@ -91,7 +91,7 @@ class KVPool:
         if cache is not None:
             self._rows_allocated -= cache.capacity
 
-    def cache(self, slot: int) -> KVCache:
+    def cache(self, slot: int) -> KVRows:
         try:
             return self._slots[slot]
         except KeyError:

@@ -12,13 +12,14 @@ activation dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import nn
 
 from services.model import fused
 from services.model.attention import attend
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVRows
 from services.model.linear import Linear, PackedLinear, keep_part_names
 
 
@@ -37,6 +38,8 @@ class Rotary(nn.Module):
 
     The tables for positions [0, n) are computed once per dtype and grown by doubling, then indexed
     (values identical to computing them per call: the same fp32 products, cos and sin)."""
+
+    inv_freq: torch.Tensor  # [head_dim/2] fp32, a non-persistent buffer
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         super().__init__()
@@ -91,7 +94,7 @@ class BatchKV:
     """Where the rows of a batched forward go: rows [offsets[i], offsets[i+1]) of the input belong
     to a sequence with KV `caches[i]` and attention mask `masks[i]` (as `attention_mask` builds it,
     None = causal without a dense mask)."""
-    caches: list[KVCache]
+    caches: list[KVRows]
     masks: list[torch.Tensor | None]
     offsets: list[int]  # len(caches) + 1
 
@@ -110,7 +113,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, hidden, bias=o_bias)
         keep_part_names(self, "qkv_proj")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache | BatchKV",
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVRows | BatchKV,
                 layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         """x [T, in_dim]; mask [T, cache.length + T] bool (True = may attend), or None when every
         new row sees every cached row and the new rows are causal among themselves (T == 1, or a
@@ -121,7 +124,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, cache, layer, mask))
 
     def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      caches: list[KVCache], layer: int, masks: list[torch.Tensor | None],
+                      caches: list[KVRows], layer: int, masks: list[torch.Tensor | None],
                       offsets: list[int]) -> torch.Tensor:
         """Many sequences in one pass: x [R, in_dim] holds entry i's rows at [offsets[i],
         offsets[i+1]); the q/k/v and output projections and RoPE run once over all R rows,
@@ -132,10 +135,10 @@ class Attention(nn.Module):
         else:
             q, k, v = self.rotated(qkv, cos, sin)
             out = torch.cat([self.attend_rotated(q[a:b], k[a:b], v[a:b], cache, layer, mask)
-                             for cache, mask, a, b in zip(caches, masks, offsets, offsets[1:])])
+                             for cache, mask, (a, b) in zip(caches, masks, pairwise(offsets), strict=True)])
         return self.o_proj(out)
 
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVRows,
                layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         """qkv [T, q+k+v] (the packed projection of T new rows) -> attention output [T, heads*hd];
         writes the rows' K/V into `cache` at its next free rows (not advancing its length)."""
@@ -153,7 +156,7 @@ class Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVRows, layer: int,
                        mask: torch.Tensor | None) -> torch.Tensor:
         """q [T, heads, hd], k/v [T, kv_heads, hd] (rotated) -> [T, heads*hd]; writes k/v into `cache`."""
         t = q.shape[0]

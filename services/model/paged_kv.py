@@ -100,7 +100,7 @@ class PagedKVPool(KVPool):
         self._pages[slot] = taken
         p = self.page_size
         arena_rows = (np.asarray(taken, dtype=np.int64)[:, None] * p + np.arange(p, dtype=np.int64)[None]).reshape(-1)
-        self._slots[slot] = PagedCache(self, arena_rows[:rows])  # type: ignore[assignment]
+        self._slots[slot] = PagedCache(self, arena_rows[:rows])
         self._rows_allocated += rows
         return slot
 

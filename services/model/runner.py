@@ -85,7 +85,7 @@ class ModelRunner:
         if not slots:
             raise ValueError("a step needs at least one entry")
         caches = [self.pool.cache(s) for s in slots]
-        for e, cache in zip(step.entries, caches):
+        for e, cache in zip(step.entries, caches, strict=True):
             if cache.length + e.rows > cache.capacity:
                 raise CapacityExceeded(f"KV slot {e.slot} holds {cache.capacity} rows; {cache.length} used, "
                                        f"{e.rows} more requested")

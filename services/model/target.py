@@ -15,14 +15,16 @@ State-dict keys are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, `l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from itertools import pairwise
+from typing import Literal, cast
 
 import torch
 from torch import nn
 
 from services.model.config import ModelConfig, rope_inv_freq
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVCache, KVRows
 from services.model.layers import MLP, Attention, RMSNorm, Rotary, attention_mask, host_bound
 from services.model.linear import Linear, freeze_linears, parse_layout
 from services.model.step import Step, StepEntry, StepOutput
@@ -52,6 +54,11 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers` with their type (nn.ModuleList is not generic); the same list, not a copy."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
 
 class TargetModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -60,7 +67,7 @@ class TargetModel(nn.Module):
         self.model = Decoder(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)  # (a Parameter)
         self.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         self.layout = "hf"  # the linears' inference layout (freeze_layout)
 
@@ -86,11 +93,11 @@ class TargetModel(nn.Module):
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config  # KV heads of this model's layers: fewer than the config's on a tensor-parallel shard
-        return KVCache(c.num_layers, self.model.layers[0].self_attn.num_kv_heads, c.head_dim, capacity,
+        return KVCache(c.num_layers, self.model.decoder_layers[0].self_attn.num_kv_heads, c.head_dim, capacity,
                        self.dtype, self.device)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, cache: KVRows, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, logits_for: Literal["all", "last"] = "all",
                 want_taps: bool = False) -> TargetOutput:
         """input_ids [T]; positions [T] absolute (default: cache.length + arange(T));
@@ -101,20 +108,20 @@ class TargetModel(nn.Module):
         return TargetOutput(logits=out.logits[0], hidden=out.hidden, taps=out.taps)
 
     @torch.no_grad()
-    def forward_step(self, step: Step, caches: list[KVCache]) -> StepOutput:
+    def forward_step(self, step: Step, caches: list[KVRows]) -> StepOutput:
         """One forward over every entry of `step`; caches[i] is entry i's KV (its slot). All R rows
         go through each linear layer as one GEMM; attention runs per entry against its own cache.
         WARNING: mutates every cache (writes the entry's rows, advances its length). Reserve first:
         a cache that cannot take its rows raises CapacityExceeded before anything is written."""
         assert len(caches) == len(step.entries), (len(caches), len(step.entries))
-        for e, cache in zip(step.entries, caches):
+        for e, cache in zip(step.entries, caches, strict=True):
             cache.reserve(e.rows)
         device = self.device
         offsets = [0]
         for e in step.entries:
             offsets.append(offsets[-1] + e.rows)
         ids, pos, masks = [], [], []
-        for e, cache in zip(step.entries, caches):
+        for e, cache in zip(step.entries, caches, strict=True):
             prefix = cache.length
             ids.append(e.input_ids.to(device))
             pos.append(e.positions.to(device) if e.positions is not None
@@ -123,16 +130,16 @@ class TargetModel(nn.Module):
         input_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
         positions = pos[0] if len(pos) == 1 else torch.cat(pos)
         x = self.model.embed_tokens(input_ids)
-        bound = max(cache.length + e.rows for e, cache in zip(step.entries, caches))
+        bound = max(cache.length + e.rows for e, cache in zip(step.entries, caches, strict=True))
         cos, sin = self.rotary(positions, x.dtype, host_bound(positions, bound))
         taps: list[torch.Tensor] = []
         tap_layers = self.config.eagle3_tap_layers if step.want_taps else ()
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers):
             if i in tap_layers:
                 taps.append(x)
             x = x + layer.self_attn.forward_batch(layer.input_layernorm(x), cos, sin, caches, i, masks, offsets)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        for e, cache in zip(step.entries, caches):
+        for e, cache in zip(step.entries, caches, strict=True):
             cache.advance(e.rows)
         hidden = self.model.norm(x)
         # one lm_head GEMM over the rows that want logits
@@ -141,7 +148,7 @@ class TargetModel(nn.Module):
             counts = [e.rows for e in step.entries]
         else:
             picks = [torch.arange(a, b, device=device) if e.logits == "all" else torch.tensor([b - 1], device=device)
-                     for e, a, b in zip(step.entries, offsets, offsets[1:])]
+                     for e, (a, b) in zip(step.entries, pairwise(offsets), strict=True)]
             counts = [int(p.numel()) for p in picks]
             rows = hidden[picks[0][0]:picks[0][-1] + 1] if len(picks) == 1 else hidden[torch.cat(picks)]
         logits = self.lm_head(rows).float()

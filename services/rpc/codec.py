@@ -370,11 +370,26 @@ def decode_generation_request(msg: cpb.GenerateRequest, max_new_tokens_limit: in
                              ignore_eos=msg.ignore_eos)
 
 
+def round_only_stats(round_index: int) -> cpb.RoundStats:
+    """A Resume message's stats: the round index alone."""
+    return cpb.RoundStats(round_index=round_index, index=round_index)  # (deprecated copy)
+
+
+def decode_round_index(msg: cpb.RoundStats | cpb.Sequence) -> int:
+    """The round's number from a RoundStats or a Sequence: `round_index`, else (an older peer fills
+    only the deprecated field) RoundStats.index / Sequence.round. Both agree whenever both are set."""
+    old = msg.index if isinstance(msg, cpb.RoundStats) else msg.round
+    return msg.round_index or old
+
+
 def encode_stats(s: RoundStats, commit_s: float = 0.0) -> cpb.RoundStats:
-    return cpb.RoundStats(index=s.index, accept_length=s.accept_length, tree_size=s.tree_size,
-                          tree_depth=s.tree_depth, draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s)
+    return cpb.RoundStats(round_index=s.round_index, index=s.round_index,  # (deprecated copy)
+                          accept_length=s.accept_length, tree_size=s.tree_size,
+                          tree_max_depth=s.tree_max_depth, tree_depth=s.tree_max_depth,  # (deprecated copy)
+                          draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s)
 
 
 def decode_stats(msg: cpb.RoundStats) -> RoundStats:
-    return RoundStats(index=msg.index, accept_length=msg.accept_length, tree_size=msg.tree_size,
-                      tree_depth=msg.tree_depth, draft_s=msg.draft_s, verify_s=msg.verify_s)
+    return RoundStats(round_index=decode_round_index(msg), accept_length=msg.accept_length, tree_size=msg.tree_size,
+                      tree_max_depth=msg.tree_max_depth or msg.tree_depth,  # (an older coordinator: tree_depth)
+                      draft_s=msg.draft_s, verify_s=msg.verify_s)

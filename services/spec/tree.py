@@ -4,7 +4,12 @@ Vocabulary used across aerie:
   * root        node 0: the token the target sampled last (the previous round's bonus, or the
                 prefill's first token). It is not in the target KV yet.
   * draft node  every other node: a token proposed by the draft head.
-  * depth       distance from the root (root 0); the target sees node i at position prefix + depth[i].
+  * depth       of a node: its distance from the root (root 0); the target sees node i at position
+                prefix + depth[i]. `DraftTree.max_depth` is the deepest node's (`RoundStats.tree_max_depth`
+                for the tree a round verified).
+  * TreeParams.depth  of a shape: the expansion steps (`--tree-depth`), NOT a node depth: a full
+                tree of depth d has max_depth d + 1 (the first level comes from the root's own head
+                output, then d steps each add one level).
   * path        a root-to-leaf list of node indices (the reference's `retrieve_indices` row).
 
 Phases (same names as the reference where it has them):
@@ -36,35 +41,36 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 
 from services.errors import InvalidRequest
 from services.model.eagle_head import DraftHead
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVRows
 
 
 @dataclass(frozen=True, slots=True)
 class TreeParams:
     top_k: int = 10  # children per expanded node and beam width per level
-    depth: int = 5  # expansion steps; the deepest draft node is at depth `depth + 1` (0: one level)
+    depth: int = 5  # expansion steps (--tree-depth); a full tree's max_depth is `depth + 1` (0: one level)
     size: int = 60  # the tree size: nodes kept, root included (the reference's total_tokens; --tree-tokens)
     stop_logprob: float = float("-inf")  # dynamic depth: no level / node below this cumulative log-prob
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
-            raise InvalidRequest(f"tree_top_k must be >= 1; got {self.top_k}")
+            raise InvalidRequest(f"top_k must be >= 1 (--tree-top-k); got {self.top_k}")
         if self.depth < 0:
-            raise InvalidRequest(f"tree_depth must be >= 0; got {self.depth}")
+            raise InvalidRequest(f"depth must be >= 0 (expansion steps, --tree-depth); got {self.depth}")
         if self.stop_logprob != self.stop_logprob or self.stop_logprob > 0:
             raise InvalidRequest(f"stop_logprob must be a log-probability (<= 0); got {self.stop_logprob}")
         if self.size < 2:
-            raise InvalidRequest(f"tree_tokens must be >= 2 (root + one draft); got {self.size}")
+            raise InvalidRequest(f"size must be >= 2 (root + one draft; --tree-tokens); got {self.size}")
         if self.size - 1 > self.num_candidates:
             raise InvalidRequest(
-                f"tree_tokens={self.size} needs more than the {self.num_candidates} candidates "
-                f"(top_k + depth * top_k^2) that tree_top_k={self.top_k}, tree_depth={self.depth} "
-                f"produce; lower tree_tokens or raise tree_top_k / tree_depth")
+                f"size={self.size} needs more than the {self.num_candidates} candidates "
+                f"(top_k + depth * top_k^2) that top_k={self.top_k}, depth={self.depth} produce; lower "
+                f"size (--tree-tokens) or raise top_k / depth (--tree-top-k / --tree-depth)")
 
     @property
     def num_candidates(self) -> int:
@@ -76,7 +82,7 @@ class TreeParams:
         return self.depth * self.top_k
 
     @staticmethod
-    def from_flags(top_k: int | None, depth: int | None, size: int | None) -> "TreeParams | None":
+    def from_flags(top_k: int | None, depth: int | None, size: int | None) -> TreeParams | None:
         """--tree-* flags -> a fixed shape, or None (auto budget) when none is given; a missing one
         takes the class default."""
         if top_k is None and depth is None and size is None:
@@ -85,7 +91,7 @@ class TreeParams:
         return TreeParams(d.top_k if top_k is None else top_k, d.depth if depth is None else depth,
                           d.size if size is None else size)
 
-    def covers(self, other: "TreeParams") -> bool:
+    def covers(self, other: TreeParams) -> bool:
         """True if a KV sized for this shape holds `other`'s expansion and tree."""
         return other.draft_rows <= self.draft_rows and other.size <= self.size
 
@@ -122,7 +128,7 @@ class DraftTree:
     def device(self) -> torch.device:
         return self.tokens.device
 
-    def to(self, device: torch.device | str) -> "DraftTree":
+    def to(self, device: torch.device | str) -> DraftTree:
         """The same tree with every tensor on `device` (itself when already there: no copy)."""
         if self.tokens.device == torch.device(device):
             return self
@@ -131,7 +137,7 @@ class DraftTree:
                          scores=self.scores.to(device))
 
 
-def extend(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def extend(head: DraftHead, cache: KVRows, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Append committed draft rows: row r pairs `tokens[r]` (token t+1) with `features[r]` (the
     target feature of token t). features [n, F], tokens [n] -> head output of the last row [H].
     WARNING: mutates `cache` (n more rows)."""
@@ -139,7 +145,7 @@ def extend(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torc
     return out[-1]
 
 
-def extend_many(head: DraftHead, caches: list[KVCache], features: list[torch.Tensor],
+def extend_many(head: DraftHead, caches: list[KVRows], features: list[torch.Tensor],
                 tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """`extend` for many sequences in one head step: caches[i] takes features[i] [n_i, F] and
     tokens[i] [n_i] -> each sequence's last-row head output [H]."""
@@ -149,13 +155,13 @@ def extend_many(head: DraftHead, caches: list[KVCache], features: list[torch.Ten
     for t in tokens:
         offsets.append(offsets[-1] + int(t.shape[0]))
     positions = torch.cat([torch.arange(c.length, c.length + int(t.shape[0]), device=t.device)
-                           for c, t in zip(caches, tokens)])
+                           for c, t in zip(caches, tokens, strict=True)])
     out = head.forward_batch(torch.cat(features), torch.cat(tokens), caches, positions,
                              [None] * len(caches), offsets)
     return [out[b - 1] for b in offsets[1:]]
 
 
-def expand(head: DraftHead, cache: KVCache, last: torch.Tensor, params: TreeParams) -> Candidates:
+def expand(head: DraftHead, cache: KVRows, last: torch.Tensor, params: TreeParams) -> Candidates:
     """Grow `params.depth` levels from `last` [H], the head output of the last committed row.
     The draft cache is left exactly as it was found."""
     return expand_many(head, [cache], [last], [params])[0]
@@ -167,7 +173,7 @@ class _Beam:
     (per branch: a pruned node's children score lower still, so `rerank` would drop them anyway),
     and each level's candidates are K children per frontier node, in frontier order."""
 
-    def __init__(self, head: DraftHead, cache: KVCache, last: torch.Tensor, lp: torch.Tensor,
+    def __init__(self, head: DraftHead, cache: KVRows, last: torch.Tensor, lp: torch.Tensor,
                  params: TreeParams) -> None:
         k = params.top_k
         device = last.device
@@ -230,14 +236,14 @@ class _Beam:
                           parents=torch.cat(self.parents_list))
 
 
-def expand_many(head: DraftHead, caches: list[KVCache], lasts: list[torch.Tensor],
+def expand_many(head: DraftHead, caches: list[KVRows], lasts: list[torch.Tensor],
                 params: list[TreeParams]) -> list[Candidates]:
     """`expand` for many sequences: each level is ONE head step over the frontiers of every
     sequence still expanding (each with its own top_k, depth and stop, its own KV and tree mask),
     and one log-prob projection over all their rows. Each sequence's candidates are what `expand`
     alone gives it (fp32: up to the GEMM's rounding). The draft caches are left as they were found."""
     lp0 = head.log_probs(torch.stack(lasts))  # [B, V_draft]
-    beams = [_Beam(head, c, last, lp, p) for c, last, lp, p in zip(caches, lasts, lp0, params)]
+    beams = [_Beam(head, c, last, lp, p) for c, last, lp, p in zip(caches, lasts, lp0, params, strict=True)]
     device = lasts[0].device
     try:
         for i in range(max(p.depth for p in params)):
@@ -253,7 +259,7 @@ def expand_many(head: DraftHead, caches: list[KVCache], lasts: list[torch.Tensor
                                      [b.cache for b in active], positions, [b.tree_mask for b in active],
                                      offsets)  # [R, H]
             lp = head.log_probs(out)  # [R, V_draft]
-            for b, lo, hi in zip(active, offsets, offsets[1:]):
+            for b, (lo, hi) in zip(active, pairwise(offsets), strict=True):
                 b.grow(head, i, out[lo:hi], lp[lo:hi])
     finally:
         for b in beams:
@@ -344,10 +350,12 @@ def merge_chain(tree: DraftTree, chain: list[int], sort_paths: bool) -> tuple[Dr
         return tree, []
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
-    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+    pairs = enumerate(zip(parents, tokens, strict=True))
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in pairs if i}  # (parent, token) -> node
     node = 0
     nodes: list[int] = []
-    new_tokens, new_parents = [], []
+    new_tokens: list[int] = []  # the chain tokens the tree lacks, appended as new nodes
+    new_parents: list[int] = []
     for j, tok in enumerate(chain):
         nxt = children.get((node, tok))
         if nxt is None:
@@ -389,7 +397,7 @@ def _paths(parents: list[int], depths: list[int], sort_paths: bool, device: torc
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def grow_tree(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: torch.Tensor,
+def grow_tree(head: DraftHead, cache: KVRows, features: torch.Tensor, tokens: torch.Tensor,
               params: TreeParams, sort_paths: bool) -> DraftTree:
     """extend -> expand -> rerank. `tokens` [n] are the newly committed tokens shifted by one
     (the last is the new root), `features` [n, F] the target features of the rows before them.
@@ -399,7 +407,7 @@ def grow_tree(head: DraftHead, cache: KVCache, features: torch.Tensor, tokens: t
     return grow_trees(head, [cache], [features], [tokens], [params], [sort_paths])[0]
 
 
-def grow_trees(head: DraftHead, caches: list[KVCache], features: list[torch.Tensor],
+def grow_trees(head: DraftHead, caches: list[KVRows], features: list[torch.Tensor],
                tokens: list[torch.Tensor], params: list[TreeParams], sort_paths: list[bool]
                ) -> list[DraftTree]:
     """`grow_tree` for many sequences at once: one head step extends every sequence's draft KV,
@@ -407,4 +415,4 @@ def grow_trees(head: DraftHead, caches: list[KVCache], features: list[torch.Tens
     each sequence keeps its own shape, KV and path order."""
     lasts = extend_many(head, caches, features, tokens)
     cands = expand_many(head, caches, lasts, params)
-    return [rerank(c, int(t[-1].item()), p, sp) for c, t, p, sp in zip(cands, tokens, params, sort_paths)]
+    return [rerank(c, int(t[-1].item()), p, sp) for c, t, p, sp in zip(cands, tokens, params, sort_paths, strict=True)]

@@ -5,7 +5,7 @@
     --speculative-num-steps N         = --tree-depth N-1    (SGLang counts draft levels: the first level
                                                              comes from the root; aerie counts the
                                                              expansion steps after it, so its deepest
-                                                             node is at depth tree_depth + 1)
+                                                             node is at depth --tree-depth + 1)
 
 The aliases write the same destinations as aerie's flags (the last one given wins).
 """

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     cache: dict[str, list] = {}
     for d in args.head:
         head = load_head(d, target)
-        kind = "eagle3" if head.feature_kind == "taps" else "eagle"
+        kind = head.config.kind
         if kind not in cache:
             cache[kind] = load_samples(paths, kind, args.split)
             if args.limit:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from services.errors import InvalidRequest
+from services.model.head_kind import HEAD_KINDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev-data", default=None, help="datagen shards of the Spec-Bench dev answers (evaluation only)")
     p.add_argument("--out", required=True, help="output head directory")
     p.add_argument("--target", default=None, help="target model (default: the default model)")
-    p.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
+    p.add_argument("--kind", choices=HEAD_KINDS, default="eagle")
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary for the loss (0 = full)")
     p.add_argument("--init", default=None, help="start from this head directory (same kind) instead of fresh")
     p.add_argument("--max-shards", type=int, default=0, help="use the first N shards (0 = all present)")
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace, log=sys.stderr) -> dict:
     used = draft_vocab.select(counts, k)
     if args.init:
         head = load_head(args.init, target, torch.float32, draft_vocab=0)  # train on the full projection
-        if (head.config.kind == "eagle") != (args.kind == "eagle"):
+        if head.config.kind != args.kind:
             raise InvalidRequest(f"--init {args.init} is a {head.config.kind} head, not {args.kind}")
         head.requires_grad_(False)
     else:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from services.model.head_kind import HeadKind
 from services.train.datagen import SHARD_GLOB, is_heldout
 from services.train.distill import Sample
 
@@ -24,7 +25,7 @@ def list_shards(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob(SHARD_GLOB))
 
 
-def shard_samples(path: Path, kind: str, split: str = "train", heldout_every: int = 50) -> list[Sample]:
+def shard_samples(path: Path, kind: HeadKind, split: str = "train", heldout_every: int = 50) -> list[Sample]:
     """Samples of one shard. split: "train", "heldout" or "all"; 1 prompt in `heldout_every` (by
     hash) is held out."""
     from safetensors import safe_open
@@ -71,7 +72,7 @@ def _written_ids(prompts: list[dict], n: int) -> list[str]:
     return written
 
 
-def load_samples(paths: list[Path], kind: str, split: str = "train", heldout_every: int = 50) -> list[Sample]:
+def load_samples(paths: list[Path], kind: HeadKind, split: str = "train", heldout_every: int = 50) -> list[Sample]:
     out = []
     for p in paths:
         out += shard_samples(p, kind, split, heldout_every)

@@ -137,3 +137,22 @@ def test_dtype_names_match_the_engine():
     from services.rpc.config import DTYPE_NAMES
 
     assert sorted(DTYPES) == sorted(DTYPE_NAMES)
+
+
+def test_head_kind_choices_are_the_one_head_kind_type():
+    """`--kind` of `aerie train-draft` and of the training pipeline offers exactly HeadKind's values
+    (services/model/head_kind.py), the type HeadConfig.kind and checkpoint loading use."""
+    from typing import get_args
+
+    from services.model.eagle_head import HeadConfig
+    from services.model.head_kind import HEAD_KINDS, HeadKind
+    from services.train.pipeline import add_args
+
+    assert HEAD_KINDS == get_args(HeadKind) == ("eagle", "eagle3")
+    assert HeadConfig.__annotations__["kind"] == "HeadKind"  # (postponed annotations: its name)
+    train_draft = build_parser()._subparsers._group_actions[0].choices["train-draft"]
+    pipeline = argparse.ArgumentParser()
+    add_args(pipeline)
+    for parser in (train_draft, pipeline):
+        (kind,) = [a for a in parser._actions if a.dest == "kind"]
+        assert tuple(kind.choices) == HEAD_KINDS and kind.default in HEAD_KINDS

@@ -107,10 +107,10 @@ BAD = [
     (["--prompt-ids", "1", "--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]; got 1.5"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p must be in (0, 1]; got 0.0"),
     (["--prompt-ids", "1", "--tree-tokens", "200", "--tree-depth", "2", "--tree-top-k", "3"],
-     "tree_tokens=200 needs more than the 21 candidates"),
-    (["--prompt-ids", "1", "--tree-top-k", "0"], "tree_top_k must be >= 1; got 0"),
+     "size=200 needs more than the 21 candidates"),
+    (["--prompt-ids", "1", "--tree-top-k", "0"], "top_k must be >= 1 (--tree-top-k); got 0"),
     (["--prompt-ids", "1", "--tree-top-k", "200", "--tree-tokens", "20"],
-     "tree_top_k=200 exceeds the draft vocabulary (128)"),
+     "top_k=200 (--tree-top-k) exceeds the draft vocabulary (128)"),
     (["--prompt", "hello"], "has no tokenizer"),
     (["--prompt-ids", "1", "--stop-token-ids", "999"], "stop token id 999"),
 ]

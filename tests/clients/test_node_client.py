@@ -74,7 +74,7 @@ class FakeCoordinator(coordinator_grpc.CoordinatorServicer):
             context.abort(*self.abort)
         info = cpb.SequenceInfo(placement=cpb.Placement(drafter="d:1", verifier="v:1"), target="t", draft="h",
                                 tree=common_pb.TreeParams(top_k=4, depth=3, total_tokens=16))
-        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[11], stats=cpb.RoundStats(index=0), info=info,
+        yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[11], stats=cpb.RoundStats(round_index=0), info=info,
                                    text="Hé")
         if self.gate is not None:
             # Hold until released or cancelled (the Ctrl-C test never releases it).
@@ -83,9 +83,10 @@ class FakeCoordinator(coordinator_grpc.CoordinatorServicer):
             if not context.is_active():
                 return
         yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[12, 13, 14], text="llo 🦀",
-                                   stats=cpb.RoundStats(index=1, accept_length=3, tree_size=16, tree_depth=3))
+                                   stats=cpb.RoundStats(round_index=1, accept_length=3, tree_size=16, tree_max_depth=3))
+        # as an older coordinator sends it: the round's number only in the deprecated `index`
         yield cpb.GenerateResponse(sequence_id=self.SEQ, tokens=[2**40 + 5], finish_reason="length", text="!",
-                                   stats=cpb.RoundStats(index=2, accept_length=1, tree_size=16, tree_depth=3))
+                                   stats=cpb.RoundStats(index=2, accept_length=1, tree_size=16, tree_max_depth=3))
 
     def Cancel(self, request, context):
         self.cancels.append(request.sequence_id)

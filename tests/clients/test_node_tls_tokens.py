@@ -147,7 +147,7 @@ class _Coordinator(coordinator_grpc.CoordinatorServicer):
 
     def Generate(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
-        yield cpb.GenerateResponse(sequence_id="s1", tokens=[7], stats=cpb.RoundStats(index=0), text="é",
+        yield cpb.GenerateResponse(sequence_id="s1", tokens=[7], stats=cpb.RoundStats(round_index=0), text="é",
                                    finish_reason="length")
 
 

@@ -100,7 +100,7 @@ def test_drafter_then_verifier_go_away_mid_stream(pool, reference, sampling):
         assert torch.allclose(type(got[0]).cat(got).logprobs, want.logprobs, atol=1e-5)
         assert torch.equal(type(got[0]).cat(got).top_ids, want.top_ids)
     assert messages[-1].finish_reason == "length"
-    assert [m.stats.index for m in messages] == list(range(len(messages)))  # the round index continues
+    assert [m.stats.round_index for m in messages] == list(range(len(messages)))  # the round index continues
     # aerie_failovers_total{role, reason} counted both moves (other tests in this process may add more)
     assert all(failovers(role, "unavailable") >= before[role] + 1 for role in before)
     state = pool.coordinator.store.get(messages[0].sequence_id)

@@ -55,7 +55,7 @@ def test_a_dead_coordinators_sequence_is_taken_over_and_resumed(pipeline, model_
                                                                repetition_penalty=sampling.repetition_penalty),
                                 sampling.seed, "gone:1", "gone:2", owner="dead-coordinator"))
     for s in steps[:5]:
-        store.commit(seq_id, s.stats.index, s.tokens, None, owner="dead-coordinator")
+        store.commit(seq_id, s.stats.round_index, s.tokens, None, owner="dead-coordinator")
     seen = [t for s in steps[:3] for t in s.tokens]  # the client had received rounds 0-2 only
     t0 = time.monotonic()
     tokens, reason = resume(pipeline, seq_id, len(seen))

@@ -177,7 +177,7 @@ def test_logprobs_come_with_the_last_chunk_also_when_it_is_sent_again(pipeline, 
     finally:
         slow.undo()
     assert slow.forwards[32] == 1 and timeouts() == t0 + 1  # sent twice, run once
-    assert messages[0].stats.index == 0 and messages[0].logprobs.token_ids == messages[0].tokens
+    assert messages[0].stats.round_index == 0 and messages[0].logprobs.token_ids == messages[0].tokens
     got = TokenLogprobs.cat([codec.decode_logprobs(m.logprobs, m.tokens) for m in messages])
     assert got.token_ids.tolist() == want.token_ids.tolist()
     assert torch.allclose(got.logprobs, want.logprobs, atol=1e-4)

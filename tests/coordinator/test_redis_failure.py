@@ -56,7 +56,7 @@ def test_redis_refusing_writes_mid_sequence(pipeline, own_redis):
     admin.config_set("min-replicas-to-write", 0)
     state = coordinator.store.get("redis-dies")
     assert state.tokens == [t for m in messages for t in m.tokens]  # exactly what was streamed, once
-    assert state.round == len(messages) - 1 and all(m.finish_reason == "" for m in messages)
+    assert state.round_index == len(messages) - 1 and all(m.finish_reason == "" for m in messages)
 
 
 def test_redis_gone_mid_sequence(pipeline, own_redis):

@@ -26,14 +26,14 @@ def record(seq_id: str = "s1") -> SequenceRecord:
 
 def test_commits_are_idempotent_per_round(store):
     store.create(record())
-    assert store.get("s1").round == -1 and store.get("s1").tokens == []
+    assert store.get("s1").round_index == -1 and store.get("s1").tokens == []
     assert store.commit("s1", 0, [11], None).applied
     assert store.commit("s1", 1, [12, 13, 14], None).applied
     # a retried commit of round 1 (even with different tokens) changes nothing
     assert not store.commit("s1", 1, [99, 98], None).applied
     assert not store.commit("s1", 0, [11], None).applied
     state = store.get("s1")
-    assert state.tokens == [11, 12, 13, 14] and state.round == 1 and state.status == "running"
+    assert state.tokens == [11, 12, 13, 14] and state.round_index == 1 and state.status == "running"
     with pytest.raises(InvalidRequest, match="GAP round 3 after round 1"):
         store.commit("s1", 3, [1], None)
     assert store.commit("s1", 2, [15], "length").applied
@@ -140,7 +140,7 @@ def test_a_redis_restart_loses_nothing_and_writes_wait_for_it(tmp_path, monkeypa
         restarted = start_redis(tmp_path / "r", port, appendfsync="always")[0]
         commit.join(120)
         assert result["r"].applied  # the commit waited for the restart
-        assert store.get("aof-1").tokens == [3, 4, 5, 6] and store.get("aof-1").round == 2
+        assert store.get("aof-1").tokens == [3, 4, 5, 6] and store.get("aof-1").round_index == 2
     finally:
         commit.join(120)
         if restarted is not None:

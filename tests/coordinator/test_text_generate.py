@@ -129,7 +129,7 @@ def test_a_text_sequence_survives_a_take_over(pipeline, tok):
     seq_id = "text-dead-coordinator"
     store.create(SequenceRecord(seq_id, (5, 17, 9), params, 0, "gone:1", "gone:2", owner="dead-coordinator"))
     for m in ref_msgs[:3]:
-        store.commit(seq_id, m.stats.index, list(m.tokens), None, owner="dead-coordinator")
+        store.commit(seq_id, m.stats.round_index, list(m.tokens), None, owner="dead-coordinator")
     store.hand_over(seq_id, "dead-coordinator")  # its lease goes at once (as a draining coordinator's)
     seen = len(rounds[0])  # the client had received round 0 only (tokens and text)
     resumed = list(pipeline.coordinator_stub().Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=seen),

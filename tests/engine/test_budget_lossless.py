@@ -27,7 +27,7 @@ def run(engine, prompt, n, **kw):
     tokens, rounds = [], []
     for step in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
         tokens += step.tokens
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             rounds.append(step.stats)
     return tokens, rounds
 
@@ -66,7 +66,7 @@ def test_sam_alone_is_lossless_and_accepts_chains(llama_pair):
         tokens, rounds = run(engine, prompt, 48)
         assert tokens == hf_greedy(hf, prompt, 48), f"prompt {prompt}"
         accepted += sum(r.accept_length - 1 for r in rounds)
-        assert all(r.tree_depth <= 8 for r in rounds)
+        assert all(r.tree_max_depth <= 8 for r in rounds)
     assert accepted > 0, "retrieval never proposed an accepted token"
 
 

@@ -18,7 +18,7 @@ def run(engine: Engine, prompt: list[int], n: int, **kw) -> tuple[list[int], lis
     tokens, accepts = [], []
     for step in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
         tokens += step.tokens
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             accepts.append(step.stats.accept_length)
     return tokens, accepts
 

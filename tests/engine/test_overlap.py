@@ -27,7 +27,7 @@ def run(engine: Engine, prompt: list[int], n: int, **kw):
     tokens, stats = [], []
     for step in engine.generate(GenerationRequest(tuple(prompt), n, **kw)):
         tokens += step.tokens
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             stats.append(step.stats)
     return tokens, stats
 

@@ -29,7 +29,7 @@ def generate(engine: Engine, prompt: list[int], n: int, sampling: SamplingParams
         if sampling.logprobs is not None:
             assert step.logprobs is not None and step.logprobs.token_ids.tolist() == step.tokens
             logprobs.append(step.logprobs)
-        if step.stats.index:
+        if step.stats.round_index:
             accepts.append(step.stats.accept_length)
     return tokens, logprobs, accepts
 

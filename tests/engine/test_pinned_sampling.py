@@ -47,7 +47,7 @@ def generate(pair, speculative: bool, params: SamplingParams = PARAMS) -> tuple[
     else:
         engine = Engine(Verifier(target, "none"), None, cfg.max_context, cfg.vocab_size, ())
     steps = list(engine.generate(GenerationRequest(PROMPT, 24, params)))
-    return [t for s in steps for t in s.tokens], [s.stats.accept_length for s in steps if s.stats.index > 0]
+    return [t for s in steps for t in s.tokens], [s.stats.accept_length for s in steps if s.stats.round_index > 0]
 
 
 def test_pinned_plain_sampling(pair):

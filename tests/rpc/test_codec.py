@@ -138,3 +138,23 @@ def test_verify_result_carries_accepted_and_reads_an_older_verifiers_accept_leng
     assert codec.decode_verify_result(older).acceptance.accepted == 2
     with pytest.raises(InvalidRequest, match="verify result has 3 nodes and 3 tokens for accepted 1"):
         codec.decode_verify_result(vpb.VerifyResponse(accepted=1, nodes=[0, 1, 4], tokens=[7, 8, 9]))
+
+
+def test_round_index_and_tree_max_depth_fill_the_deprecated_copies_and_read_an_older_peers():
+    """RoundStats.round_index / tree_max_depth and Sequence.round_index are new; RoundStats.index /
+    tree_depth and Sequence.round (deprecated) are still filled for older clients, and read when an
+    older coordinator sent only them."""
+    from services.engine.engine import RoundStats
+    from services.rpc.stubs import coordinator as cpb
+
+    stats = RoundStats(round_index=3, accept_length=2, tree_size=8, tree_max_depth=2, draft_s=0.5, verify_s=0.25)
+    msg = codec.encode_stats(stats, commit_s=0.1)
+    assert msg.round_index == msg.index == 3
+    assert codec.decode_stats(msg) == stats
+    assert msg.tree_max_depth == msg.tree_depth == 2  # tree_depth: the deprecated copy
+    older = codec.decode_stats(cpb.RoundStats(index=3, accept_length=2, tree_depth=2))  # an older coordinator
+    assert older.round_index == 3 and older.tree_max_depth == 2
+    assert codec.round_only_stats(4).round_index == codec.round_only_stats(4).index == 4
+    assert codec.decode_round_index(cpb.Sequence(round=-1)) == -1  # an older coordinator, before the prefill
+    assert codec.decode_round_index(cpb.Sequence(round_index=0, round=0)) == 0
+    assert codec.decode_round_index(cpb.Sequence(round_index=5, round=5)) == 5

@@ -239,7 +239,7 @@ def test_verifier_past_its_deadline_fails_over_then_unavailable(pipeline, redis_
         assert session.resume_tries == 1 and session.resumes == 0
         state = slow.store.get("slow-1")
         assert (state.status, state.finish_reason) == ("failed", "error") and "did not answer in time" in state.error
-        assert state.tokens and state.round == 0  # the prefill's token committed, no round after it
+        assert state.tokens and state.round_index == 0  # the prefill's token committed, no round after it
         wait_until(lambda: pipeline.verifier.num_sequences == 0)  # the release got a deadline of its own
     finally:
         pipeline.loop.run(rpc_server.drain(server, 0.5))

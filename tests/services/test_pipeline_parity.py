@@ -48,12 +48,12 @@ def test_stream_equals_in_process_engine(session, pipeline, reference, sampling)
     req = GenerationRequest(PROMPT, 40, sampling)
     tokens, reason, accepts, steps = remote_run(session, req)
     assert (tokens, reason, accepts) == local_run(reference, req)
-    assert [s.stats.index for s in steps] == list(range(len(steps)))
+    assert [s.stats.round_index for s in steps] == list(range(len(steps)))
     assert session.tree == TREE and session.placement == (pipeline.addresses["drafter"], pipeline.addresses["verifier"])
     if sampling.greedy:
         assert max(accepts) > 1  # speculation really happens
     state = pipeline.coordinator.store.get(session.sequence_id)
-    assert state.tokens == tokens and state.status == "finished" and state.round == len(steps) - 1
+    assert state.tokens == tokens and state.status == "finished" and state.round_index == len(steps) - 1
     assert state.prompt_ids == list(PROMPT) and state.params.temperature == sampling.temperature
 
 

@@ -13,7 +13,7 @@ def value(name: str, **labels) -> float:
 
 
 def stats(index, accept, size, depth):
-    return RoundStats(index=index, accept_length=accept, tree_size=size, tree_depth=depth, draft_s=0.0, verify_s=0.0)
+    return RoundStats(round_index=index, accept_length=accept, tree_size=size, tree_max_depth=depth, draft_s=0.0, verify_s=0.0)
 
 
 def test_a_plain_step_is_not_a_draft():

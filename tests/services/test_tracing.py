@@ -56,7 +56,8 @@ def test_one_connected_trace_across_three_services(pipeline, exporter):
 
     (generate,) = named("generate")
     assert parent(generate).name == "aerie.v1.Coordinator/Generate" and parent(parent(generate)).name == "client"
-    round_spans = {s.attributes[telemetry.ROUND]: s for s in named("round")}
+    round_spans = {s.attributes[telemetry.ROUND_INDEX]: s for s in named("round")}
+    assert all(s.attributes[telemetry.ROUND] == k for k, s in round_spans.items())  # the deprecated name, one release
     assert sorted(round_spans) == list(range(rounds + 1)) and all(parent(s) is generate for s in round_spans.values())
     for index, span in round_spans.items():
         children = sorted(s.name for s in spans if s.parent and s.parent.span_id == span.context.span_id)
@@ -64,7 +65,7 @@ def test_one_connected_trace_across_three_services(pipeline, exporter):
         attrs = span.attributes
         assert attrs[telemetry.ACCEPT_LENGTH] == steps[index].stats.accept_length
         if index:
-            assert attrs[telemetry.TREE_SIZE] == attrs[telemetry.TREE_NODES] == 16 and 1 <= attrs[telemetry.TREE_DEPTH] <= 4
+            assert attrs[telemetry.TREE_SIZE] == attrs[telemetry.TREE_NODES] == 16 and 1 <= attrs[telemetry.TREE_MAX_DEPTH] == attrs[telemetry.TREE_DEPTH] <= 4
             assert attrs[telemetry.DRAFT_S] > 0 and attrs[telemetry.VERIFY_S] > 0 and attrs[telemetry.COMMIT_S] > 0
     # the drafter and verifier processes' server spans hang under the coordinator's client spans
     servers = {name: [s for s in spans if s.name == name] for name in (

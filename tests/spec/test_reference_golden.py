@@ -124,7 +124,7 @@ def test_greedy_rounds_equal_reference_eagenerate(greedy_models, run):
     for step in engine.generate(GenerationRequest(tuple(run["prompt"]), max_new_tokens=max_new,
                                                   ignore_eos=True)):
         tokens += step.tokens
-        if step.stats.index > 0:
+        if step.stats.round_index > 0:
             accepts.append(step.stats.accept_length)
     assert len(tokens) == max_new
     # the reference runs until new_token > max_new_tokens: it has at least as many rounds and tokens

@@ -30,6 +30,15 @@ def test_rerank_reproduces_reference_worked_example():
     assert tree.scores.tolist() == pytest.approx([0.0, -0.1, -0.5, -0.3, -0.4, -0.6])
 
 
+def test_depth_counts_expansion_steps_and_max_depth_the_deepest_node():
+    """TreeParams.depth is expansion steps, not a node depth: keeping every candidate of the worked
+    example (depth 2) gives a tree whose deepest node (max_depth, RoundStats.tree_max_depth) is at 3."""
+    params = TreeParams(2, 2, 11)
+    tree = rerank(worked_example_candidates(), root=16, params=params, sort_paths=False)
+    assert tree.size == params.size and tree.max_depth == params.depth + 1
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
 def test_sampling_sorts_paths_lexicographically_with_pads_last():
     cand = worked_example_candidates()
     greedy = rerank(cand, 16, TreeParams(2, 2, 5), sort_paths=False)
@@ -98,8 +107,10 @@ def test_extend_then_expand_equals_one_shot_extension():
     assert torch.equal(ta.tokens, tb.tokens) and torch.equal(ta.paths, tb.paths)
 
 
-@pytest.mark.parametrize("k,d,n,word", [(0, 5, 60, "tree_top_k"), (10, -1, 60, "tree_depth"),
-                                         (10, 5, 1, "tree_tokens"), (2, 2, 12, "tree_tokens=12")])
+@pytest.mark.parametrize("k,d,n,word", [(0, 5, 60, r"top_k must be >= 1 \(--tree-top-k\); got 0"),
+                                         (10, -1, 60, r"depth must be >= 0 \(expansion steps, --tree-depth\); got -1"),
+                                         (10, 5, 1, r"size must be >= 2 \(root \+ one draft; --tree-tokens\); got 1"),
+                                         (2, 2, 12, r"size=12 needs more than the 10 candidates \(top_k \+ depth \* top_k\^2\) that top_k=2, depth=2")])
 def test_impossible_tree_parameters(k, d, n, word):
     with pytest.raises(InvalidRequest, match=word):
         TreeParams(k, d, n)

@@ -78,3 +78,31 @@ def test_static_expansion_replays_the_reference():
         assert accepts[1:] == run["accept_lengths"][: len(accepts) - 1]
         assert tokens == run["tokens"][: len(tokens)]
         assert drafter.pool.num_slots == 0 and drafter.graphs.expansions > 0  # released with the sequence
+
+
+def test_an_extension_past_the_graphs_keys_expands_eagerly(llama_pair):
+    """The graph path is chosen before the committed rows are appended; when they take the sequence
+    past the graphs' largest key count (here a 250-token prompt against 256 keys), that expansion
+    runs eagerly instead: the same trees as the eager drafter, no failed round."""
+    _, target, head = llama_pair
+    tree = SHAPES["16/3/4"]  # 12 draft rows: 250 + 12 > 256
+    prompt = torch.randint(0, VOCAB, (250,), generator=torch.Generator().manual_seed(5)).tolist()
+    trees = {}
+    for name, drafter in (("eager", Drafter(head, tree)), ("static", static_drafter(head, tree))):
+        if name == "static":
+            drafter.graphs = DraftGraphs(head, drafter.pool, graphs=False, max_keys=256)
+        original = drafter.draft_many
+        seen = trees.setdefault(name, [])
+
+        def record(calls, original=original, seen=seen):
+            out = original(calls)
+            seen.extend(out)
+            return out
+
+        drafter.draft_many = record
+        generate(Engine(Verifier(target, head.feature_kind), drafter, 512, VOCAB), prompt, 12)
+        if name == "static":
+            assert drafter.graphs.expansions == 0  # the prefill's fell back; later rounds never fit
+    assert len(trees["eager"]) == len(trees["static"]) > 1
+    for a, b in zip(trees["eager"], trees["static"], strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()

@@ -88,7 +88,7 @@ def test_train_draft_cli_end_to_end(tmp_path, capsys):
     engine = Engine(Verifier(target, head.feature_kind), Drafter(head, TreeParams(4, 4, 16)),
                     target.config.max_context, VOCAB, eos)
     steps = [s for ids in data["heldout_prompt_ids"]
-             for s in engine.generate(GenerationRequest(tuple(ids), 16)) if s.stats.index]
+             for s in engine.generate(GenerationRequest(tuple(ids), 16)) if s.stats.round_index]
     assert report["tau"] == round(sum(s.stats.accept_length for s in steps) / len(steps), 4)
     # and top-1 agreement is the trained head's on the held-out samples (bf16 storage moves it a little)
     assert report["top1_agreement"] == pytest.approx(agreement(head, data["heldout"]), abs=0.05)

@@ -136,22 +136,26 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "accept_length", "tree_size", "tree_depth", "draft_s", "verify_s", "commit_s")
+    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "tree_max_depth", "draft_s", "verify_s", "commit_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_S_FIELD_NUMBER: _ClassVar[int]
     index: int
+    round_index: int
     accept_length: int
     tree_size: int
     tree_depth: int
+    tree_max_depth: int
     draft_s: float
     verify_s: float
     commit_s: float
-    def __init__(self, index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., tree_max_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("drafter", "verifier")
@@ -212,13 +216,14 @@ class GetSequenceRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ...) -> None: ...
 
 class Sequence(_message.Message):
-    __slots__ = ("sequence_id", "prompt_ids", "tokens", "status", "finish_reason", "round", "placement", "error")
+    __slots__ = ("sequence_id", "prompt_ids", "tokens", "status", "finish_reason", "round", "round_index", "placement", "error")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
@@ -227,9 +232,10 @@ class Sequence(_message.Message):
     status: SequenceStatus
     finish_reason: str
     round: int
+    round_index: int
     placement: Placement
     error: str
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., finish_reason: _Optional[str] = ..., round: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., finish_reason: _Optional[str] = ..., round: _Optional[int] = ..., round_index: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("sequence_id", "from_token_index")
