@@ -6,7 +6,7 @@
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
-    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
@@ -50,6 +50,7 @@ class CoordinatorConfig:
     prefill_tries: int = 3  # calls per prefill chunk that misses its deadline, then DEADLINE_EXCEEDED
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
+    overlap: bool = False  # draft the next tree ahead while one is verified (DraftAhead during Verify)
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
     http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
@@ -100,6 +101,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
+    g.add_argument("--overlap", type=_on_off, default=env("AERIE_OVERLAP", "0"),
+                   help="draft the next tree ahead while one is verified: a DraftAhead call from a guessed verdict "
+                        "overlaps each Verify; the per-sequence policy turns it off where it cannot pay "
+                        "(AERIE_OVERLAP, 0; docs/distributed.md)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
                    help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS)")
@@ -168,6 +173,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=args.served_model_name, http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
+        overlap=_on_off(args.overlap),
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),

@@ -372,9 +372,13 @@ def decode_generation_request(msg: cpb.GenerateRequest, max_new_tokens_limit: in
 
 def encode_stats(s: RoundStats, commit_s: float = 0.0) -> cpb.RoundStats:
     return cpb.RoundStats(index=s.index, accept_length=s.accept_length, tree_size=s.tree_size,
-                          tree_depth=s.tree_depth, draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s)
+                          tree_depth=s.tree_depth, draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s,
+                          ahead=s.ahead, ahead_s=s.ahead_s, ahead_wait_s=s.ahead_wait_s, ahead_hit=s.ahead_hit,
+                          saved_s=s.saved_s)
 
 
 def decode_stats(msg: cpb.RoundStats) -> RoundStats:
     return RoundStats(index=msg.index, accept_length=msg.accept_length, tree_size=msg.tree_size,
-                      tree_depth=msg.tree_depth, draft_s=msg.draft_s, verify_s=msg.verify_s)
+                      tree_depth=msg.tree_depth, draft_s=msg.draft_s, verify_s=msg.verify_s, ahead=msg.ahead,
+                      ahead_s=msg.ahead_s, ahead_wait_s=msg.ahead_wait_s, ahead_hit=msg.ahead_hit,
+                      saved_s=msg.saved_s)
