@@ -10,7 +10,6 @@ import grpc
 import pytest
 import torch
 
-from services.engine.engine import GenerationRequest
 from services.rpc import codec
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import drafter as dpb
