@@ -137,6 +137,7 @@ class SequencePlacement:
         self._abandoned = False
         self._kept = 0  # rows the current verifier keeps for the next Verify (Decode keep_features)
         self._lost: torch.Tensor | None = None  # [k, F] kept rows a failed verifier took with it
+        self._round = 0  # the engine's latest verify / decode round (main thread): draft spans' round
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows a DraftAhead did not deliver
         self._ahead_failed: DownstreamError | None = None  # a DraftAhead's fail-over, for the next draft
         self.verifier = _VerifierSide(self)
@@ -194,6 +195,7 @@ class SequencePlacement:
         return pre
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+        self._round = round_index
         res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
         self.committed += res.acceptance.new_tokens
         self._kept = 0
@@ -204,6 +206,7 @@ class SequencePlacement:
         return res
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        self._round = round_index
         out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index, keep_features))
         self.committed.append(out)
         if keep_features:
@@ -308,7 +311,7 @@ class SequencePlacement:
             tokens, features = self._refill(tokens, features)
         while True:
             try:
-                return self._rd.draft(seq_id, tokens, features, params)
+                return self._rd.draft(seq_id, tokens, features, params, self._round + 1)
             except Exception as e:  # noqa: BLE001 - is_failover decides
                 if not is_failover(e):
                     raise
@@ -317,7 +320,7 @@ class SequencePlacement:
                 tokens, features = self._refill(tokens, features)
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
-                    params: TreeParams | None = None) -> DraftTree | None:
+                    params: TreeParams | None = None, round_index: int | None = None) -> DraftTree | None:
         """The ahead tree (RemoteDrafter.draft_ahead) or None: no drafter, its first draft not sent,
         the guess does not fit, or the call failed over (see the module doc). On the drafter thread."""
         rd = self._rd
@@ -326,7 +329,7 @@ class SequencePlacement:
                 self._held.append((tokens, features))
             return None
         try:
-            return rd.draft_ahead(seq_id, tokens, features, guess, params)
+            return rd.draft_ahead(seq_id, tokens, features, guess, params, round_index)
         except Exception as e:  # noqa: BLE001 - is_failover decides
             if not is_failover(e):
                 raise
@@ -488,8 +491,8 @@ class _DrafterSide:
     def draft(self, seq_id, tokens, features, params=None):
         return self._p.draft(seq_id, tokens, features, params)
 
-    def draft_ahead(self, seq_id, tokens, features, guess, params=None):
-        return self._p.draft_ahead(seq_id, tokens, features, guess, params)
+    def draft_ahead(self, seq_id, tokens, features, guess, params=None, round_index=None):
+        return self._p.draft_ahead(seq_id, tokens, features, guess, params, round_index)
 
     def release(self, seq_id):
         self._p.release()

@@ -52,15 +52,25 @@ def pipeline(model_dirs, redis_url):
     p.close()
 
 
+def counter(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(f"aerie_{name}_total", {"service": "coordinator"}) or 0.0
+
+
 def test_overlap_is_on_by_config_and_greedy_equals_the_target(pipeline, target_greedy):
     assert pipeline.coordinator.sequences.ahead is not None  # AERIE_OVERLAP=1
     pipeline.coordinator.sequences.ahead = always()
+    before = counter("ahead_rounds"), counter("ahead_hits")
     tokens, messages = stream(pipeline)
     assert tokens == target_greedy[:N]
     stats = rounds(messages)
     # the top-path guess drafts ahead every tree round and hits in some
     assert sum(s.ahead for s in stats) > 0 and 0 < sum(s.ahead_hit for s in stats) <= sum(s.ahead for s in stats)
     assert all(s.ahead_s > 0 for s in stats if s.ahead)
+    # the coordinator's counters (other tests in this process may add more, never fewer)
+    assert counter("ahead_rounds") >= before[0] + sum(s.ahead for s in stats)
+    assert counter("ahead_hits") >= before[1] + sum(s.ahead_hit for s in stats)
     wait_until(lambda: pipeline.drafter.drafter.num_sequences == 0 and pipeline.verifier.num_sequences == 0)
 
 
