@@ -1,7 +1,8 @@
-"""Drafting ahead through the services: the same prompts through two `aerie up` pipelines (one
-coordinator, verifier and drafter each, every one its own process), one serial and one with
-`--overlap` (DraftAhead overlapping each Verify), interleaved per prompt (the order alternates) so
-machine noise hits both alike, plus the same EAGLE engine in process; ratios from the same run.
+"""Drafting ahead through the services: the same prompts through `aerie up` pipelines (one
+coordinator, verifier and drafter each, every one its own process), one serial and one per
+`--modes` entry with `--overlap MODE` (DraftAhead overlapping each Verify; "on": the learning
+policy, "always": whenever a guess can hit), interleaved per prompt (the order rotates) so machine
+noise hits all alike, plus the same EAGLE engine in process; ratios from the same run.
 
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --tiny --max-new-tokens 48 \
         --repeats 3 --out bench/results/overlap-tiny-t1.json
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
     p.add_argument("--up-args", default="", help="extra `aerie up` flags for both pipelines, space separated")
     p.add_argument("--out", default=None, help="JSON here")
     args = p.parse_args()
@@ -84,10 +86,13 @@ def main() -> None:
     model += ["--dtype", args.dtype] + (["--target", args.target] if args.target else []) + ["--draft", args.draft]
     env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_OVERLAP": "0"}
     argv = ["--port", "0", "--http-port", "0", *model, *args.up_args.split()]
-    lines: dict[str, list[str]] = {"serial": [], "overlap": []}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    names = ["serial", *(f"overlap-{m}" for m in modes)]
+    lines: dict[str, list[str]] = {name: [] for name in names}
     ups = {"serial": start_up(argv, env, lines["serial"])}
     try:
-        ups["overlap"] = start_up([*argv, "--overlap"], env, lines["overlap"])
+        for m in modes:
+            ups[f"overlap-{m}"] = start_up([*argv, "--overlap", m], env, lines[f"overlap-{m}"])
         sessions = {name: RemoteSession(coordinator_address(lines[name]), None, "", None) for name in ups}
         from services.spec.tree import TreeParams
 
@@ -102,12 +107,12 @@ def main() -> None:
         for name in ups:  # warm-up: first-call allocations in every process
             pipeline(name, prompts[0], 8)
         run_engine(local.engine, prompts[0], 4)
-        runs: dict[str, list] = {"serial": [], "overlap": [], "in_process": []}
+        runs: dict[str, list] = {name: [] for name in [*names, "in_process"]}
         t0 = time.perf_counter()
         for rep in range(args.repeats):
             for i, prompt in enumerate(prompts):
-                order = ["serial", "overlap"] if (i + rep) % 2 == 0 else ["overlap", "serial"]
-                for name in order:
+                k = (i + rep) % len(names)
+                for name in names[k:] + names[:k]:
                     runs[name].append(pipeline(name, prompt))
                 runs["in_process"].append(run_engine(local.engine, prompt, args.max_new_tokens))
             print(f"pass {rep + 1}/{args.repeats}: {time.perf_counter() - t0:.0f}s", flush=True)
@@ -119,16 +124,19 @@ def main() -> None:
             up.wait(60)
         tmp.cleanup()
     report: dict = {name: summary(r) for name, r in runs.items()}
-    report["overlap_vs_serial"] = round(report["overlap"]["tokens_per_s"] / report["serial"]["tokens_per_s"], 3)
-    report["serial_vs_in_process"] = round(report["serial"]["tokens_per_s"] / report["in_process"]["tokens_per_s"], 3)
-    report["overlap_vs_in_process"] = round(report["overlap"]["tokens_per_s"] / report["in_process"]["tokens_per_s"], 3)
-    report["exact"] = all(a.tokens == b.tokens == c.tokens
-                          for a, b, c in zip(runs["serial"], runs["overlap"], runs["in_process"]))
+    def ratio(a: str, b: str) -> float:
+        return round(report[a]["tokens_per_s"] / report[b]["tokens_per_s"], 3)
+
+    report["serial_vs_in_process"] = ratio("serial", "in_process")
+    for m in modes:
+        report[f"overlap-{m}_vs_serial"] = ratio(f"overlap-{m}", "serial")
+        report[f"overlap-{m}_vs_in_process"] = ratio(f"overlap-{m}", "in_process")
+    report["exact"] = all(len({tuple(r.tokens) for r in rows}) == 1 for rows in zip(*runs.values()))
     report["config"] = {"model": "tiny (tests/helpers.py)" if args.tiny else args.target or "default",
                         "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
-                        "up_args": args.up_args, "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+                        "modes": modes, "up_args": args.up_args, "cpus": os.cpu_count(), "load_average": os.getloadavg()}
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

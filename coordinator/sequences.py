@@ -65,7 +65,8 @@ class Sequences:
         # a wrapper for its engine or None; set by the servicer, which holds the tokenizer
         # drafting ahead (AERIE_OVERLAP): each sequence's engine gets a copy of this policy; `guesser`
         # (None: the tree's top path) is the engine's seam for tests that fix the guess
-        self.ahead: AheadPolicy | None = AheadPolicy() if config.overlap else None
+        self.ahead: AheadPolicy | None = {"off": None, "on": AheadPolicy(),
+                                          "always": AheadPolicy(contention=0.0, learn_cost=False)}[config.overlap]
         self.guesser: Guesser | None = None
         self.text_engine: Callable[[SequenceParams, tuple[int, ...]], Callable[[Engine], Any] | None] | None = None
 

@@ -167,8 +167,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--kv-budget-share", f"{kv_share(args):g}"]
     if role == "coordinator" and getattr(args, "served_model_name", None):
         out += ["--served-model-name", args.served_model_name]
-    if role == "coordinator" and getattr(args, "overlap", False):
-        out += ["--overlap", "1"]
+    if role == "coordinator" and getattr(args, "overlap", None):
+        out += ["--overlap", args.overlap]
     return out
 
 

@@ -47,7 +47,7 @@ def rounds(messages) -> list:
 
 @pytest.fixture()
 def pipeline(model_dirs, redis_url):
-    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, overlap=True)
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, overlap="on")
     yield p
     p.close()
 
@@ -59,7 +59,8 @@ def counter(name: str) -> float:
 
 
 def test_overlap_is_on_by_config_and_greedy_equals_the_target(pipeline, target_greedy):
-    assert pipeline.coordinator.sequences.ahead is not None  # AERIE_OVERLAP=1
+    assert pipeline.coordinator.sequences.ahead is not None  # AERIE_OVERLAP=1 (a learning policy)
+    assert pipeline.coordinator.sequences.ahead.learn_cost
     pipeline.coordinator.sequences.ahead = always()
     before = counter("ahead_rounds"), counter("ahead_hits")
     tokens, messages = stream(pipeline)
@@ -108,7 +109,7 @@ def pool(model_dirs, redis_url):
     p.replicas = [(p.verifier, p.servers[0][0]), (v2, v2_server), (p.drafter, p.servers[1][0]), (d2, d2_server)]
     p.coordinator, p.addresses["coordinator"] = p.add_coordinator(
         redis_url, verifiers=(p.addresses["verifier"], v2_address), drafters=(p.addresses["drafter"], d2_address),
-        probe_interval_s=60, verifier_wait_s=2, overlap=True)
+        probe_interval_s=60, verifier_wait_s=2, overlap="on")
     yield p
     p.close()
 

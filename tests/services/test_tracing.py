@@ -111,8 +111,8 @@ def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, 
     Round spans carry ahead / ahead_hit as the stream's stats."""
     from services.spec.overlap import AheadPolicy
 
-    coordinator, address = pipeline.add_coordinator(redis_url, overlap=True)
-    coordinator.sequences.ahead = AheadPolicy(contention=0.0, learn_cost=False)  # draft ahead every round
+    coordinator, address = pipeline.add_coordinator(redis_url, overlap="always")  # draft ahead every round
+    assert coordinator.sequences.ahead == AheadPolicy(contention=0.0, learn_cost=False)
     exporter.clear()
     session = RemoteSession(address, None, "", timeout_s=60)
     with trace.get_tracer("test").start_as_current_span("client") as client:
