@@ -7,7 +7,7 @@ noise hits all alike, plus the same EAGLE engine in process; ratios from the sam
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --tiny --max-new-tokens 48 \
         --repeats 3 --out bench/results/overlap-tiny-t1.json
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --prompts ../shared/data/spec_bench_dev.jsonl \
-        --limit 8 --max-new-tokens 48        # the default model and its shipped head
+        --per-category 1 --max-new-tokens 48 --modes on,always   # the default model and its shipped head
 
 `--tiny` builds the tests' tiny Llama with a distilled EAGLE-2 head (tests/helpers.py: the "tiny
 bench model" of `aerie bench`'s tests, fp32, tree 16/3/4) in a temporary directory. The overlap
@@ -57,7 +57,8 @@ def main() -> None:
     p.add_argument("--draft", default="auto")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--prompts", default=None, help="Spec-Bench JSONL (--tiny: its own four prompts)")
-    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--per-category", type=int, default=0, help="the first N prompts of each category (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
@@ -98,7 +99,7 @@ def main() -> None:
 
         local = build_local_engine(args.target, args.draft, args.dtype,
                                    TreeParams(4, 3, 16) if args.tiny else None)
-        prompts = load_prompts(args.prompts, local.tokenizer, args.limit, 0)
+        prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
 
         def pipeline(name, prompt, n=args.max_new_tokens):
             req = GenerationRequest(prompt.ids, n)
