@@ -14,6 +14,7 @@ from services.rpc import codec
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import drafter as dpb
 from services.spec.overlap import AheadPolicy
+from services.spec.sampling import SamplingParams
 from services.spec.tree import TreeParams
 from tests.helpers import VOCAB, hf_greedy, oracle
 from tests.pipeline import start_pipeline, wait_until
@@ -33,10 +34,10 @@ def target_greedy(llama_pair):
     return hf_greedy(hf, list(PROMPT), 100)  # the oracle looks up to a tree past the end
 
 
-def stream(p, n: int = N):
-    """One greedy sequence through the coordinator: (tokens, its Generate messages)."""
-    call = p.coordinator_stub().Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=n,
-                                                             ignore_eos=True), timeout=120)
+def stream(p, n: int = N, sampling: SamplingParams = SamplingParams()):
+    """One sequence (greedy by default) through the coordinator: (tokens, its Generate messages)."""
+    call = p.coordinator_stub().Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=n, ignore_eos=True,
+                                                             sampling=codec.encode_sampling(sampling)), timeout=120)
     messages = list(call)
     return [t for m in messages for t in m.tokens], messages
 
@@ -89,6 +90,20 @@ def test_injected_guess_gives_target_tokens_and_counters(pipeline, target_greedy
         assert all(s.saved_s > 0 for s in stats[1:])
     else:
         assert not any(s.ahead_hit for s in stats) and all(s.saved_s == 0 for s in stats)
+
+
+def test_seeded_sampling_with_overlap_replays(pipeline):
+    """A seed gives the same tokens and the same ahead decisions again (sampling sequences decide
+    with nominal seconds, never measured ones; each sequence starts from a fresh policy)."""
+    pipeline.coordinator.sequences.ahead = AheadPolicy()  # the learning policy of AERIE_OVERLAP=1
+    sampling = SamplingParams(0.9, top_p=0.95, seed=11)
+    outs = []
+    for _ in range(2):
+        tokens, messages = stream(pipeline, 32, sampling)
+        assert len(tokens) == 32 and all(0 <= t < VOCAB for t in tokens)
+        outs.append((tokens, [(s.ahead, s.ahead_hit) for s in rounds(messages)]))
+    assert outs[0] == outs[1]
+    assert any(ahead for ahead, _ in outs[0][1])
 
 
 def test_policy_that_cannot_pay_never_drafts_ahead(pipeline, target_greedy):
