@@ -233,8 +233,9 @@ class RemoteDrafter:
         """The DraftAhead call (services.engine.drafter.Drafter.draft_ahead over gRPC): tokens [n] /
         features [n, F] committed rows the draft KV has not seen (n may be 0), `guess` the guessed
         committed tokens -> the ahead tree rooted at guess[-1], or None (the guessed rows do not fit).
-        Numbered with the draft calls (the drafter's idempotency key); `span_round` as in `draft`. Runs on the engine's drafter
-        thread while the main thread's Verify is in flight (one call of a sequence at a time)."""
+        Numbered with the draft calls (the drafter's idempotency key); `span_round` as in `draft`.
+        Runs on the engine's drafter thread while the main thread's Verify is in flight (one call of
+        a sequence at a time)."""
         if not self.prefilled(seq_id):
             raise SequenceNotFound(f"sequence {seq_id!r} has no draft KV on drafter {self.client.address} yet: "
                                    "draft before drafting ahead")
