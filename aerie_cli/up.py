@@ -57,10 +57,10 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
     g.add_argument("--kv-budget-mb", type=float, default=None,
                    help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
                         "free memory, the verifier's --kv-budget-share)")
-    g.add_argument("--overlap", nargs="?", const="on", type=overlap_mode, default=None, metavar="always",
+    g.add_argument("--overlap", type=overlap_mode, default=None, metavar="{off,on,always}",
                    help="the coordinators draft the next tree ahead while one is verified (DraftAhead overlapping "
-                        "Verify; docs/distributed.md); the policy turns it off where it cannot pay, `--overlap always` "
-                        "drafts ahead whenever a guess can hit (measurements) (default: AERIE_OVERLAP, else off: it "
+                        "Verify; docs/distributed.md): on = a per-sequence policy turns it off where it cannot pay, "
+                        "always = whenever a guess can hit (measurements) (default: AERIE_OVERLAP, else off: it "
                         "did not pay on the CPUs measured)")
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING or ERROR, for every service (default: AERIE_LOG_LEVEL, else INFO)")
