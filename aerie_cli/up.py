@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from aerie_cli.flags import add_command, add_model_flags, tree_values
-from coordinator.config import DEFAULT_PORT
+from coordinator.config import DEFAULT_PORT, overlap_mode
 from services.rpc.config import env
 
 
@@ -57,6 +57,11 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
     g.add_argument("--kv-budget-mb", type=float, default=None,
                    help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
                         "free memory, the verifier's --kv-budget-share)")
+    g.add_argument("--overlap", type=overlap_mode, default=None, metavar="{off,on,always}",
+                   help="the coordinators draft the next tree ahead while one is verified (DraftAhead overlapping "
+                        "Verify; docs/distributed.md): on = a per-sequence policy turns it off where it cannot pay, "
+                        "always = whenever a guess can hit (measurements) (default: AERIE_OVERLAP, else off: it "
+                        "did not pay on the CPUs measured)")
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING or ERROR, for every service (default: AERIE_LOG_LEVEL, else INFO)")
     ports = p.add_argument_group("internal ports (default 0: any free port, printed at start-up)")

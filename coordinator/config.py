@@ -6,7 +6,7 @@
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
-    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
@@ -50,6 +50,9 @@ class CoordinatorConfig:
     prefill_tries: int = 3  # calls per prefill chunk that misses its deadline, then DEADLINE_EXCEEDED
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
     retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
+    # draft the next tree ahead while one is verified (DraftAhead during Verify): "off"; "on" (the
+    # per-sequence policy decides, services/spec/overlap.py); "always" (whenever a guess can hit: measurements)
+    overlap: str = "off"
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
     http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
@@ -73,6 +76,8 @@ class CoordinatorConfig:
         parse_endpoints(",".join(self.drafters), "drafters")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {redact(self.redis_url)!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ConfigError(f"overlap must be one of {', '.join(OVERLAP_MODES)}; got {self.overlap!r}")
         if self.redis_retry_s < 0:
             raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s", "prefill_tries"):
@@ -100,6 +105,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
+    g.add_argument("--overlap", type=overlap_mode, default=env("AERIE_OVERLAP", "0"),
+                   help="draft the next tree ahead while one is verified: a DraftAhead call from a guessed verdict "
+                        "overlaps each Verify; 1: the per-sequence policy turns it off where it cannot pay; always: "
+                        "whenever a guess can hit (measurements) (AERIE_OVERLAP, 0; docs/distributed.md)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
                    help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS)")
@@ -149,6 +158,16 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     http_limits.add_flags(p)
 
 
+OVERLAP_MODES = ("off", "on", "always")
+
+
+def overlap_mode(text: str | bool) -> str:
+    """--overlap / AERIE_OVERLAP: 1/0 (and the other on/off spellings) or "always"."""
+    if str(text).lower() in OVERLAP_MODES:
+        return str(text).lower()
+    return "on" if _on_off(text) else "off"
+
+
 def _on_off(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -168,6 +187,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=args.served_model_name, http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
+        overlap=overlap_mode(args.overlap),
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),

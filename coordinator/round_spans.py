@@ -6,6 +6,10 @@
         draft / verify             CLIENT spans; the drafter / verifier add their SERVER span below
         commit                     the Redis commit
 
+With drafting ahead (AERIE_OVERLAP), a `draft_ahead` CLIENT span (the DraftAhead call, from the
+engine's drafter thread) runs beside the round's `verify` span: the two overlap on the timeline; the
+round span carries ahead / ahead_hit / saved_s.
+
 A fail-over or a rebuild adds an event ("failover": role, from, to, reason; "rebuild": role, rows,
 seconds) to the round span open at that moment (else to the request span).
 
@@ -18,6 +22,7 @@ spans overlap slightly. Everything is a no-op when tracing is off.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, ContextManager
 
 from services import telemetry
@@ -29,6 +34,7 @@ class RoundSpans:
         self.seq_id = seq_id
         self.request_span = request_span  # None when tracing is off
         self._rounds: dict[int, Any] = {}
+        self._lock = threading.Lock()  # phases open from the sequence's thread and its drafter thread
 
     def phase(self, round_index: int, name: str) -> ContextManager:
         if self.request_span is None:
@@ -38,22 +44,25 @@ class RoundSpans:
                                     attributes={**_round_index(round_index), telemetry.SEQ_ID: self.seq_id})
 
     def _round(self, round_index: int):
-        span = self._rounds.get(round_index)
-        if span is None:
-            span = telemetry.begin_span("round", parent=self.request_span,
-                                        attributes={**_round_index(round_index), telemetry.SEQ_ID: self.seq_id})
-            self._rounds[round_index] = span
-        return span
+        with self._lock:
+            span = self._rounds.get(round_index)
+            if span is None:
+                span = telemetry.begin_span("round", parent=self.request_span,
+                                            attributes={**_round_index(round_index), telemetry.SEQ_ID: self.seq_id})
+                self._rounds[round_index] = span
+            return span
 
     def event(self, name: str, attributes: dict[str, Any]) -> None:
         """An event on the latest open round span (else the request span); a no-op without tracing."""
         if self.request_span is None:
             return
-        span = self._rounds[max(self._rounds)] if self._rounds else self.request_span
+        with self._lock:
+            span = self._rounds[max(self._rounds)] if self._rounds else self.request_span
         span.add_event(name, attributes)
 
     def end_round(self, stats: RoundStats, commit_s: float) -> None:
-        span = self._rounds.pop(stats.round_index, None)
+        with self._lock:
+            span = self._rounds.pop(stats.round_index, None)
         if span is None:
             return
         span.set_attributes({
@@ -62,14 +71,16 @@ class RoundSpans:
             telemetry.ACCEPT_LENGTH: stats.accept_length, telemetry.DRAFT_S: stats.draft_s,
             telemetry.VERIFY_S: stats.verify_s, telemetry.COMMIT_S: commit_s,
             telemetry.ROUND_S: stats.draft_s + stats.verify_s + commit_s,
+            telemetry.AHEAD: stats.ahead, telemetry.AHEAD_HIT: stats.ahead_hit, telemetry.SAVED_S: stats.saved_s,
         })
         span.end()
 
     def close(self) -> None:
         """End rounds that never committed (a draft grown for a round that did not happen)."""
-        for span in self._rounds.values():
+        with self._lock:
+            spans, self._rounds = list(self._rounds.values()), {}
+        for span in spans:
             span.end()
-        self._rounds.clear()
 
 
 def _round_index(round_index: int) -> dict[str, int]:

@@ -19,6 +19,14 @@ to `prefill_tries` times, then the sequence fails with DEADLINE_EXCEEDED; a fail
 prefill starts it from row 0 on the new verifier. `stop` (set by the sequence's run) is checked
 before every chunk: a cancel stops a prefill within one chunk.
 
+Drafting ahead (AERIE_OVERLAP): `draft_ahead` runs on the engine's drafter thread while the main
+thread's Verify is in flight, so it never moves the sequence itself (placement changes stay on the
+main thread). A DraftAhead that fails over returns None (a miss) and leaves the failure for the next
+`draft`, which marks the drafter failed, places another and refills it like any drafter fail-over;
+the committed rows the ahead call could not deliver (no drafter placed, or its first draft not sent
+yet) are kept and go in front of the next draft's rows. Either way the next round's tree is drafted
+as without overlap: output stays the target's.
+
 A detached drafter (plain steps: Decode with keep_features) leaves the features of those rows on the
 verifier until the next Verify returns them. A verifier that fails meanwhile loses them; the rebuild's
 own features hold the same rows, so the next Verify's answer gets them back in front (nothing lost).
@@ -129,6 +137,9 @@ class SequencePlacement:
         self._abandoned = False
         self._kept = 0  # rows the current verifier keeps for the next Verify (Decode keep_features)
         self._lost: torch.Tensor | None = None  # [k, F] kept rows a failed verifier took with it
+        self._round = 0  # the engine's latest verify / decode round (main thread): draft spans' round
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows a DraftAhead did not deliver
+        self._ahead_failed: DownstreamError | None = None  # a DraftAhead's fail-over, for the next draft
         self.verifier = _VerifierSide(self)
         self.drafter = _DrafterSide(self) if drafters is not None else None
 
@@ -184,6 +195,7 @@ class SequencePlacement:
         return pre
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+        self._round = round_index
         res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
         self.committed += res.acceptance.new_tokens
         self._kept = 0
@@ -194,6 +206,7 @@ class SequencePlacement:
         return res
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
+        self._round = round_index
         out = self._on_verifier(lambda rv: rv.decode(seq_id, token, round_index, keep_features))
         self.committed.append(out)
         if keep_features:
@@ -283,21 +296,54 @@ class SequencePlacement:
               params: TreeParams | None = None) -> DraftTree:
         """tokens [n] the newly committed tokens shifted by one (last = root); features [n, F];
         params: this round's shape from the budget (None = the drafter's largest)."""
+        if self._held:  # rows a DraftAhead did not deliver go first
+            tokens = torch.cat([t for t, _ in self._held] + [tokens])
+            features = torch.cat([f.to(features.dtype) for _, f in self._held if f.numel()] + [features])
+            self._held = []
+        failed, self._ahead_failed = self._ahead_failed, None
+        if failed is not None and self._rd is not None:
+            if not self._drafter_failed(failed):
+                return root_tree(self.committed[-1])  # degraded: a plain decoding round
+            tokens, features = self._refill(tokens, features)
         if self._rd is None:
             if not self._place_drafter(""):
                 return root_tree(self.committed[-1])  # still no drafter: a plain decoding round
             tokens, features = self._refill(tokens, features)
         while True:
             try:
-                return self._rd.draft(seq_id, tokens, features, params)
+                return self._rd.draft(seq_id, tokens, features, params, self._round + 1)
             except Exception as e:  # noqa: BLE001 - is_failover decides
                 if not is_failover(e):
                     raise
-                if not e.lost_sequence:
-                    self.drafters.mark_failed(self.drafter_client.address, str(e))
-                if not self._place_drafter(str(e), release_old=not e.lost_sequence, label=failover_reason(e)):
+                if not self._drafter_failed(e):
                     return root_tree(self.committed[-1])  # degraded: a plain decoding round
                 tokens, features = self._refill(tokens, features)
+
+    def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
+                    params: TreeParams | None = None, round_index: int | None = None) -> DraftTree | None:
+        """The ahead tree (RemoteDrafter.draft_ahead) or None: no drafter, its first draft not sent,
+        the guess does not fit, or the call failed over (see the module doc). On the drafter thread."""
+        rd = self._rd
+        if rd is None or not rd.prefilled(seq_id):
+            if tokens.numel():
+                self._held.append((tokens, features))
+            return None
+        try:
+            return rd.draft_ahead(seq_id, tokens, features, guess, params, round_index)
+        except Exception as e:  # noqa: BLE001 - is_failover decides
+            if not is_failover(e):
+                raise
+            self._ahead_failed = e  # the next draft moves the sequence (main thread)
+            if tokens.numel():
+                self._held.append((tokens, features))
+            return None
+
+    def _drafter_failed(self, e: DownstreamError) -> bool:
+        """A drafter call failed over: mark the drafter failed (unless it only lost the sequence) and
+        place another; True when one was placed (the caller refills it)."""
+        if not e.lost_sequence:
+            self.drafters.mark_failed(self.drafter_client.address, str(e))
+        return self._place_drafter(str(e), release_old=not e.lost_sequence, label=failover_reason(e))
 
     def _place_drafter(self, reason: str, release_old: bool = True, label: str = "") -> bool:
         """Leave the current drafter (if any) and try another (not the one that just failed); True
@@ -444,6 +490,9 @@ class _DrafterSide:
 
     def draft(self, seq_id, tokens, features, params=None):
         return self._p.draft(seq_id, tokens, features, params)
+
+    def draft_ahead(self, seq_id, tokens, features, guess, params=None, round_index=None):
+        return self._p.draft_ahead(seq_id, tokens, features, guess, params, round_index)
 
     def release(self, seq_id):
         self._p.release()

@@ -177,6 +177,10 @@ def _observe(output: RoundOutput, commit_s: float) -> None:
     metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # (deprecated name, one release)
     if s.detached:
         metrics.DETACHED_ROUNDS.labels(SERVICE).inc()
+    if s.ahead:
+        metrics.AHEAD_ROUNDS.labels(SERVICE).inc()
+    if s.ahead_hit:
+        metrics.AHEAD_HITS.labels(SERVICE).inc()
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)
     if s.tree_size:
         metrics.DRAFT_SECONDS.labels(SERVICE).observe(s.draft_s)

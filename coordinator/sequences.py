@@ -22,8 +22,9 @@ from typing import Any
 import grpc
 
 from services import metrics
-from services.engine.engine import Engine, GenerationRequest
+from services.engine.engine import Engine, GenerationRequest, Guesser
 from services.spec.load_board import LoadBoard
+from services.spec.overlap import AheadPolicy
 from services.spec.sampling import SamplingParams
 from services.errors import CapacityExceeded
 from services.rpc.clients import DrafterClient, VerifierClient
@@ -62,6 +63,11 @@ class Sequences:
         self.draining = threading.Event()  # SIGTERM: no new sequences, no take-overs
         # a taken-over sequence's text (stop strings): (stored params, tokens committed before) ->
         # a wrapper for its engine or None; set by the servicer, which holds the tokenizer
+        # drafting ahead (AERIE_OVERLAP): each sequence's engine gets a copy of this policy; `guesser`
+        # (None: the tree's top path) is the engine's seam for tests that fix the guess
+        self.ahead: AheadPolicy | None = {"off": None, "on": AheadPolicy(),
+                                          "always": AheadPolicy(contention=0.0, learn_cost=False)}[config.overlap]
+        self.guesser: Guesser | None = None
         self.text_engine: Callable[[SequenceParams, tuple[int, ...]], Callable[[Engine], Any] | None] | None = None
 
     def __len__(self) -> int:
@@ -155,8 +161,9 @@ class Sequences:
             with self._lock:
                 board = self._boards.setdefault(placement.verifier_client.address, LoadBoard())
             budget = replace(budget, load=board)
+        ahead = self.ahead if placement.drafter is not None else None
         return vinfo, Engine(placement.verifier, placement.drafter, int(vinfo.max_context), int(vinfo.vocab_size),
-                             tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval)
+                             tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval, ahead, self.guesser)
 
     def adopt(self, seq_id: str) -> bool:
         """Take over a running sequence whose coordinator is gone (its lease expired): rebuild it on

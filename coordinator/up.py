@@ -153,7 +153,7 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb (verifiers), --served-model-name
-    (coordinators). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
+    and --overlap (coordinators). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
     AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
     more than the share of the host's free memory."""
     out = []
@@ -167,6 +167,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--kv-budget-share", f"{kv_share(args):g}"]
     if role == "coordinator" and getattr(args, "served_model_name", None):
         out += ["--served-model-name", args.served_model_name]
+    if role == "coordinator" and getattr(args, "overlap", None):
+        out += ["--overlap", args.overlap]
     return out
 
 

@@ -4,9 +4,10 @@ Model work runs on one worker thread (services/engine/batcher.py). Continuous ba
 Prefill and Draft calls that arrive while the head runs are gathered, in arrival order, into the next
 batch (`Drafter.draft_many`: one head step per tree level for all their sequences, up to --max-batch
 calls and --max-batch-rows rows); a call that fails fails alone. Release runs between batches.
-Draft is idempotent per (sequence, round):
+Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
-of extending the draft KV twice.
+of extending the draft KV twice. DraftAhead (drafting ahead, services/spec/ahead.py) runs
+`Drafter.draft_ahead` alone in its batch slot (its guessed rows are one-row head steps of its own).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from services.engine.batcher import Batcher
 from services.engine.drafter import DraftCall, Drafter
-from services.errors import InvalidRequest
+from services.errors import AerieError, InvalidRequest
 from services.spec.cost import CostCurve
 from services.spec.tree import TreeParams
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
@@ -104,6 +105,23 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         return await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, request.round_index)))
 
     @rpc_errors
+    async def DraftAhead(self, request: dpb.DraftAheadRequest, context) -> dpb.DraftResponse:
+        seq_id = codec.sequence_id(request.sequence_id)
+        if request.round_index < 1:
+            raise InvalidRequest(f"round_index must be >= 1; got {request.round_index}")
+        tokens = codec.token_ids(request.tokens, self.vocab_size, "draft")
+        guess = codec.token_ids(request.guess, self.vocab_size, "guess")
+        if not 1 <= len(guess) <= self.drafter.tree.depth + 2:
+            raise InvalidRequest(f"guess must hold 1 to {self.drafter.tree.depth + 2} tokens (the tree depth + 2); "
+                                 f"got {len(guess)}")
+        features = (codec.decode_tensor(request.features, "features", dtype=self.dtype,
+                                        shape=(len(tokens), self.feature_size))
+                    if tokens else torch.zeros(0, self.feature_size, dtype=self.dtype))
+        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, self._params(request))
+        return await timed(DRAFT_SECONDS.labels(SERVICE),
+                           self.batcher.call_async(_Work(call, request.round_index, guess=tuple(guess))))
+
+    @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         seq_id = codec.sequence_id(request.sequence_id)
         return pb.ReleaseResponse(released=await self.batcher.exclusive_async(self._release, seq_id))
@@ -132,9 +150,9 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     # ---- on the worker thread ------------------------------------------------------------------------
 
     def _rows(self, work: "_Work") -> int:
-        """Head rows the call costs: its committed rows plus its tree's expansion rows."""
+        """Head rows the call costs: its committed rows (and guessed rows) plus its tree's expansion rows."""
         tree = work.call.params or self.drafter.tree
-        return int(work.call.tokens.shape[0]) + tree.draft_rows
+        return int(work.call.tokens.shape[0]) + len(work.guess or ()) + tree.draft_rows
 
     def _run_batch(self, batch: list["_Work"]) -> list:
         """Start the prefills, answer replays, then grow every other tree in one `draft_many`."""
@@ -159,6 +177,9 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             except Exception as e:  # noqa: BLE001 (this call's answer)
                 results[i] = e
                 continue
+            if w.guess is not None:  # DraftAhead: alone (guessed rows, then the ahead tree)
+                results[i] = self._draft_ahead(w)
+                continue
             todo.append(i)
         if todo:
             try:
@@ -182,6 +203,16 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
         return results
 
+    def _draft_ahead(self, w: "_Work") -> dpb.DraftResponse | BaseException:
+        try:
+            tree = self.drafter.draft_ahead(w.call.seq_id, w.call.tokens, w.call.features, list(w.guess or ()),
+                                            w.call.params)
+        except AerieError as e:
+            return e
+        response = dpb.DraftResponse() if tree is None else dpb.DraftResponse(tree=codec.encode_tree(tree))
+        self._last[w.call.seq_id] = (w.round_index, response)
+        return response
+
     def _release(self, seq_id: str) -> bool:
         self._last.pop(seq_id, None)
         self.idle.forget(seq_id)
@@ -197,4 +228,5 @@ class _Work:
     round_index: int  # 1 for a Prefill (its tree is the one round 1 verifies)
     max_rows: int | None = None  # a Prefill: the draft KV to reserve
     sampling: bool = False  # a Prefill: sampling paths order
+    guess: tuple[int, ...] | None = None  # a DraftAhead: the guessed committed tokens
 

@@ -161,3 +161,21 @@ def save_bench_dirs(pair, root):
             for i in range(4)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
+
+
+def oracle(ref: list[int], hit: bool):
+    """A guesser that knows the target's greedy text: the round's exact verdict (accepted path +
+    bonus) when `hit`, else a first token the target will not commit."""
+    def guess(tree, depth: int, produced: int) -> list[int]:
+        if not hit:
+            return [(ref[produced] + 1) % VOCAB]
+        parents, toks = tree.parents.tolist(), tree.tokens.tolist()
+        node, out = 0, []
+        while True:
+            want = ref[produced + len(out)]
+            nxt = next((i for i in range(1, len(toks)) if parents[i] == node and toks[i] == want), None)
+            out.append(want)
+            if nxt is None:
+                return out  # accepted drafts + the bonus
+            node = nxt
+    return guess

@@ -169,14 +169,15 @@ class Drafter:
         return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
-                    params: TreeParams | None = None) -> DraftTree | None:
+                    params: TreeParams | None = None, round_index: int = 0) -> DraftTree | None:
         """Grow the ahead tree from a guessed verdict (services/spec/ahead.py) while the current tree
         is verified. tokens [n] / features [n, F]: committed rows the draft KV has not seen (n may be
         0: the KV is current); they are committed to the draft KV like a `draft` call's. Then each
         guessed token gets a row fed with the head's own predicted feature of the row before it (one
         one-row head step each), the tree is expanded from the last guessed row and rooted at the
         guess's last token, and the guessed rows are dropped: the draft KV again holds only committed
-        rows with target features. None if the guess's rows do not fit the draft KV.
+        rows with target features. None if the guess's rows do not fit the draft KV. `round_index`:
+        the round that will verify the ahead tree (the gRPC path's tracing; unused here).
         Eager on every device (the CUDA graphs replay fixed-shape expansions of committed rows only)."""
         cache = self._cache(seq_id)
         params = self.tree if params is None else params

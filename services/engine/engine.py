@@ -337,7 +337,7 @@ class Engine:
 
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
-        ahead = self._launch_ahead(seq_id, seq, draft)
+        ahead = self._launch_ahead(seq_id, seq, draft, round_index)
         t0 = time.perf_counter()
         tree = draft.tree
         try:
@@ -374,9 +374,10 @@ class Engine:
                     policy.observe_alone(verify_s)
         return _Verified(tokens, stats, res.features)
 
-    def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> _Ahead | None:
-        """Start the ahead draft of the next tree on the drafter thread, if the policy says it pays.
-        The pending committed rows go with it (the draft KV takes them now, as a draft would)."""
+    def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Ahead | None:
+        """Start the ahead draft of the next tree (for round round_index + 1) on the drafter thread, if the
+        policy says it pays. The pending committed rows go with it (the draft KV takes them now, as a
+        draft would)."""
         policy = seq.policy
         if policy is None or draft.plan.tree is None or draft.tree.size < 2:
             return None
@@ -399,7 +400,8 @@ class Engine:
 
         def run() -> tuple[DraftTree | None, float]:
             t0 = time.perf_counter()
-            tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params)  # type: ignore[union-attr]
+            tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params,  # type: ignore[union-attr]
+                                       round_index + 1)
             return tree, time.perf_counter() - t0
 
         if self._ahead_pool is None:

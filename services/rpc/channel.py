@@ -1,6 +1,6 @@
 """Client channels: message-size limits, the tracing interceptor, and retries.
 
-Retries live in the service config and only for UNAVAILABLE on calls that are idempotent: Draft,
+Retries live in the service config and only for UNAVAILABLE on calls that are idempotent: Draft, DraftAhead,
 Verify and Decode (each keyed by (sequence_id, round_index) on the server), Release and GetInfo.
 Prefill is never retried (a second one finds the sequence already there). Callers always pass a
 deadline (`timeout=`) per call.
@@ -16,7 +16,7 @@ from services.rpc.interceptors import ClientMetadata, ClientTracing
 from services.rpc.security import NONE, Security
 from services.rpc.server import message_options
 
-_RETRIED = [("aerie.v1.Drafter", m) for m in ("Draft", "Release", "GetInfo")] + \
+_RETRIED = [("aerie.v1.Drafter", m) for m in ("Draft", "DraftAhead", "Release", "GetInfo")] + \
            [("aerie.v1.Verifier", m) for m in ("Verify", "Decode", "Release", "GetInfo")] + \
            [("aerie.v1.Coordinator", m) for m in ("GetSequence", "Cancel")]
 SERVICE_CONFIG = json.dumps({"methodConfig": [{

@@ -25,6 +25,7 @@ from services.engine.verifier import PrefillResult, VerifyResult
 from services.rpc import codec
 from services.rpc.channel import open_channel
 from services.rpc.config import MESSAGE_OVERHEAD
+from services.errors import SequenceNotFound
 from services.rpc.errors import DownstreamError
 from services.rpc.security import NONE, Security
 from services.rpc.stubs import common as pb
@@ -205,14 +206,15 @@ class RemoteDrafter:
         self._pending[seq_id] = (max_rows, sampling)
 
     def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
-              params: TreeParams | None = None) -> DraftTree:
+              params: TreeParams | None = None, span_round: int | None = None) -> DraftTree:
         """`params`: this round's shape (None = the drafter's largest). The round index sent is the
-        count of draft calls (the drafter's idempotency key), not the engine's round."""
+        count of draft calls (the drafter's idempotency key), not the engine's round; `span_round`:
+        the engine's round that verifies the tree, for the tracing span (None: that count)."""
         if seq_id in self._pending:
             max_rows, sampling = self._pending.pop(seq_id)
             round_index = 1
             self._round[seq_id] = 0  # prefilled (or partly): release must reach the drafter
-            with self.phases.phase(round_index, "draft"):
+            with self.phases.phase(span_round or round_index, "draft"):
                 response = self.client.call(self.client.stub.Prefill, self._prefill_messages(
                     seq_id, max_rows, sampling, tokens, features, params))
         else:
@@ -221,10 +223,37 @@ class RemoteDrafter:
                                        features=codec.encode_tensor(features))
             if params is not None:
                 request.tree.CopyFrom(codec.encode_tree_params(params))
-            with self.phases.phase(round_index, "draft"):
+            with self.phases.phase(span_round or round_index, "draft"):
                 response = self.client.call(self.client.stub.Draft, request)
         self._round[seq_id] = round_index
         return codec.decode_tree(response.tree, self.vocab_size)
+
+    def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
+                    params: TreeParams | None = None, span_round: int | None = None) -> DraftTree | None:
+        """The DraftAhead call (services.engine.drafter.Drafter.draft_ahead over gRPC): tokens [n] /
+        features [n, F] committed rows the draft KV has not seen (n may be 0), `guess` the guessed
+        committed tokens -> the ahead tree rooted at guess[-1], or None (the guessed rows do not fit).
+        Numbered with the draft calls (the drafter's idempotency key); `span_round` as in `draft`.
+        Runs on the engine's drafter thread while the main thread's Verify is in flight (one call of
+        a sequence at a time)."""
+        if not self.prefilled(seq_id):
+            raise SequenceNotFound(f"sequence {seq_id!r} has no draft KV on drafter {self.client.address} yet: "
+                                   "draft before drafting ahead")
+        round_index = self._round.get(seq_id, 0) + 1
+        request = dpb.DraftAheadRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
+                                        guess=list(guess))
+        if tokens.numel():
+            request.features.CopyFrom(codec.encode_tensor(features))
+        if params is not None:
+            request.tree.CopyFrom(codec.encode_tree_params(params))
+        with self.phases.phase(span_round or round_index, "draft_ahead"):
+            response = self.client.call(self.client.stub.DraftAhead, request)
+        self._round[seq_id] = round_index
+        return codec.decode_tree(response.tree, self.vocab_size) if response.HasField("tree") else None
+
+    def prefilled(self, seq_id: str) -> bool:
+        """The drafter holds the sequence's draft KV (its first draft, the streamed Prefill, was sent)."""
+        return seq_id in self._round
 
     def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features, params):
         # the first message also carries the token ids (<= 10 bytes each as varints)

@@ -386,10 +386,13 @@ def encode_stats(s: RoundStats, commit_s: float = 0.0) -> cpb.RoundStats:
     return cpb.RoundStats(round_index=s.round_index, index=s.round_index,  # (deprecated copy)
                           accept_length=s.accept_length, tree_size=s.tree_size,
                           tree_max_depth=s.tree_max_depth, tree_depth=s.tree_max_depth,  # (deprecated copy)
-                          draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s)
+                          draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s,
+                          ahead=s.ahead, ahead_s=s.ahead_s, ahead_wait_s=s.ahead_wait_s, ahead_hit=s.ahead_hit,
+                          saved_s=s.saved_s)
 
 
 def decode_stats(msg: cpb.RoundStats) -> RoundStats:
     return RoundStats(round_index=decode_round_index(msg), accept_length=msg.accept_length, tree_size=msg.tree_size,
                       tree_max_depth=msg.tree_max_depth or msg.tree_depth,  # (an older coordinator: tree_depth)
-                      draft_s=msg.draft_s, verify_s=msg.verify_s)
+                      draft_s=msg.draft_s, verify_s=msg.verify_s, ahead=msg.ahead, ahead_s=msg.ahead_s,
+                      ahead_wait_s=msg.ahead_wait_s, ahead_hit=msg.ahead_hit, saved_s=msg.saved_s)

@@ -174,3 +174,18 @@ def test_up_splits_the_kv_share_over_the_verifiers_of_one_host(monkeypatch):
     assert role_flags(parse("up", "--verifiers", "2"), "verifier") == ["--kv-budget-share", "0.4"]
     assert role_flags(parse("up", "--verifiers", "2", "--kv-budget-mb", "256"), "verifier") == \
         ["--kv-budget-mb", "256.0"]
+
+
+def test_overlap_flag_reaches_the_coordinators_and_its_config():
+    from coordinator.config import CoordinatorConfig, ConfigError, overlap_mode
+    from services.rpc.config import ServiceConfig
+
+    assert "--overlap" not in role_flags(parse("up"), "coordinator")  # default: AERIE_OVERLAP, else off
+    for mode in ("on", "always", "off"):
+        assert role_flags(parse("up", "--overlap", mode), "coordinator")[-2:] == ["--overlap", mode]
+        assert "--overlap" not in role_flags(parse("up", "--overlap", mode), "verifier")
+    assert [overlap_mode(v) for v in ("1", "0", "true", "ALWAYS")] == ["on", "off", "on", "always"]
+    with pytest.raises(SystemExit):
+        parse("up", "--overlap", "sometimes")
+    with pytest.raises(ConfigError, match="overlap must be one of off, on, always; got 'sometimes'"):
+        CoordinatorConfig(ServiceConfig(), verifiers=("127.0.0.1:1",), overlap="sometimes")

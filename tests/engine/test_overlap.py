@@ -11,8 +11,8 @@ from services.engine.engine import Engine, GenerationRequest
 from services.engine.verifier import Verifier
 from services.spec.overlap import AheadPolicy
 from services.spec.sampling import SamplingParams
-from services.spec.tree import DraftTree, TreeParams
-from tests.helpers import VOCAB, hf_greedy
+from services.spec.tree import TreeParams
+from tests.helpers import VOCAB, hf_greedy, oracle
 
 SHAPE = TreeParams(4, 3, 16)
 PROMPTS = [[3, 17, 40, 9, 88], [101, 5, 5, 61, 2, 33, 7, 12]]
@@ -30,24 +30,6 @@ def run(engine: Engine, prompt: list[int], n: int, **kw):
         if step.stats.round_index > 0:
             stats.append(step.stats)
     return tokens, stats
-
-
-def oracle(ref: list[int], hit: bool):
-    """A guesser that knows the target's greedy text: the round's exact verdict (accepted path +
-    bonus) when `hit`, else a first token the target will not commit."""
-    def guess(tree: DraftTree, depth: int, produced: int) -> list[int]:
-        if not hit:
-            return [(ref[produced] + 1) % VOCAB]
-        parents, toks = tree.parents.tolist(), tree.tokens.tolist()
-        node, out = 0, []
-        while True:
-            want = ref[produced + len(out)]
-            nxt = next((i for i in range(1, len(toks)) if parents[i] == node and toks[i] == want), None)
-            out.append(want)
-            if nxt is None:
-                return out  # accepted drafts + the bonus
-            node = nxt
-    return guess
 
 
 @pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])

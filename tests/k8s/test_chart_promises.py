@@ -29,7 +29,7 @@ CONTRACT = {
                 "AERIE_TREE_DEPTH", "AERIE_TREE_TOKENS", "AERIE_MAX_SEQUENCES", "AERIE_IDLE_TTL_S", *REGISTRATION},
     "coordinator": {"AERIE_COORDINATOR_PORT", "AERIE_REDIS_URL", "AERIE_DRAFTERS", "AERIE_VERIFIERS",
                     "AERIE_MAX_NEW_TOKENS", "AERIE_SEQUENCE_TTL_S", "AERIE_MAX_SEQUENCES", "AERIE_RPC_TIMEOUT_S",
-                    "AERIE_RESOLVE_INTERVAL_S", "AERIE_RETRIEVAL", "AERIE_VERIFIER_WAIT_S", "AERIE_PROBE_INTERVAL_S",
+                    "AERIE_RESOLVE_INTERVAL_S", "AERIE_RETRIEVAL", "AERIE_OVERLAP", "AERIE_VERIFIER_WAIT_S", "AERIE_PROBE_INTERVAL_S",
                     "AERIE_LEASE_TTL_S", "AERIE_FINISHED_TTL_S", "AERIE_REDIS_RETRY_S", "AERIE_DISCOVER",
                     "AERIE_DISCOVER_INTERVAL_S"},
 }
@@ -129,6 +129,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_PREFILL_TRIES": str(c["prefillTries"]),
             "AERIE_RESOLVE_INTERVAL_S": str(c["resolveIntervalSeconds"]),
             "AERIE_RETRIEVAL": "1" if c["retrieval"] else "0",
+            "AERIE_OVERLAP": str(c["overlap"]),
             "AERIE_VERIFIER_WAIT_S": str(c["verifierWaitSeconds"]),
             "AERIE_PROBE_INTERVAL_S": str(c["probeIntervalSeconds"]),
             "AERIE_LEASE_TTL_S": str(c["leaseTtlSeconds"]),

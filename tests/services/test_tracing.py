@@ -103,3 +103,40 @@ def test_a_failover_is_an_event_on_its_round_span(pipeline, exporter, model_dirs
     assert failover.attributes["aerie.to"] not in ("", placed) and failover.attributes["aerie.reason"] == "unavailable"
     rebuilds = [e for e, _ in events if e.name == "rebuild"]
     assert any(e.attributes["aerie.role"] == "drafter" and e.attributes["aerie.rows"] > 4 for e in rebuilds)
+
+
+def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, redis_url):
+    """With overlap on (AERIE_OVERLAP), round k+1's tree is drafted ahead during round k: a
+    `draft_ahead` CLIENT span (with the drafter's DraftAhead server span below it) under round k+1
+    that ends before round k's commit starts; a round whose guess hit has no `draft` span at all.
+    Round spans carry ahead / ahead_hit as the stream's stats."""
+    from services.spec.overlap import AheadPolicy
+
+    coordinator, address = pipeline.add_coordinator(redis_url, overlap="always")  # draft ahead every round
+    assert coordinator.sequences.ahead == AheadPolicy(contention=0.0, learn_cost=False)
+    exporter.clear()
+    session = RemoteSession(address, None, "", timeout_s=60)
+    with trace.get_tracer("test").start_as_current_span("client") as client:
+        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 32, ignore_eos=True)))
+    session.close()
+    trace_id = client.get_span_context().trace_id
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    children = {}
+    for s in spans:
+        if s.parent is not None:
+            children.setdefault(s.parent.span_id, []).append(s)
+    rounds = {s.attributes[telemetry.ROUND]: s for s in spans if s.name == "round"}
+    last = len(steps) - 1
+    assert sum(st.stats.ahead_hit for st in steps) > 0
+    for k in range(1, last + 1):
+        kids = {c.name: c for c in children[rounds[k].context.span_id]}
+        stats = steps[k].stats
+        assert rounds[k].attributes[telemetry.AHEAD] == stats.ahead is True
+        assert rounds[k].attributes[telemetry.AHEAD_HIT] == stats.ahead_hit
+        assert ("draft" in kids) == (not stats.ahead_hit)  # a hit waited for no draft
+        if k == last:  # (round last + 1 never commits: its span ends when the run exits, maybe after the stream)
+            continue
+        ahead = {c.name: c for c in children[rounds[k + 1].context.span_id]}["draft_ahead"]
+        assert ahead.kind == trace.SpanKind.CLIENT and ahead.end_time <= kids["commit"].start_time
+        (server,) = children[ahead.context.span_id]
+        assert server.name == "aerie.v1.Drafter/DraftAhead" and server.kind == trace.SpanKind.SERVER

@@ -136,7 +136,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "tree_max_depth", "draft_s", "verify_s", "commit_s")
+    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "tree_max_depth", "draft_s", "verify_s", "commit_s", "ahead", "ahead_s", "ahead_wait_s", "ahead_hit", "saved_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,11 @@ class RoundStats(_message.Message):
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
+    SAVED_S_FIELD_NUMBER: _ClassVar[int]
     index: int
     round_index: int
     accept_length: int
@@ -155,7 +160,12 @@ class RoundStats(_message.Message):
     draft_s: float
     verify_s: float
     commit_s: float
-    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., tree_max_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
+    ahead: bool
+    ahead_s: float
+    ahead_wait_s: float
+    ahead_hit: bool
+    saved_s: float
+    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., tree_max_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., ahead: _Optional[bool] = ..., ahead_s: _Optional[float] = ..., ahead_wait_s: _Optional[float] = ..., ahead_hit: _Optional[bool] = ..., saved_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("drafter", "verifier")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from aerie.v1 import common_pb2 as aerie_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61\x65rie/v1/drafter.proto\x12\x08\x61\x65rie.v1\x1a\x15\x61\x65rie/v1/common.proto\"\xa8\x01\n\x15\x44rafterPrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x10\n\x08max_rows\x18\x02 \x01(\x03\x12\x10\n\x08sampling\x18\x03 \x01(\x08\x12\x0e\n\x06tokens\x18\x04 \x03(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\"\n\x04tree\x18\x06 \x01(\x0b\x32\x14.aerie.v1.TreeParams\"\x90\x01\n\x0c\x44raftRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\"\n\x04tree\x18\x05 \x01(\x0b\x32\x14.aerie.v1.TreeParams\"2\n\rDraftResponse\x12!\n\x04tree\x18\x01 \x01(\x0b\x32\x13.aerie.v1.DraftTree\"\xd2\x02\n\x0b\x44rafterInfo\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12+\n\x0c\x66\x65\x61ture_kind\x18\x03 \x01(\x0e\x32\x15.aerie.v1.FeatureKind\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x04 \x01(\x03\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\"\n\x04tree\x18\x06 \x01(\x0b\x32\x14.aerie.v1.TreeParams\x12\x15\n\rmax_sequences\x18\x07 \x01(\x05\x12\x15\n\rnum_sequences\x18\x08 \x01(\x05\x12\x12\n\nfixed_tree\x18\t \x01(\x08\x12&\n\thead_cost\x18\n \x01(\x0b\x32\x13.aerie.v1.CostCurve\x12(\n\x0blogits_cost\x18\x0b \x01(\x0b\x32\x13.aerie.v1.CostCurve\x12\x16\n\x0etop1_agreement\x18\x0c \x01(\x01\x32\x83\x02\n\x07\x44rafter\x12\x45\n\x07Prefill\x12\x1f.aerie.v1.DrafterPrefillRequest\x1a\x17.aerie.v1.DraftResponse(\x01\x12\x38\n\x05\x44raft\x12\x16.aerie.v1.DraftRequest\x1a\x17.aerie.v1.DraftResponse\x12>\n\x07Release\x12\x18.aerie.v1.ReleaseRequest\x1a\x19.aerie.v1.ReleaseResponse\x12\x37\n\x07GetInfo\x12\x15.aerie.v1.InfoRequest\x1a\x15.aerie.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61\x65rie/v1/drafter.proto\x12\x08\x61\x65rie.v1\x1a\x15\x61\x65rie/v1/common.proto\"\xa8\x01\n\x15\x44rafterPrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x10\n\x08max_rows\x18\x02 \x01(\x03\x12\x10\n\x08sampling\x18\x03 \x01(\x08\x12\x0e\n\x06tokens\x18\x04 \x03(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\"\n\x04tree\x18\x06 \x01(\x0b\x32\x14.aerie.v1.TreeParams\"\x90\x01\n\x0c\x44raftRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\"\n\x04tree\x18\x05 \x01(\x0b\x32\x14.aerie.v1.TreeParams\"\xa4\x01\n\x11\x44raftAheadRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\r\n\x05guess\x18\x05 \x03(\x03\x12\"\n\x04tree\x18\x06 \x01(\x0b\x32\x14.aerie.v1.TreeParams\"2\n\rDraftResponse\x12!\n\x04tree\x18\x01 \x01(\x0b\x32\x13.aerie.v1.DraftTree\"\xd2\x02\n\x0b\x44rafterInfo\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12+\n\x0c\x66\x65\x61ture_kind\x18\x03 \x01(\x0e\x32\x15.aerie.v1.FeatureKind\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x04 \x01(\x03\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\"\n\x04tree\x18\x06 \x01(\x0b\x32\x14.aerie.v1.TreeParams\x12\x15\n\rmax_sequences\x18\x07 \x01(\x05\x12\x15\n\rnum_sequences\x18\x08 \x01(\x05\x12\x12\n\nfixed_tree\x18\t \x01(\x08\x12&\n\thead_cost\x18\n \x01(\x0b\x32\x13.aerie.v1.CostCurve\x12(\n\x0blogits_cost\x18\x0b \x01(\x0b\x32\x13.aerie.v1.CostCurve\x12\x16\n\x0etop1_agreement\x18\x0c \x01(\x01\x32\xc7\x02\n\x07\x44rafter\x12\x45\n\x07Prefill\x12\x1f.aerie.v1.DrafterPrefillRequest\x1a\x17.aerie.v1.DraftResponse(\x01\x12\x38\n\x05\x44raft\x12\x16.aerie.v1.DraftRequest\x1a\x17.aerie.v1.DraftResponse\x12\x42\n\nDraftAhead\x12\x1b.aerie.v1.DraftAheadRequest\x1a\x17.aerie.v1.DraftResponse\x12>\n\x07Release\x12\x18.aerie.v1.ReleaseRequest\x1a\x19.aerie.v1.ReleaseResponse\x12\x37\n\x07GetInfo\x12\x15.aerie.v1.InfoRequest\x1a\x15.aerie.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERPREFILLREQUEST']._serialized_end=228
   _globals['_DRAFTREQUEST']._serialized_start=231
   _globals['_DRAFTREQUEST']._serialized_end=375
-  _globals['_DRAFTRESPONSE']._serialized_start=377
-  _globals['_DRAFTRESPONSE']._serialized_end=427
-  _globals['_DRAFTERINFO']._serialized_start=430
-  _globals['_DRAFTERINFO']._serialized_end=768
-  _globals['_DRAFTER']._serialized_start=771
-  _globals['_DRAFTER']._serialized_end=1030
+  _globals['_DRAFTAHEADREQUEST']._serialized_start=378
+  _globals['_DRAFTAHEADREQUEST']._serialized_end=542
+  _globals['_DRAFTRESPONSE']._serialized_start=544
+  _globals['_DRAFTRESPONSE']._serialized_end=594
+  _globals['_DRAFTERINFO']._serialized_start=597
+  _globals['_DRAFTERINFO']._serialized_end=935
+  _globals['_DRAFTER']._serialized_start=938
+  _globals['_DRAFTER']._serialized_end=1265
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,22 @@ class DraftRequest(_message.Message):
     tree: _common_pb2.TreeParams
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
+class DraftAheadRequest(_message.Message):
+    __slots__ = ("sequence_id", "round_index", "tokens", "features", "guess", "tree")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    GUESS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    round_index: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    features: _common_pb2.Tensor
+    guess: _containers.RepeatedScalarFieldContainer[int]
+    tree: _common_pb2.TreeParams
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., guess: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
     __slots__ = ("tree",)
     TREE_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class DrafterStub:
                 request_serializer=aerie_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=aerie_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftAhead = channel.unary_unary(
+                '/aerie.v1.Drafter/DraftAhead',
+                request_serializer=aerie_dot_v1_dot_drafter__pb2.DraftAheadRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/aerie.v1.Drafter/Release',
                 request_serializer=aerie_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -77,6 +82,19 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftAhead(self, request, context):
+        """Draft ahead (docs/distributed.md): while the tree of the latest round is verified, extend the
+        draft KV with the committed tokens it has not seen (may be none), then grow the next tree from
+        a guessed verdict (`guess`: the tokens the coordinator bets the verifier commits) with the head's
+        own features for the guessed rows, which are dropped afterwards (the draft KV keeps committed
+        rows only). The tree is rooted at the guess's last token; the coordinator reroots it at the real
+        bonus on a hit (services/spec/ahead.py) and throws it away on a miss. Idempotent per
+        (sequence_id, round_index), numbered with the Draft calls: a repeated call returns the same tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free the sequence's draft KV.
         """
@@ -102,6 +120,11 @@ def add_DrafterServicer_to_server(servicer, server):
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
                     request_deserializer=aerie_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftAhead': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftAhead,
+                    request_deserializer=aerie_dot_v1_dot_drafter__pb2.DraftAheadRequest.FromString,
                     response_serializer=aerie_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -168,6 +191,33 @@ class Drafter:
             target,
             '/aerie.v1.Drafter/Draft',
             aerie_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            aerie_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftAhead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aerie.v1.Drafter/DraftAhead',
+            aerie_dot_v1_dot_drafter__pb2.DraftAheadRequest.SerializeToString,
             aerie_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,147 @@
+"""Drafting ahead through the services: the same prompts through `aerie up` pipelines (one
+coordinator, verifier and drafter each, every one its own process), one serial and one per
+`--modes` entry with `--overlap MODE` (DraftAhead overlapping each Verify; "on": the learning
+policy, "always": whenever a guess can hit), interleaved per prompt (the order rotates) so machine
+noise hits all alike, plus the same EAGLE engine in process; ratios from the same run.
+
+    AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --tiny --max-new-tokens 48 \
+        --repeats 3 --out bench/results/overlap-tiny-t1.json
+    AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --prompts ../shared/data/spec_bench_dev.jsonl \
+        --per-category 1 --max-new-tokens 48 --modes on,always   # the default model and its shipped head
+
+`--tiny` builds the tests' tiny Llama with a distilled EAGLE-2 head (tests/helpers.py: the "tiny
+bench model" of `aerie bench`'s tests, fp32, tree 16/3/4) in a temporary directory. The overlap
+pipeline's coordinator runs its own policy (services/spec/overlap.py: it learns hit rates and the
+contention it measures, and turns drafting ahead off where it cannot pay). Each service process
+gets AERIE_TORCH_THREADS threads (the report says how many) and so does the in-process engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from up_process import start_up  # noqa: E402  (bench/)
+
+
+def coordinator_address(lines: list[str]) -> str:
+    return next(m.group(1) for line in lines if (m := re.match(r"^coordinator\s+(\S+) \(pid", line)))
+
+
+def summary(runs: list) -> dict:
+    rounds = sum(r.rounds for r in runs)
+    tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    ahead = sum(r.ahead_rounds for r in runs)
+    return {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens, "rounds": rounds,
+            "tau": round(tokens / max(rounds, 1), 3), "round_ms": round(1e3 * sum(r.round_s for r in runs) / max(rounds, 1), 2),
+            "draft_ms": round(1e3 * sum(r.draft_s for r in runs) / max(rounds, 1), 2),
+            "verify_ms": round(1e3 * sum(r.verify_s for r in runs) / max(rounds, 1), 2),
+            "ahead_share": round(ahead / max(rounds, 1), 3),
+            "guess_hit_rate": round(sum(r.ahead_hits for r in runs) / ahead, 3) if ahead else None,
+            "ahead_wait_ms": round(1e3 * sum(r.ahead_wait_s for r in runs) / max(rounds, 1), 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny Llama + distilled head (else --target/--draft)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default="auto")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--prompts", default=None, help="Spec-Bench JSONL (--tiny: its own four prompts)")
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--per-category", type=int, default=0, help="the first N prompts of each category (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
+    p.add_argument("--up-args", default="", help="extra `aerie up` flags for both pipelines, space separated")
+    p.add_argument("--out", default=None, help="JSON here")
+    args = p.parse_args()
+
+    from aerie_cli.flags import set_torch_threads
+    from services.bench.bench import load_prompts, run_engine, run_steps
+    from services.engine.engine import GenerationRequest
+    from services.engine.local import build_local_engine
+    from services.rpc.coordinator_client import RemoteEngine, RemoteSession
+
+    set_torch_threads()
+    tmp = tempfile.TemporaryDirectory()
+    model = []
+    if args.tiny:
+        from tests.helpers import distill_head, save_bench_dirs, tiny_hf, to_native
+
+        hf = tiny_hf("llama", layers=2, seed=0)
+        target = to_native(hf)
+        root = save_bench_dirs((hf, target, distill_head(target, "eagle", seed=0)), Path(tmp.name))
+        args.target, args.draft = str(root / "target"), str(root / "head")
+        args.prompts = args.prompts or str(root / "prompts.jsonl")
+        model = ["--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4"]
+    model += ["--dtype", args.dtype] + (["--target", args.target] if args.target else []) + ["--draft", args.draft]
+    env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_OVERLAP": "0"}
+    argv = ["--port", "0", "--http-port", "0", *model, *args.up_args.split()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    names = ["serial", *(f"overlap-{m}" for m in modes)]
+    lines: dict[str, list[str]] = {name: [] for name in names}
+    ups = {"serial": start_up(argv, env, lines["serial"])}
+    try:
+        for m in modes:
+            ups[f"overlap-{m}"] = start_up([*argv, "--overlap", m], env, lines[f"overlap-{m}"])
+        sessions = {name: RemoteSession(coordinator_address(lines[name]), None, "", None) for name in ups}
+        from services.spec.tree import TreeParams
+
+        local = build_local_engine(args.target, args.draft, args.dtype,
+                                   TreeParams(4, 3, 16) if args.tiny else None)
+        prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
+
+        def pipeline(name, prompt, n=args.max_new_tokens):
+            req = GenerationRequest(prompt.ids, n)
+            return run_steps(lambda: RemoteEngine(sessions[name]).generate(req))
+
+        for name in ups:  # warm-up: first-call allocations in every process
+            pipeline(name, prompts[0], 8)
+        run_engine(local.engine, prompts[0], 4)
+        runs: dict[str, list] = {name: [] for name in [*names, "in_process"]}
+        t0 = time.perf_counter()
+        for rep in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                k = (i + rep) % len(names)
+                for name in names[k:] + names[:k]:
+                    runs[name].append(pipeline(name, prompt))
+                runs["in_process"].append(run_engine(local.engine, prompt, args.max_new_tokens))
+            print(f"pass {rep + 1}/{args.repeats}: {time.perf_counter() - t0:.0f}s", flush=True)
+        for s in sessions.values():
+            s.close()
+    finally:
+        for up in ups.values():
+            up.terminate()
+            up.wait(60)
+        tmp.cleanup()
+    report: dict = {name: summary(r) for name, r in runs.items()}
+    def ratio(a: str, b: str) -> float:
+        return round(report[a]["tokens_per_s"] / report[b]["tokens_per_s"], 3)
+
+    report["serial_vs_in_process"] = ratio("serial", "in_process")
+    for m in modes:
+        report[f"overlap-{m}_vs_serial"] = ratio(f"overlap-{m}", "serial")
+        report[f"overlap-{m}_vs_in_process"] = ratio(f"overlap-{m}", "in_process")
+    report["exact"] = all(len({tuple(r.tokens) for r in rows}) == 1 for rows in zip(*runs.values()))
+    report["config"] = {"model": "tiny (tests/helpers.py)" if args.tiny else args.target or "default",
+                        "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
+                        "max_new_tokens": args.max_new_tokens,
+                        "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
+                        "modes": modes, "up_args": args.up_args, "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
