@@ -94,6 +94,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_spec_flags(s)
 
 
+class ServedNames(argparse._ExtendAction):
+    """--served-model-name A [B ...], repeatable (every name kept); notes when one occurrence took
+    several values, so that `aerie serve --served-model-name m org/x` (a MODEL swallowed as a name) is
+    refused when no MODEL is left."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        if len(values) > 1:
+            namespace.served_names_run = True
+
+
 IN_PROCESS = ("generate", "bench")  # commands that load the target in this process, on one device
 
 
@@ -111,6 +122,13 @@ def finish_model_flags(args: argparse.Namespace) -> None:
         if args.target is not None and args.target != positional:
             raise InvalidRequest(f"two models given: MODEL {positional} and --model {args.target}; give one")
         args.target = positional
+    names = getattr(args, "served_model_name", None) or []
+    if (getattr(args, "command", None) == "serve" and positional is None and args.target is None
+            and getattr(args, "served_names_run", False)):
+        raise InvalidRequest(f"--served-model-name took {' '.join(names)} as names and no MODEL is given; put MODEL "
+                             f"first (aerie serve ORG/NAME --served-model-name {names[0]}), or repeat the flag "
+                             f"(--served-model-name A --served-model-name B) to serve the default model under "
+                             f"several names")
     args.model_name = args.target  # as given, before a --revision is appended
     apply_spec_flags(args)
     if args.revision:

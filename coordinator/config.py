@@ -52,6 +52,7 @@ class CoordinatorConfig:
     retrieval: bool = False  # SAM retrieval chains (services/spec/sam.py), held here per sequence
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
+    model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B: B here)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
     verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
@@ -78,6 +79,11 @@ class CoordinatorConfig:
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s", "prefill_tries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.model_aliases and not self.served_model_name:
+            raise ConfigError("model_aliases need a served_model_name (the first --served-model-name)")
+        names = [n for n in (self.served_model_name, *self.model_aliases) if n is not None]
+        if any(not n.strip() for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"--served-model-name needs distinct non-empty names; got {names}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
         if self.max_sequences_per_client < 0:
@@ -120,8 +126,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--tokenizer", default=env("AERIE_TOKENIZER"),
                    help="the target's tokenizer for text requests (a directory or .gguf; only the tokenizer is "
                         "read); default: the target the verifier serves; 'none' = token ids only (AERIE_TOKENIZER)")
-    g.add_argument("--served-model-name", default=env("AERIE_SERVED_MODEL_NAME"),
-                   help="the model's name in the APIs (AERIE_SERVED_MODEL_NAME; default: the target's file name)")
+    g.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="the model's names in the APIs: the first is the one answers carry, a request may use any "
+                        "(AERIE_SERVED_MODEL_NAME, comma-separated; default: the target's file name)")
     g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT"),
                    help="serve the OpenAI-compatible HTTP API on this port, 0 = any free port; default: off "
                         "(AERIE_HTTP_PORT)")
@@ -159,14 +166,22 @@ def _on_off(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected 1 or 0; got {text!r}")
 
 
+def served_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name's names, else AERIE_SERVED_MODEL_NAME's (comma-separated), else []."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [n.strip() for n in str(env("AERIE_SERVED_MODEL_NAME", "")).split(",") if n.strip()]
+
+
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    names = served_names(args)
     return CoordinatorConfig(
         service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
-        served_model_name=args.served_model_name, http_port=args.http_port,
+        served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]), http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,

@@ -284,7 +284,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                                    chat_template=text.has_chat_template, max_new_tokens=self.config.max_new_tokens,
                                    verifiers_ready=len(verifiers), drafters_ready=len(drafters),
                                    drafters_configured=len(self.config.drafters),
-                                   generation_defaults=generation_defaults(text.source))
+                                   generation_defaults=generation_defaults(text.source),
+                                   model_aliases=self.config.model_aliases)
         if drafters:
             info.draft = public_name(drafters[0].draft)
             info.tree.CopyFrom(drafters[0].tree)

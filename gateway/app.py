@@ -2,7 +2,7 @@
 
     POST /v1/completions         prompt (text or token ids) -> text; stream=true as SSE ending "data: [DONE]"
     POST /v1/chat/completions    messages (chat template on the coordinator) -> an assistant message
-    GET  /v1/models              the served model
+    GET  /v1/models              the served model, once per --served-model-name
     GET  /health                 200 when a verifier (and, unless plain decoding, a drafter) answers
     GET  /metrics                Prometheus text of this process (the coordinator's metrics)
     POST /tokenize, /detokenize  vLLM's, with the coordinator's tokenizer; GET /version, /openapi.json (gateway/extras.py)
@@ -151,8 +151,10 @@ class Gateway:
         if not info.model:
             raise HttpError(503, error_body("no verifier answers yet: the served model is unknown",
                                             "service_unavailable"))
-        if model is not None and model not in (info.model, info.target):
-            raise HttpError(404, error_body(f"the model {model!r} does not exist; this server serves {info.model!r}",
+        names = [info.model, *info.model_aliases]
+        if model is not None and model not in (*names, info.target):
+            served = " or ".join(repr(n) for n in names)
+            raise HttpError(404, error_body(f"the model {model!r} does not exist; this server serves {served}",
                                             "not_found_error", "model", "model_not_found"))
         return info
 
@@ -190,8 +192,9 @@ class Gateway:
         except HttpError as e:
             return _error(e.status, e.body)
         return JSONResponse({"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
-            "max_model_len": info.max_context, "max_tokens": info.max_new_tokens}]})
+            "id": name, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
+            "max_model_len": info.max_context, "max_tokens": info.max_new_tokens}
+            for name in (info.model, *info.model_aliases)]})  # every --served-model-name, as vLLM lists them
 
     async def read_json(self, request: Request, messages: bool) -> Any:
         """The request's JSON body under the HTTP limits (gateway/limits.py), or HttpError: 413 over

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from aerie.v1 import common_pb2 as aerie_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61\x65rie/v1/coordinator.proto\x12\x08\x61\x65rie.v1\x1a\x15\x61\x65rie/v1/common.proto\"\xae\x01\n\x0fTokenizeRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.aerie.v1.ChatMessage\x12\x1a\n\x12skip_chat_template\x18\x03 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"6\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xd0\x01\n\x12GenerationDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penalty\"\xe1\x02\n\x0f\x43oordinatorInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12\"\n\x04tree\x18\x05 \x01(\x0b\x32\x14.aerie.v1.TreeParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x13\n\x0bmax_context\x18\x07 \x01(\x03\x12\x0c\n\x04text\x18\x08 \x01(\x08\x12\x15\n\rchat_template\x18\t \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\n \x01(\x03\x12\x17\n\x0fverifiers_ready\x18\x0b \x01(\x05\x12\x16\n\x0e\x64rafters_ready\x18\x0c \x01(\x05\x12\x1b\n\x13\x64rafters_configured\x18\r \x01(\x05\x12\x39\n\x13generation_defaults\x18\x0e \x01(\x0b\x32\x1c.aerie.v1.GenerationDefaults\"\xef\x02\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x03\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.aerie.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x03\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x13\n\x0bsequence_id\x18\x06 \x01(\t\x12\x13\n\x06prompt\x18\x14 \x01(\tH\x01\x88\x01\x01\x12\'\n\x08messages\x18\x15 \x03(\x0b\x32\x15.aerie.v1.ChatMessage\x12\x1a\n\x12skip_chat_template\x18\x16 \x01(\x08\x12\x0c\n\x04stop\x18\x17 \x03(\t\x12 \n\x13skip_special_tokens\x18\x18 \x01(\x08H\x02\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\t\n\x07_promptB\x16\n\x14_skip_special_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8e\x01\n\nRoundStats\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x15\n\raccept_length\x18\x02 \x01(\x03\x12\x11\n\ttree_size\x18\x03 \x01(\x03\x12\x12\n\ntree_depth\x18\x04 \x01(\x03\x12\x0f\n\x07\x64raft_s\x18\x05 \x01(\x01\x12\x10\n\x08verify_s\x18\x06 \x01(\x01\x12\x10\n\x08\x63ommit_s\x18\x07 \x01(\x01\".\n\tPlacement\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x10\n\x08verifier\x18\x02 \x01(\t\"\x90\x01\n\x0cSequenceInfo\x12&\n\tplacement\x18\x01 \x01(\x0b\x32\x13.aerie.v1.Placement\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\"\n\x04tree\x18\x04 \x01(\x0b\x32\x14.aerie.v1.TreeParams\x12\x15\n\rprompt_tokens\x18\x14 \x01(\x03\"\xd2\x01\n\x10GenerateResponse\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12#\n\x05stats\x18\x03 \x01(\x0b\x32\x14.aerie.v1.RoundStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x04info\x18\x05 \x01(\x0b\x32\x16.aerie.v1.SequenceInfo\x12\x0c\n\x04text\x18\x14 \x01(\t\x12)\n\x08logprobs\x18\x15 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\"$\n\rCancelRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\":\n\x0e\x43\x61ncelResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.aerie.v1.SequenceStatus\")\n\x12GetSequenceRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\"\xca\x01\n\x08Sequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12(\n\x06status\x18\x04 \x01(\x0e\x32\x18.aerie.v1.SequenceStatus\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x03\x12&\n\tplacement\x18\x07 \x01(\x0b\x32\x13.aerie.v1.Placement\x12\r\n\x05\x65rror\x18\x08 \x01(\t\">\n\rResumeRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10\x66rom_token_index\x18\x02 \x01(\x03*\xa7\x01\n\x0eSequenceStatus\x12\x1f\n\x1bSEQUENCE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SEQUENCE_STATUS_RUNNING\x10\x01\x12\x1c\n\x18SEQUENCE_STATUS_FINISHED\x10\x02\x12\x1d\n\x19SEQUENCE_STATUS_CANCELLED\x10\x03\x12\x1a\n\x16SEQUENCE_STATUS_FAILED\x10\x04\x32\xda\x03\n\x0b\x43oordinator\x12\x43\n\x08Generate\x12\x19.aerie.v1.GenerateRequest\x1a\x1a.aerie.v1.GenerateResponse0\x01\x12;\n\x06\x43\x61ncel\x12\x17.aerie.v1.CancelRequest\x1a\x18.aerie.v1.CancelResponse\x12?\n\x0bGetSequence\x12\x1c.aerie.v1.GetSequenceRequest\x1a\x12.aerie.v1.Sequence\x12;\n\x07GetInfo\x12\x15.aerie.v1.InfoRequest\x1a\x19.aerie.v1.CoordinatorInfo\x12?\n\x06Resume\x12\x17.aerie.v1.ResumeRequest\x1a\x1a.aerie.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.aerie.v1.TokenizeRequest\x1a\x1a.aerie.v1.TokenizeResponse\x12G\n\nDetokenize\x12\x1b.aerie.v1.DetokenizeRequest\x1a\x1c.aerie.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61\x65rie/v1/coordinator.proto\x12\x08\x61\x65rie.v1\x1a\x15\x61\x65rie/v1/common.proto\"\xae\x01\n\x0fTokenizeRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.aerie.v1.ChatMessage\x12\x1a\n\x12skip_chat_template\x18\x03 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"6\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xd0\x01\n\x12GenerationDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penalty\"\xf8\x02\n\x0f\x43oordinatorInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12\"\n\x04tree\x18\x05 \x01(\x0b\x32\x14.aerie.v1.TreeParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x13\n\x0bmax_context\x18\x07 \x01(\x03\x12\x0c\n\x04text\x18\x08 \x01(\x08\x12\x15\n\rchat_template\x18\t \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\n \x01(\x03\x12\x17\n\x0fverifiers_ready\x18\x0b \x01(\x05\x12\x16\n\x0e\x64rafters_ready\x18\x0c \x01(\x05\x12\x1b\n\x13\x64rafters_configured\x18\r \x01(\x05\x12\x39\n\x13generation_defaults\x18\x0e \x01(\x0b\x32\x1c.aerie.v1.GenerationDefaults\x12\x15\n\rmodel_aliases\x18\x0f \x03(\t\"\xef\x02\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x03\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.aerie.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x03\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x13\n\x0bsequence_id\x18\x06 \x01(\t\x12\x13\n\x06prompt\x18\x14 \x01(\tH\x01\x88\x01\x01\x12\'\n\x08messages\x18\x15 \x03(\x0b\x32\x15.aerie.v1.ChatMessage\x12\x1a\n\x12skip_chat_template\x18\x16 \x01(\x08\x12\x0c\n\x04stop\x18\x17 \x03(\t\x12 \n\x13skip_special_tokens\x18\x18 \x01(\x08H\x02\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\t\n\x07_promptB\x16\n\x14_skip_special_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8e\x01\n\nRoundStats\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x15\n\raccept_length\x18\x02 \x01(\x03\x12\x11\n\ttree_size\x18\x03 \x01(\x03\x12\x12\n\ntree_depth\x18\x04 \x01(\x03\x12\x0f\n\x07\x64raft_s\x18\x05 \x01(\x01\x12\x10\n\x08verify_s\x18\x06 \x01(\x01\x12\x10\n\x08\x63ommit_s\x18\x07 \x01(\x01\".\n\tPlacement\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x10\n\x08verifier\x18\x02 \x01(\t\"\x90\x01\n\x0cSequenceInfo\x12&\n\tplacement\x18\x01 \x01(\x0b\x32\x13.aerie.v1.Placement\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\"\n\x04tree\x18\x04 \x01(\x0b\x32\x14.aerie.v1.TreeParams\x12\x15\n\rprompt_tokens\x18\x14 \x01(\x03\"\xd2\x01\n\x10GenerateResponse\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12#\n\x05stats\x18\x03 \x01(\x0b\x32\x14.aerie.v1.RoundStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x04info\x18\x05 \x01(\x0b\x32\x16.aerie.v1.SequenceInfo\x12\x0c\n\x04text\x18\x14 \x01(\t\x12)\n\x08logprobs\x18\x15 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\"$\n\rCancelRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\":\n\x0e\x43\x61ncelResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.aerie.v1.SequenceStatus\")\n\x12GetSequenceRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\"\xca\x01\n\x08Sequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12(\n\x06status\x18\x04 \x01(\x0e\x32\x18.aerie.v1.SequenceStatus\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x03\x12&\n\tplacement\x18\x07 \x01(\x0b\x32\x13.aerie.v1.Placement\x12\r\n\x05\x65rror\x18\x08 \x01(\t\">\n\rResumeRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10\x66rom_token_index\x18\x02 \x01(\x03*\xa7\x01\n\x0eSequenceStatus\x12\x1f\n\x1bSEQUENCE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SEQUENCE_STATUS_RUNNING\x10\x01\x12\x1c\n\x18SEQUENCE_STATUS_FINISHED\x10\x02\x12\x1d\n\x19SEQUENCE_STATUS_CANCELLED\x10\x03\x12\x1a\n\x16SEQUENCE_STATUS_FAILED\x10\x04\x32\xda\x03\n\x0b\x43oordinator\x12\x43\n\x08Generate\x12\x19.aerie.v1.GenerateRequest\x1a\x1a.aerie.v1.GenerateResponse0\x01\x12;\n\x06\x43\x61ncel\x12\x17.aerie.v1.CancelRequest\x1a\x18.aerie.v1.CancelResponse\x12?\n\x0bGetSequence\x12\x1c.aerie.v1.GetSequenceRequest\x1a\x12.aerie.v1.Sequence\x12;\n\x07GetInfo\x12\x15.aerie.v1.InfoRequest\x1a\x19.aerie.v1.CoordinatorInfo\x12?\n\x06Resume\x12\x17.aerie.v1.ResumeRequest\x1a\x1a.aerie.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.aerie.v1.TokenizeRequest\x1a\x1a.aerie.v1.TokenizeResponse\x12G\n\nDetokenize\x12\x1b.aerie.v1.DetokenizeRequest\x1a\x1c.aerie.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'aerie.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SEQUENCESTATUS']._serialized_start=2374
-  _globals['_SEQUENCESTATUS']._serialized_end=2541
+  _globals['_SEQUENCESTATUS']._serialized_start=2397
+  _globals['_SEQUENCESTATUS']._serialized_end=2564
   _globals['_TOKENIZEREQUEST']._serialized_start=64
   _globals['_TOKENIZEREQUEST']._serialized_end=238
   _globals['_TOKENIZERESPONSE']._serialized_start=240
@@ -45,29 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONDEFAULTS']._serialized_start=428
   _globals['_GENERATIONDEFAULTS']._serialized_end=636
   _globals['_COORDINATORINFO']._serialized_start=639
-  _globals['_COORDINATORINFO']._serialized_end=992
-  _globals['_GENERATEREQUEST']._serialized_start=995
-  _globals['_GENERATEREQUEST']._serialized_end=1362
-  _globals['_CHATMESSAGE']._serialized_start=1364
-  _globals['_CHATMESSAGE']._serialized_end=1408
-  _globals['_ROUNDSTATS']._serialized_start=1411
-  _globals['_ROUNDSTATS']._serialized_end=1553
-  _globals['_PLACEMENT']._serialized_start=1555
-  _globals['_PLACEMENT']._serialized_end=1601
-  _globals['_SEQUENCEINFO']._serialized_start=1604
-  _globals['_SEQUENCEINFO']._serialized_end=1748
-  _globals['_GENERATERESPONSE']._serialized_start=1751
-  _globals['_GENERATERESPONSE']._serialized_end=1961
-  _globals['_CANCELREQUEST']._serialized_start=1963
-  _globals['_CANCELREQUEST']._serialized_end=1999
-  _globals['_CANCELRESPONSE']._serialized_start=2001
-  _globals['_CANCELRESPONSE']._serialized_end=2059
-  _globals['_GETSEQUENCEREQUEST']._serialized_start=2061
-  _globals['_GETSEQUENCEREQUEST']._serialized_end=2102
-  _globals['_SEQUENCE']._serialized_start=2105
-  _globals['_SEQUENCE']._serialized_end=2307
-  _globals['_RESUMEREQUEST']._serialized_start=2309
-  _globals['_RESUMEREQUEST']._serialized_end=2371
-  _globals['_COORDINATOR']._serialized_start=2544
-  _globals['_COORDINATOR']._serialized_end=3018
+  _globals['_COORDINATORINFO']._serialized_end=1015
+  _globals['_GENERATEREQUEST']._serialized_start=1018
+  _globals['_GENERATEREQUEST']._serialized_end=1385
+  _globals['_CHATMESSAGE']._serialized_start=1387
+  _globals['_CHATMESSAGE']._serialized_end=1431
+  _globals['_ROUNDSTATS']._serialized_start=1434
+  _globals['_ROUNDSTATS']._serialized_end=1576
+  _globals['_PLACEMENT']._serialized_start=1578
+  _globals['_PLACEMENT']._serialized_end=1624
+  _globals['_SEQUENCEINFO']._serialized_start=1627
+  _globals['_SEQUENCEINFO']._serialized_end=1771
+  _globals['_GENERATERESPONSE']._serialized_start=1774
+  _globals['_GENERATERESPONSE']._serialized_end=1984
+  _globals['_CANCELREQUEST']._serialized_start=1986
+  _globals['_CANCELREQUEST']._serialized_end=2022
+  _globals['_CANCELRESPONSE']._serialized_start=2024
+  _globals['_CANCELRESPONSE']._serialized_end=2082
+  _globals['_GETSEQUENCEREQUEST']._serialized_start=2084
+  _globals['_GETSEQUENCEREQUEST']._serialized_end=2125
+  _globals['_SEQUENCE']._serialized_start=2128
+  _globals['_SEQUENCE']._serialized_end=2330
+  _globals['_RESUMEREQUEST']._serialized_start=2332
+  _globals['_RESUMEREQUEST']._serialized_end=2394
+  _globals['_COORDINATOR']._serialized_start=2567
+  _globals['_COORDINATOR']._serialized_end=3041
 # @@protoc_insertion_point(module_scope)
