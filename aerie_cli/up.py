@@ -62,8 +62,14 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                    help="file holding the bearer token the API requires (default: none)")
     g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=None,
                    help="sequences each verifier, drafter and coordinator holds at once (vLLM's and SGLang's "
-                        "names for their --max-sequences; past it a request is refused, HTTP 503, where vLLM "
-                        "queues it) (default: the services' own, 64 and 256)")
+                        "names for their --max-sequences; past it a request waits in arrival order, as in vLLM: "
+                        "--max-queued-requests, --queue-timeout-s) (default: the services' own, 64 and 256)")
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests each coordinator lets wait for a slot; one more gets HTTP 503 with Retry-After; "
+                        "0 = refuse at once (default: the coordinator's, 1024)")
+    g.add_argument("--queue-timeout-s", type=float, default=None, metavar="S",
+                   help="the longest a request waits for a slot, then HTTP 503 with Retry-After (default: the "
+                        "coordinator's, 600)")
     g.add_argument("--kv-budget-mb", type=float, default=None,
                    help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
                         "free memory, the verifier's --kv-budget-share)")

@@ -6,7 +6,8 @@
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
-    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_MAX_QUEUED_REQUESTS (1024), AERIE_QUEUE_TIMEOUT_S (600),
+    AERIE_PREFILL_TRIES (3), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
@@ -46,6 +47,8 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096  # the most a request may ask for
     sequence_ttl_s: int = 86400  # a sequence's Redis record expires this long after its last update
     max_sequences: int = 256  # sequences running on this coordinator at once
+    max_queued_requests: int = 1024  # requests waiting for one of those slots (FIFO); 0 = refuse at once
+    queue_timeout_s: float = 600.0  # the longest a request waits for a slot, then RESOURCE_EXHAUSTED
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier (each prefill chunk's too)
     prefill_tries: int = 3  # calls per prefill chunk that misses its deadline, then DEADLINE_EXCEEDED
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
@@ -86,6 +89,10 @@ class CoordinatorConfig:
             raise ConfigError(f"--served-model-name needs distinct non-empty names; got {names}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests must be >= 0 (0 = refuse at once); got {self.max_queued_requests}")
+        if not self.queue_timeout_s >= 0:
+            raise ConfigError(f"queue_timeout_s must be >= 0; got {self.queue_timeout_s}")
         if self.max_sequences_per_client < 0:
             raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
         if self.verifier_wait_s < 0:
@@ -113,6 +120,13 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="lifetime of a sequence's Redis record after its last update (AERIE_SEQUENCE_TTL_S)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 256),
                    help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES)")
+    g.add_argument("--max-queued-requests", type=int, default=env("AERIE_MAX_QUEUED_REQUESTS", 1024),
+                   help="requests that wait, in arrival order, for one of the --max-sequences slots; one more is "
+                        "refused at once (HTTP 503 with Retry-After); 0 = refuse at once when every slot is taken "
+                        "(AERIE_MAX_QUEUED_REQUESTS)")
+    g.add_argument("--queue-timeout-s", type=float, default=env("AERIE_QUEUE_TIMEOUT_S", 600.0),
+                   help="the longest a request waits for a slot, then HTTP 503 with Retry-After "
+                        "(AERIE_QUEUE_TIMEOUT_S)")
     g.add_argument("--max-sequences-per-client", type=int, default=env("AERIE_MAX_SEQUENCES_PER_CLIENT", 64),
                    help="Generate streams one client may have open at once, by API identity, else by peer host; "
                         "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT; default: 64)")
@@ -179,7 +193,8 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
-        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
+        max_sequences=args.max_sequences, max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout_s, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]), http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env

@@ -24,6 +24,7 @@ from services.rpc.errors import DownstreamError, rpc_errors
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
+from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
@@ -50,6 +51,10 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
+        # past --max-sequences a request waits for a slot in arrival order (coordinator/admission.py)
+        self.admission = AdmissionQueue(sequences.try_reserve, sequences.release_reserved, config.max_queued_requests,
+                                        config.queue_timeout_s, config.max_sequences)
+        sequences.on_free = self.admission.wake_threadsafe
         sequences.text_engine = lambda p, primer: self.text().stop_engine_for(p.stop, p.skip_special_tokens, primer)
 
     def text(self) -> Text:
@@ -147,8 +152,10 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         produced = 0
         request_metrics = RequestMetrics(self.model_name)
         try:
+            await self.admission.enter()  # waits (counted as waiting) while every slot is taken
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
-                                               text.stop_engine(request), text.params(request), identity, key)
+                                               text.stop_engine(request), text.params(request), identity, key,
+                                               reserved=True)
             request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)

@@ -153,7 +153,8 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb, --max-model-len and
-    --gpu-memory-utilization (verifiers), --served-model-name (coordinators: one or more names). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
+    --gpu-memory-utilization (verifiers), --max-queued-requests, --queue-timeout-s and
+    --served-model-name (coordinators; one or more names). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
     AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
     more than the share of the host's free memory."""
     out = []
@@ -169,6 +170,10 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if role == "verifier" and getattr(args, "gpu_memory_utilization", None) is not None:
         out += ["--gpu-memory-utilization", f"{args.gpu_memory_utilization:g}"]
+    if role == "coordinator" and getattr(args, "max_queued_requests", None) is not None:
+        out += ["--max-queued-requests", str(args.max_queued_requests)]
+    if role == "coordinator" and getattr(args, "queue_timeout_s", None) is not None:
+        out += ["--queue-timeout-s", f"{args.queue_timeout_s:g}"]
     if role == "coordinator" and getattr(args, "served_model_name", None):
         out += ["--served-model-name", *args.served_model_name]
     return out

@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.errors import error_body, from_rpc, name_param
+from gateway.errors import error_body, from_rpc, name_param, retry_after
 from gateway.extras import Extras, http_error
 from gateway.limits import BodyTooLarge, HttpLimits, read_body
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
@@ -248,7 +248,8 @@ class Gateway:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
             watcher.cancel()
-            return _error(*name_param(*from_rpc(e), parsed.max_tokens_param))
+            status, body = name_param(*from_rpc(e), parsed.max_tokens_param)
+            return JSONResponse(body, status_code=status, headers=retry_after(e))
         except asyncio.CancelledError:
             watcher.cancel()
             if watcher.done() and call.cancelled():

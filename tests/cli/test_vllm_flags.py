@@ -203,6 +203,12 @@ def test_serve_forwards_max_model_len_and_gpu_memory_utilization():
     assert p.parse_args(["--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]).max_model_len == 2048
 
 
+def test_serve_forwards_the_queue_bounds():
+    args = parse("serve", "org/m", "--max-num-seqs", "4", "--max-queued-requests", "16", "--queue-timeout-s", "30")
+    assert role_flags(args, "coordinator") == ["--max-sequences", "4", "--max-queued-requests", "16",
+                                               "--queue-timeout-s", "30"]
+
+
 def test_several_served_model_names():
     args = parse("serve", "org/m", "--served-model-name", "a", "b", "--served-model-name", "c")
     assert role_flags(args, "coordinator") == ["--served-model-name", "a", "b", "c"]
