@@ -28,6 +28,7 @@ from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
+from coordinator.stored_logprobs import from_rows
 from coordinator.sequences import Sequences
 from coordinator.request_metrics import RequestMetrics
 from coordinator.generation_defaults import generation_defaults
@@ -216,7 +217,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
     @rpc_errors
     async def Resume(self, request: cpb.ResumeRequest, context):
         """Committed tokens from `from_token_index` on, then each new commit until the sequence ends
-        (it reads Redis, so any coordinator answers, whichever one drives the sequence)."""
+        (it reads Redis, so any coordinator answers, whichever one drives the sequence), with their
+        log-probabilities when the sequence asked for them (stored with the tokens)."""
         seq_id = codec.sequence_id(request.sequence_id)
         sent = request.from_token_index
         if sent < 0:
@@ -227,17 +229,19 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
         # the same text deltas as the Generate stream: the detokenizer replays the tokens before `sent`
         params = state.params
-        stream = (await asyncio.to_thread(self.text)).stream_for(params.stop if params else (),
-                                                                 params.skip_special_tokens if params else True)
+        text = await asyncio.to_thread(self.text)
+        stream = text.stream_for(params.stop if params else (), params.skip_special_tokens if params else True)
         stream.push(state.tokens[:sent])
         poll_s = RESUME_POLL_S
         while True:
-            tokens, status, reason, round_index, error, total = await asyncio.to_thread(self.store.tail, seq_id, sent)
+            tail = await asyncio.to_thread(self.store.tail, seq_id, sent)
+            tokens, status, reason, round_index, error = tail.tokens, tail.status, tail.finish_reason, tail.round, tail.error
             final = status != "running"
+            logprobs = text.logprobs(from_rows(tokens, tail.logprobs)) if tokens and tail.logprobs else None
             if status == "failed":
                 if tokens:
                     yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
-                                               text=stream.push(tokens)[0])
+                                               text=stream.push(tokens)[0], logprobs=logprobs)
                 raise DownstreamError(grpc.StatusCode.ABORTED, f"sequence {seq_id!r} failed: {error}")
             if tokens or final:
                 sent += len(tokens)
@@ -246,7 +250,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                     delta += stream.finish()
                 yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=cpb.RoundStats(index=round_index),
                                            finish_reason=("cancel" if status == "cancelled" else reason) if final else "",
-                                           text=delta)
+                                           text=delta, logprobs=logprobs)
                 poll_s = RESUME_POLL_S
             if final:
                 return

@@ -62,6 +62,8 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     frequency_penalty: float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="only empty (not supported)")
+    prompt_logprobs: None = Field(None, description="vLLM's; only null: the prompt's log-probabilities are not "
+                                                    "computed (the prefill keeps the last prompt row's logits)")
 
 
 class CompletionRequest(_Sampling):
@@ -71,7 +73,8 @@ class CompletionRequest(_Sampling):
         description="text or token ids; a list of one prompt is that prompt (a batch of several is refused)")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="the target's log-probabilities, with this many alternatives")
-    echo: Literal[False] | None = Field(None, description="only false (not supported)")
+    echo: Literal[False] | None = Field(None, description="only false: the prompt's log-probabilities are not "
+                                                          "computed (the prefill keeps the last prompt row's logits)")
     suffix: Literal[""] | None = Field(None, description="only empty (not supported)")
 
 

@@ -44,6 +44,8 @@ CASES = [  # (route, body changes, accepted?)
     ("completions", {"presence_penalty": 0.0}, True), ("completions", {"presence_penalty": 0.5}, False),
     ("completions", {"logit_bias": {}}, True), ("completions", {"logit_bias": {"5": 1.0}}, False),
     ("completions", {"echo": False}, True), ("completions", {"echo": True}, False),
+    ("completions", {"prompt_logprobs": None}, True), ("completions", {"prompt_logprobs": 1}, False),
+    ("completions", {"prompt_logprobs": 0}, False), ("chat", {"prompt_logprobs": 2}, False),
     ("completions", {"suffix": "x"}, False),
     ("completions", {"stream": True, "stream_options": {"include_usage": True}}, True),
     ("completions", {"stream": 1}, False),
