@@ -4,7 +4,8 @@
 
 The models are the one list of the fields each route knows: gateway/openai_request.py derives its
 accepted field sets from them, so a field cannot be accepted without being in the schema (and the
-other way round). The values a field may take are checked by the parser in openai_request.py (its
+other way round). /tokenize and /detokenize are validated by their models (gateway/validation.py).
+For the two generation routes the values a field may take are checked by the parser in openai_request.py (its
 messages name the field and the value, its refusals name why: tests/gateway/test_openai_api.py);
 tests/gateway/test_schema.py checks the two agree on bodies on both sides of each bound. What the
 models do not express: which prompt / max-token fields may be combined, and that a value is refused
@@ -122,7 +123,7 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     """POST /detokenize (vLLM's)."""
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
