@@ -162,6 +162,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--log-level", args.log_level]
     if getattr(args, "max_num_seqs", None) is not None:
         out += ["--max-sequences", str(args.max_num_seqs)]
+    elif role == "coordinator" and not os.environ.get("AERIE_MAX_SEQUENCES"):
+        out += ["--max-sequences", str(coordinator_slots(args))]
     if role == "verifier" and getattr(args, "kv_budget_mb", None) is not None:
         out += ["--kv-budget-mb", str(args.kv_budget_mb)]
     elif role == "verifier" and getattr(args, "verifiers", 1) > 1:
@@ -177,6 +179,16 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     if role == "coordinator" and getattr(args, "served_model_name", None):
         out += ["--served-model-name", *args.served_model_name]
     return out
+
+
+def coordinator_slots(args: argparse.Namespace) -> int:
+    """Without --max-num-seqs: each coordinator's share of what its verifiers and drafters hold at once
+    (their default --max-sequences each), so that requests past it wait in the coordinators' admission
+    queues (coordinator/admission.py) instead of being refused by a full verifier."""
+    from verifier_svc.config import DEFAULT_MAX_SEQUENCES
+
+    replicas = min(args.verifiers, args.drafters) if getattr(args, "drafters", 0) else args.verifiers
+    return max(1, DEFAULT_MAX_SEQUENCES * replicas // max(1, getattr(args, "coordinators", 1)))
 
 
 def kv_share(args: argparse.Namespace) -> float:

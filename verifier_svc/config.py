@@ -24,6 +24,7 @@ MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's ow
 from services.rpc.config import DTYPE_NAMES, ConfigError, dtype_flag, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
+DEFAULT_MAX_SEQUENCES = 64  # the drafter's default too (drafter_svc/config.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class VerifierConfig:
     target: str | None = None  # HF directory or .gguf; None = the default SmolLM2 GGUF
     dtype: str | None = None  # None = the device's default (bf16 on a GPU, fp32 on the CPU)
     device: str | None = None  # cpu | cuda | cuda:N; None = AERIE_DEVICE, else cuda when available, else cpu
-    max_sequences: int = 64  # sequences holding KV at once
+    max_sequences: int = DEFAULT_MAX_SEQUENCES  # sequences holding KV at once
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
     tp: int = 1  # tensor-parallel ranks (GPUs) of this verifier's group (services/dist)
     executor: str = "local"  # local: ranks as child processes; ray: Ray actors in a placement group
@@ -118,7 +119,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout-s", type=float, default=env("AERIE_TP_TIMEOUT_S", 30.0),
                    help="deadline of every collective of the group: a dead rank gives UNAVAILABLE and health "
                         "NOT_SERVING within it (AERIE_TP_TIMEOUT_S)")
-    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
+    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", DEFAULT_MAX_SEQUENCES),
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")

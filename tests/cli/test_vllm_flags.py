@@ -197,7 +197,7 @@ def test_float16_runs_on_cuda_only(capsys):
 def test_serve_forwards_max_model_len_and_gpu_memory_utilization():
     args = parse("serve", "org/m", "--max-model-len", "2048", "--gpu-memory-utilization", "0.85")
     assert role_flags(args, "verifier") == ["--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]
-    assert role_flags(args, "drafter") == [] and role_flags(args, "coordinator") == []
+    assert role_flags(args, "drafter") == [] and "--max-model-len" not in role_flags(args, "coordinator")
     p = argparse.ArgumentParser()
     add_verifier_flags(p)
     assert p.parse_args(["--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]).max_model_len == 2048
@@ -209,9 +209,22 @@ def test_serve_forwards_the_queue_bounds():
                                                "--queue-timeout-s", "30"]
 
 
+def test_without_max_num_seqs_the_coordinators_queue_at_what_the_pools_hold(monkeypatch):
+    """The verifiers and drafters hold 64 sequences each by default: the coordinators admit that many
+    (split between them) and queue the rest, instead of a full verifier refusing them."""
+    monkeypatch.delenv("AERIE_MAX_SEQUENCES", raising=False)
+    assert role_flags(parse("serve", "org/m"), "coordinator") == ["--max-sequences", "64"]
+    assert role_flags(parse("up", "--verifiers", "3", "--drafters", "2", "--coordinators", "2"),
+                      "coordinator") == ["--max-sequences", "64"]  # 64 x min(3, 2) / 2
+    assert role_flags(parse("up", "--verifiers", "2", "--drafters", "0"), "coordinator") == ["--max-sequences", "128"]
+    assert "--max-sequences" not in role_flags(parse("serve", "org/m"), "verifier")  # its own default
+    monkeypatch.setenv("AERIE_MAX_SEQUENCES", "10")  # every service's, as the user set it
+    assert role_flags(parse("serve", "org/m"), "coordinator") == []
+
+
 def test_several_served_model_names():
     args = parse("serve", "org/m", "--served-model-name", "a", "b", "--served-model-name", "c")
-    assert role_flags(args, "coordinator") == ["--served-model-name", "a", "b", "c"]
+    assert role_flags(args, "coordinator")[-4:] == ["--served-model-name", "a", "b", "c"]
     up = parse("up", "--served-model-name", "a", "b")  # aerie up has no MODEL to swallow: the default model
     assert up.served_model_name == ["a", "b"] and up.target is None
     from coordinator import config as coordinator_config
