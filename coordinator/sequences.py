@@ -100,14 +100,17 @@ class Sequences:
     def admit(self, request: GenerationRequest, seq_id: str | None,
               emit: Callable[[Committed | BaseException], None], request_span: Any = None,
               wrap_engine: Callable[[Engine], Any] | None = None, text: dict | None = None,
-              client: str = "anonymous", kv_client: str = "", reserved: bool = False) -> Admitted:
+              client: str = "anonymous", kv_client: str = "", reserved: bool = False,
+              fit_context: bool = False) -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
         `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine; `text` (stop
         strings, skip_special_tokens) is stored with the sequence for a take-over and Resume. `client`
         is the caller's identity (services/rpc/security.py), stored as the sequence's creator; `kv_client`
         who its verifier KV counts against (the per-client key: identity, else peer host; "" = `client`).
         `reserved`: a slot try_reserve granted (the admission queue) is this sequence's; else one must
-        be free now (CapacityExceeded)."""
+        be free now (CapacityExceeded). `fit_context`: max_new_tokens is the default, not asked for:
+        cut it to what the context leaves after the prompt (a prompt of 1990 tokens under a 2048
+        context gets 58 new tokens, not a refusal)."""
         # 128 random bits: the id is the capability to read, resume or cancel the sequence
         seq_id = seq_id or secrets.token_hex(16)
         try:
@@ -132,6 +135,9 @@ class Sequences:
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
                 prefill_tries=self.config.prefill_tries, kv_client=kv_client or f"identity {client}")
             vinfo, engine = self._engine(placement)
+            left = engine.max_context - len(request.prompt_ids)
+            if fit_context and 1 <= left < request.max_new_tokens:
+                request = replace(request, max_new_tokens=left)
             engine.validate(request)
             if wrap_engine is not None:
                 engine = wrap_engine(engine)

@@ -156,7 +156,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             await self.admission.enter()  # waits (counted as waiting) while every slot is taken
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
                                                text.stop_engine(request), text.params(request), identity, key,
-                                               reserved=True)
+                                               reserved=True, fit_context=not request.HasField("max_new_tokens"))
             request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)

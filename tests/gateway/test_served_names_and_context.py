@@ -55,3 +55,13 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_400_naming_it(client):
                                        max_completion_tokens=MAX_MODEL_LEN)
     assert e.value.body["param"] == "max_completion_tokens"
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in e.value.body["message"]
+
+
+def test_a_chat_without_max_tokens_gets_what_the_context_leaves(client):
+    """The default of 128 new tokens is cut to max_model_len - prompt, as vLLM sizes its default, instead
+    of a refusal; an explicit max_tokens is never cut (it is refused above)."""
+    content = " ".join(f"t{5 + i}" for i in range(20))
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert 20 <= r.usage.prompt_tokens < MAX_MODEL_LEN and r.usage.total_tokens == MAX_MODEL_LEN
+    assert r.choices[0].finish_reason == "length"
