@@ -60,9 +60,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "retrieval, or DIR+sam (default: the shipped head when --target is the default "
                         "model, else none)")
     add_device_flag(g)
-    g.add_argument("--dtype", type=dtype_flag, default=None, metavar="{auto,bf16,bfloat16,fp32,float32,int8}",
+    g.add_argument("--dtype", type=dtype_flag, default=None,
+                   metavar="{auto,bf16,bfloat16,fp16,float16,half,fp32,float32,int8}",
                    help=f"target weights and activations; auto = the device's default (default: bf16 on a GPU, {DTYPE_DEFAULT} on the CPU: token-exact against "
-                        "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
+                        "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; fp16 = CUDA "
+                        "only, refused on the CPU; int8 = "
                         "int8 linears, opt-in and NOT token-exact: speculative output may differ from int8 plain "
                         "decoding, see docs/design.md)")
     g.add_argument("--draft-vocab", type=int, default=None,

@@ -109,7 +109,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=env("AERIE_TARGET"),
                    help="target model: HF directory or .gguf (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", type=dtype_flag, default=env("AERIE_DTYPE"),
-                   help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
+                   help="weights and activations: auto, bf16, fp16 (CUDA only), fp32 or int8 (AERIE_DTYPE; default: "
+                        "bf16 on a GPU, fp32 on the CPU)")
     g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
     g.add_argument("--tp", type=int, default=env("AERIE_TP_SIZE", 1),
                    help="tensor-parallel group size: the target sharded over this many ranks (AERIE_TP_SIZE)")
