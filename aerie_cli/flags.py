@@ -60,9 +60,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "retrieval, or DIR+sam (default: the shipped head when --target is the default "
                         "model, else none)")
     add_device_flag(g)
-    g.add_argument("--dtype", type=dtype_flag, default=None, metavar="{auto,bf16,bfloat16,fp32,float32,int8}",
+    g.add_argument("--dtype", type=dtype_flag, default=None,
+                   metavar="{auto,bf16,bfloat16,fp16,float16,half,fp32,float32,int8}",
                    help=f"target weights and activations; auto = the device's default (default: bf16 on a GPU, {DTYPE_DEFAULT} on the CPU: token-exact against "
-                        "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; int8 = "
+                        "transformers; bf16 costs 0.8-1.3x fp32's time at serving shapes on this CPU; fp16 = CUDA "
+                        "only, refused on the CPU; int8 = "
                         "int8 linears, opt-in and NOT token-exact: speculative output may differ from int8 plain "
                         "decoding, see docs/design.md)")
     g.add_argument("--draft-vocab", type=int, default=None,
@@ -94,6 +96,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_spec_flags(s)
 
 
+class ServedNames(argparse._ExtendAction):
+    """--served-model-name A [B ...], repeatable (every name kept); notes when one occurrence took
+    several values, so that `aerie serve --served-model-name m org/x` (a MODEL swallowed as a name) is
+    refused when no MODEL is left."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        if len(values) > 1:
+            namespace.served_names_run = True
+
+
 IN_PROCESS = ("generate", "bench")  # commands that load the target in this process, on one device
 
 
@@ -111,6 +124,13 @@ def finish_model_flags(args: argparse.Namespace) -> None:
         if args.target is not None and args.target != positional:
             raise InvalidRequest(f"two models given: MODEL {positional} and --model {args.target}; give one")
         args.target = positional
+    names = getattr(args, "served_model_name", None) or []
+    if (getattr(args, "command", None) == "serve" and positional is None and args.target is None
+            and getattr(args, "served_names_run", False)):
+        raise InvalidRequest(f"--served-model-name took {' '.join(names)} as names and no MODEL is given; put MODEL "
+                             f"first (aerie serve ORG/NAME --served-model-name {names[0]}), or repeat the flag "
+                             f"(--served-model-name A --served-model-name B) to serve the default model under "
+                             f"several names")
     args.model_name = args.target  # as given, before a --revision is appended
     apply_spec_flags(args)
     if args.revision:

@@ -46,5 +46,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # MODEL is already in args.target (flags.finish_model_flags, which refuses MODEL and a different --model)
     if args.served_model_name is None and args.model_name is not None:
-        args.served_model_name = args.model_name  # vLLM's default: the model as given
+        args.served_model_name = [args.model_name]  # vLLM's default: the model as given
     return cmd_up(args)

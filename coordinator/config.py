@@ -6,7 +6,8 @@
     AERIE_SERVED_MODEL_NAME, AERIE_HTTP_PORT (off), AERIE_VERIFIER_WAIT_S (30),
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
-    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), the HTTP gateway's AERIE_HTTP_*
+    AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_MAX_QUEUED_REQUESTS (1024), AERIE_QUEUE_TIMEOUT_S (600),
+    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
@@ -46,6 +47,8 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096  # the most a request may ask for
     sequence_ttl_s: int = 86400  # a sequence's Redis record expires this long after its last update
     max_sequences: int = 256  # sequences running on this coordinator at once
+    max_queued_requests: int = 1024  # requests waiting for one of those slots (FIFO); 0 = refuse at once
+    queue_timeout_s: float = 600.0  # the longest a request waits for a slot, then RESOURCE_EXHAUSTED
     rpc_timeout_s: float = 60.0  # deadline of each call to a drafter or verifier (each prefill chunk's too)
     prefill_tries: int = 3  # calls per prefill chunk that misses its deadline, then DEADLINE_EXCEEDED
     resolve_interval_s: float = 10.0  # re-resolve the pools' host names
@@ -55,6 +58,7 @@ class CoordinatorConfig:
     overlap: str = "off"
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
+    model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B: B here)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (gateway/); None = off, 0 = any free port
     verifier_wait_s: float = 30.0  # with no verifier answering, a sequence waits this long, then UNAVAILABLE
     probe_interval_s: float = 2.0  # a replica that failed a call is probed again (GetInfo) after this
@@ -83,8 +87,17 @@ class CoordinatorConfig:
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s", "prefill_tries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.model_aliases and not self.served_model_name:
+            raise ConfigError("model_aliases need a served_model_name (the first --served-model-name)")
+        names = [n for n in (self.served_model_name, *self.model_aliases) if n is not None]
+        if any(not n.strip() for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"--served-model-name needs distinct non-empty names; got {names}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ConfigError(f"http_port must be in [0, 65535]; got {self.http_port}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests must be >= 0 (0 = refuse at once); got {self.max_queued_requests}")
+        if not self.queue_timeout_s >= 0:
+            raise ConfigError(f"queue_timeout_s must be >= 0; got {self.queue_timeout_s}")
         if self.max_sequences_per_client < 0:
             raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
         if self.verifier_wait_s < 0:
@@ -116,6 +129,13 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="lifetime of a sequence's Redis record after its last update (AERIE_SEQUENCE_TTL_S)")
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 256),
                    help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES)")
+    g.add_argument("--max-queued-requests", type=int, default=env("AERIE_MAX_QUEUED_REQUESTS", 1024),
+                   help="requests that wait, in arrival order, for one of the --max-sequences slots; one more is "
+                        "refused at once (HTTP 503 with Retry-After); 0 = refuse at once when every slot is taken "
+                        "(AERIE_MAX_QUEUED_REQUESTS)")
+    g.add_argument("--queue-timeout-s", type=float, default=env("AERIE_QUEUE_TIMEOUT_S", 600.0),
+                   help="the longest a request waits for a slot, then HTTP 503 with Retry-After "
+                        "(AERIE_QUEUE_TIMEOUT_S)")
     g.add_argument("--max-sequences-per-client", type=int, default=env("AERIE_MAX_SEQUENCES_PER_CLIENT", 64),
                    help="Generate streams one client may have open at once, by API identity, else by peer host; "
                         "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT; default: 64)")
@@ -129,8 +149,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--tokenizer", default=env("AERIE_TOKENIZER"),
                    help="the target's tokenizer for text requests (a directory or .gguf; only the tokenizer is "
                         "read); default: the target the verifier serves; 'none' = token ids only (AERIE_TOKENIZER)")
-    g.add_argument("--served-model-name", default=env("AERIE_SERVED_MODEL_NAME"),
-                   help="the model's name in the APIs (AERIE_SERVED_MODEL_NAME; default: the target's file name)")
+    g.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="the model's names in the APIs: the first is the one answers carry, a request may use any "
+                        "(AERIE_SERVED_MODEL_NAME, comma-separated; default: the target's file name)")
     g.add_argument("--http-port", type=int, default=env("AERIE_HTTP_PORT"),
                    help="serve the OpenAI-compatible HTTP API on this port, 0 = any free port; default: off "
                         "(AERIE_HTTP_PORT)")
@@ -178,14 +199,23 @@ def _on_off(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected 1 or 0; got {text!r}")
 
 
+def served_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name's names, else AERIE_SERVED_MODEL_NAME's (comma-separated), else []."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [n.strip() for n in str(env("AERIE_SERVED_MODEL_NAME", "")).split(",") if n.strip()]
+
+
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    names = served_names(args)
     return CoordinatorConfig(
         service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
         drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
-        max_sequences=args.max_sequences, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
+        max_sequences=args.max_sequences, max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout_s, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
-        served_model_name=args.served_model_name, http_port=args.http_port,
+        served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]), http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
         overlap=overlap_mode(args.overlap),
         verifier_wait_s=args.verifier_wait_s,

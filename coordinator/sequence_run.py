@@ -32,6 +32,7 @@ from services.engine.engine import Engine, GenerationRequest, RoundOutput, Round
 from coordinator.prefill import PrefillStopped
 from coordinator.round_spans import RoundSpans
 from coordinator.sequence_store import LeaseLost, SequenceStore
+from coordinator.stored_logprobs import to_rows
 from services.rpc.errors import DownstreamError
 
 log = logging.getLogger("aerie.coordinator")
@@ -108,7 +109,7 @@ class SequenceRun:
                 t0 = time.perf_counter()
                 with self.spans.phase(output.stats.round_index, "commit"):
                     result = self.store.commit(self.seq_id, output.stats.round_index, output.tokens, output.finish_reason,
-                                               self.owner)
+                                               self.owner, to_rows(output.logprobs) if output.logprobs else None)
                 commit_s = time.perf_counter() - t0
                 self.spans.end_round(output.stats, commit_s)
                 _observe(output, commit_s)

@@ -1,10 +1,13 @@
 """Durable sequence state in Redis: the only module that talks to Redis.
 
-Layout (the `{id}` braces are a Redis Cluster hash tag: a sequence's two keys share a slot):
+Layout (the `{id}` braces are a Redis Cluster hash tag: a sequence's keys share a slot):
 
-    aerie:seq:{id}          hash   prompt_ids (comma-separated), params (JSON), seed, round, status,
-                                   finish_reason, error, cancel, drafter, verifier, created
-    aerie:seq:{id}:tokens   list   every committed token, in order
+    aerie:seq:{id}            hash   prompt_ids (comma-separated), params (JSON), seed, round, status,
+                                     finish_reason, error, cancel, drafter, verifier, created
+    aerie:seq:{id}:tokens     list   every committed token, in order
+    aerie:seq:{id}:logprobs   list   only for a sequence that asked for log-probabilities: one entry per
+                                     committed token, aligned with :tokens (coordinator/stored_logprobs.py),
+                                     so that Resume streams them too
 
 `round` is the last committed round's index (-1 before the prefill commits; read back as
 `SequenceState.round_index`: a stored field keeps its name, since coordinators of two releases share
@@ -12,7 +15,7 @@ the records during a rolling upgrade). `commit` is one Lua script, so
 a round's tokens, its index and a finish land atomically; it is keyed by round index, so a retried
 commit of a round already there changes nothing. It also reports a pending cancel request, so a
 cancel issued through any coordinator reaches the one driving the sequence without an extra round
-trip. Both keys expire `ttl_s` after the last update.
+trip. The keys expire `ttl_s` after the last update.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import grpc
 import redis
@@ -49,8 +52,8 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 return 1
 """
 
-# KEYS: hash, tokens. ARGV: round, finish_reason ('' = still running), ttl_s, owner ('' = no lease),
-# lease_ms, tokens... Returns {applied (0|1), cancel requested (0|1)}. With an owner, the commit is
+# KEYS: hash, tokens, logprobs. ARGV: round, finish_reason ('' = still running), ttl_s, owner ('' = no
+# lease), lease_ms, n (tokens), n tokens..., then n log-probability entries or none. Returns {applied (0|1), cancel requested (0|1)}. With an owner, the commit is
 # fenced: it fails with LEASE when another coordinator holds an unexpired lease, and renews the
 # caller's lease otherwise.
 _COMMIT = """
@@ -73,13 +76,16 @@ if r <= cur then return {0, cancel} end
 if r ~= cur + 1 then return redis.error_reply('GAP round ' .. r .. ' after round ' .. cur) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'running' then return redis.error_reply('ENDED sequence is ' .. status) end
-if #ARGV > 5 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 6)) end
+local n = tonumber(ARGV[6])
+if n > 0 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 7, 6 + n)) end
+if #ARGV > 6 + n then redis.call('RPUSH', KEYS[3], unpack(ARGV, 7 + n)) end
 redis.call('HSET', KEYS[1], 'round', r)
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'lease_until', now + tonumber(ARGV[5])) end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[2]) end
 local ttl = tonumber(ARGV[3])
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
 return {1, cancel}
 """
 
@@ -102,7 +108,7 @@ redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV
 return 1
 """
 
-# KEYS: hash, tokens. ARGV: status, finish_reason, error, ttl_s. Only a running sequence changes.
+# KEYS: hash, tokens, logprobs. ARGV: status, finish_reason, error, ttl_s. Only a running sequence changes.
 _FINISH = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return redis.error_reply('NOTFOUND') end
@@ -110,6 +116,7 @@ if status ~= 'running' then return status end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finish_reason', ARGV[2], 'error', ARGV[3])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[4]))
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
 return ARGV[1]
 """
 
@@ -120,6 +127,17 @@ if not status then return redis.error_reply('NOTFOUND') end
 if status == 'running' then redis.call('HSET', KEYS[1], 'cancel', '1') end
 return status
 """
+
+
+class Tail(NamedTuple):
+    """What Resume reads: the tokens from an index on, and the sequence's state."""
+    tokens: list[int]
+    status: Status
+    finish_reason: str
+    round_index: int
+    error: str
+    total: int  # tokens committed in all
+    logprobs: list[str]  # an entry per token of `tokens` (stored_logprobs.py), or [] when none are stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +255,9 @@ class SequenceStore:
                 delay = min(delay * 2, 1.0)
 
     @staticmethod
-    def keys(seq_id: str) -> tuple[str, str]:
-        return f"{PREFIX}{{{seq_id}}}", f"{PREFIX}{{{seq_id}}}:tokens"
+    def keys(seq_id: str) -> tuple[str, str, str]:
+        """(hash, tokens, logprobs)."""
+        return f"{PREFIX}{{{seq_id}}}", f"{PREFIX}{{{seq_id}}}:tokens", f"{PREFIX}{{{seq_id}}}:logprobs"
 
     def ping(self, timeout_s: float | None = None) -> None:
         """PING; with `timeout_s`, over a connection of its own whose socket gives up after that long
@@ -275,13 +294,16 @@ class SequenceStore:
             self._index_lease(rec.sequence_id, self.lease_ms)
 
     def commit(self, seq_id: str, round_index: int, tokens: list[int], finish_reason: str | None,
-               owner: str = "") -> CommitResult:
+               owner: str = "", logprobs: list[str] | None = None) -> CommitResult:
         """Append one round's tokens (and its finish) atomically; a round already committed is a no-op.
         With `owner`, fenced by the sequence's lease (LeaseLost when another coordinator holds it)
-        and renewing it."""
+        and renewing it. `logprobs`: one entry per token (coordinator/stored_logprobs.py), kept with them."""
+        if logprobs and len(logprobs) != len(tokens):
+            raise ValueError(f"{len(logprobs)} log-probability entries for {len(tokens)} tokens")
         ttl = self.finished_ttl_s if finish_reason else self.ttl_s
         applied, cancel = self._call(seq_id, self._commit, keys=self.keys(seq_id),
-                                     args=[round_index, finish_reason or "", ttl, owner, self.lease_ms, *tokens])
+                                     args=[round_index, finish_reason or "", ttl, owner, self.lease_ms, len(tokens),
+                                           *tokens, *(logprobs or ())])
         if owner:
             self._index_lease(seq_id, None if finish_reason else self.lease_ms)
         return CommitResult(bool(applied), bool(cancel))
@@ -371,23 +393,26 @@ class SequenceStore:
         with _errors(seq_id):
             return self.redis.hget(self.keys(seq_id)[0], "cancel") == "1"
 
-    def tail(self, seq_id: str, start: int) -> tuple[list[int], Status, str, int, str, int]:
-        """(tokens[start:], status, finish_reason, round_index, error, number of tokens) in one round trip."""
-        key, tokens_key = self.keys(seq_id)
+    def tail(self, seq_id: str, start: int) -> Tail:
+        """The tokens from `start` on (and their log-probability entries, when stored), the status,
+        finish_reason, round_index, error and number of tokens, in one round trip."""
+        key, tokens_key, logprobs_key = self.keys(seq_id)
 
         def read():
             with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hmget(key, "status", "finish_reason", "round", "error")
                 pipe.lrange(tokens_key, start, -1)
                 pipe.llen(tokens_key)
+                pipe.lrange(logprobs_key, start, -1)
                 return pipe.execute()
-        (status, reason, round_index, error), tokens, total = self._call(seq_id, read)
+        (status, reason, round_index, error), tokens, total, logprobs = self._call(seq_id, read)
         if status is None:
             raise SequenceNotFound(f"unknown sequence {seq_id!r}")
-        return [int(t) for t in tokens], status, reason or "", int(round_index), error or "", int(total)
+        return Tail([int(t) for t in tokens], status, reason or "", int(round_index), error or "", int(total),
+                    logprobs if len(logprobs) == len(tokens) else [])
 
     def get(self, seq_id: str) -> SequenceState:
-        key, tokens_key = self.keys(seq_id)
+        key, tokens_key, _ = self.keys(seq_id)
         with _errors(seq_id), self.redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(key)
             pipe.lrange(tokens_key, 0, -1)

@@ -55,6 +55,8 @@ class Sequences:
         self.verifiers = verifiers
         self.drafters = drafters
         self._runs: dict[str, SequenceRun] = {}
+        self._reserved = 0  # slots the admission queue granted that admit has not yet taken (coordinator/admission.py)
+        self.on_free: Callable[[], None] | None = None  # called (on any thread) after a slot was freed
         self._lock = threading.Lock()
         self.owner = secrets.token_hex(8)  # this coordinator process, as the holder of sequence leases
         # continuous batching: the sequences this coordinator runs on one verifier share its forwards;
@@ -73,27 +75,64 @@ class Sequences:
     def __len__(self) -> int:
         return len(self._runs)
 
+    def _full(self) -> bool:  # under self._lock
+        return len(self._runs) + self._reserved >= self.config.max_sequences
+
+    def try_reserve(self) -> bool:
+        """Reserve a slot for a request that will call admit(reserved=True): True when one was free.
+        Raises (UNAVAILABLE) while draining: no new sequence starts here."""
+        self._refuse_if_draining()
+        with self._lock:
+            if self._full():
+                return False
+            self._reserved += 1
+            return True
+
+    def release_reserved(self) -> None:
+        """Give back a slot try_reserve granted that no sequence took."""
+        with self._lock:
+            self._reserved -= 1
+        self._freed()
+
+    def _freed(self) -> None:
+        if self.on_free is not None:
+            self.on_free()
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining.is_set():
+            raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
+                                  "this coordinator is draining (shutting down): send the request to another coordinator")
+
     def admit(self, request: GenerationRequest, seq_id: str | None,
               emit: Callable[[Committed | BaseException], None], request_span: Any = None,
               wrap_engine: Callable[[Engine], Any] | None = None, text: dict | None = None,
-              client: str = "anonymous", kv_client: str = "") -> Admitted:
+              client: str = "anonymous", kv_client: str = "", reserved: bool = False,
+              fit_context: bool = False) -> Admitted:
         """Blocking (placement may call GetInfo, creation writes Redis): run it off the event loop.
         `wrap_engine` (coordinator/text.py: stop strings) wraps the sequence's engine; `text` (stop
         strings, skip_special_tokens) is stored with the sequence for a take-over and Resume. `client`
         is the caller's identity (services/rpc/security.py), stored as the sequence's creator; `kv_client`
-        who its verifier KV counts against (the per-client key: identity, else peer host; "" = `client`)."""
+        who its verifier KV counts against (the per-client key: identity, else peer host; "" = `client`).
+        `reserved`: a slot try_reserve granted (the admission queue) is this sequence's; else one must
+        be free now (CapacityExceeded). `fit_context`: max_new_tokens is the default, not asked for:
+        cut it to what the context leaves after the prompt (a prompt of 1990 tokens under a 2048
+        context gets 58 new tokens, not a refusal)."""
         # 128 random bits: the id is the capability to read, resume or cancel the sequence
         seq_id = seq_id or secrets.token_hex(16)
-        if self.draining.is_set():
-            raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
-                                  "this coordinator is draining (shutting down): send the request to another coordinator")
-        with self._lock:
-            if len(self._runs) >= self.config.max_sequences:
-                raise CapacityExceeded(f"coordinator runs its maximum of {self.config.max_sequences} sequences "
-                                       f"(AERIE_MAX_SEQUENCES)")
-            if seq_id in self._runs:
-                raise SequenceExists(f"sequence {seq_id!r} already exists")
-            self._runs[seq_id] = None  # type: ignore[assignment]  # reserved while admitting
+        try:
+            self._refuse_if_draining()
+            with self._lock:
+                if not reserved and self._full():
+                    raise CapacityExceeded(f"coordinator runs its maximum of {self.config.max_sequences} sequences "
+                                           f"(AERIE_MAX_SEQUENCES)")
+                if seq_id in self._runs:
+                    raise SequenceExists(f"sequence {seq_id!r} already exists")
+                self._reserved -= int(reserved)
+                self._runs[seq_id] = None  # type: ignore[assignment]  # reserved while admitting
+        except BaseException:
+            if reserved:
+                self.release_reserved()
+            raise
         placement = None
         try:
             spans = RoundSpans(seq_id, request_span)
@@ -102,6 +141,9 @@ class Sequences:
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
                 prefill_tries=self.config.prefill_tries, kv_client=kv_client or f"identity {client}")
             vinfo, engine = self._engine(placement)
+            left = engine.max_context - len(request.prompt_ids)
+            if fit_context and 1 <= left < request.max_new_tokens:
+                request = replace(request, max_new_tokens=left)
             engine.validate(request)
             if wrap_engine is not None:
                 engine = wrap_engine(engine)
@@ -119,6 +161,7 @@ class Sequences:
                 self._runs.pop(seq_id, None)
             if placement is not None:
                 placement.close()
+            self._freed()
             raise
         info = cpb.SequenceInfo(placement=cpb.Placement(drafter=drafter_address, verifier=verifier_address),
                                 target=vinfo.target)
@@ -139,6 +182,7 @@ class Sequences:
                 self._runs.pop(run.seq_id, None)
                 metrics.SEQUENCES_IN_FLIGHT.labels("coordinator").set(len(self._runs))
             placement.close()
+            self._freed()
 
         return on_exit
 
@@ -170,7 +214,7 @@ class Sequences:
         this coordinator's replicas from Redis (prompt + committed tokens) and continue at the next
         round. Clients follow it with Resume. False when another coordinator claimed it first."""
         with self._lock:
-            if seq_id in self._runs or len(self._runs) >= self.config.max_sequences or self.draining.is_set():
+            if seq_id in self._runs or self._full() or self.draining.is_set():
                 return False
             self._runs[seq_id] = None  # type: ignore[assignment]
         placement = None
@@ -178,6 +222,7 @@ class Sequences:
             if not self.store.claim(seq_id, self.owner):
                 with self._lock:
                     self._runs.pop(seq_id, None)
+                self._freed()
                 return False
             state = self.store.get(seq_id)
             p = state.params
@@ -207,6 +252,7 @@ class Sequences:
                 self._runs.pop(seq_id, None)
             if placement is not None:
                 placement.close()
+            self._freed()
             return False
         log.warning("took over sequence %s from coordinator %s at round %d (%d tokens committed)", seq_id,
                     state.owner or "?", state.round_index, len(state.tokens))
@@ -260,6 +306,7 @@ class Sequences:
         round. A run whose round outlasts `round_s` has its lease let go anyway: its late commit is
         then fenced off. Returns the number of sequences handed over."""
         self.draining.set()
+        self._freed()  # the admission queue refuses its waiters (UNAVAILABLE): no new sequence starts here
         deadline = time.monotonic() + drain_s
         while self.runs() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -24,9 +24,11 @@ from services.rpc.errors import DownstreamError, rpc_errors
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
+from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
+from coordinator.stored_logprobs import from_rows
 from coordinator.sequences import Sequences
 from coordinator.request_metrics import RequestMetrics
 from coordinator.generation_defaults import generation_defaults
@@ -50,6 +52,10 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
+        # past --max-sequences a request waits for a slot in arrival order (coordinator/admission.py)
+        self.admission = AdmissionQueue(sequences.try_reserve, sequences.release_reserved, config.max_queued_requests,
+                                        config.queue_timeout_s, config.max_sequences)
+        sequences.on_free = self.admission.wake_threadsafe
         sequences.text_engine = lambda p, primer: self.text().stop_engine_for(p.stop, p.skip_special_tokens, primer)
 
     def text(self) -> Text:
@@ -147,8 +153,10 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         produced = 0
         request_metrics = RequestMetrics(self.model_name)
         try:
+            await self.admission.enter()  # waits (counted as waiting) while every slot is taken
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
-                                               text.stop_engine(request), text.params(request), identity, key)
+                                               text.stop_engine(request), text.params(request), identity, key,
+                                               reserved=True, fit_context=not request.HasField("max_new_tokens"))
             request_metrics.admitted(len(req.prompt_ids))
             if span is not None:
                 span.set_attribute(telemetry.SEQ_ID, admitted.run.seq_id)
@@ -210,7 +218,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
     @rpc_errors
     async def Resume(self, request: cpb.ResumeRequest, context):
         """Committed tokens from `from_token_index` on, then each new commit until the sequence ends
-        (it reads Redis, so any coordinator answers, whichever one drives the sequence)."""
+        (it reads Redis, so any coordinator answers, whichever one drives the sequence), with their
+        log-probabilities when the sequence asked for them (stored with the tokens)."""
         seq_id = codec.sequence_id(request.sequence_id)
         sent = request.from_token_index
         if sent < 0:
@@ -221,17 +230,19 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
             raise InvalidRequest(f"from_token_index {sent} is beyond the committed tokens of {seq_id!r}")
         # the same text deltas as the Generate stream: the detokenizer replays the tokens before `sent`
         params = state.params
-        stream = (await asyncio.to_thread(self.text)).stream_for(params.stop if params else (),
-                                                                 params.skip_special_tokens if params else True)
+        text = await asyncio.to_thread(self.text)
+        stream = text.stream_for(params.stop if params else (), params.skip_special_tokens if params else True)
         stream.push(state.tokens[:sent])
         poll_s = RESUME_POLL_S
         while True:
-            tokens, status, reason, round_index, error, total = await asyncio.to_thread(self.store.tail, seq_id, sent)
+            tail = await asyncio.to_thread(self.store.tail, seq_id, sent)
+            tokens, status, reason, round_index, error = tail.tokens, tail.status, tail.finish_reason, tail.round_index, tail.error
             final = status != "running"
+            logprobs = text.logprobs(from_rows(tokens, tail.logprobs)) if tokens and tail.logprobs else None
             if status == "failed":
                 if tokens:
                     yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=codec.round_only_stats(round_index),
-                                               text=stream.push(tokens)[0])
+                                               text=stream.push(tokens)[0], logprobs=logprobs)
                 raise DownstreamError(grpc.StatusCode.ABORTED, f"sequence {seq_id!r} failed: {error}")
             if tokens or final:
                 sent += len(tokens)
@@ -240,7 +251,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                     delta += stream.finish()
                 yield cpb.GenerateResponse(sequence_id=seq_id, tokens=tokens, stats=codec.round_only_stats(round_index),
                                            finish_reason=("cancel" if status == "cancelled" else reason) if final else "",
-                                           text=delta)
+                                           text=delta, logprobs=logprobs)
                 poll_s = RESUME_POLL_S
             if final:
                 return
@@ -285,7 +296,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                                    chat_template=text.has_chat_template, max_new_tokens=self.config.max_new_tokens,
                                    verifiers_ready=len(verifiers), drafters_ready=len(drafters),
                                    drafters_configured=len(self.config.drafters),
-                                   generation_defaults=generation_defaults(text.source))
+                                   generation_defaults=generation_defaults(text.source),
+                                   model_aliases=self.config.model_aliases)
         if drafters:
             info.draft = public_name(drafters[0].draft)
             info.tree.CopyFrom(drafters[0].tree)

@@ -152,8 +152,9 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
 
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
-    --max-num-seqs (each service's --max-sequences), --kv-budget-mb (verifiers), --served-model-name
-    and --overlap (coordinators). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
+    --max-num-seqs (each service's --max-sequences), --kv-budget-mb, --max-model-len and
+    --gpu-memory-utilization (verifiers), --max-queued-requests, --queue-timeout-s,
+    --served-model-name (one or more names) and --overlap (coordinators). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
     AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
     more than the share of the host's free memory."""
     out = []
@@ -161,15 +162,35 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--log-level", args.log_level]
     if getattr(args, "max_num_seqs", None) is not None:
         out += ["--max-sequences", str(args.max_num_seqs)]
+    elif role == "coordinator" and not os.environ.get("AERIE_MAX_SEQUENCES"):
+        out += ["--max-sequences", str(coordinator_slots(args))]
     if role == "verifier" and getattr(args, "kv_budget_mb", None) is not None:
         out += ["--kv-budget-mb", str(args.kv_budget_mb)]
     elif role == "verifier" and getattr(args, "verifiers", 1) > 1:
         out += ["--kv-budget-share", f"{kv_share(args):g}"]
+    if role == "verifier" and getattr(args, "max_model_len", None) is not None:
+        out += ["--max-model-len", str(args.max_model_len)]
+    if role == "verifier" and getattr(args, "gpu_memory_utilization", None) is not None:
+        out += ["--gpu-memory-utilization", f"{args.gpu_memory_utilization:g}"]
+    if role == "coordinator" and getattr(args, "max_queued_requests", None) is not None:
+        out += ["--max-queued-requests", str(args.max_queued_requests)]
+    if role == "coordinator" and getattr(args, "queue_timeout_s", None) is not None:
+        out += ["--queue-timeout-s", f"{args.queue_timeout_s:g}"]
     if role == "coordinator" and getattr(args, "served_model_name", None):
-        out += ["--served-model-name", args.served_model_name]
+        out += ["--served-model-name", *args.served_model_name]
     if role == "coordinator" and getattr(args, "overlap", None):
         out += ["--overlap", args.overlap]
     return out
+
+
+def coordinator_slots(args: argparse.Namespace) -> int:
+    """Without --max-num-seqs: each coordinator's share of what its verifiers and drafters hold at once
+    (their default --max-sequences each), so that requests past it wait in the coordinators' admission
+    queues (coordinator/admission.py) instead of being refused by a full verifier."""
+    from verifier_svc.config import DEFAULT_MAX_SEQUENCES
+
+    replicas = min(args.verifiers, args.drafters) if getattr(args, "drafters", 0) else args.verifiers
+    return max(1, DEFAULT_MAX_SEQUENCES * replicas // max(1, getattr(args, "coordinators", 1)))
 
 
 def kv_share(args: argparse.Namespace) -> float:

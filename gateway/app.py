@@ -2,7 +2,7 @@
 
     POST /v1/completions         prompt (text or token ids) -> text; stream=true as SSE ending "data: [DONE]"
     POST /v1/chat/completions    messages (chat template on the coordinator) -> an assistant message
-    GET  /v1/models              the served model
+    GET  /v1/models              the served model, once per --served-model-name
     GET  /health                 200 when a verifier (and, unless plain decoding, a drafter) answers
     GET  /metrics                Prometheus text of this process (the coordinator's metrics)
     POST /tokenize, /detokenize  vLLM's, with the coordinator's tokenizer; GET /version, /openapi.json (gateway/extras.py)
@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.errors import error_body, from_rpc, name_param
+from gateway.errors import error_body, from_rpc, name_param, retry_after
 from gateway.extras import Extras, http_error
 from gateway.limits import BodyTooLarge, HttpLimits, read_body
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
@@ -151,8 +151,10 @@ class Gateway:
         if not info.model:
             raise HttpError(503, error_body("no verifier answers yet: the served model is unknown",
                                             "service_unavailable"))
-        if model is not None and model not in (info.model, info.target):
-            raise HttpError(404, error_body(f"the model {model!r} does not exist; this server serves {info.model!r}",
+        names = [info.model, *info.model_aliases]
+        if model is not None and model not in (*names, info.target):
+            served = " or ".join(repr(n) for n in names)
+            raise HttpError(404, error_body(f"the model {model!r} does not exist; this server serves {served}",
                                             "not_found_error", "model", "model_not_found"))
         return info
 
@@ -190,8 +192,9 @@ class Gateway:
         except HttpError as e:
             return _error(e.status, e.body)
         return JSONResponse({"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
-            "max_model_len": info.max_context, "max_tokens": info.max_new_tokens}]})
+            "id": name, "object": "model", "created": 0, "owned_by": "aerie", "root": info.target,
+            "max_model_len": info.max_context, "max_tokens": info.max_new_tokens}
+            for name in (info.model, *info.model_aliases)]})  # every --served-model-name, as vLLM lists them
 
     async def read_json(self, request: Request, messages: bool) -> Any:
         """The request's JSON body under the HTTP limits (gateway/limits.py), or HttpError: 413 over
@@ -245,7 +248,8 @@ class Gateway:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
             watcher.cancel()
-            return _error(*name_param(*from_rpc(e), parsed.max_tokens_param))
+            status, body = name_param(*from_rpc(e), parsed.max_tokens_param)
+            return JSONResponse(body, status_code=status, headers=retry_after(e))
         except asyncio.CancelledError:
             watcher.cancel()
             if watcher.done() and call.cancelled():

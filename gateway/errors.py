@@ -7,7 +7,8 @@
     PERMISSION_DENIED                      -> 403 permission_error
     NOT_FOUND                              -> 404 not_found_error        (unknown model or sequence)
     ALREADY_EXISTS                         -> 409 conflict_error
-    RESOURCE_EXHAUSTED / UNAVAILABLE       -> 503 service_unavailable    (no capacity, no replica)
+    RESOURCE_EXHAUSTED / UNAVAILABLE       -> 503 service_unavailable    (no capacity, no replica;
+                                                                          RESOURCE_EXHAUSTED with Retry-After)
     DEADLINE_EXCEEDED                      -> 504 timeout_error
     CANCELLED                              -> 499 client_closed_request  (the client went away)
     anything else                          -> 500 internal_error
@@ -57,6 +58,15 @@ def name_param(status: int, body: dict, max_tokens_param: str = "max_tokens") ->
     if "exceeds the model context" in message:
         err["code"] = "context_length_exceeded"  # OpenAI's code for it
     return status, body
+
+
+RETRY_AFTER_S = 1  # a request refused for capacity (a full admission queue, its timeout): try again this soon
+
+
+def retry_after(e: grpc.RpcError) -> dict[str, str] | None:
+    """The Retry-After header of a capacity refusal (RESOURCE_EXHAUSTED), else None."""
+    code = e.code() if hasattr(e, "code") else None
+    return {"Retry-After": str(RETRY_AFTER_S)} if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
 
 
 def from_rpc(e: grpc.RpcError) -> tuple[int, dict]:

@@ -9,8 +9,8 @@ its JSON errors for unknown routes and methods:
 
 /tokenize applies the chat template exactly as a chat completion does, so its count is the prompt
 length a chat completion would report. Both need the coordinator's tokenizer (a coordinator without
-one answers 400). Request fields are checked as openai_request.py checks them: an unknown one is a
-400 naming it.
+one answers 400). Their bodies are validated by the typed models themselves (gateway/validation.py):
+a 400 names the field, its value and pydantic's reason; an unknown field is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse
 
 from gateway.errors import error_body, from_rpc
 from gateway import openai_schema
-from gateway.openai_request import BadParameter, _bool, _content, _show
-from gateway.openai_schema import fields
+from gateway.openai_request import BadParameter
+from gateway.validation import validated
 from services.rpc.stubs import coordinator as cpb
 
 
@@ -50,46 +50,24 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
                         headers=exc.headers)
 
 
-def _fields(body: Any, allowed: set[str]) -> dict:
-    if not isinstance(body, dict):
-        raise BadParameter("body", f"the request body must be a JSON object; got {type(body).__name__}")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadParameter(unknown[0], f"unrecognized request argument: {unknown[0]}={_show(body[unknown[0]])}")
-    return body
-
-
 def tokenize_request(body: Any) -> tuple[cpb.TokenizeRequest, bool]:
     """-> (the coordinator request, return_token_strs)."""
-    body = _fields(body, fields(openai_schema.TokenizeRequest))
-    msg = cpb.TokenizeRequest()
-    if ("prompt" in body) == ("messages" in body):
+    req = validated(openai_schema.TokenizeRequest, body)
+    if (req.prompt is None) == (req.messages is None):  # (the model types each; this rule spans two)
         raise BadParameter("prompt", "give exactly one of prompt and messages")
-    if "prompt" in body:
-        if not isinstance(body["prompt"], str) or not body["prompt"]:
-            raise BadParameter("prompt", f"prompt must be a non-empty string; got {_show(body['prompt'])}")
-        msg.prompt = body["prompt"]
-        if (v := _bool(body, "add_special_tokens")) is not None:
-            msg.add_special_tokens = v
-    else:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise BadParameter("messages", f"messages must be a non-empty list; got {_show(messages)}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadParameter(f"messages[{i}]", f"messages[{i}] must be an object with a role; got {_show(m)}")
-            msg.messages.append(cpb.ChatMessage(role=m["role"], content=_content(i, m.get("content", ""))))
-        if _bool(body, "add_generation_prompt") is False:
-            raise BadParameter("add_generation_prompt", "the chat template always ends with the assistant's turn")
-    return msg, bool(_bool(body, "return_token_strs"))
+    msg = cpb.TokenizeRequest()
+    if req.prompt is not None:
+        msg.prompt = req.prompt
+        if req.add_special_tokens is not None:
+            msg.add_special_tokens = req.add_special_tokens
+    for m in req.messages or ():
+        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+        msg.messages.append(cpb.ChatMessage(role=m.role, content=content))
+    return msg, bool(req.return_token_strs)
 
 
 def detokenize_request(body: Any) -> cpb.DetokenizeRequest:
-    body = _fields(body, fields(openai_schema.DetokenizeRequest))
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise BadParameter("tokens", f"tokens must be a list of token ids; got {_show(tokens)}")
-    return cpb.DetokenizeRequest(tokens=tokens)
+    return cpb.DetokenizeRequest(tokens=validated(openai_schema.DetokenizeRequest, body).tokens)
 
 
 class Extras:

@@ -10,7 +10,8 @@ Nothing here talks to the coordinator.
     parsed.request                       # cpb.GenerateRequest (text, stop strings, sampling)
     with_defaults(parsed, info.generation_defaults)   # the model's defaults for what the body left out
 
-Used: the OpenAI sampling fields, `logprobs` / `top_logprobs`, and vLLM's extensions `top_k`, `min_p`,
+Refused with the reason: `echo: true` and vLLM's `prompt_logprobs` (the prompt's log-probabilities
+are not computed: PROMPT_LOGPROBS_WHY). Used: the OpenAI sampling fields, `logprobs` / `top_logprobs`, and vLLM's extensions `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`. Accepted and ignored
 (neutral for one stateless completion): `user`, `metadata`, `store` (aerie stores nothing beyond the
 sequence record every request has), `response_format: {"type": "text"}`, `tool_choice: "none"`,
@@ -29,6 +30,10 @@ from gateway.openai_schema import MAX_COMPLETION_LOGPROBS, ChatCompletionRequest
 from services.spec.sampling import MAX_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# echo / prompt_logprobs: the verifier's prefill applies the LM head to the prompt's last row only (its
+# one token to sample); the prompt's log-probabilities would need every row's [P, V] logits, per chunk.
+PROMPT_LOGPROBS_WHY = ("aerie does not compute the prompt's log-probabilities (its prefill keeps the logits "
+                       "of the prompt's last row only)")
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the widths of the proto fields they fill
 _UNSET = object()
 
@@ -116,6 +121,7 @@ def _common(body: Any, fields: set[str]) -> tuple[cpb.GenerateRequest, str | Non
         raise BadParameter("model", f"model must be a string; got {_show(model)}")
     _refuse_unless(body, "n", (1,), "aerie returns one choice per request (n=1)")
     _refuse_unless(body, "best_of", (1,), "aerie returns one choice per request (best_of=1)")
+    _refuse_unless(body, "prompt_logprobs", (), PROMPT_LOGPROBS_WHY)
     _refuse_unless(body, "presence_penalty", (0, 0.0), "aerie samples without penalties (use 0)")
     _refuse_unless(body, "frequency_penalty", (0, 0.0), "aerie samples without penalties (use 0)")
     if body.get("logit_bias"):
@@ -217,7 +223,7 @@ def _max_tokens(body: dict, req: cpb.GenerateRequest, names: tuple[str, ...], de
 
 def parse_completion(body: Any) -> Parsed:
     req, model, stream, include_usage = _common(body, _COMPLETION)
-    _refuse_unless(body, "echo", (False,), "aerie does not echo the prompt")
+    _refuse_unless(body, "echo", (False,), "echo returns the prompt with its log-probabilities, and " + PROMPT_LOGPROBS_WHY)
     _refuse_unless(body, "suffix", ("",), "aerie does not support suffix (insertion)")
     prompt = body.get("prompt", _UNSET)
     if prompt is _UNSET or prompt is None:

@@ -4,7 +4,8 @@
 
 The models are the one list of the fields each route knows: gateway/openai_request.py derives its
 accepted field sets from them, so a field cannot be accepted without being in the schema (and the
-other way round). The values a field may take are checked by the parser in openai_request.py (its
+other way round). /tokenize and /detokenize are validated by their models (gateway/validation.py).
+For the two generation routes the values a field may take are checked by the parser in openai_request.py (its
 messages name the field and the value, its refusals name why: tests/gateway/test_openai_api.py);
 tests/gateway/test_schema.py checks the two agree on bodies on both sides of each bound. What the
 models do not express: which prompt / max-token fields may be combined, and that a value is refused
@@ -62,6 +63,8 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     frequency_penalty: float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="only empty (not supported)")
+    prompt_logprobs: None = Field(None, description="vLLM's; only null: the prompt's log-probabilities are not "
+                                                    "computed (the prefill keeps the last prompt row's logits)")
 
 
 class CompletionRequest(_Sampling):
@@ -71,7 +74,8 @@ class CompletionRequest(_Sampling):
         description="text or token ids; a list of one prompt is that prompt (a batch of several is refused)")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="the target's log-probabilities, with this many alternatives")
-    echo: Literal[False] | None = Field(None, description="only false (not supported)")
+    echo: Literal[False] | None = Field(None, description="only false: the prompt's log-probabilities are not "
+                                                          "computed (the prefill keeps the last prompt row's logits)")
     suffix: Literal[""] | None = Field(None, description="only empty (not supported)")
 
 
@@ -119,7 +123,7 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     """POST /detokenize (vLLM's)."""
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,

@@ -3,6 +3,7 @@
     resolve_device("cuda:1") -> "cuda:1"      resolve_device(None) -> AERIE_DEVICE, else "cuda" when
                                                a GPU is visible, else "cpu"
     default_dtype("cuda") -> "bf16"            default_dtype("cpu") -> "fp32"
+    check_dtype("fp16", "cpu") -> InvalidRequest   (float16 runs on CUDA only)
 
 A leaf module: torch is imported only to ask whether CUDA is available, so flag parsing stays light.
 Names are validated here once (`cpu`, `cuda`, `cuda:N`); everything downstream takes the string.
@@ -57,6 +58,24 @@ def default_dtype(device: str) -> str:
     """bf16 on a GPU (its tensor cores' native format), fp32 on the CPU (token-exact against
     transformers, and bf16 is no faster on this CPU: docs/design.md "Cheaper rounds")."""
     return "bf16" if is_gpu(device) else "fp32"
+
+
+def check_dtype(dtype: str | None, device: str) -> None:
+    """fp16 (--dtype float16 / half) runs on CUDA only. On the CPU it is refused, not mapped: PyTorch's
+    CPU float16 matmuls are slower than float32, and a silent swap to another dtype would change the
+    numbers the user asked for."""
+    if dtype == "fp16" and not is_gpu(device):
+        raise InvalidRequest(f"--dtype float16 runs on CUDA only (this device: {device}): PyTorch's CPU float16 "
+                             f"matmuls are slower than float32's; pass --dtype auto (float32 on the CPU), "
+                             f"bfloat16 or float32")
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device now (cudaMemGetInfo)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free), int(total)
 
 
 def default_draft_dtype(device: str) -> str:

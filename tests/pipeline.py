@@ -177,7 +177,8 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
                    idle_ttl_s: float = 600.0, draft_dtype: str | None = None, service_overrides: dict | None = None,
                    verifier_overrides: dict | None = None, **coordinator_overrides) -> Pipeline:
     """`service_overrides`: ServiceConfig fields every server shares (TLS files, tokens: tests/security);
-    `verifier_overrides`: VerifierConfig fields."""
+    `verifier_overrides`: VerifierConfig fields; `max_sequences` is the verifier's and drafter's (a
+    coordinator's: `coordinator_max_sequences=N` among the coordinator overrides)."""
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes, **(service_overrides or {}))
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
@@ -193,6 +194,8 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
         dserver, dport = loop.run(create_drafter(f"{HOST}:0", dconfig, p.drafter))
         p.servers.append((dserver, p.drafter))
         p.addresses["drafter"] = f"{HOST}:{dport}"
+    if "coordinator_max_sequences" in coordinator_overrides:
+        coordinator_overrides["max_sequences"] = coordinator_overrides.pop("coordinator_max_sequences")
     p.coordinator, p.addresses["coordinator"] = p.add_coordinator(redis, **coordinator_overrides)
     return p
 

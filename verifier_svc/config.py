@@ -24,6 +24,7 @@ MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's ow
 from services.rpc.config import DTYPE_NAMES, ConfigError, dtype_flag, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
+DEFAULT_MAX_SEQUENCES = 64  # the drafter's default too (drafter_svc/config.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class VerifierConfig:
     target: str | None = None  # HF directory or .gguf; None = the default SmolLM2 GGUF
     dtype: str | None = None  # None = the device's default (bf16 on a GPU, fp32 on the CPU)
     device: str | None = None  # cpu | cuda | cuda:N; None = AERIE_DEVICE, else cuda when available, else cpu
-    max_sequences: int = 64  # sequences holding KV at once
+    max_sequences: int = DEFAULT_MAX_SEQUENCES  # sequences holding KV at once
     max_prompt_tokens: int = 8192  # longer prompts get RESOURCE_EXHAUSTED
     tp: int = 1  # tensor-parallel ranks (GPUs) of this verifier's group (services/dist)
     executor: str = "local"  # local: ranks as child processes; ray: Ray actors in a placement group
@@ -49,6 +50,8 @@ class VerifierConfig:
     kv_client_share: float = 0.5  # most of the KV budget one client identity holds while others want KV
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
+    max_model_len: int | None = None  # prompt + new tokens of one sequence (vLLM's); None = the model's context
+    gpu_memory_utilization: float | None = None  # CUDA: fraction of the GPU this process may fill (KV included)
 
     def __post_init__(self) -> None:
         if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:
@@ -88,6 +91,13 @@ class VerifierConfig:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"max_prompt_tokens must be >= 1; got {self.max_prompt_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2 (a prompt token and a new one); got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ConfigError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+            if self.kv_budget_mb is not None:
+                raise ConfigError("give --kv-budget-mb or --gpu-memory-utilization, not both: each sets the KV budget")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -99,7 +109,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=env("AERIE_TARGET"),
                    help="target model: HF directory or .gguf (AERIE_TARGET; default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", type=dtype_flag, default=env("AERIE_DTYPE"),
-                   help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
+                   help="weights and activations: auto, bf16, fp16 (CUDA only), fp32 or int8 (AERIE_DTYPE; default: "
+                        "bf16 on a GPU, fp32 on the CPU)")
     g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
     g.add_argument("--tp", type=int, default=env("AERIE_TP_SIZE", 1),
                    help="tensor-parallel group size: the target sharded over this many ranks (AERIE_TP_SIZE)")
@@ -109,7 +120,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout-s", type=float, default=env("AERIE_TP_TIMEOUT_S", 30.0),
                    help="deadline of every collective of the group: a dead rank gives UNAVAILABLE and health "
                         "NOT_SERVING within it (AERIE_TP_TIMEOUT_S)")
-    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
+    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", DEFAULT_MAX_SEQUENCES),
                    help="sequences holding KV at once (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-prompt-tokens", type=int, default=env("AERIE_MAX_PROMPT_TOKENS", 8192),
                    help="longest prompt accepted (AERIE_MAX_PROMPT_TOKENS)")
@@ -138,6 +149,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "for KV; alone it may use all of it (AERIE_KV_CLIENT_SHARE, 0.5)")
     g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
                    help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
+    g.add_argument("--max-model-len", type=int, default=env("AERIE_MAX_MODEL_LEN"),
+                   help="the most tokens one sequence may span, prompt + new tokens (vLLM's flag; "
+                        "AERIE_MAX_MODEL_LEN; default: the model's context; more than it is refused at start)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=env("AERIE_GPU_MEMORY_UTILIZATION"),
+                   help="vLLM's flag. On CUDA: the fraction of the GPU's total memory this process may fill; the KV "
+                        "budget is that minus the memory in use after the model loaded. On the CPU: accepted, NO "
+                        "effect (a warning; --kv-budget-share applies) (AERIE_GPU_MEMORY_UTILIZATION; default: "
+                        "--kv-budget-share of the free memory)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
                    help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES; default: 512)")
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
@@ -152,5 +171,6 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
                           kv_budget_mb=args.kv_budget_mb, kv_budget_share=args.kv_budget_share, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
                           prefill_chunk=args.prefill_chunk, itl_target_ms=args.itl_target_ms,
-                          kv_client_share=args.kv_client_share,
+                          kv_client_share=args.kv_client_share, max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)

@@ -17,7 +17,7 @@ from services.engine.calibration import target_costs
 from services.rpc import server as rpc_server
 from services.rpc.stubs import verifier_grpc
 from verifier_svc.config import VerifierConfig
-from verifier_svc.servicer import VerifierServicer
+from verifier_svc.servicer import VerifierServicer, context_limit
 
 SERVICE_NAME = "aerie.v1.Verifier"
 log = logging.getLogger("aerie.verifier")
@@ -35,6 +35,7 @@ def load_servicer(config: VerifierConfig) -> VerifierServicer:
     local = build_local_engine(config.target, "none", dtype, device=device)
     engine = local.engine
     target = engine.verifier.target
+    context_limit(target.config.max_context, config.max_model_len)  # a bad --max-model-len: before calibrating
     # t_verify for the coordinator's budget: measured once per device/model/dtype/threads, cached
     costs = target_costs(target, f"{local.model_dir}|{dtype}")
     return VerifierServicer(target, config, local.target_path, engine.eos_token_ids, costs)

@@ -35,11 +35,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from services.device import free_memory_bytes
+from services.device import device_memory, free_memory_bytes, is_gpu
 from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
 from services.engine.step_scheduler import step_rows
@@ -52,6 +53,7 @@ from services.model.kv_pool import KVPool
 from services.model.runner import ModelRunner, pool_for
 from services.model.target import TargetModel
 from services.rpc import codec
+from services.rpc.config import ConfigError
 from services.rpc.errors import rpc_errors
 from services.rpc.reaper import IdleSequences, Reaper
 from services.rpc.server import batch_observer, timed
@@ -104,9 +106,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.target_path = target_path
         self.eos_token_ids = eos_token_ids
         self.vocab_size = target.config.vocab_size
+        self.max_context = context_limit(target.config.max_context, config.max_model_len)  # GetInfo's
         # capacity = prompt + max_new_tokens (<= max_context) + one tree, capped by this server's config
         # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
-        self.max_capacity = config.max_sequence_rows or target.config.max_context + config.max_tree_nodes
+        self.max_capacity = config.max_sequence_rows or self.max_context + config.max_tree_nodes
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
         if runner is None and target.device.type == "cuda":
             # the paged arena is allocated once, at start: size it by the KV budget itself
@@ -271,7 +274,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     async def GetInfo(self, request: pb.InfoRequest, context) -> vpb.VerifierInfo:
         cfg = self.target.config
         info = vpb.VerifierInfo(target=self.target_path, dtype=codec.dtype_name(self.target.dtype),
-                                vocab_size=cfg.vocab_size, max_context=cfg.max_context,
+                                vocab_size=cfg.vocab_size, max_context=self.max_context,
                                 eos_token_ids=list(self.eos_token_ids), max_sequences=self.config.max_sequences,
                                 num_sequences=self.num_sequences, max_prompt_tokens=self.config.max_prompt_tokens,
                                 prefill_chunk=self.prefill_chunk)
@@ -411,11 +414,36 @@ def _check_round(round_index: int) -> None:
         raise InvalidRequest(f"round_index must be >= 1 (0 is the prefill); got {round_index}")
 
 
-def kv_budget_rows(config: VerifierConfig, bytes_per_row: int, device: str) -> int | None:
-    """The KV pool's rows budget: --kv-budget-mb, else --kv-budget-share of the device's free memory
-    now (the model is loaded), else None (unbounded: --kv-budget-share 0)."""
+def context_limit(model_context: int, max_model_len: int | None) -> int:
+    """The tokens one sequence may span: --max-model-len, which may lower the model's context but
+    never raise it (vLLM refuses the same at start), else the model's context."""
+    if max_model_len is None:
+        return model_context
+    if max_model_len > model_context:
+        raise ConfigError(f"--max-model-len {max_model_len} is larger than the model's context of {model_context} "
+                          f"tokens (config.json); give at most {model_context}")
+    return max_model_len
+
+
+def kv_budget_rows(config: VerifierConfig, bytes_per_row: int, device: str,
+                   memory: Callable[[str], tuple[int, int]] = device_memory) -> int | None:
+    """The KV pool's rows budget: --kv-budget-mb, else on CUDA --gpu-memory-utilization F (F x the
+    GPU's total memory, less what is in use now that the model is loaded: `memory(device)` ->
+    (free, total) bytes), else --kv-budget-share of the device's free memory now, else None
+    (unbounded: --kv-budget-share 0). On the CPU --gpu-memory-utilization has no effect (a warning)."""
+    util = config.gpu_memory_utilization
+    if util is not None and not is_gpu(device):
+        log.warning("--gpu-memory-utilization %g has no effect on the CPU: the KV budget is --kv-budget-share of "
+                    "the free memory (or --kv-budget-mb)", util)
     if config.kv_budget_mb is not None:
         budget = int(config.kv_budget_mb * 2 ** 20)
+    elif util is not None and is_gpu(device):
+        free, total = memory(device)
+        budget = int(util * total) - (total - free)
+        if budget < bytes_per_row:
+            raise ConfigError(f"--gpu-memory-utilization {util:g} leaves no KV memory: {(total - free) / 2 ** 30:.1f} "
+                              f"GiB of the GPU's {total / 2 ** 30:.1f} GiB are in use after loading the model, more "
+                              f"than {util:g} of it; raise it or free the GPU")
     elif config.kv_budget_share > 0:
         budget = int(config.kv_budget_share * free_memory_bytes(device))
     else:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+from services.device import check_dtype
 from services.errors import InvalidRequest
 
 log = logging.getLogger("aerie.dist")
@@ -29,7 +30,7 @@ EXECUTORS = ("local", "ray")
 class GroupSpec:
     world: int  # ranks (GPUs) in the group
     target: str  # HF directory or .gguf (resolved: never None here)
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (CUDA only: services.device.check_dtype)
     device: str = "cpu"  # cpu | cuda (rank r of a local group: cuda:r)
     layout: str | None = None  # linear weight layout (loading.default_layout() when None)
     timeout_s: float = 30.0  # deadline of every collective
@@ -39,8 +40,9 @@ class GroupSpec:
     def __post_init__(self) -> None:
         if self.world < 1:
             raise InvalidRequest(f"--tp must be >= 1; got {self.world}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise InvalidRequest(f"tensor parallelism runs fp32 or bf16 weights; got --dtype {self.dtype}")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise InvalidRequest(f"tensor parallelism runs fp32, bf16 or fp16 weights; got --dtype {self.dtype}")
+        check_dtype(self.dtype, self.device)
         if self.device.startswith("cuda:") and self.world > 1:
             raise InvalidRequest(f"--device {self.device} names one GPU; a group of {self.world} ranks uses "
                                  f"--device cuda (rank r on cuda:r, or one GPU per Ray bundle)")

@@ -219,8 +219,9 @@ class Engine:
             raise InvalidRequest(f"max_new_tokens must be >= 1; got {req.max_new_tokens}")
         total = len(req.prompt_ids) + req.max_new_tokens
         if total > self.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
+            raise InvalidRequest(  # vLLM's words first: clients and eval harnesses match them
+                f"This model's maximum context length is {self.max_context} tokens. However, you requested {total} "
+                f"tokens: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                 f"exceeds the model context of {self.max_context} tokens")
 
     def stop_ids(self, req: GenerationRequest) -> frozenset[int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from services.device import default_draft_dtype, is_gpu
+from services.device import check_dtype, default_draft_dtype, is_gpu
 from services.engine.calibration import head_costs, load_report, target_costs
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine
@@ -24,7 +24,7 @@ from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
 # NOT lossless on the default model: docs/design.md "Cheaper rounds").
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 DRAFT_DTYPES = ("fp32", "bf16", "int8")  # the default: services.device.default_draft_dtype
 # The trained head for the default model, shipped in the repository (issue: default model).
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
@@ -111,6 +111,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
         raise CheckpointError(f"draft dtype must be one of {list(DRAFT_DTYPES)}; got {draft_dtype!r}")
     gpu = is_gpu(device)
+    check_dtype(dtype, device)
     if gpu and "int8" in (dtype, draft_dtype):
         raise CheckpointError("int8 linears are CPU-only (torch's dynamic int8 kernels): use --dtype/--draft-dtype "
                               "bf16 or fp32 with --device cuda")

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from services.errors import AerieError
 
-DTYPE_NAMES = ("bf16", "fp32", "int8")  # the keys of services.engine.local.DTYPES, named without importing torch
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "int8")  # the keys of services.engine.local.DTYPES, named without importing torch
 # --dtype's accepted spellings (vLLM's and PyTorch's too) -> a DTYPE_NAMES key; auto -> None (the
 # device's default: bf16 on a GPU, fp32 on the CPU, services/device.py)
 DTYPE_ALIASES = {"auto": None, "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32",
-                 "float": "fp32", "int8": "int8"}
+                 "float": "fp32", "int8": "int8", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default
 MESSAGE_OVERHEAD = 16 * 1024  # room for the non-tensor fields of a message carrying a tensor chunk
 
@@ -35,12 +35,9 @@ class ConfigError(AerieError, ValueError):
 def dtype_flag(text: str) -> str | None:
     """--dtype's argparse type: a DTYPE_ALIASES spelling -> its DTYPE_NAMES key, None for auto."""
     key = text.strip().lower()
-    if key in ("float16", "fp16", "half"):
-        raise argparse.ArgumentTypeError(
-            f"{text} is not supported: aerie has no fp16 path; bfloat16 takes the same memory with fp32's range "
-            f"and is the GPU default: pass auto, bfloat16 or float32")
     if key not in DTYPE_ALIASES:
-        raise argparse.ArgumentTypeError(f"must be auto, bfloat16 (bf16), float32 (fp32) or int8; got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be auto, bfloat16 (bf16), float16 (fp16, half), float32 (fp32) or "
+                                         f"int8; got {text!r}")
     return DTYPE_ALIASES[key]
 
 

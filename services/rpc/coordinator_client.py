@@ -263,7 +263,7 @@ def connect(address: str | Sequence[str], target: str | None, timeout_s: float |
                 if e.code != grpc.StatusCode.UNAVAILABLE or i == len(session.addresses) - 1:
                     raise
         session.target_path = served.target
-        session.dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(served.dtype, served.dtype)
+        session.dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(served.dtype, served.dtype)
         source = served_tokenizer_source(target, served.target, session.address)
         session.tokenizer = load_tokenizer(source) if source is not None else None
     except BaseException:

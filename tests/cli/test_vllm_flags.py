@@ -29,14 +29,14 @@ def parse(command, *argv):
 
 @pytest.mark.parametrize("command", ["generate", "up", "serve", "bench"])
 @pytest.mark.parametrize("given,dtype", [("auto", None), ("bfloat16", "bf16"), ("bf16", "bf16"),
-                                         ("float32", "fp32"), ("float", "fp32"), ("int8", "int8")])
+                                         ("float32", "fp32"), ("float", "fp32"), ("int8", "int8"),
+                                         ("float16", "fp16"), ("half", "fp16"), ("fp16", "fp16")])
 def test_dtype_names(command, given, dtype):
     assert parse(command, "--dtype", given).dtype == dtype  # None: the device's default
 
 
-@pytest.mark.parametrize("given,message", [("float16", "float16 is not supported: aerie has no fp16 path"),
-                                           ("half", "half is not supported"),
-                                           ("fp64", "must be auto, bfloat16 (bf16), float32 (fp32) or int8")])
+@pytest.mark.parametrize("given,message", [("fp64", "must be auto, bfloat16 (bf16), float16 (fp16, half), float32 "
+                                                   "(fp32) or int8; got 'fp64'")])
 def test_refused_dtypes(capsys, given, message):
     with pytest.raises(SystemExit) as e:
         parse("generate", "--dtype", given)
@@ -110,8 +110,8 @@ def test_serve_takes_vllm_names():
     assert role_flags(args, "verifier") == ["--log-level", "WARNING", "--max-sequences", "8", "--kv-budget-mb", "512.0"]
     assert role_flags(args, "drafter") == ["--log-level", "WARNING", "--max-sequences", "8"]
     assert "--served-model-name" not in role_flags(args, "coordinator")  # `aerie serve` fills it in cmd_serve
-    named = parse("serve", "--served-model-name", "m", "org/x")  # MODEL after the name: one value, not a list
-    assert (named.served_model_name, named.target) == ("m", "org/x")
+    named = parse("serve", "org/x", "--served-model-name", "m")
+    assert (named.served_model_name, named.target) == (["m"], "org/x")
     assert role_flags(named, "coordinator")[-2:] == ["--served-model-name", "m"]
     assert parse("serve", "--model", "org/m").target == "org/m"
     assert parse("serve").http_port == 8000 and parse("serve").port == 50051  # vLLM's HTTP port, aerie's gRPC
@@ -189,3 +189,84 @@ def test_overlap_flag_reaches_the_coordinators_and_its_config():
         parse("up", "--overlap", "sometimes")
     with pytest.raises(ConfigError, match="overlap must be one of off, on, always; got 'sometimes'"):
         CoordinatorConfig(ServiceConfig(), verifiers=("127.0.0.1:1",), overlap="sometimes")
+
+
+def test_float16_runs_on_cuda_only(capsys):
+    """float16 is accepted by name (vLLM's --dtype half) and refused on the CPU before anything loads:
+    mapped to nothing else, since that would change the numbers asked for."""
+    from services.device import check_dtype
+    from services.engine.local import DTYPES
+
+    check_dtype("fp16", "cuda:0")  # no GPU needed to accept it there
+    with pytest.raises(InvalidRequest, match=r"--dtype float16 runs on CUDA only \(this device: cpu\)"):
+        check_dtype("fp16", "cpu")
+    import torch
+
+    assert DTYPES["fp16"] is torch.float16
+    assert main(["generate", "--prompt-ids", "1", "--dtype", "half", "--device", "cpu"]) == 2
+    assert "--dtype float16 runs on CUDA only" in capsys.readouterr().err
+    assert main(["serve", "--dtype", "float16", "--device", "cpu"]) == 2  # before Redis or any service starts
+    assert "--dtype float16 runs on CUDA only" in capsys.readouterr().err
+
+
+def test_serve_forwards_max_model_len_and_gpu_memory_utilization():
+    args = parse("serve", "org/m", "--max-model-len", "2048", "--gpu-memory-utilization", "0.85")
+    assert role_flags(args, "verifier") == ["--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]
+    assert role_flags(args, "drafter") == [] and "--max-model-len" not in role_flags(args, "coordinator")
+    p = argparse.ArgumentParser()
+    add_verifier_flags(p)
+    assert p.parse_args(["--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]).max_model_len == 2048
+
+
+def test_serve_forwards_the_queue_bounds():
+    args = parse("serve", "org/m", "--max-num-seqs", "4", "--max-queued-requests", "16", "--queue-timeout-s", "30")
+    assert role_flags(args, "coordinator") == ["--max-sequences", "4", "--max-queued-requests", "16",
+                                               "--queue-timeout-s", "30"]
+
+
+def test_without_max_num_seqs_the_coordinators_queue_at_what_the_pools_hold(monkeypatch):
+    """The verifiers and drafters hold 64 sequences each by default: the coordinators admit that many
+    (split between them) and queue the rest, instead of a full verifier refusing them."""
+    monkeypatch.delenv("AERIE_MAX_SEQUENCES", raising=False)
+    assert role_flags(parse("serve", "org/m"), "coordinator") == ["--max-sequences", "64"]
+    assert role_flags(parse("up", "--verifiers", "3", "--drafters", "2", "--coordinators", "2"),
+                      "coordinator") == ["--max-sequences", "64"]  # 64 x min(3, 2) / 2
+    assert role_flags(parse("up", "--verifiers", "2", "--drafters", "0"), "coordinator") == ["--max-sequences", "128"]
+    assert "--max-sequences" not in role_flags(parse("serve", "org/m"), "verifier")  # its own default
+    monkeypatch.setenv("AERIE_MAX_SEQUENCES", "10")  # every service's, as the user set it
+    assert role_flags(parse("serve", "org/m"), "coordinator") == []
+
+
+def test_several_served_model_names():
+    args = parse("serve", "org/m", "--served-model-name", "a", "b", "--served-model-name", "c")
+    assert role_flags(args, "coordinator")[-4:] == ["--served-model-name", "a", "b", "c"]
+    up = parse("up", "--served-model-name", "a", "b")  # aerie up has no MODEL to swallow: the default model
+    assert up.served_model_name == ["a", "b"] and up.target is None
+    from coordinator import config as coordinator_config
+
+    p = argparse.ArgumentParser()
+    coordinator_config.add_flags(p)
+    config = coordinator_config.from_args(p.parse_args(["--verifiers", "h:1", "--served-model-name", "a", "b"]))
+    assert (config.served_model_name, config.model_aliases) == ("a", ("b",))
+    with pytest.raises(ConfigError, match="distinct non-empty names"):
+        coordinator_config.from_args(p.parse_args(["--verifiers", "h:1", "--served-model-name", "a", "a"]))
+
+
+def test_served_names_from_the_environment(monkeypatch):
+    from coordinator import config as coordinator_config
+
+    monkeypatch.setenv("AERIE_SERVED_MODEL_NAME", "a, b")
+    p = argparse.ArgumentParser()
+    coordinator_config.add_flags(p)
+    config = coordinator_config.from_args(p.parse_args(["--verifiers", "h:1"]))
+    assert (config.served_model_name, config.model_aliases) == ("a", ("b",))
+
+
+def test_serve_refuses_a_model_swallowed_as_a_served_name(capsys):
+    """vLLM's --served-model-name takes several values, so `--served-model-name m org/x` names two models
+    and serves none given: refused, saying how to write it."""
+    assert main(["serve", "--served-model-name", "m", "org/x"]) == 2
+    err = capsys.readouterr().err
+    assert "--served-model-name took m org/x as names and no MODEL is given; put MODEL first" in err
+    args = parse("serve", "--served-model-name", "a", "--served-model-name", "b")  # repeated: the default model
+    assert args.served_model_name == ["a", "b"] and args.target is None

@@ -48,10 +48,31 @@ def test_commits_are_idempotent_per_round(store):
 
 def test_keys_share_a_cluster_slot_and_expire(store):
     store.create(record("abc"))
-    store.commit("abc", 0, [1], None)
-    key, tokens = SequenceStore.keys("abc")
-    assert (key, tokens) == ("aerie:seq:{abc}", "aerie:seq:{abc}:tokens")
-    assert 0 < store.redis.ttl(key) <= 120 and 0 < store.redis.ttl(tokens) <= 120
+    store.commit("abc", 0, [1], None, logprobs=['[-0.5,[],[]]'])
+    key, tokens, logprobs = SequenceStore.keys("abc")
+    assert (key, tokens, logprobs) == ("aerie:seq:{abc}", "aerie:seq:{abc}:tokens", "aerie:seq:{abc}:logprobs")
+    assert all(0 < store.redis.ttl(k) <= 120 for k in (key, tokens, logprobs))
+
+
+def test_logprobs_are_kept_aligned_with_their_tokens(store):
+    from coordinator.stored_logprobs import from_rows, to_rows
+    from services.spec.logprobs import TokenLogprobs
+    import torch
+
+    lp = TokenLogprobs(torch.tensor([7, 8]), torch.tensor([-0.25, -1.5]), torch.tensor([[7, 1], [3, 8]]),
+                       torch.tensor([[-0.25, -2.0], [-0.5, -1.5]]))
+    store.create(record("lp"))
+    store.commit("lp", 0, [7], None, logprobs=to_rows(lp.head(1)))
+    store.commit("lp", 1, [8], None, logprobs=to_rows(TokenLogprobs(*(t[1:] for t in (
+        lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs)))))
+    assert not store.commit("lp", 1, [8], None, logprobs=['[0,[],[]]']).applied  # a replayed round: nothing twice
+    tail = store.tail("lp", 1)
+    back = from_rows(tail.tokens, tail.logprobs)
+    assert tail.tokens == [8] and back.top_ids.tolist() == [[3, 8]] and back.logprobs.tolist() == [-1.5]
+    whole = store.tail("lp", 0)
+    assert from_rows(whole.tokens, whole.logprobs).top_logprobs.tolist() == lp.top_logprobs.tolist()
+    with pytest.raises(ValueError, match="1 log-probability entries for 2 tokens"):
+        store.commit("lp", 2, [1, 2], None, logprobs=['[0,[],[]]'])
 
 
 def test_create_twice_and_unknown_sequences(store):

@@ -103,6 +103,32 @@ def test_completion_logprobs_are_the_targets(client, llama_pair):
     assert offsets == lp.text_offset
 
 
+def test_resume_streams_the_stored_logprobs(served, client):
+    """A Resume (another coordinator, a client that reconnects) carries the same log-probabilities as the
+    Generate stream: they are stored in Redis with the tokens."""
+    import grpc
+
+    from services.rpc.stubs import coordinator as cpb
+    from services.rpc.stubs import coordinator_grpc
+
+    r = client.completions.create(model="target", prompt=[5, 17, 9], max_tokens=10, temperature=0, logprobs=2,
+                                  extra_body={**RAW, "repetition_penalty": 1.0, "ignore_eos": True})
+    lp, seq_id = r.choices[0].logprobs, r.id.removeprefix("cmpl-")
+    with grpc.insecure_channel(served[0].addresses["coordinator"]) as channel:
+        stub = coordinator_grpc.CoordinatorStub(channel)
+        resumed = list(stub.Resume(cpb.ResumeRequest(sequence_id=seq_id, from_token_index=4), timeout=60))
+    got = [m.logprobs for m in resumed if m.HasField("logprobs")]
+    assert [t for m in got for t in m.token_ids] == [t for m in resumed for t in m.tokens] == words(r.choices[0].text)[4:]
+    assert [v for m in got for v in m.logprobs] == pytest.approx(lp.token_logprobs[4:], abs=1e-6)
+    assert [m.top for m in got] == [2] * len(got)
+    assert [t for m in got for t in m.top_texts] == [t for alt in lp.top_logprobs[4:] for t in alt]
+    plain = client.completions.create(model="target", prompt=[5, 17, 9], max_tokens=3, temperature=0)
+    with grpc.insecure_channel(served[0].addresses["coordinator"]) as channel:  # none asked: none stored
+        again = list(coordinator_grpc.CoordinatorStub(channel).Resume(
+            cpb.ResumeRequest(sequence_id=plain.id.removeprefix("cmpl-")), timeout=60))
+    assert not any(m.HasField("logprobs") for m in again)
+
+
 def test_chat_logprobs(client, llama_pair):
     r = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "t5 t6"}],
                                        max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
@@ -131,6 +157,9 @@ BAD = [  # (endpoint, fields, param, text the message must contain)
     ("completions", {"stop_token_ids": ["x"]}, "stop_token_ids", "stop_token_ids must be"),
     ("completions", {"stop_token_ids": [100000]}, "stop_token_ids", "outside the vocabulary"),
     ("completions", {"metadata": {"a": 1}}, "metadata", "metadata must be"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "does not compute the prompt's log-probabilities"),
+    ("chat", {"prompt_logprobs": 0}, "prompt_logprobs", "prefill keeps the logits of the prompt's last row only"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo", "echo returns the prompt with its log-probabilities"),
     ("completions", {"max_tokens": CAP + 1}, "max_tokens", f"max_tokens must be <= {CAP}"),
     ("chat", {"max_completion_tokens": CAP + 1}, "max_completion_tokens", f"<= {CAP}"),
     ("completions", {"prompt": [5] * 450, "max_tokens": CAP}, "max_tokens", "max_tokens (100)"),

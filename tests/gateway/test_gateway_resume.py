@@ -1,7 +1,7 @@
 """An HTTP stream outlives its coordinator (gateway/resume.py): the gateway runs as a process of its
 own (`aerie gateway --coordinators A,B`) in front of two coordinator processes; kill -9 of the
 coordinator an SSE stream is on, and the stream goes on through Resume on the other one, with
-exactly the text of an undisturbed answer and no error event.
+exactly the text and the log-probabilities of an undisturbed answer and no error event.
 
 The in-process verifier holds the rounds after the fourth until the kill has happened, so the kill
 lands mid-stream whatever the speed of the machine (an order of events, not a timing)."""
@@ -22,7 +22,8 @@ from tests.coordinator.test_client_resume import Coordinators
 from tests.pipeline import HOST, start_pipeline, wait_until
 
 RAW = {"skip_special_tokens": False}  # the tiny vocabulary: text equality is token equality
-BODY = {"prompt": [5, 17, 99, 3, 42, 8], "max_tokens": 120, "temperature": 0, "ignore_eos": True, **RAW}
+BODY = {"prompt": [5, 17, 99, 3, 42, 8], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+        **RAW}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_an_http_stream_continues_after_its_coordinator_is_killed(pipeline, gate
             return run(calls)
 
         engine.run = held
-        text, reasons, errors = [], [], []
+        text, reasons, errors, logprobs = [], [], [], []
         try:
             with client.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True}) as r:
                 assert r.status_code == 200
@@ -85,6 +86,7 @@ def test_an_http_stream_continues_after_its_coordinator_is_killed(pipeline, gate
                     choice = event["choices"][0]
                     text.append(choice["text"])
                     reasons.append(choice["finish_reason"])
+                    logprobs += (choice["logprobs"] or {}).get("token_logprobs", [])
                     if not killed.is_set() and "".join(text).strip():
                         procs[first].kill()  # kill -9 of the coordinator the stream is on
                         procs[first].wait(30)
@@ -95,6 +97,8 @@ def test_an_http_stream_continues_after_its_coordinator_is_killed(pipeline, gate
     assert errors == []
     assert "".join(text) == expected  # no gap, no duplicate
     assert reasons[-1] == "length"
+    # the log-probabilities too, after the break (stored in Redis; the adopter's rebuilt KV: fp32 rounding)
+    assert logprobs == pytest.approx(undisturbed["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
 
 
 def _events(response):

@@ -44,6 +44,8 @@ CASES = [  # (route, body changes, accepted?)
     ("completions", {"presence_penalty": 0.0}, True), ("completions", {"presence_penalty": 0.5}, False),
     ("completions", {"logit_bias": {}}, True), ("completions", {"logit_bias": {"5": 1.0}}, False),
     ("completions", {"echo": False}, True), ("completions", {"echo": True}, False),
+    ("completions", {"prompt_logprobs": None}, True), ("completions", {"prompt_logprobs": 1}, False),
+    ("completions", {"prompt_logprobs": 0}, False), ("chat", {"prompt_logprobs": 2}, False),
     ("completions", {"suffix": "x"}, False),
     ("completions", {"stream": True, "stream_options": {"include_usage": True}}, True),
     ("completions", {"stream": 1}, False),
@@ -117,6 +119,37 @@ def test_vllm_routes_agree():
         detokenize_request({"tokens": "x"})
     with pytest.raises(ValidationError):
         schema.DetokenizeRequest.model_validate({"tokens": "x"})
+
+
+@pytest.mark.parametrize("route,body,param,message", [
+    ("detokenize", {"tokens": [5], "extra": 1}, "extra", "unrecognized request argument: extra=1"),
+    ("detokenize", {}, "tokens", "tokens is required"),
+    ("detokenize", {"tokens": [5, "x"]}, "tokens[1]", "tokens[1]: Input should be a valid integer; got 'x'"),
+    ("detokenize", {"tokens": [True]}, "tokens[0]", "got True"),
+    ("detokenize", {"tokens": [-1]}, "tokens[0]", "greater than or equal to 0; got -1"),
+    ("detokenize", {"tokens": [2**63]}, "tokens[0]", "got 9223372036854775808"),
+    ("detokenize", [5], "body", "must be a JSON object; got list"),
+    ("tokenize", {"prompt": ""}, "prompt", "prompt: String should have at least 1 character; got ''"),
+    ("tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
+     "got [{'type': 'image_url'}]"),
+    ("tokenize", {"messages": [{"content": "t5"}]}, "messages[0].role", "messages[0].role is required"),
+    ("tokenize", {"messages": [USER], "add_generation_prompt": False}, "add_generation_prompt",
+     "add_generation_prompt=False is not supported: Input should be True"),
+    ("tokenize", {"prompt": "x", "messages": [USER]}, "prompt", "give exactly one of prompt and messages"),
+    ("tokenize", {}, "prompt", "give exactly one of prompt and messages"),
+])
+def test_vllm_routes_are_validated_by_their_models(route, body, param, message):
+    """/tokenize and /detokenize: the typed model is the validation (gateway/validation.py); the 400
+    names the field as the body spells it, its value and the model's reason."""
+    parse = tokenize_request if route == "tokenize" else detokenize_request
+    with pytest.raises(BadParameter) as e:
+        parse(body)
+    assert e.value.param == param and message in str(e.value), (e.value.param, str(e.value))
+    msg, strs = tokenize_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                           {"type": "text", "text": "b"}]}],
+                                  "return_token_strs": True})
+    assert (msg.messages[0].content, strs) == ("ab", True)
+    assert list(detokenize_request({"tokens": [0, 2**63 - 1]}).tokens) == [0, 2**63 - 1]
 
 
 def test_openapi_document_lists_every_route_and_field():

@@ -68,6 +68,11 @@ NOT_SET_BY_CHART = {
     "AERIE_CUDA_GRAPHS": "CUDA graphs on GPU, on by default; extraEnv AERIE_CUDA_GRAPHS=0 runs eagerly",
     "AERIE_FUSE": "compiled fused stages on GPU, on by default; extraEnv AERIE_FUSE=0 keeps them eager",
     "AERIE_OFFLINE": "the chart sets HF_HUB_OFFLINE=1 instead (the same switch, huggingface_hub's name)",
+    # vLLM's serving limits (docs/cli.md): not values yet; extraEnv sets them
+    "AERIE_MAX_MODEL_LEN": "verifier: vLLM's --max-model-len; default the model's context; extraEnv caps it",
+    "AERIE_GPU_MEMORY_UTILIZATION": "verifier on CUDA: vLLM's KV sizing; the chart's pods use AERIE_KV_BUDGET_SHARE",
+    "AERIE_MAX_QUEUED_REQUESTS": "coordinator admission queue length; the default (1024) fits",
+    "AERIE_QUEUE_TIMEOUT_S": "coordinator admission queue wait; the default (600 s) fits",
 }
 
 

@@ -1,6 +1,8 @@
 """`aerie serve ORG/NAME` as a vLLM user runs it: the model and its head named by Hub ids found in a
 Hugging Face cache (HF_HUB_OFFLINE=1, never the network), the HTTP API on --port, the model listed
-under the name typed, an API key from the environment, every internal port pinned; SIGTERM stops it."""
+under the name typed, an API key from the environment, every internal port pinned, vLLM's
+--max-model-len / --gpu-memory-utilization (no effect on the CPU) and the queue bounds passed on;
+SIGTERM stops it."""
 
 import os
 import re
@@ -40,7 +42,8 @@ def test_serve_a_hub_id_with_pinned_ports_and_an_api_key(model_dirs, tmp_path):
             "--speculative-num-steps", str(TREE.depth + 1), "--speculative-num-draft-tokens", str(TREE.size),
             "--port", str(http), "--grpc-port", str(grpc_port), "--redis-port", str(redis),
             "--verifier-port", str(verifier), "--drafter-port", str(drafter), "--metrics-port", str(metrics),
-            "--max-num-seqs", "4", "--log-level", "WARNING"]
+            "--max-num-seqs", "4", "--log-level", "WARNING", "--max-model-len", "200", "--gpu-memory-utilization",
+            "0.9", "--max-queued-requests", "8", "--queue-timeout-s", "60"]
     serve = subprocess.Popen([sys.executable, "-m", "aerie_cli", *argv], stdout=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     try:
@@ -62,6 +65,10 @@ def test_serve_a_hub_id_with_pinned_ports_and_an_api_key(model_dirs, tmp_path):
         assert httpx.get(f"{base}/models", timeout=30).status_code == 401
         models = httpx.get(f"{base}/models", headers=auth, timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["org/tiny"]  # vLLM's default name: the model as typed
+        assert models["data"][0]["max_model_len"] == 200  # --max-model-len reached the verifier
+        over = httpx.post(f"{base}/completions", headers=auth, timeout=60,
+                          json={"model": "org/tiny", "prompt": [5] * 10, "max_tokens": 191})
+        assert over.status_code == 400 and "maximum context length is 200 tokens" in over.json()["error"]["message"]
         r = httpx.post(f"{base}/completions", headers=auth, timeout=60,
                        json={"model": "org/tiny", "prompt": [5, 17, 99, 3, 42], "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text

@@ -70,7 +70,7 @@ class GenerationDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class CoordinatorInfo(_message.Message):
-    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree", "model", "max_context", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured", "generation_defaults")
+    __slots__ = ("target", "dtype", "vocab_size", "draft", "tree", "model", "max_context", "text", "chat_template", "max_new_tokens", "verifiers_ready", "drafters_ready", "drafters_configured", "generation_defaults", "model_aliases")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class CoordinatorInfo(_message.Message):
     DRAFTERS_READY_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ALIASES_FIELD_NUMBER: _ClassVar[int]
     target: str
     dtype: str
     vocab_size: int
@@ -99,7 +100,8 @@ class CoordinatorInfo(_message.Message):
     drafters_ready: int
     drafters_configured: int
     generation_defaults: GenerationDefaults
-    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
+    model_aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, target: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., text: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verifiers_ready: _Optional[int] = ..., drafters_ready: _Optional[int] = ..., drafters_configured: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., model_aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_ids", "ignore_eos", "sequence_id", "prompt", "messages", "skip_chat_template", "stop", "skip_special_tokens")
