@@ -561,8 +561,13 @@ def test_clients_reach_coordinators(default_render, external_render):
     assert "from" not in rule
     labels = pod_labels(external_render, "coordinator")
     [policy] = [p for p in external_render.kind("NetworkPolicy") if selects(p, labels)]
-    [rule] = policy["spec"]["ingress"]
+    rule, gateway = policy["spec"]["ingress"]
     assert rule["from"] == external_render.values["networkPolicy"]["clientsFrom"]
+    # the HTTP gateway's pods reach the coordinators' gRPC port whatever clientsFrom admits
+    assert gateway["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    assert gateway["from"] == [{"podSelector": {"matchLabels": {
+        k: v for k, v in pod_labels(external_render, "gateway").items()
+        if k in external_render.component("gateway")["spec"]["selector"]["matchLabels"]}}}]
 
 
 def test_metrics_are_opened_only_to_metrics_from(scale_render, default_render):
