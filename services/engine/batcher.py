@@ -98,8 +98,8 @@ class Batcher(Generic[C]):
         is); `step_rows`: the token budget of one step (services/engine/step_scheduler.py; None =
         `max_rows` only). `split(call, rows)`: (its first `rows` rows, the rest), for the calls
         `splittable(call)` allows (None: no call is cut). `decoding`: how many sequences decode here;
-        the budget applies only while one does (None: always). `clock`: seconds, for a batch's run time and the gathering
-        deadline (tests pass a manual clock, so what they assert does not follow the machine's
+        the budget applies only while one does (None: always). `clock`: seconds, for a batch's run
+        time and the gathering deadline (tests pass a manual clock, so what they assert does not follow the machine's
         speed); the queue's admission deadline is always real time."""
         self.name = name
         self.limits = limits
