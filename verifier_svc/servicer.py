@@ -172,7 +172,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
                                               on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind),
-                                              prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall)),
+                                              prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall, Slice)),
                                               step_rows=self.step_rows, split=_split, splittable=self._splittable,
                                               decoding=lambda: len(self._kind) - len(self._prefilling))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped

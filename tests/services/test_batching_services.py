@@ -233,9 +233,9 @@ def test_chunked_prefill_equals_one_forward_and_lets_rounds_in_between(pipeline,
 
 
 def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipeline, model_dirs):
-    """A 16-row step budget: while another sequence decodes here, each 28-row chunk of a 56-token
-    prompt sent chunk by chunk (as a coordinator sends it: offset, more) runs as two forwards
-    (16 + 12 rows) inside its one call; with
+    """An 8-row step budget: while another sequence decodes here, each 28-row chunk of a 56-token
+    prompt sent chunk by chunk (as a coordinator sends it: offset, more) runs as four forwards
+    (8 + 8 + 8 + 4 rows: a slice's rest is sliced again) inside its one call; with
     no other sequence the same chunks run one forward each. The first token, the features and the
     decoded tokens equal the unchunked verifier's."""
     from services.rpc import codec
@@ -248,7 +248,7 @@ def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipe
     servicer = VerifierServicer(base.target, config, base.target_path, base.eos_token_ids,
                                 CostCurve((1, 1000), (0.05, 1.049)))
     assert servicer.step_rows == 32 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
-    servicer.batcher.step_rows = 16  # the tiny model's 64-token context is below that floor: a 16-row budget
+    servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget
     server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
     pipeline.servers.append((server, servicer))
     sliced = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
@@ -281,7 +281,7 @@ def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipe
     other = prefill(sliced, "other", [4, 4])  # holds KV here and decodes next: the budget applies
     before = servicer.batcher.batches
     beside = run(sliced, "beside", 28)
-    assert servicer.batcher.batches - before == 4 + 3  # 16 + 12 rows per chunk, then 3 decodes
+    assert servicer.batcher.batches - before == 8 + 3  # 8 + 8 + 8 + 4 rows per chunk, then 3 decodes
     assert other >= 0
     expected = run(whole, "whole", 56)
     for tokens, features in (alone, beside):
