@@ -23,14 +23,14 @@ RAW = {"skip_special_tokens": False}  # the tiny vocabulary: text equality is to
 BODY = {"prompt": [5, 17, 99, 3, 42, 8], "max_tokens": 300, "temperature": 0, "ignore_eos": True, **RAW}
 
 
-def start_up(model_dirs, tmp_path):
+def start_up(model_dirs, tmp_path, *extra: str):
     env = {**os.environ, "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_LEASE_TTL_S": "1",
            "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_PROBE_INTERVAL_S": "0.5"}
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--draft-dtype", "fp32", "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth),
             "--tree-tokens", str(TREE.size), "--port", "0", "--http-port", "0", "--coordinators", "2",
-            "--state-file", str(state)]
+            "--state-file", str(state), *extra]
     up = subprocess.Popen([sys.executable, "-m", "aerie_cli", "up", *argv], stdout=subprocess.PIPE, text=True,
                           env=env)
     deadline = time.monotonic() + 240
@@ -40,12 +40,12 @@ def start_up(model_dirs, tmp_path):
         assert line or up.poll() is None, f"aerie up exited with {up.poll()}: {lines}"
         assert time.monotonic() < deadline, lines
         lines.append(line.strip())
-    return up, {p["role"] + str(i): p for role in ("coordinator", "verifier", "gateway")
+    return up, lines, {p["role"] + str(i): p for role in ("coordinator", "verifier", "gateway")
                 for i, p in enumerate(q for q in json.loads(state.read_text())["processes"] if q["role"] == role)}
 
 
 def test_an_http_stream_through_aerie_up_survives_its_coordinator(text_model_dirs, tmp_path):
-    up, procs = start_up(text_model_dirs, tmp_path)
+    up, _, procs = start_up(text_model_dirs, tmp_path)
     try:
         url = f"http://{procs['gateway0']['address']}"
         assert procs["coordinator0"]["address"] != procs["gateway0"]["address"]  # not inside a coordinator
@@ -83,6 +83,22 @@ def test_an_http_stream_through_aerie_up_survives_its_coordinator(text_model_dir
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(60)
+
+
+def test_gateway_coordinator_keeps_the_api_inside_the_first_coordinator(text_model_dirs, tmp_path):
+    """`--gateway coordinator`: no gateway process; the HTTP API answers from the first coordinator."""
+    up, lines, procs = start_up(text_model_dirs, tmp_path, "--gateway", "coordinator")
+    try:
+        assert "gateway0" not in procs
+        [http] = [line for line in lines if line.startswith("http ")]
+        assert "inside the first coordinator" in http
+        url = http.split()[1].removesuffix("/v1")
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={**BODY, "max_tokens": 5}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
 
 
 def _events(response):
