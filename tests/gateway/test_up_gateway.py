@@ -101,6 +101,23 @@ def test_gateway_coordinator_keeps_the_api_inside_the_first_coordinator(text_mod
         assert up.wait(60) == 0
 
 
+def test_the_gateway_process_takes_the_api_key(text_model_dirs, tmp_path):
+    """`aerie up --api-key`: the gateway refuses a caller without the key (401), serves one with it,
+    and answers /health with its own token (identity `gateway`, generated per run)."""
+    key = "sk-up-gateway-0123456789"
+    up, _, procs = start_up(text_model_dirs, tmp_path, "--api-key", key)
+    try:
+        url = f"http://{procs['gateway0']['address']}"
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        body = {**BODY, "max_tokens": 5}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+
+
 def _events(response):
     for line in response.iter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
