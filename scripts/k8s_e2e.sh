@@ -350,10 +350,14 @@ wait_ready() {  # component count seconds
     die "$1: $2 pods not Ready within $(( $3 * 2 ))s"
 }
 
-port_forward() {
+port_forward() {  # to the HTTP gateway's pod (the chart's default), else a coordinator's own HTTP API
     kill_pid port-forward
-    local pod; pod=$(kc get pods -l "app.kubernetes.io/instance=$RELEASE,app.kubernetes.io/component=coordinator" \
+    local component=gateway
+    [ -n "$(kc get pods -l "app.kubernetes.io/instance=$RELEASE,app.kubernetes.io/component=gateway" -o name)" ] \
+        || component=coordinator
+    local pod; pod=$(kc get pods -l "app.kubernetes.io/instance=$RELEASE,app.kubernetes.io/component=$component" \
         -o jsonpath='{.items[0].metadata.name}')
+    log "HTTP API through $component pod $pod"
     spawn port-forward kubectl -n "$NS" port-forward --address 127.0.0.1 "pod/$pod" "$GATEWAY_PORT:8000"
     wait_for 30 "port-forward to $pod" bash -c "exec 3<>/dev/tcp/127.0.0.1/$GATEWAY_PORT"
 }
@@ -385,6 +389,7 @@ PV
     wait_ready verifier 1 450
     wait_ready drafter 2 450
     wait_ready coordinator 1 450
+    wait_ready gateway 1 300
     log "TIME install-to-ready $(( $(date +%s) - t ))s"
     kc get pods -o wide >&2
     port_forward
@@ -409,6 +414,7 @@ PV
         || "$HELM" upgrade "$RELEASE" "$REPO/k8s/charts/aerie" -n "$NS" -f "$VALUES" --set verifier.groups=2
     wait_ready verifier 2 450
     wait_ready coordinator 1 300
+    wait_ready gateway 1 300
     port_forward
     AERIE_E2E_BASE_URL="https://127.0.0.1:$GATEWAY_PORT/v1" AERIE_E2E_CA="$STATE/client/ca.crt" \
     AERIE_E2E_TOKEN_FILE="$STATE/client/token" AERIE_E2E_STATE="$STATE" \

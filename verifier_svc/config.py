@@ -135,13 +135,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-wait-s", type=float, default=env("AERIE_KV_WAIT_S", 5.0),
                    help="how long a Prefill waits for KV under the budget (AERIE_KV_WAIT_S, 5)")
     g.add_argument("--prefill-chunk", type=int, default=env("AERIE_PREFILL_CHUNK", 512),
-                   help="prompt tokens per prefill forward, at most (cut to the step budget of --itl-target-ms); "
-                        "other sequences' rounds run between the chunks "
+                   help="prompt tokens per prefill call (the coordinator's chunk, each its own deadline) and, with "
+                        "no sequence decoding here, per forward; other sequences' rounds run between the chunks "
                         "(AERIE_PREFILL_CHUNK; default: 512; 0 = off: the whole prompt in one forward)")
     g.add_argument("--itl-target-ms", type=float, default=env("AERIE_ITL_TARGET_MS", 0.0),
                    help="inter-token latency target of one step: each step serves every running decode, then "
-                        "prefill rows up to the budget whose measured forward time fits this target; the "
-                        "prefill chunk is cut to that budget, e.g. 200 (AERIE_ITL_TARGET_MS; default: 0 = off: arrival "
+                        "prefill rows up to the budget whose measured forward time fits this target: while a "
+                        "sequence decodes, a prefill chunk runs in budget-sized slices, one per step, e.g. 200 "
+                        "(AERIE_ITL_TARGET_MS; default: 0 = off: arrival "
                         "order, --prefill-chunk as given; on for now it trades a long prompt's TTFT for its "
                         "neighbours' gaps, docs/distributed.md)")
     g.add_argument("--kv-client-share", type=float, default=env("AERIE_KV_CLIENT_SHARE", 0.5),

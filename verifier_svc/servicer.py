@@ -17,10 +17,11 @@ the latest chunk's answer is kept until the sequence's first Verify or Decode, s
 after its deadline (it ran meanwhile) is answered from it instead of running twice.
 
 Steps (services/engine/step_scheduler.py): each forward serves every queued Verify/Decode first, then
-prefill chunks up to a token budget: the most rows whose measured forward (`verify_cost`) fits
---itl-target-ms (at least STEP_FLOOR_ROWS). The prefill chunk is cut to that budget, and GetInfo
-reports the cut chunk, so a coordinator sends chunks of that size: a long prompt never holds a
-running neighbour longer than about one budgeted step.
+prefill rows up to a token budget: the most rows whose measured forward (`verify_cost`) fits
+--itl-target-ms (at least STEP_FLOOR_ROWS). While a sequence decodes here, a prefill call that does not
+fit is cut into `Slice`s, one per step (the rest keeps its place in the queue): a coordinator's
+512-row chunk stays one RPC with one deadline but runs as several budget-sized forwards next to the
+decodes, and as one forward when no sequence decodes (a prompt alone loses nothing to the budget).
 
 KV shares (services/engine/kv_shares.py): each client identity (gRPC metadata `aerie-client`, set by
 the coordinator: the caller's API identity, else its peer host) may hold at most --kv-client-share of
@@ -85,6 +86,40 @@ class NextChunk(PrefillMoreCall):
 ChunkCall = FirstChunk | NextChunk
 
 
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """Prompt rows [start, stop) of a prefill call (`whole`: a PrefillCall / PrefillMoreCall or a
+    chunk of either kind) that a step cut to fit its token budget (services/engine/batcher.py). The
+    slices of one call run in order, one per step; the last answers for the whole call. Example: a
+    512-row NextChunk cut at 84 rows -> Slice(chunk, 0, 84), then Slice(chunk, 84, 512) (cut again
+    while decodes run)."""
+    whole: PrefillCall | PrefillMoreCall
+    start: int
+    stop: int
+
+    @property
+    def seq_id(self) -> str:
+        return self.whole.seq_id
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    def split(self, rows: int) -> tuple[Slice, Slice]:
+        return Slice(self.whole, self.start, self.start + rows), Slice(self.whole, self.start + rows, self.stop)
+
+    def part(self) -> PrefillCall | PrefillMoreCall:
+        """The engine call for these rows: the first slice of a PrefillCall admits the sequence
+        (more=True); every later one extends it, the last slice of the last rows samples the token."""
+        w = self.whole
+        prompt = w.prompt[self.start:self.stop]  # [rows] long
+        if self.start == 0 and isinstance(w, PrefillCall):
+            return PrefillCall(w.seq_id, prompt, w.sampling, w.capacity, w.feature_kind, more=True)
+        ends = self.stop == w.rows
+        last = ends and (not w.more if isinstance(w, PrefillCall) else w.last)
+        return PrefillMoreCall(w.seq_id, prompt, last=last)
+
+
 class ChunkAnswer(NamedTuple):
     """A chunk's answer, stored for the chunk sent again: the verifier's result and, for the last
     chunk of a sequence that asks for them, the first token's logprobs (else None)."""
@@ -128,20 +163,21 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # or no measured cost)
         self.step_rows = (step_rows(verify_cost, config.itl_target_ms / 1000, STEP_FLOOR_ROWS, config.batch.max_rows)
                           if config.itl_target_ms > 0 and verify_cost is not None else None)
-        self.prefill_chunk = config.prefill_chunk
-        if self.step_rows is not None and self.prefill_chunk:
-            self.prefill_chunk = min(self.prefill_chunk, self.step_rows)
+        self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         # sequence id -> (offset, rows prefilled after it, answer) of its latest chunk, for a chunk sent again
         self._chunks: dict[str, tuple[int, int, ChunkAnswer]] = {}
+        self._slices: dict[str, list[torch.Tensor]] = {}  # sequence id -> features of its call's slices so far
+        self._prefilling: set[str] = set()  # admitted sequences whose prompt is not complete yet
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
                                               on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind),
-                                              prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall)),
-                                              step_rows=self.step_rows)
+                                              prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall, Slice)),
+                                              step_rows=self.step_rows, split=_split, splittable=self._splittable,
+                                              decoding=lambda: len(self._kind) - len(self._prefilling))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
@@ -293,9 +329,17 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         batch_rows: dict[str, int] = {}  # client -> KV rows the Prefills of this batch reserve
         for i, call in enumerate(calls):
             try:
+                if isinstance(call, Slice):
+                    if call.start > 0:
+                        self._check(call.seq_id)
+                        todo.append(i)
+                        continue
+                    call = call.whole  # the first slice checks what the whole call would
                 if isinstance(call, (FirstChunk, NextChunk)):
                     replay = self._chunk_replay(call)
                     if replay is not None:
+                        if isinstance(calls[i], Slice):  # never: a replay is not splittable
+                            raise InvalidRequest(f"sequence {call.seq_id!r}: a repeated chunk cannot be sliced")
                         results[i] = replay
                         continue
                 if isinstance(call, PrefillCall):
@@ -320,11 +364,37 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 continue
             todo.append(i)
         if todo:
-            for i, out in zip(todo, self.verifier.run([calls[i] for i in todo])):
-                results[i] = out if isinstance(out, BaseException) else self._respond(calls[i], out)
+            run = [c.part() if isinstance(c, Slice) else c for c in (calls[i] for i in todo)]
+            for i, out in zip(todo, self.verifier.run(run)):
+                call = calls[i]
+                if isinstance(call, Slice) and isinstance(out, BaseException) and call.start > 0:
+                    self._release(call.seq_id)  # a prompt is never left partly prefilled by a failed slice
+                results[i] = out if isinstance(out, BaseException) else self._respond(call, out)
         return results
 
+    def _splittable(self, call: Call) -> bool:
+        """A prefill call may be sliced unless it is a chunk sent again (answered from its stored answer)."""
+        if isinstance(call, (FirstChunk, NextChunk)):
+            done = self._chunks.get(call.seq_id)
+            return not (done is not None and done[0] == call.offset and done[1] == call.offset + call.rows)
+        return True
+
     def _respond(self, call: Call, out):
+        if isinstance(call, Slice):
+            parts = self._slices.setdefault(call.seq_id, [])
+            parts.append(out.features)
+            if call.start == 0 and isinstance(call.whole, PrefillCall):
+                self._admitted(call.whole)
+            if call.stop < call.whole.rows:
+                self._prefilling.add(call.seq_id)
+                return out  # a slice's own answer: not seen by the caller
+            del self._slices[call.seq_id]
+            return self._respond(call.whole, PrefillResult(out.first_token, torch.cat(parts)))
+        if isinstance(call, (PrefillCall, PrefillMoreCall)):
+            if out.first_token < 0:
+                self._prefilling.add(call.seq_id)
+            else:
+                self._prefilling.discard(call.seq_id)
         if isinstance(call, (FirstChunk, NextChunk)):
             # the last chunk's answer (first_token >= 0) carries the first token's logprobs, kept
             # with it so that the chunk sent again gets them too
@@ -352,6 +422,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         return response
 
     def _admitted(self, call: PrefillCall) -> None:
+        if call.seq_id in self._kind:  # its first slice admitted it
+            return
         self._kind[call.seq_id] = call.feature_kind
         self.shares.hold(call.seq_id, call.capacity)
         self.idle.touch(call.seq_id)
@@ -361,6 +433,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self._chunks.pop(seq_id, None)
+        self._slices.pop(seq_id, None)
+        self._prefilling.discard(seq_id)
         self.idle.forget(seq_id)
         self.shares.release(seq_id)
         self.verifier.release(seq_id)
@@ -397,6 +471,12 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             return last[1]
         raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest round {last[0]}")
 
+
+
+def _split(call: Call, rows: int) -> tuple[Slice, Slice]:
+    """(the first `rows` rows of a prefill call, the rest) as Slices (the batcher's `split`)."""
+    whole = call if isinstance(call, Slice) else Slice(call, 0, call.rows)  # type: ignore[arg-type]
+    return whole.split(rows)
 
 
 def _client(context) -> str:

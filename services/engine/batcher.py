@@ -11,7 +11,10 @@ exclusive function, as services/engine/step_scheduler.py picks them: every decod
 (arrival order, up to `max_batch` calls and `max_rows` rows), then Prefill chunks while the step stays
 within `step_rows` (the token budget from the cost model and the ITL target; a call larger than
 `max_rows` runs alone), and hands them to `run_batch` as one list: one forward. Calls queued during
-that forward form the next batch. Gathering: when fewer
+that forward form the next batch. The budget applies while a sequence decodes here (`decoding`);
+then a prefill call that does not fit is cut (`split`): its first rows run in this step, the rest
+keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
+that fails fails the call; a call whose first slice ran can no longer be cancelled). Gathering: when fewer
 calls wait than sequences hold state here (`expect`), the worker waits for the missing ones, at most
 min(max_wait_s, half the last forward's time), so that sequences whose calls come back after a
 round trip elsewhere stay in one batch instead of taking turns; alone (one sequence) it never
@@ -39,7 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from services.engine.step_scheduler import STARVE_STEPS, Queued, pick
+from services.engine.step_scheduler import STARVE_STEPS, Queued, plan
 from services.errors import CapacityExceeded, InvalidRequest
 
 C = TypeVar("C")
@@ -63,12 +66,14 @@ class BatchLimits:
             raise InvalidRequest(f"max_wait_s must be >= 0; got {self.max_wait_s}")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queue removes items by identity
 class _Item:
     future: Future
     call: Any = None
     fn: Callable | None = None  # an exclusive function (call unused)
     args: tuple = ()
+    owner: _Item | None = None  # a slice: the queued call it was cut from (its failure fails the owner)
+    running: bool = False  # the future is set running (a call whose first slice ran)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +89,17 @@ class Batcher(Generic[C]):
                  key: Callable[[C], Hashable], limits: BatchLimits = BatchLimits(),
                  on_batch: Callable[[BatchStats], None] | None = None,
                  expect: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefill: Callable[[C], bool] | None = None, step_rows: int | None = None) -> None:
+                 prefill: Callable[[C], bool] | None = None, step_rows: int | None = None,
+                 split: Callable[[C, int], tuple[C, C]] | None = None,
+                 splittable: Callable[[C], bool] | None = None,
+                 decoding: Callable[[], int] | None = None) -> None:
         """`expect`: how many calls the next batch could hold (the sequences holding state here);
         None = never wait for more calls. `prefill`: whether a call is a Prefill chunk (None = none
         is); `step_rows`: the token budget of one step (services/engine/step_scheduler.py; None =
-        `max_rows` only). `clock`: seconds, for a batch's run time and the gathering
-        deadline (tests pass a manual clock, so what they assert does not follow the machine's
+        `max_rows` only). `split(call, rows)`: (its first `rows` rows, the rest), for the calls
+        `splittable(call)` allows (None: no call is cut). `decoding`: how many sequences decode here;
+        the budget applies only while one does (None: always). `clock`: seconds, for a batch's run
+        time and the gathering deadline (tests pass a manual clock, so what they assert does not follow the machine's
         speed); the queue's admission deadline is always real time."""
         self.name = name
         self.limits = limits
@@ -99,6 +109,7 @@ class Batcher(Generic[C]):
         self._run_batch, self._rows, self._key, self._on_batch = run_batch, rows, key, on_batch
         self._prefill = prefill or (lambda call: False)
         self.step_rows = step_rows
+        self._split, self._splittable, self._decoding = split, splittable, decoding
         self._passed_over = 0  # steps in a row that ran no prefill while one waited
         self._queue: deque[_Item] = deque()
         self._calls_waiting = 0
@@ -195,18 +206,38 @@ class Batcher(Generic[C]):
                 if item.fn is not None:
                     break
                 head.append(item)
-            queued = [Queued(self._rows(i.call), self._prefill(i.call), self._key(i.call)) for i in head]
-            chosen = pick(queued, self.limits.max_batch, self.limits.max_rows, self.step_rows,
-                          starved=self._passed_over >= STARVE_STEPS)
-            batch = [head[i] for i in chosen]
+            queued = [Queued(self._rows(i.call), self._prefill(i.call), self._key(i.call),
+                             self._split is not None and self._prefill(i.call)
+                             and (self._splittable is None or self._splittable(i.call))) for i in head]
+            budget = self.step_rows
+            if budget is not None and self._decoding is not None and self._decoding() == 0 \
+                    and all(q.prefill for q in queued):
+                budget = None  # no sequence decodes here: a prompt alone runs whole chunks
+            step = plan(queued, self.limits.max_batch, self.limits.max_rows, budget,
+                        starved=self._passed_over >= STARVE_STEPS)
+            batch = [head[i] for i in step.picked]
             waiting_prefill = any(q.prefill for q in queued)
-            ran_prefill = any(queued[i].prefill for i in chosen)
+            ran_prefill = any(queued[i].prefill for i in step.picked)
             self._passed_over = 0 if ran_prefill or not waiting_prefill else self._passed_over + 1
-            taken = set(map(id, batch))
+            if step.cut is not None:
+                batch = self._cut(batch, head[step.cut[0]], step.cut[1])
+            taken = {id(i) for i in batch if i.owner is None}
             self._queue = deque(i for i in self._queue if id(i) not in taken)
-            self._calls_waiting -= len(batch)
+            self._calls_waiting -= len(taken)
             self._cond.notify_all()  # places freed in the queue
             return batch
+
+    def _cut(self, batch: list[_Item], owner: _Item, rows: int) -> list[_Item]:
+        """`batch` with `owner` replaced by a slice of its first `rows` rows; the rest stays queued
+        in the owner's place (lock held). A call cancelled before its first slice is dropped."""
+        if not owner.running:
+            if not owner.future.set_running_or_notify_cancel():
+                self._queue.remove(owner)
+                self._calls_waiting -= 1
+                return [i for i in batch if i is not owner]
+            owner.running = True
+        first, owner.call = self._split(owner.call, rows)  # type: ignore[misc]
+        return [_Item(Future(), first, owner=owner) if i is owner else i for i in batch]
 
     def _gather(self) -> None:
         """Wait (lock held) until every sequence expected to call has a call queued, an exclusive
@@ -233,7 +264,7 @@ class Batcher(Generic[C]):
             batch = self._take()
             if batch is None:
                 return
-            live = [item for item in batch if item.future.set_running_or_notify_cancel()]
+            live = [item for item in batch if item.running or item.future.set_running_or_notify_cancel()]
             if not live:
                 continue
             fn = live[0].fn
@@ -253,6 +284,8 @@ class Batcher(Generic[C]):
             except BaseException as e:  # noqa: BLE001 (every call of the batch gets it)
                 for item in live:
                     item.future.set_exception(e)
+                    if item.owner is not None:
+                        self._drop(item.owner, e)
                 continue
             self._last_s = self._clock() - t0
             if self._on_batch is not None:  # before the results: a caller that reads the metrics after
@@ -265,5 +298,16 @@ class Batcher(Generic[C]):
             for item, result in zip(live, results, strict=True):
                 if isinstance(result, BaseException):
                     item.future.set_exception(result)
+                    if item.owner is not None:
+                        self._drop(item.owner, result)
                 else:
                     item.future.set_result(result)
+
+    def _drop(self, owner: _Item, error: BaseException) -> None:
+        """A slice failed: its owner (the rest, still queued) fails with the same error."""
+        with self._cond:
+            if owner in self._queue:
+                self._queue.remove(owner)
+                self._calls_waiting -= 1
+                self._cond.notify_all()
+        owner.future.set_exception(error)

@@ -4,12 +4,18 @@ budget (vLLM's chunked-prefill policy).
     budget = step_rows(cost, itl_target_s=0.2, floor=32, cap=1024)   # rows one step may hold
     picked = pick(queued, max_calls=16, max_rows=1024, budget=budget, starved=False)
     # -> indices into `queued`, ascending (arrival order)
+    step = plan(queued, 16, 1024, budget)   # the same, and which prefill runs only its first rows
+    # -> Step(picked=[0, 2], cut=(2, 90)): call 2 runs its first 90 rows now, the rest next step
 
 Vocabulary:
   * step        one target forward over the calls the batcher hands to run_batch together.
   * decode row  a row of a Verify or Decode call: a running sequence's next tokens (tree nodes or one
                 token). Its neighbours' inter-token latency (ITL) is the time between its steps.
   * prefill row a prompt row of a Prefill chunk.
+  * slice       the first rows of a prefill call that a step cuts to fit its budget (a `splittable`
+                call: the verifier's prefill calls); the rest stays queued in the call's place and
+                runs in the next steps, so a 512-row chunk is one RPC but several forwards when
+                decodes run next to it, and one forward when none does.
   * budget      the rows a step may hold so that it stays within the ITL target: the largest row count
                 whose measured forward time t_verify(rows) is at most the target, never below `floor`
                 (a CPU whose single-row forward already misses the target must still make progress
@@ -26,12 +32,17 @@ Policy of `pick`, over the calls queued up to the first barrier:
   3. a prefill that was passed over for several steps in a row (`starved`, the batcher counts) joins
      even beyond the budget (within `max_rows`): decodes that fill every step cannot starve a prompt;
   4. a call larger than `max_rows` runs alone: at the head of the queue, or as the starved prefill;
-     a step never comes out empty (with nothing picked, the oldest call runs).
+     a step never comes out empty (with nothing picked, the oldest call runs);
+  5. (`plan` only) the first splittable prefill that does not fit the budget left is cut: its first
+     max(budget left, budget // 2) rows run in this step (at least half the budget goes to the
+     prompt, so the rows per step, and with them a prompt's time to its first token, do not
+     collapse when decodes nearly fill the budget: a step may exceed the budget by that much).
 
-Prefill chunks are sized to the budget where they are cut (the verifier's effective prefill chunk, which
-its GetInfo reports, so a coordinator sends chunks of that size), so rule 2 normally fits one chunk
-next to the decodes. What the budget does not model: a chunk at a long offset attends to the whole
-prefix, so it costs more than t_verify(rows) measured after a short prefix.
+The budget applies only while a sequence decodes here (the batcher passes budget None otherwise): a
+prompt prefilling alone runs whole chunks, one forward each. What the budget does not model: a slice at
+a long offset attends to the whole prefix, so it costs more than t_verify(rows) measured after a short
+prefix; and t_verify is a tree forward with logits for every row, a prompt row (logits for the last
+row only) costs somewhat less.
 
 Pure: no threads, no clocks, no model; the batcher (services/engine/batcher.py) calls it under its lock.
 """
@@ -51,6 +62,16 @@ class Queued:
     rows: int  # rows it adds to the forward (prompt rows, tree nodes, 1 for a decode)
     prefill: bool  # a Prefill chunk (True) or a decode/verify of a running sequence (False)
     key: Hashable  # its sequence: a step holds one call per key
+    splittable: bool = False  # a prefill call whose first rows may run alone (rule 5)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one step runs: `picked` indices into the queue (ascending); `cut` = (index, rows) when
+    that picked prefill call runs only its first `rows` rows in this step."""
+
+    picked: list[int]
+    cut: tuple[int, int] | None = None
 
 
 def step_rows(cost: Callable[[float], float], itl_target_s: float, floor: int, cap: int) -> int:
@@ -74,17 +95,26 @@ def pick(queued: Sequence[Queued], max_calls: int, max_rows: int, budget: int | 
          starved: bool = False) -> list[int]:
     """This step's calls: indices into `queued` (the calls before the first barrier, oldest first),
     ascending. `budget` None = no token budget (prefill rows bounded by `max_rows` only)."""
+    return plan(queued, max_calls, max_rows, budget, starved).picked
+
+
+def plan(queued: Sequence[Queued], max_calls: int, max_rows: int, budget: int | None,
+         starved: bool = False) -> Step:
+    """`pick`, and the slice of rule 5: with a budget, the first splittable prefill that does not
+    fit runs its first rows. Example: budget 100, a 16-row decode queued after a 512-row splittable
+    prefill -> Step(picked=[0, 1], cut=(0, 84))."""
     if not queued:
-        return []
-    if queued[0].rows > max_rows:  # 4. alone
-        return [0]
+        return Step([])
+    if queued[0].rows > max_rows and not (queued[0].splittable and budget is not None):  # 4. alone
+        return Step([0])
     if starved:
         oldest = next((i for i, q in enumerate(queued) if q.prefill), None)
-        if oldest is not None and queued[oldest].rows > max_rows:
-            return [oldest]
+        if oldest is not None and queued[oldest].rows > max_rows and not queued[oldest].splittable:
+            return Step([oldest])
     limit = max_rows if budget is None else min(budget, max_rows)
     picked: list[int] = []
     keys: set[Hashable] = set()
+    cut: tuple[int, int] | None = None
     rows = 0
     for i, q in enumerate(queued):  # 1. every decode
         if q.prefill or q.key in keys:
@@ -104,8 +134,13 @@ def pick(queued: Sequence[Queued], max_calls: int, max_rows: int, budget: int | 
             keys.add(q.key)
             rows += q.rows
             starved = False  # one starved prompt per step
-        else:
-            break  # prompts in arrival order
+            continue
+        if q.splittable and budget is not None:  # 5. its first rows
+            first = min(max(limit - rows, budget // 2, 1), max_rows - rows)
+            if 0 < first < q.rows:
+                picked.append(i)
+                cut = (i, first)
+        break  # prompts in arrival order
     if not picked:  # 4. never an empty step
         picked.append(0)
-    return sorted(picked)
+    return Step(sorted(picked), cut)

@@ -132,10 +132,14 @@ def test_api_key_goes_to_a_private_file(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "sk-1-0123456789abcdef")
     env = api_key(args, tmp_path)
     path = env["AERIE_API_TOKENS_FILE"]
-    assert open(path).read() == "default sk-1-0123456789abcdef\n" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    # the key as identity "default", and the HTTP gateway's own token (generated per run) as "gateway"
+    own = env["AERIE_API_TOKEN"]
+    assert len(own) >= 32 and own != "sk-1-0123456789abcdef"
+    assert open(path).read() == f"default sk-1-0123456789abcdef\ngateway {own}\n"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     (tmp_path / "k").write_text("sk-2-0123456789abcdef\n")
-    api_key(argparse.Namespace(api_key=None, api_key_file=str(tmp_path / "k")), tmp_path)
-    assert open(path).read() == "default sk-2-0123456789abcdef\n"
+    env = api_key(argparse.Namespace(api_key=None, api_key_file=str(tmp_path / "k")), tmp_path)
+    assert open(path).read() == f"default sk-2-0123456789abcdef\ngateway {env['AERIE_API_TOKEN']}\n"
 
 
 @pytest.mark.parametrize("error,code", [

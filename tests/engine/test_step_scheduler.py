@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from services.engine.batcher import Batcher, BatchLimits
-from services.engine.step_scheduler import STARVE_STEPS, Queued, pick, step_rows
+from services.engine.step_scheduler import STARVE_STEPS, Queued, Step, pick, plan, step_rows
 from services.spec.budget import CostCurve
 
 
@@ -111,3 +111,98 @@ def test_step_rows_follow_the_cost_model():
     assert step_rows(cost, 0.5, floor=8, cap=1024) == 451
     assert step_rows(cost, 0.01, floor=32, cap=1024) == 32  # even the floor misses it: the floor
     assert step_rows(cost, 10.0, floor=8, cap=1024) == 1024  # the cap
+
+
+@dataclass(frozen=True)
+class Part:
+    """A slice the batcher cut from a prefill Call (the Driver queues nothing after it)."""
+    seq: str
+    rows: int
+    prefill: bool = True
+    left: int = 0
+
+
+CHUNK = 512
+
+
+class SlicingDriver(Driver):
+    """A Driver whose decoding sequences count down as they finish (the batcher's `decoding`)."""
+
+    def __init__(self, decoders: int) -> None:
+        super().__init__()
+        self.decoders = decoders
+
+    def __call__(self, calls: list) -> list:
+        self.steps.append(list(calls))
+        for c in calls:
+            if isinstance(c, Part):
+                continue
+            if c.left:  # the next chunk is a whole one (this call may be the rest of a cut chunk)
+                self.batcher.submit(Call(c.seq, CHUNK if c.prefill else c.rows, c.prefill, c.left - 1), block=False)
+            else:
+                self.live -= 1
+                self.decoders -= not c.prefill
+        if self.live == 0:
+            self.done.set()
+        return [None] * len(calls)
+
+
+def split(call, rows: int):
+    """(its first `rows` rows, the rest): the rest keeps the call's identity (and its `left`)."""
+    return Part(call.seq, rows), Call(call.seq, call.rows - rows, True, call.left)
+
+
+def run_sliced(calls: list[Call], budget: int, decoders: int) -> list[list]:
+    d = SlicingDriver(decoders)
+    b = Batcher("test", d, rows=lambda c: c.rows, key=lambda c: c.seq,
+                limits=BatchLimits(max_batch=16, max_rows=1024), prefill=lambda c: c.prefill, step_rows=budget,
+                split=split, decoding=lambda: d.decoders)
+    d.batcher = b
+    d.live = len(calls)
+    try:
+        b.exclusive(d.gate.wait, 10)
+        for c in calls:
+            b.submit(c)
+        d.gate.set()
+        assert d.done.wait(30)
+    finally:
+        b.close()
+    return d.steps
+
+
+def test_a_step_carries_the_decode_and_a_slice_that_fills_the_budget():
+    """Synthetic cost model: 50 ms + 1 ms a row, ITL target 120 ms -> a 71-row budget. An 8-chunk
+    prompt (512-row chunks, one call each, sent one after the other as a coordinator sends them)
+    prefills while a sequence decodes 16-row trees: every step holds the tree and a 55-row slice
+    (71 rows: the budget, full) or a chunk's last 17 rows (the next chunk is sent after its answer);
+    a chunk is cut across steps without a call of its own per slice, and once the decoding sequence
+    finishes the rest of the prompt runs in whole chunks (one forward each)."""
+    budget = step_rows(CostCurve((1, 1000), (0.05, 1.049)), 0.12, floor=8, cap=1024)
+    assert budget == 71
+    steps = run_sliced([Call("p", CHUNK, True, 7), Call("d", 16, False, 39)], budget, decoders=1)
+    assert sum(c.rows for s in steps for c in s if c.prefill) == 8 * CHUNK  # every prompt row ran once
+    assert all(any(not c.prefill for c in s) for s in steps[:40])  # the decode in 40 steps in a row
+    assert [[c.rows for c in s] for s in steps[:40]] == ([[55, 16]] * 9 + [[17, 16]]) * 4
+    assert [[c.rows for c in s] for s in steps[40:]] == [[CHUNK]] * 4  # alone: whole chunks
+
+
+def test_a_slice_gets_half_the_budget_when_decodes_nearly_fill_it():
+    """Trees of 60 rows against a 71-row budget: the prompt still gets 35 rows (half the budget) a step."""
+    steps = run_sliced([Call("p", 512, True, 1), Call("d", 60, False, 9)], 71, decoders=1)
+    assert all([c.rows for c in s if c.prefill] == [35] for s in steps[:10])
+    assert all(sum(1 for c in s if not c.prefill) == 1 for s in steps[:10])
+
+
+def test_a_prompt_alone_is_not_sliced():
+    """No sequence decodes: the budget does not apply, each chunk is one forward (8 steps, not 58)."""
+    steps = run_sliced([Call("p", 512, True, 7)], 71, decoders=0)
+    assert [sum(c.rows for c in s) for s in steps] == [512] * 8
+
+
+def test_plan_cuts_the_first_prefill_that_does_not_fit():
+    q = [Queued(512, True, "a", splittable=True), Queued(16, False, "d"), Queued(512, True, "b", splittable=True)]
+    assert plan(q, 16, 1024, budget=100) == Step([0, 1], (0, 84))  # the decode, then 84 of a's rows
+    assert plan(q, 16, 1024, budget=None) == Step([0, 1])  # no budget: whole chunks (b waits: max_rows)
+    assert plan(q, 16, 1024, budget=20) == Step([0, 1], (0, 10))  # half the budget, beyond it
+    assert plan(q[:1], 16, 1024, budget=100) == Step([0], (0, 100))
+    assert plan([Queued(2000, True, "a", splittable=True)], 16, 1024, budget=300) == Step([0], (0, 300))

@@ -116,7 +116,7 @@ def test_coordinator_probes_ask_the_http_api(helm, default_render):
 
 def test_notes_show_the_openai_http_api(helm):
     notes = helm_notes(helm, [])
-    assert "port-forward svc/aerie-coordinator 8000:8000" in notes
+    assert "port-forward svc/aerie-gateway 8000:8000" in notes  # the HTTP gateway (gateway.enabled)
     assert "curl --cacert aerie-ca.crt https://localhost:8000/health" in notes
     assert ('curl --cacert aerie-ca.crt -H "Authorization: Bearer $AERIE_API_TOKEN" '
             "https://localhost:8000/v1/chat/completions") in notes
@@ -124,8 +124,9 @@ def test_notes_show_the_openai_http_api(helm):
     assert "export AERIE_API_TOKEN=$(kubectl -n serving get secret aerie-api-tokens" in notes
     args = ["install", "aerie", str(CHART), "--dry-run=client", "--namespace", "serving",
             "--set", "security.tls.enabled=false", "--set", "security.apiTokens.enabled=false",
-            "--set", "coordinator.httpPort=8080"]
-    plain = run_helm(helm, *args).stdout
+            "--set", "coordinator.httpPort=8080", "--set", "gateway.enabled=false"]
+    plain = run_helm(helm, *args).stdout  # no gateway: the coordinators' own HTTP API
+    assert "port-forward svc/aerie-coordinator 8080:8080" in plain
     assert "curl http://localhost:8080/v1/models" in plain and "Bearer" not in plain.split("Generate over gRPC")[0]
 
 

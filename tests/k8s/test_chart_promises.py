@@ -50,7 +50,7 @@ NOT_SET_BY_CHART = {
     "AERIE_KV_WAIT_S": "KV admission wait under --kv-budget-mb; the default fits",
     "AERIE_KV_QUEUE": "KV admission queue under --kv-budget-mb; the default fits",
     "AERIE_PREFILL_CHUNK": "chunked prefill: the code's measured default (512 tokens per chunk) fits",
-    "AERIE_ITL_TARGET_MS": "step scheduler: a step's ITL target (off by default) cuts prefill chunks by the pod's measured costs",
+    "AERIE_ITL_TARGET_MS": "step scheduler: a step's ITL target (off by default) slices prefill chunks by the pod's measured costs",
     "AERIE_KV_CLIENT_SHARE": "per-client share of the verifier KV budget while others want KV; the default 0.5 fits",
     # issue 9 (speed-model): the chart keeps the code's measured defaults (not mapped yet)
     "AERIE_DRAFT_VOCAB": "drafter: reduced draft vocabulary K; default 8192 when the head ships token counts",
@@ -567,8 +567,13 @@ def test_clients_reach_coordinators(default_render, external_render):
     assert "from" not in rule
     labels = pod_labels(external_render, "coordinator")
     [policy] = [p for p in external_render.kind("NetworkPolicy") if selects(p, labels)]
-    [rule] = policy["spec"]["ingress"]
+    rule, gateway = policy["spec"]["ingress"]
     assert rule["from"] == external_render.values["networkPolicy"]["clientsFrom"]
+    # the HTTP gateway's pods reach the coordinators' gRPC port whatever clientsFrom admits
+    assert gateway["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    assert gateway["from"] == [{"podSelector": {"matchLabels": {
+        k: v for k, v in pod_labels(external_render, "gateway").items()
+        if k in external_render.component("gateway")["spec"]["selector"]["matchLabels"]}}}]
 
 
 def test_metrics_are_opened_only_to_metrics_from(scale_render, default_render):

@@ -31,9 +31,11 @@ def test_tls_and_tokens_are_on_by_default(default_render):
     assert default_render.env("coordinator")["AERIE_API_TOKENS_FILE"] == "/etc/aerie/api/tokens"
     assert "AERIE_API_TOKENS_FILE" not in default_render.env("verifier")
     tokens = base64.b64decode(default_render.get("Secret", name("api-tokens"))["data"]["tokens"]).decode()
-    identity, token = tokens.split()
+    (identity, token), (gateway, own) = (line.split() for line in tokens.splitlines())
     assert identity == "default" and len(token) == 40
-    assert token not in default_render.text  # only its base64 form, inside the Secret
+    assert gateway == "gateway" and len(own) == 40 and own != token  # the HTTP gateway's own calls
+    assert base64.b64decode(default_render.get("Secret", name("api-tokens"))["data"]["gateway"]).decode() == own
+    assert token not in default_render.text and own not in default_render.text  # only base64, inside the Secret
 
 
 def test_security_can_be_turned_off_for_a_trusted_network(helm):

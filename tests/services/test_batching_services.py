@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from services.engine.batcher import BatchLimits
 from services.engine.engine import GenerationRequest
@@ -229,6 +230,63 @@ def test_chunked_prefill_equals_one_forward_and_lets_rounds_in_between(pipeline,
         tokens = long.result(60)
     assert tokens == run(whole, "long-whole")
     assert mid.token >= 0 and servicer.batcher.batches >= before + 3 + 3  # 3 chunks + 3 decodes (+ other's)
+
+
+def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipeline, model_dirs):
+    """An 8-row step budget: while another sequence decodes here, each 28-row chunk of a 56-token
+    prompt sent chunk by chunk (as a coordinator sends it: offset, more) runs as four forwards
+    (8 + 8 + 8 + 4 rows: a slice's rest is sliced again) inside its one call; with
+    no other sequence the same chunks run one forward each. The first token, the features and the
+    decoded tokens equal the unchunked verifier's."""
+    from services.rpc import codec
+    from services.spec.cost import CostCurve
+    from verifier_svc.servicer import VerifierServicer
+
+    base = pipeline.verifier
+    config = VerifierConfig(ServiceConfig(host=HOST), target=str(model_dirs.target), dtype="fp32",
+                            prefill_chunk=28, itl_target_ms=1)
+    servicer = VerifierServicer(base.target, config, base.target_path, base.eos_token_ids,
+                                CostCurve((1, 1000), (0.05, 1.049)))
+    assert servicer.step_rows == 32 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
+    servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget
+    server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
+    pipeline.servers.append((server, servicer))
+    sliced = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
+    whole = verifier_grpc.VerifierStub(pipeline.channel("verifier"))
+    prompt = [(7 * i + 3) % 128 for i in range(56)]
+
+    def run(stub, seq_id: str, chunk: int) -> tuple[list[int], torch.Tensor]:
+        features = []
+        for offset in range(0, len(prompt), chunk):
+            part = prompt[offset:offset + chunk]
+            req = vpb.VerifierPrefillRequest(
+                sequence_id=seq_id, prompt_ids=part, capacity=64, sampling=pb.SamplingParams(),
+                feature_kind=pb.FEATURE_KIND_HIDDEN, offset=offset, more=offset + len(part) < len(prompt),
+                prompt_tokens=len(prompt))
+            out = list(stub.Prefill(req, timeout=60))
+            joined = codec.TensorAssembler("features")
+            for m in out:
+                joined.add(m.features)
+            features.append(joined.result())
+        tokens = [out[0].first_token]
+        for r in range(1, 4):
+            tokens.append(stub.Decode(vpb.DecodeRequest(sequence_id=seq_id, round_index=r, token=tokens[-1]),
+                                      timeout=30).token)
+        stub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=10)
+        return tokens, torch.cat(features)
+
+    before = servicer.batcher.batches
+    alone = run(sliced, "alone", 28)
+    assert servicer.batcher.batches - before == 2 + 3  # whole chunks: 2 forwards, then 3 decodes
+    other = prefill(sliced, "other", [4, 4])  # holds KV here and decodes next: the budget applies
+    before = servicer.batcher.batches
+    beside = run(sliced, "beside", 28)
+    assert servicer.batcher.batches - before == 8 + 3  # 8 + 8 + 8 + 4 rows per chunk, then 3 decodes
+    assert other >= 0
+    expected = run(whole, "whole", 56)
+    for tokens, features in (alone, beside):
+        assert tokens == expected[0]
+        torch.testing.assert_close(features, expected[1], rtol=1e-4, atol=1e-4)
 
 
 def test_an_adaptive_sequence_detaches_its_drafter_through_the_services(pipeline, model_dirs, redis_url):

@@ -109,7 +109,9 @@ def test_the_coordinator_client_sends_the_identity(verifier):
         client.close()
 
 
-def test_the_prefill_chunk_is_cut_to_the_step_budget(verifier, model_dirs):
+def test_the_step_budget_follows_the_cost_model_and_the_chunk_stays(verifier, model_dirs):
+    """The budget comes from the cost curve and the ITL target; the RPC's prefill chunk stays as
+    configured (steps slice it: tests/engine/test_step_scheduler.py)."""
     servicer, _ = verifier
     cost = CostCurve((1, 1000), (0.05, 1.049))  # 50 ms + 1 ms per extra row: 151 rows fit 200 ms
     config = VerifierConfig(ServiceConfig(host=HOST), target=str(model_dirs.target), dtype="fp32",
@@ -119,7 +121,7 @@ def test_the_prefill_chunk_is_cut_to_the_step_budget(verifier, model_dirs):
                                                            kv_budget_mb=1.0),
                            servicer.target_path, servicer.eos_token_ids, cost)
     try:
-        assert cut.step_rows == 151 and cut.prefill_chunk == 151 and cut.batcher.step_rows == 151
+        assert cut.step_rows == 151 and cut.prefill_chunk == 512 and cut.batcher.step_rows == 151
         assert off.step_rows is None and off.prefill_chunk == 512  # 0 = off: as configured
     finally:
         cut.close()

@@ -1,5 +1,5 @@
-"""`aerie up` as a user runs it: four real processes (Redis, verifier, drafter, coordinator) on
-loopback, `aerie generate --coordinator` against them, then SIGTERM stops everything cleanly."""
+"""`aerie up` as a user runs it: five real processes (Redis, verifier, drafter, coordinator and the
+HTTP gateway) on loopback, `aerie generate --coordinator` against them, then SIGTERM stops everything cleanly."""
 
 import json
 import os
@@ -38,11 +38,12 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
             assert time.monotonic() < deadline, lines
             lines.append(line.strip())
         roles = {line.split()[0]: line for line in lines[:-1]}
-        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "http", "security"}, lines
+        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "gateway", "http", "security"}, lines
         assert roles["security"].startswith("security     local mode: loopback only")
         address = re.search(r"--coordinator (\S+)", lines[-1]).group(1)
         pids = [int(p) for p in re.findall(r"pid (\d+)", "\n".join(lines))]
-        assert len(pids) == 4 and all(alive(p) for p in pids)
+        pids = sorted(set(pids))  # the http line names the gateway's pid again
+        assert len(pids) == 5 and all(alive(p) for p in pids)
         assert all("metrics http://127.0.0.1:" in roles[r] for r in ("verifier", "drafter", "coordinator"))
         # Redis has a generated password, printed nowhere and on no command line (docs/security.md)
         password_file = re.search(r"password in (\S+), mode 0600", roles["redis"]).group(1)

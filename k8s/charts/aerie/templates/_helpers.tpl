@@ -689,6 +689,7 @@ spec:
 {{/* Environment of the trust boundaries (docs/security.md), for (dict "ctx" $ "component" name). */}}
 {{- define "aerie.securityEnv" -}}
 {{- $s := .ctx.Values.security }}
+{{- $gateway := eq .component "gateway" }}
 {{- if $s.tls.enabled }}
 - name: AERIE_TLS_CERT
   value: /etc/aerie/tls/tls.crt
@@ -698,19 +699,29 @@ spec:
   value: /etc/aerie/tls/ca.crt
 - name: AERIE_TLS_SERVER_NAME
   value: {{ $s.tls.serverName | quote }}
+{{- if not $gateway }}
 - name: AERIE_HEALTH_PORT
   value: {{ .ctx.Values.probes.healthPort | int64 | quote }}
 {{- end }}
-{{- if $s.internalToken.enabled }}
+{{- end }}
+{{- if and $s.internalToken.enabled (not $gateway) }}
 - name: AERIE_INTERNAL_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "aerie.internalTokenSecretName" .ctx }}
       key: token
 {{- end }}
-{{- if and (eq .component "coordinator") $s.apiTokens.enabled }}
+{{- if and (has .component (list "coordinator" "gateway")) $s.apiTokens.enabled }}
 - name: AERIE_API_TOKENS_FILE
   value: /etc/aerie/api/tokens
+{{- end }}
+{{- if and $gateway $s.apiTokens.enabled }}
+# the gateway's own calls (GetInfo for /health and the model name): the token of identity "gateway"
+- name: AERIE_API_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "aerie.apiTokensSecretName" .ctx }}
+      key: gateway
 {{- end }}
 {{- end }}
 
@@ -720,7 +731,7 @@ spec:
   mountPath: /etc/aerie/tls
   readOnly: true
 {{- end }}
-{{- if and (eq .component "coordinator") .ctx.Values.security.apiTokens.enabled }}
+{{- if and (has .component (list "coordinator" "gateway")) .ctx.Values.security.apiTokens.enabled }}
 - name: api-tokens
   mountPath: /etc/aerie/api
   readOnly: true
@@ -734,7 +745,7 @@ spec:
     secretName: {{ include "aerie.tlsSecretName" .ctx }}
     defaultMode: 0440
 {{- end }}
-{{- if and (eq .component "coordinator") .ctx.Values.security.apiTokens.enabled }}
+{{- if and (has .component (list "coordinator" "gateway")) .ctx.Values.security.apiTokens.enabled }}
 - name: api-tokens
   secret:
     secretName: {{ include "aerie.apiTokensSecretName" .ctx }}
