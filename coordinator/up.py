@@ -76,13 +76,17 @@ class Service:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def wait_ready(self, deadline: float) -> None:
+    def _read_port_file(self, deadline: float) -> dict:
+        """The ports the process wrote once it listens (its --port-file)."""
         while not self.port_file.is_file():
             self._check_alive("during startup")
             if time.monotonic() > deadline:
                 raise ServiceFailed(f"{self.name} did not start in time")
             time.sleep(0.1)
-        ports = json.loads(self.port_file.read_text())
+        return json.loads(self.port_file.read_text())
+
+    def wait_ready(self, deadline: float) -> None:
+        ports = self._read_port_file(deadline)
         self.port, self.metrics_port = ports["port"], ports.get("metrics_port")
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -120,12 +124,7 @@ class GatewayService(Service):
     def wait_ready(self, deadline: float) -> None:
         import httpx
 
-        while not self.port_file.is_file():
-            self._check_alive("during startup")
-            if time.monotonic() > deadline:
-                raise ServiceFailed(f"{self.name} did not start in time")
-            time.sleep(0.1)
-        self.port = json.loads(self.port_file.read_text())["http_port"]
+        self.port = self._read_port_file(deadline)["http_port"]
         while True:
             self._check_alive("before answering GET /health")
             try:
