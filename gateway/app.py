@@ -46,8 +46,9 @@ from gateway.errors import error_body, from_rpc, name_param, retry_after
 from gateway.extras import Extras, http_error
 from gateway.limits import BodyTooLarge, HttpLimits, read_body
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
-from gateway.openai_request import BadParameter, Parsed, check_limits, parse_chat, parse_completion, with_defaults
+from gateway.openai_request import Parsed, check_limits, parse_chat, parse_completion, with_defaults
 from gateway.resume import ResumingCall
+from gateway.validation import BadParameter
 from services.rpc.security import NONE, Security, token_identity
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb

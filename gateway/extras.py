@@ -9,8 +9,8 @@ its JSON errors for unknown routes and methods:
 
 /tokenize applies the chat template exactly as a chat completion does, so its count is the prompt
 length a chat completion would report. Both need the coordinator's tokenizer (a coordinator without
-one answers 400). Their bodies are validated by the typed models themselves (gateway/validation.py):
-a 400 names the field, its value and pydantic's reason; an unknown field is a 400 naming it.
+one answers 400). Their bodies are validated by the typed models (gateway/validation.py), as the completions'
+are: a 400 names the field, its value and the reason; an unknown field is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from starlette.responses import JSONResponse
 
 from gateway.errors import error_body, from_rpc
 from gateway import openai_schema
-from gateway.openai_request import BadParameter
-from gateway.validation import validated
+from gateway.validation import BadParameter, validated
 from services.rpc.stubs import coordinator as cpb
 
 
@@ -61,8 +60,7 @@ def tokenize_request(body: Any) -> tuple[cpb.TokenizeRequest, bool]:
         if req.add_special_tokens is not None:
             msg.add_special_tokens = req.add_special_tokens
     for m in req.messages or ():
-        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
-        msg.messages.append(cpb.ChatMessage(role=m.role, content=content))
+        msg.messages.append(cpb.ChatMessage(role=m.role, content=m.text()))
     return msg, bool(req.return_token_strs)
 
 

@@ -2,26 +2,34 @@
 
     GET /openapi.json      every route, and the body each POST route accepts (fields, types, ranges)
 
-The models are the one list of the fields each route knows: gateway/openai_request.py derives its
-accepted field sets from them, so a field cannot be accepted without being in the schema (and the
-other way round). /tokenize and /detokenize are validated by their models (gateway/validation.py).
-For the two generation routes the values a field may take are checked by the parser in openai_request.py (its
-messages name the field and the value, its refusals name why: tests/gateway/test_openai_api.py);
-tests/gateway/test_schema.py checks the two agree on bodies on both sides of each bound. What the
-models do not express: which prompt / max-token fields may be combined, and that a value is refused
-rather than merely invalid (n > 1, echo, a non-text response_format, ...): those are in the
-descriptions.
+The models are the one source of the fields each route knows, their types and ranges: every route
+with a body is validated by its model (gateway/validation.py turns the first error into a 400 naming
+the field), so what /openapi.json says is what the server checks. What a type cannot say is in the
+models' validators, which raise a Problem in aerie's words: a batch of prompts, an empty stop string,
+rules across fields (top_logprobs needs logprobs, stream_options needs stream, max_tokens and
+max_completion_tokens agree). A field aerie accepts only in its neutral value (n=1, echo=false, ...)
+is in `refusals` with the reason its 400 gives. gateway/openai_request.py turns a validated body into
+the Coordinator's GenerateRequest.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.validation import Problem, show
 from services.spec.sampling import MAX_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the widths of the proto fields they fill
+# echo / prompt_logprobs: the verifier's prefill applies the LM head to the prompt's last row only (its
+# one token to sample); the prompt's log-probabilities would need every row's [P, V] logits, per chunk.
+PROMPT_LOGPROBS_WHY = ("aerie does not compute the prompt's log-probabilities (its prefill keeps the logits "
+                       "of the prompt's last row only)")
+ONE_CHOICE = "aerie returns one choice per request"
+NO_PENALTIES = "aerie samples without penalties (use 0)"
+PLAIN_TEXT = "aerie generates plain text"
 
 
 class _Body(BaseModel):
@@ -29,7 +37,11 @@ class _Body(BaseModel):
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 class StreamOptions(_Body):
@@ -37,18 +49,22 @@ class StreamOptions(_Body):
     continuous_usage_stats: Literal[False] | None = Field(None, description="vLLM's; only false")
 
 
-class _Sampling(_Body):
+class GenerationRequest(_Body):
     """Fields of both generation routes."""
+    refusals: ClassVar[dict[str, str]] = {  # field -> why only its neutral value is accepted
+        "n": f"{ONE_CHOICE} (n=1)", "best_of": f"{ONE_CHOICE} (best_of=1)", "prompt_logprobs": PROMPT_LOGPROBS_WHY,
+        "presence_penalty": NO_PENALTIES, "frequency_penalty": NO_PENALTIES,
+        "logit_bias": "aerie samples without a logit bias (use {})"}
     model: str | None = Field(None, description="the served model (/v1/models); omitted = it")
-    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1,
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
                                    description="at most the server's cap (/v1/models max_tokens)")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy; default: the model's "
                                       "generation_config.json, else 1")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="vLLM's; -1 or 0 = off")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="vLLM's; -1 or 0 = off")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM's; 0 = off")
     repetition_penalty: float | None = Field(None, gt=0, le=100, description="vLLM's; 1 = off")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="unset = a random seed")
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="unset = a random seed")
     stop: NonEmpty | list[NonEmpty] | None = Field(None, description="stop strings")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM's; token ids that end the sequence")
     n: Literal[1] | None = None
@@ -66,9 +82,46 @@ class _Sampling(_Body):
     prompt_logprobs: None = Field(None, description="vLLM's; only null: the prompt's log-probabilities are not "
                                                     "computed (the prefill keeps the last prompt row's logits)")
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str) and v:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise Problem("stop", f"stop must be a string or a list of strings; got {show(v)}")
+        for i, s in enumerate(stops):
+            if not s:
+                raise Problem("stop", f"stop[{i}] is an empty string; a stop string needs at least one character")
+        return v
 
-class CompletionRequest(_Sampling):
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids(cls, v: Any) -> Any:
+        if v is not None and not (_token_ids(v) and all(0 <= t <= INT64_MAX for t in v)):
+            raise Problem("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {INT64_MAX}]; "
+                                            f"got {show(v)}")
+        return v
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))):
+            raise Problem("metadata", f"metadata must be an object of strings; got {show(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise Problem("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+
+class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
+    refusals: ClassVar[dict[str, str]] = {
+        **GenerationRequest.refusals, "suffix": "aerie does not support suffix (insertion)",
+        "echo": "echo returns the prompt with its log-probabilities, and " + PROMPT_LOGPROBS_WHY}
     prompt: NonEmpty | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
         list[NonEmpty | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)] = Field(
         description="text or token ids; a list of one prompt is that prompt (a batch of several is refused)")
@@ -77,6 +130,28 @@ class CompletionRequest(_Sampling):
     echo: Literal[False] | None = Field(None, description="only false: the prompt's log-probabilities are not "
                                                           "computed (the prefill keeps the last prompt row's logits)")
     suffix: Literal[""] | None = Field(None, description="only empty (not supported)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        """aerie's words for the prompt's shapes: one text or one list of token ids (a batch of one is it)."""
+        one = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)) else v
+        if v is None:
+            raise Problem("prompt", "prompt is required")
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+            raise Problem("prompt", f"a batch of {len(v)} prompts is not supported: send one prompt per request")
+        if isinstance(one, str) and not one:
+            raise Problem("prompt", "prompt is an empty string: give at least one character")
+        if one and _token_ids(one) and not all(0 <= t <= INT64_MAX for t in one):
+            raise Problem("prompt", f"prompt token ids must be in [0, {INT64_MAX}]; got {show(v)}")
+        if not isinstance(one, str) and not (one and _token_ids(one)):
+            raise Problem("prompt", f"prompt must be a string or a list of token ids; got {show(v)}")
+        return v
+
+    def one_prompt(self) -> str | list[int]:
+        """The prompt (a batch of one unwrapped)."""
+        p = self.prompt
+        return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
 
 
 class TextPart(_Body):
@@ -91,15 +166,35 @@ class ChatMessage(_Body):
     refusal: None = Field(None, description="accepted when null")
     tool_calls: list[Any] | None = Field(None, max_length=0, description="accepted when empty")
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise Problem("content", f"content must be a string or a list of text parts; got {show(v)}")
+        for j, part in enumerate(v):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise Problem(f"content[{j}]", f"content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                                               f"got {show(part)}")
+        return v
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
 
 class ResponseFormat(_Body):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
+    refusals: ClassVar[dict[str, str]] = {
+        **GenerationRequest.refusals, "tools": PLAIN_TEXT, "tool_choice": f"{PLAIN_TEXT} (tool_choice 'none' only)",
+        "response_format": f"{PLAIN_TEXT} ({{'type': 'text'}})",
+        "add_generation_prompt": "the chat template always ends with the assistant's turn"}
     messages: list[ChatMessage] = Field(min_length=1, description="the model's chat template is applied")
-    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1, description="max_tokens' newer name")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="max_tokens' newer name")
     logprobs: bool | None = Field(None, description="the target's log-probabilities of the answer's tokens")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs=true")
     tools: list[Any] | None = Field(None, max_length=0, description="only empty (tools are not supported)")
@@ -108,6 +203,17 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = Field(None, description="accepted, ignored")
     add_generation_prompt: Literal[True] | None = None
     skip_chat_template: bool | None = Field(None, description="aerie's: concatenate the contents instead")
+
+    @model_validator(mode="after")
+    def _across_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise Problem("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        given = {k: v for k, v in (("max_tokens", self.max_tokens), ("max_completion_tokens",
+                                                                        self.max_completion_tokens)) if v is not None}
+        if len(set(given.values())) > 1:
+            raise Problem("max_completion_tokens", " and ".join(f"{k}={v}" for k, v in given.items())
+                          + " disagree: give one")
+        return self
 
 
 class TokenizeRequest(_Body):

@@ -1,13 +1,14 @@
-"""The typed models (gateway/openai_schema.py, served as /openapi.json) and the request parser
-(gateway/openai_request.py) agree: the same fields exist, and bodies on both sides of every bound are
-accepted or refused by both, the refusal naming the same field. Pure: no servers."""
+"""The typed models (gateway/openai_schema.py, served as /openapi.json) are the request validation of
+every route with a body (gateway/validation.py): bodies on both sides of every bound are accepted or
+refused, the refusal naming the field, its value and the reason. Pure: no servers."""
 
 import pytest
 from pydantic import ValidationError
 
 from gateway import openai_schema as schema
 from gateway.extras import detokenize_request, tokenize_request
-from gateway.openai_request import BadParameter, parse_chat, parse_completion
+from gateway.openai_request import parse_chat, parse_completion
+from gateway.validation import BadParameter
 
 COMPLETION = {"prompt": "t5 t6"}
 CHAT = {"messages": [{"role": "user", "content": "t5"}]}
@@ -75,18 +76,13 @@ CASES = [  # (route, body changes, accepted?)
 ]
 
 
-def _parse(route: str, body: dict):
-    if route == "completions":
-        return parse_completion({**COMPLETION, **body}), schema.CompletionRequest, {**COMPLETION, **body}
-    return parse_chat({**CHAT, **body}), schema.ChatCompletionRequest, {**CHAT, **body}
-
-
 def _root(param: str) -> str:
     return param.split(".")[0].split("[")[0]
 
 
 @pytest.mark.parametrize("route,body,accepted", CASES, ids=[f"{r}-{sorted(b)}-{a}" for r, b, a in CASES])
-def test_models_and_parser_agree(route, body, accepted):
+def test_bounds_are_the_models(route, body, accepted):
+    """The routes' parsers accept exactly what the typed models (the OpenAPI document) accept."""
     model = schema.CompletionRequest if route == "completions" else schema.ChatCompletionRequest
     full = {**(COMPLETION if route == "completions" else CHAT), **body}
     parser = parse_completion if route == "completions" else parse_chat
@@ -96,10 +92,70 @@ def test_models_and_parser_agree(route, body, accepted):
         return
     with pytest.raises(BadParameter) as refused:
         parser(full)
-    with pytest.raises(ValidationError) as invalid:
+    with pytest.raises(ValidationError):
         model.model_validate(full)
-    locs = {str(e["loc"][0]) for e in invalid.value.errors()}
-    assert _root(refused.value.param) in locs, (refused.value.param, invalid.value.errors())
+    assert _root(refused.value.param) in body, (refused.value.param, str(refused.value))
+
+
+GENERATION_400 = [  # (route, body changes, param, the message, whole or its start)
+    ("completions", {"stop": [""]}, "stop", "stop[0] is an empty string; a stop string needs at least one character"),
+    ("completions", {"stop": ["x", 7]}, "stop", "stop must be a string or a list of strings; got ['x', 7]"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt",
+     "a batch of 2 prompts is not supported: send one prompt per request"),
+    ("completions", {"prompt": None}, "prompt", "prompt is required"),
+    ("completions", {"prompt": [5, 2**64]}, "prompt", "prompt token ids must be in [0, 9223372036854775807]; got "),
+    ("completions", {"prompt": [5, True]}, "prompt", "prompt must be a string or a list of token ids; got [5, True]"),
+    ("completions", {"max_tokens": 10**12}, "max_tokens", "max_tokens must be >= 1 and <= 2147483647; got 1000000000000"),
+    ("completions", {"top_p": 0}, "top_p", "top_p must be > 0 and <= 1; got 0"),
+    ("completions", {"seed": 2**63}, "seed", "seed must be >= 0 and <= 9223372036854775807; got "),
+    ("completions", {"top_k": 2.0}, "top_k", "top_k: Input should be a valid integer; got 2.0"),
+    ("completions", {"stop_token_ids": ["x"]}, "stop_token_ids",
+     "stop_token_ids must be a list of token ids in [0, 9223372036854775807]; got ['x']"),
+    ("completions", {"metadata": {"a": 1}}, "metadata", "metadata must be an object of strings; got {'a': 1}"),
+    ("completions", {"n": 2}, "n", "n=2 is not supported: aerie returns one choice per request (n=1)"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty=0.5 is not supported: aerie "
+     "samples without penalties"),
+    ("completions", {"echo": True}, "echo", "echo=True is not supported: echo returns the prompt"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream=true"),
+    ("completions", {"frobnicate": 1}, "frobnicate", "unrecognized request argument: frobnicate=1"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "top_logprobs=2 needs logprobs=true"),
+    ("chat", {"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens",
+     "max_tokens=3 and max_completion_tokens=4 disagree: give one"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format",
+     "response_format={'type': 'json_object'} is not supported: aerie generates plain text"),
+    ("chat", {"messages": [USER, {"role": "user", "content": [{"type": "image_url"}]}]}, "messages[1].content[0]",
+     "messages[1].content[0] must be a text part ({'type': 'text', 'text': ...}); got {'type': 'image_url'}"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "messages[0].content must be a string or a list of text parts; got 5"),
+    ("chat", {"messages": [{"role": "user", "content": "t5", "audio": {}}]}, "messages[0].audio",
+     "unrecognized request argument: messages[0].audio={}"),
+]
+
+
+@pytest.mark.parametrize("route,body,param,message", GENERATION_400, ids=[c[2] for c in GENERATION_400])
+def test_generation_routes_are_validated_by_their_models(route, body, param, message):
+    """/v1/completions and /v1/chat/completions: the 400 names the field as the body spells it, its
+    value and the reason (a range from the model's bounds, a refusal's reason, a validator's words)."""
+    parser = parse_completion if route == "completions" else parse_chat
+    with pytest.raises(BadParameter) as e:
+        parser({**(COMPLETION if route == "completions" else CHAT), **body})
+    assert e.value.param == param and str(e.value).startswith(message), (e.value.param, str(e.value))
+
+
+def test_a_valid_body_maps_onto_the_generate_request():
+    p = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "text", "text": "b"}]}],
+                    "max_completion_tokens": 7, "stop": "x", "stop_token_ids": [2], "top_k": -1, "seed": 3,
+                    "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True}})
+    req = p.request
+    assert (req.messages[0].content, req.max_new_tokens, list(req.stop), list(req.stop_token_ids)) == ("ab", 7, ["x"], [2])
+    assert (req.sampling.top_k, req.sampling.seed, req.sampling.logprobs) == (0, 3, 2)
+    assert (p.stream, p.include_usage, p.max_tokens_param) == (True, True, "max_completion_tokens")
+    assert p.unset == {"temperature", "top_p", "min_p", "repetition_penalty"}
+    c = parse_completion({"prompt": [[5, 6]], "temperature": 0})
+    assert (list(c.request.prompt_ids), c.request.max_new_tokens, c.request.sampling.temperature) == ([5, 6], 16, 0)
+    assert not c.request.sampling.HasField("logprobs") and c.max_tokens_param == "max_tokens"
 
 
 def test_vllm_routes_agree():
@@ -130,8 +186,8 @@ def test_vllm_routes_agree():
     ("detokenize", {"tokens": [2**63]}, "tokens[0]", "got 9223372036854775808"),
     ("detokenize", [5], "body", "must be a JSON object; got list"),
     ("tokenize", {"prompt": ""}, "prompt", "prompt: String should have at least 1 character; got ''"),
-    ("tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
-     "got [{'type': 'image_url'}]"),
+    ("tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
+     "messages[0].content[0] must be a text part ({'type': 'text', 'text': ...}); got {'type': 'image_url'}"),
     ("tokenize", {"messages": [{"content": "t5"}]}, "messages[0].role", "messages[0].role is required"),
     ("tokenize", {"messages": [USER], "add_generation_prompt": False}, "add_generation_prompt",
      "add_generation_prompt=False is not supported: Input should be True"),
