@@ -44,6 +44,12 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
+def _unbatched(prompt: Any) -> Any:
+    """A batch of one prompt is that prompt: ["a"] -> "a", [[5, 6]] -> [5, 6]; the rest as it is."""
+    one = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
+    return prompt[0] if one else prompt
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = Field(None, description="a last chunk with `choices: []` and `usage`")
     continuous_usage_stats: Literal[False] | None = Field(None, description="vLLM's; only false")
@@ -135,7 +141,7 @@ class CompletionRequest(GenerationRequest):
     @classmethod
     def _prompt(cls, v: Any) -> Any:
         """aerie's words for the prompt's shapes: one text or one list of token ids (a batch of one is it)."""
-        one = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)) else v
+        one = _unbatched(v)
         if v is None:
             raise Problem("prompt", "prompt is required")
         if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
@@ -149,9 +155,8 @@ class CompletionRequest(GenerationRequest):
         return v
 
     def one_prompt(self) -> str | list[int]:
-        """The prompt (a batch of one unwrapped)."""
-        p = self.prompt
-        return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
+        """The prompt: text or token ids (a batch of one unwrapped)."""
+        return _unbatched(self.prompt)
 
 
 class TextPart(_Body):

@@ -94,10 +94,13 @@ def bad_parameter(error: dict, body: dict, model: type[BaseModel] | None = None)
     path, value = _path(loc, body, kind)
     problem = (error.get("ctx") or {}).get("error")
     if kind == "value_error" and isinstance(problem, Problem):
-        first = problem.param.split(".")[0].split("[")[0]
-        prefix = path[:-len(first)].rstrip(".") if first and path.endswith(first) else path
-        join = (lambda s: f"{prefix}.{s}") if prefix else (lambda s: s)
-        return BadParameter(join(problem.param), join(problem.message))
+        # The model's place in the body: a field validator's loc ends at its field (messages[0].content
+        # -> messages[0]), a model validator's at the model. At the top it is "" and the words stand alone.
+        field = problem.param.split(".")[0].split("[")[0]
+        prefix = path[:-len(field)].rstrip(".") if path.endswith(field) else path
+        if not prefix:
+            return BadParameter(problem.param, problem.message)
+        return BadParameter(f"{prefix}.{problem.param}", f"{prefix}.{problem.message}")
     path = path or "body"
     if kind == "extra_forbidden":
         return BadParameter(path, f"unrecognized request argument: {path}={show(value)}")
