@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 Body = TypeVar("Body", bound=BaseModel)
 _MISSING = object()
@@ -64,7 +65,8 @@ def validated(model: type[Body], body: Any) -> Body:
 def _path(loc: tuple, body: dict, kind: str) -> tuple[str, Any]:
     """(the body's spelling of `loc`, the value there). `loc` also holds the names of union members
     tried (`str`, `list[TextPart]`): only the steps that exist in the body make the path."""
-    path, value = "", body
+    path: str = ""
+    value: Any = body
     for step in loc:
         if isinstance(value, dict) and isinstance(step, str) and step in value:
             path, value = f"{path}.{step}" if path else step, value[step]
@@ -84,12 +86,12 @@ def _bounds(model: type[BaseModel], name: str) -> str | None:
     return " and ".join(parts) or None
 
 
-def bad_parameter(error: dict, body: dict, model: type[BaseModel] | None = None) -> BadParameter:
+def bad_parameter(error: ErrorDetails, body: dict, model: type[BaseModel] | None = None) -> BadParameter:
     """One pydantic error -> BadParameter."""
     kind, loc = error["type"], error["loc"]
     root = loc[0] if loc and isinstance(loc[0], str) else None
     refusals = getattr(model, "refusals", {})
-    if root in refusals and root in body:  # a field aerie accepts only in its neutral value
+    if root is not None and root in refusals and root in body:  # a field aerie accepts only in its neutral value
         return BadParameter(root, f"{root}={show(body[root])} is not supported: {refusals[root]}")
     path, value = _path(loc, body, kind)
     problem = (error.get("ctx") or {}).get("error")
