@@ -105,14 +105,17 @@ def test_a_failover_is_an_event_on_its_round_span(pipeline, exporter, model_dirs
     assert any(e.attributes["aerie.role"] == "drafter" and e.attributes["aerie.rows"] > 4 for e in rebuilds)
 
 
-def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, redis_url):
+def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, model_dirs, redis_url):
     """With overlap on (AERIE_OVERLAP), round k+1's tree is drafted ahead during round k: a
     `draft_ahead` CLIENT span (with the drafter's DraftAhead server span below it) under round k+1
     that ends before round k's commit starts; a round whose guess hit has no `draft` span at all.
     Round spans carry ahead / ahead_hit as the stream's stats."""
     from services.spec.overlap import AheadPolicy
 
-    coordinator, address = pipeline.add_coordinator(redis_url, overlap="always")  # draft ahead every round
+    # a drafter of its own: the fail-over test before it may have stopped the pipeline's first one
+    _, _, drafter = pipeline.add_service("drafter", model_dirs)
+    coordinator, address = pipeline.add_coordinator(redis_url, drafters=(drafter,), discover=False,
+                                                    overlap="always")  # draft ahead every round
     assert coordinator.sequences.ahead == AheadPolicy(contention=0.0, learn_cost=False)
     exporter.clear()
     session = RemoteSession(address, None, "", timeout_s=60)
