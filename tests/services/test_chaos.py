@@ -42,7 +42,9 @@ RETRY_S = 240  # how long a stream keeps resuming after UNAVAILABLE
 def start_up(model_dirs, tmp_path, overlap: bool = False):
     env = {**os.environ, "AERIE_OVERLAP": "1" if overlap else "0", "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_PROBE_INTERVAL_S": "0.5",
            "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_LEASE_TTL_S": "2",
-           "AERIE_DRAIN_S": "0.5"}
+           # 0: the SIGTERM hands the streams over at once; with a drain window (0.5 s) a fast machine
+           # could finish every stream inside it and hand none over (the handover assertion below)
+           "AERIE_DRAIN_S": "0"}
     state = tmp_path / "state.json"
     argv = ["--target", str(model_dirs.target), "--draft", str(model_dirs.head), "--dtype", "fp32",
             "--tree-top-k", str(TREE.top_k), "--tree-depth", str(TREE.depth), "--tree-tokens", str(TREE.size),
