@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -90,17 +91,27 @@ class Service:
         self.port, self.metrics_port = ports["port"], ports.get("metrics_port")
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                self._check_alive("before answering health checks")
+
+            def serving() -> bool:
                 try:
                     status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return
                 except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ServiceFailed(f"{self.name} at {self.address} is not SERVING")
-                time.sleep(0.1)
+                    return False
+                return status == health_pb2.HealthCheckResponse.SERVING
+
+            self._poll(serving, "health checks", "is not SERVING", deadline, 0.1)
+
+    def _poll(self, ready: Callable[[], bool], answering: str, failure: str, deadline: float,
+              interval: float) -> None:
+        """Ask `ready` every `interval` s until it says yes; ServiceFailed when the process exits first
+        or the deadline passes."""
+        while True:
+            self._check_alive(f"before answering {answering}")
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{self.name} at {self.address} {failure}")
+            time.sleep(interval)
 
     def _check_alive(self, when: str) -> None:
         if self.proc.poll() is not None:
@@ -125,16 +136,14 @@ class GatewayService(Service):
         import httpx
 
         self.port = self._read_port_file(deadline)["http_port"]
-        while True:
-            self._check_alive("before answering GET /health")
+
+        def healthy() -> bool:
             try:
-                if httpx.get(f"http://{self.address}/health", timeout=30).status_code == 200:
-                    return
+                return httpx.get(f"http://{self.address}/health", timeout=30).status_code == 200
             except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServiceFailed(f"{self.name} at {self.address} does not answer GET /health with 200")
-            time.sleep(0.2)
+                return False
+
+        self._poll(healthy, "GET /health", "does not answer GET /health with 200", deadline, 0.2)
 
 
 class RedisService:

@@ -47,10 +47,13 @@ class Driver:
         return [None] * len(calls)
 
 
-def run(calls: list[Call], budget: int | None, limits: BatchLimits = BatchLimits(max_batch=16, max_rows=1024)):
-    d = Driver()
+def run(calls: list[Call], budget: int | None, limits: BatchLimits = BatchLimits(max_batch=16, max_rows=1024),
+        driver: Driver | None = None, **batcher_kw):
+    """Every call of `calls` queued before the first step, then steps until each sequence is done: the
+    calls of each step. `driver` (default Driver()) runs the steps; `batcher_kw` go to the Batcher."""
+    d = driver or Driver()
     b = Batcher("test", d, rows=lambda c: c.rows, key=lambda c: c.seq, limits=limits,
-                prefill=lambda c: c.prefill, step_rows=budget)
+                prefill=lambda c: c.prefill, step_rows=budget, **batcher_kw)
     d.batcher = b
     d.live = len(calls)
     try:
@@ -154,20 +157,7 @@ def split(call, rows: int):
 
 def run_sliced(calls: list[Call], budget: int, decoders: int) -> list[list]:
     d = SlicingDriver(decoders)
-    b = Batcher("test", d, rows=lambda c: c.rows, key=lambda c: c.seq,
-                limits=BatchLimits(max_batch=16, max_rows=1024), prefill=lambda c: c.prefill, step_rows=budget,
-                split=split, decoding=lambda: d.decoders)
-    d.batcher = b
-    d.live = len(calls)
-    try:
-        b.exclusive(d.gate.wait, 10)
-        for c in calls:
-            b.submit(c)
-        d.gate.set()
-        assert d.done.wait(30)
-    finally:
-        b.close()
-    return d.steps
+    return run(calls, budget, driver=d, split=split, decoding=lambda: d.decoders)
 
 
 def test_a_step_carries_the_decode_and_a_slice_that_fills_the_budget():

@@ -34,6 +34,18 @@ def generate(engine, prompt, n, **kw):
     return tokens, accepts
 
 
+def record_trees(drafter, seen: list) -> None:
+    """Append every tree `drafter` grows (through draft_many) to `seen`."""
+    original = drafter.draft_many
+
+    def record(calls):
+        out = original(calls)
+        seen.extend(out)
+        return out
+
+    drafter.draft_many = record
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
 def test_static_expansion_gives_the_eager_trees(pair, shape, request):
@@ -41,15 +53,7 @@ def test_static_expansion_gives_the_eager_trees(pair, shape, request):
     tree = SHAPES[shape]
     trees = {}
     for name, drafter in (("eager", Drafter(head, tree)), ("static", static_drafter(head, tree))):
-        original = drafter.draft_many
-        seen = trees.setdefault(name, [])
-
-        def record(calls, original=original, seen=seen):
-            out = original(calls)
-            seen.extend(out)
-            return out
-
-        drafter.draft_many = record
+        record_trees(drafter, trees.setdefault(name, []))
         static = drafter
         engine = Engine(Verifier(target, head.feature_kind), drafter, 512, VOCAB)
         g = torch.Generator().manual_seed(len(shape))
@@ -91,15 +95,7 @@ def test_an_extension_past_the_graphs_keys_expands_eagerly(llama_pair):
     for name, drafter in (("eager", Drafter(head, tree)), ("static", static_drafter(head, tree))):
         if name == "static":
             drafter.graphs = DraftGraphs(head, drafter.pool, graphs=False, max_keys=256)
-        original = drafter.draft_many
-        seen = trees.setdefault(name, [])
-
-        def record(calls, original=original, seen=seen):
-            out = original(calls)
-            seen.extend(out)
-            return out
-
-        drafter.draft_many = record
+        record_trees(drafter, trees.setdefault(name, []))
         generate(Engine(Verifier(target, head.feature_kind), drafter, 512, VOCAB), prompt, 12)
         if name == "static":
             assert drafter.graphs.expansions == 0  # the prefill's fell back; later rounds never fit
