@@ -122,11 +122,20 @@ def start_redis(workdir: Path, port: int | None = None, timeout_s: float = 15.0,
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
     """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
-    if proc.poll() is None:
-        proc.terminate()
+    return stop_processes([proc], timeout_s)[0]
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> list[int | None]:
+    """SIGTERM every process at once, wait for all of them together for at most `timeout_s`, SIGKILL
+    those still running; returns the exit codes (a SIGKILL's is negative)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
         try:
-            proc.wait(timeout_s)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return proc.returncode
+    return [proc.returncode for proc in procs]

@@ -11,7 +11,7 @@ coordinator when its own dies; --gateway coordinator serves the API inside the f
 instead); waits until each answers its health check; prints where everything listens. It supervises them: a process that
 dies is started again on the same port (unless --no-restart, which stops everything instead); the
 sequences it served fail over (see coordinator/sequence_placement.py). On Ctrl-C or SIGTERM it stops
-the coordinators first (they drain in-flight rounds), then the drafters and verifiers, then Redis. The services run in their own
+the gateway, then the coordinators (they drain in-flight rounds), then the drafters and verifiers, then Redis. The services run in their own
 process sessions, so a terminal's Ctrl-C reaches only this parent, which stops them in that order.
 """
 
@@ -38,7 +38,7 @@ from services.engine.local import DraftSpec, resolve_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
 from services.rpc.security import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
-from coordinator.redis_server import redact, start_redis, stop_process
+from coordinator.redis_server import redact, start_redis, stop_process, stop_processes
 
 
 class ServiceFailed(AerieError):
@@ -267,6 +267,23 @@ def api_key(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
     return {"AERIE_API_TOKENS_FILE": str(path), "AERIE_API_TOKEN": own}
 
 
+STOP_TIMEOUT_S = 30.0  # per tier: a coordinator drains its rounds for AERIE_DRAIN_S (20 s) first
+
+
+def stop_services(services: list[Service], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop in tiers, each tier's processes at once: the gateway, then the coordinators (they drain their
+    rounds while the pools still serve), then the drafters and verifiers. A process still running
+    `timeout_s` after its SIGTERM is killed, and said so on stderr."""
+    tiers = [[s for s in services if s.role == role] for role in ("gateway", "coordinator")]
+    tiers.append([s for s in services if s.role not in ("gateway", "coordinator")])
+    for tier in tiers:
+        started = time.monotonic()
+        for s, code in zip(tier, stop_processes([s.proc for s in tier], timeout_s)):
+            if code is not None and code < 0 and code != -signal.SIGTERM:
+                print(f"{s.name} (pid {s.proc.pid}) did not stop within {timeout_s:g} s of SIGTERM: killed "
+                      f"({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     for name in ("verifiers", "drafters", "coordinators"):
         if getattr(args, name) < (0 if name == "drafters" else 1):
@@ -383,9 +400,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 write_state(args.state_file, supervised)
         return 0
     finally:
-        for s in reversed(services):  # the gateway, then the coordinators (they drain their rounds while the
-            #                           others still serve)
-            stop_process(s.proc, timeout_s=30)
+        stop_services(services)
         if redis_service is not None:
             stop_process(redis_service.proc)
         shutil.rmtree(workdir, ignore_errors=True)
