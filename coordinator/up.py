@@ -12,7 +12,8 @@ instead); waits until each answers its health check; prints where everything lis
 dies is started again on the same port (unless --no-restart, which stops everything instead); the
 sequences it served fail over (see coordinator/sequence_placement.py). On Ctrl-C or SIGTERM it stops
 the gateway, then the coordinators (they drain in-flight rounds), then the drafters and verifiers, then
-Redis (`stop_services`). The services run in their own process sessions, so a terminal's Ctrl-C reaches only this parent, which stops them in that order.
+Redis (`stop_services`). The services run in their own process sessions, so a terminal's Ctrl-C
+reaches only this parent, which stops them in that order.
 """
 
 from __future__ import annotations
