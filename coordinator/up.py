@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.engine.local import DraftSpec, resolve_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
-from services.rpc.security import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
+from services.rpc.api_tokens import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
 from coordinator.redis_server import redact, start_redis, stop_process, stop_processes
 
 

@@ -14,7 +14,7 @@ Every control is optional, for local use (loopback, `aerie up`):
                  verifiers require (`authorization: Bearer <token>`) and coordinators send.
     public API   AERIE_API_TOKENS_FILE: one `identity token` pair per line; the coordinator (gRPC and the
                  HTTP API) then requires `authorization: Bearer <token>` and the identity owns the
-                 sequences it creates.
+                 sequences it creates. Read again when the file changes (services/rpc/api_tokens.py).
 
 The health service never needs a token (probes carry none, and it reveals nothing but SERVING).
 Without API tokens every caller is the identity ANONYMOUS (so sequences are shared, as before); the
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.errors import AerieError
+from services.rpc.api_tokens import ApiTokens
 from services.rpc.config import ConfigError
 
 if TYPE_CHECKING:  # `--help` of every command imports this module: no grpc at import time
@@ -58,27 +59,6 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise ConfigError(f"cannot read {what} ({e.strerror})") from None
 
 
-MIN_TOKEN_CHARS = 16  # an API token shorter than this is refused (guessable)
-
-
-def parse_tokens(text: str) -> dict[str, str]:
-    """`identity token` per line (# comments, blank lines) -> {token: identity}."""
-    out: dict[str, str] = {}
-    for n, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) != 2:
-            raise ConfigError(f"API tokens file line {n}: expected 'identity token'")
-        identity, token = parts
-        if len(token) < MIN_TOKEN_CHARS:
-            raise ConfigError(f"API tokens file line {n}: the token of {identity!r} is shorter than "
-                              f"{MIN_TOKEN_CHARS} characters")
-        out[token] = identity
-    return out
-
-
 @dataclass(frozen=True)
 class Security:
     """What one process uses at its trust boundaries (secrets are never in repr)."""
@@ -87,7 +67,8 @@ class Security:
     key: bytes | None = field(default=None, repr=False)
     ca: bytes | None = field(default=None, repr=False)
     internal_token: str | None = field(default=None, repr=False)  # drafters/verifiers require it; coordinators send it
-    api_tokens: dict[str, str] = field(default_factory=dict, repr=False)  # token -> identity (coordinator)
+    # token -> identity (coordinator, gateway): an ApiTokens read again when its file changes
+    api_tokens: MutableMapping[str, str] = field(default_factory=dict, repr=False)
     client_token: str | None = field(default=None, repr=False)  # a public-API client's own bearer token
     server_name: str | None = None  # check peers' certificates against this name (pods are dialled by IP)
 
@@ -100,9 +81,8 @@ class Security:
         token_file = _read(service.internal_token_file, "AERIE_INTERNAL_TOKEN_FILE")
         internal = (token_file.decode().strip() if token_file is not None else
                     os.environ.get("AERIE_INTERNAL_TOKEN", "").strip()) or None
-        tokens = _read(service.api_tokens_file, "AERIE_API_TOKENS_FILE")
-        return cls(cert, key, _read(service.tls_ca, "AERIE_TLS_CA"), internal,
-                   parse_tokens(tokens.decode()) if tokens is not None else {},
+        tokens = ApiTokens.from_file(service.api_tokens_file) if service.api_tokens_file else {}
+        return cls(cert, key, _read(service.tls_ca, "AERIE_TLS_CA"), internal, tokens,
                    server_name=service.tls_server_name)
 
     @classmethod

@@ -176,3 +176,31 @@ def test_http_gateway_needs_a_valid_token_over_https(secured, pki):
             httpx.get(f"http://localhost:{http.port}/health", timeout=10)
     finally:
         secured.loop.run(http.stop())
+
+
+def test_api_tokens_rotate_without_a_restart(secured, pki):
+    """The coordinator reads AERIE_API_TOKENS_FILE again when it changes (services/rpc/api_tokens.py):
+    alice's new token works at once, her old one and bob's (removed) are refused, and alice still owns
+    the sequence she created before (ownership is by identity). The file is restored afterwards."""
+    import os
+    from pathlib import Path
+
+    path = Path(secured.service.api_tokens_file)
+    original = path.read_text()
+    alice = coordinator(secured, pki, "alice")
+    seq_id = next(iter(alice.Generate(cpb.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=2),
+                                      timeout=60))).sequence_id
+    rotated = "alice-token-rotated-0123456789"
+    try:
+        (path.parent / "tokens.new").write_text(f"alice {rotated}\n")
+        os.replace(path.parent / "tokens.new", path)  # a new inode, as a Kubernetes Secret update
+        request = pb.InfoRequest()
+        for who in ("alice", "bob"):
+            assert code_of(lambda: coordinator(secured, pki, who).GetInfo(request, timeout=30)) == \
+                (UNAUTH, "/aerie.v1.Coordinator/GetInfo: the bearer token is not valid here")
+        renewed = coordinator(secured, pki, rotated)
+        assert renewed.GetSequence(cpb.GetSequenceRequest(sequence_id=seq_id), timeout=10).sequence_id == seq_id
+    finally:
+        (path.parent / "tokens.new").write_text(original)
+        os.replace(path.parent / "tokens.new", path)
+    assert coordinator(secured, pki, "bob").GetInfo(pb.InfoRequest(), timeout=30).vocab_size == 128
