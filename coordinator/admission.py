@@ -1,13 +1,17 @@
-"""The admission queue: requests past the coordinator's --max-sequences wait for a slot, in arrival
-order, instead of being refused at once (vLLM and SGLang queue them the same way).
+"""The admission queue: requests past the coordinator's --max-sequences wait for a slot instead of being
+refused at once (vLLM and SGLang queue them too), in arrival order per client and in turns across
+clients.
 
     queue = AdmissionQueue(sequences.try_reserve, max_queued=1024, timeout_s=600)
-    await queue.enter()          # a slot is reserved for this request (FIFO), or CapacityExceeded
+    await queue.enter(client)    # a slot is reserved for this request, or CapacityExceeded
     sequences.admit(..., reserved=True)   # the reservation becomes the sequence's slot
     queue.wake()                 # on the event loop, after any slot was freed (Sequences.on_free)
 
-A request that finds no one waiting and a free slot passes at once. Otherwise it waits behind the
-requests that came before it; each freed slot goes to the oldest waiter. Bounds: at most `max_queued`
+A request that finds no one waiting and a free slot passes at once. Otherwise it waits. Each freed
+slot goes to the oldest waiter of the next client in turn (round robin over the clients that have
+waiters, in the order each began waiting; `client` is the per-client key: the API identity, else the
+peer host): a client that queued 100 requests does not make the one request of another client wait
+behind them all, and two clients that both keep the queue full get slots one for one. Bounds: at most `max_queued`
 wait at once (one more is refused at once: CapacityExceeded, HTTP 503 with Retry-After), and each
 waits at most `timeout_s` (then the same). `max_queued` 0 restores the old behaviour: refused at once
 when every slot is taken. A waiter whose client goes away leaves the queue; a slot granted to it just
@@ -21,7 +25,7 @@ the sequences' threads, which call `wake` through loop.call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from services.errors import CapacityExceeded
@@ -38,16 +42,17 @@ class AdmissionQueue:
         self.max_queued = max_queued
         self.timeout_s = timeout_s
         self.capacity = capacity
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # client -> its waiters (oldest first); the first client is the next in turn
+        self._waiters: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def waiting(self) -> int:
-        return sum(1 for f in self._waiters if not f.done())
+        return sum(1 for q in self._waiters.values() for f in q if not f.done())
 
-    async def enter(self) -> None:
-        """Reserve a slot for this request: at once when none waits and one is free, else after the
-        requests that arrived before it. CapacityExceeded when the queue is full or the wait timed out."""
+    async def enter(self, client: str = "") -> None:
+        """Reserve a slot for this request: at once when none waits and one is free, else in `client`'s
+        turn (module docstring). CapacityExceeded when the queue is full or the wait timed out."""
         self._loop = asyncio.get_running_loop()
         if not self.waiting and self._try_reserve():
             return
@@ -56,7 +61,7 @@ class AdmissionQueue:
                                    f"{self.waiting} requests wait for one, its queue's limit "
                                    f"(AERIE_MAX_QUEUED_REQUESTS={self.max_queued}); retry later")
         granted: asyncio.Future[None] = self._loop.create_future()
-        self._waiters.append(granted)
+        self._waiters.setdefault(client, deque()).append(granted)
         timer = self._loop.call_later(self.timeout_s, self._time_out, granted)
         try:
             await granted
@@ -75,19 +80,22 @@ class AdmissionQueue:
                 f"(AERIE_QUEUE_TIMEOUT_S); retry later"))
 
     def wake(self) -> None:
-        """Grant free slots to the oldest waiters (call on the event loop)."""
+        """Grant free slots to the waiters, one per client in turn (call on the event loop)."""
         self._forget_done()
         while self._waiters:
             try:
                 if not self._try_reserve():
                     return
             except Exception as e:  # noqa: BLE001 - draining: every waiter gets the refusal
-                for f in self._waiters:
-                    if not f.done():
-                        f.set_exception(e)
+                for q in self._waiters.values():
+                    for f in q:
+                        if not f.done():
+                            f.set_exception(e)
                 self._waiters.clear()
                 return
-            self._waiters.popleft().set_result(None)
+            client, q = next(iter(self._waiters.items()))
+            q.popleft().set_result(None)
+            self._waiters.move_to_end(client)  # its next waiter comes after every other client's
             self._forget_done()
 
     def wake_threadsafe(self) -> None:
@@ -97,5 +105,9 @@ class AdmissionQueue:
             loop.call_soon_threadsafe(self.wake)
 
     def _forget_done(self) -> None:
-        while self._waiters and self._waiters[0].done():
-            self._waiters.popleft()
+        for client in list(self._waiters):
+            q = self._waiters[client]
+            while q and q[0].done():
+                q.popleft()
+            if not q:
+                del self._waiters[client]

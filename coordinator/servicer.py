@@ -52,7 +52,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
-        # past --max-sequences a request waits for a slot in arrival order (coordinator/admission.py)
+        # past --max-sequences a request waits for a slot, in turns across clients (coordinator/admission.py)
         self.admission = AdmissionQueue(sequences.try_reserve, sequences.release_reserved, config.max_queued_requests,
                                         config.queue_timeout_s, config.max_sequences)
         sequences.on_free = self.admission.wake_threadsafe
@@ -153,7 +153,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         produced = 0
         request_metrics = RequestMetrics(self.model_name)
         try:
-            await self.admission.enter()  # waits (counted as waiting) while every slot is taken
+            await self.admission.enter(key)  # waits (counted as waiting) while every slot is taken: in turns per client
             admitted = await asyncio.to_thread(self.sequences.admit, req, seq_id, emit, span,
                                                text.stop_engine(request), text.params(request), identity, key,
                                                reserved=True, fit_context=not request.HasField("max_new_tokens"))

@@ -146,3 +146,59 @@ def test_draining_refuses_every_waiter():
                 await t
 
     asyncio.run(main())
+
+
+def test_clients_take_turns_and_each_keeps_its_own_order():
+    """A client that queued many requests does not make another client's request wait behind them
+    all: freed slots go round robin over the clients with waiters, oldest first within a client."""
+    async def main():
+        slots = Slots(1)
+        q = queue(slots)
+        await q.enter("peer a")
+        order: list[str] = []
+
+        async def request(client: str, name: str) -> None:
+            await q.enter(client)
+            order.append(name)
+
+        tasks = [asyncio.create_task(request("peer a", f"a{i}")) for i in range(4)]
+        await settle()
+        tasks += [asyncio.create_task(request("identity b", f"b{i}")) for i in range(2)]
+        await settle()
+        tasks.append(asyncio.create_task(request("identity c", "c0")))
+        await settle()
+        assert q.waiting == 7
+        for _ in range(7):
+            slots.give()
+            q.wake()
+            await settle()
+        await asyncio.gather(*tasks)
+        assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+        assert q.waiting == 0 and slots.free == 0
+
+    asyncio.run(main())
+
+
+def test_a_client_whose_waiters_left_loses_its_turn_to_the_others():
+    async def main():
+        slots = Slots(0)
+        q = queue(slots)
+        order: list[str] = []
+
+        async def request(client: str, name: str) -> None:
+            await q.enter(client)
+            order.append(name)
+
+        gone = asyncio.create_task(request("a", "a0"))
+        await settle()
+        stays = asyncio.create_task(request("b", "b0"))
+        await settle()
+        gone.cancel()  # a's client went away while waiting
+        await settle()
+        slots.give()
+        q.wake()
+        await settle()
+        await stays
+        assert order == ["b0"] and q.waiting == 0 and gone.cancelled()
+
+    asyncio.run(main())
