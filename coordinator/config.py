@@ -7,7 +7,7 @@
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
     AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_MAX_QUEUED_REQUESTS (1024), AERIE_QUEUE_TIMEOUT_S (600),
-    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), the HTTP gateway's AERIE_HTTP_*
+    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), AERIE_TRUSTED_PROXIES (loopback), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from gateway import limits as http_limits
 from gateway.limits import HttpLimits
 from services.rpc.security import redact
+from services.rpc.forwarded import DEFAULT_TRUSTED_PROXIES, TrustedProxies
 from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, endpoint_problem, env, service_config
 
 DEFAULT_PORT = 50051
@@ -70,6 +71,8 @@ class CoordinatorConfig:
     discover_interval_s: float = 1.0  # re-read the registry this often
     # Generate streams one client may have open at once: by API identity, else by peer host; 0 = no limit
     max_sequences_per_client: int = 64
+    # peers whose `aerie-forwarded-for` names the client (the HTTP gateway's; services/rpc/forwarded.py)
+    trusted_proxies: str = DEFAULT_TRUSTED_PROXIES
     http_limits: HttpLimits = HttpLimits()  # what one HTTP client may make the gateway hold (gateway/limits.py)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,7 @@ class CoordinatorConfig:
             raise ConfigError(f"queue_timeout_s must be >= 0; got {self.queue_timeout_s}")
         if self.max_sequences_per_client < 0:
             raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
+        TrustedProxies.parse(self.trusted_proxies)  # ConfigError naming a bad entry
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
         for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s",
@@ -130,7 +134,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 256),
                    help="sequences running at once on this coordinator (AERIE_MAX_SEQUENCES)")
     g.add_argument("--max-queued-requests", type=int, default=env("AERIE_MAX_QUEUED_REQUESTS", 1024),
-                   help="requests that wait, in arrival order, for one of the --max-sequences slots; one more is "
+                   help="requests that wait for one of the --max-sequences slots (in turns across clients); one more is "
                         "refused at once (HTTP 503 with Retry-After); 0 = refuse at once when every slot is taken "
                         "(AERIE_MAX_QUEUED_REQUESTS)")
     g.add_argument("--queue-timeout-s", type=float, default=env("AERIE_QUEUE_TIMEOUT_S", 600.0),
@@ -139,6 +143,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--max-sequences-per-client", type=int, default=env("AERIE_MAX_SEQUENCES_PER_CLIENT", 64),
                    help="Generate streams one client may have open at once, by API identity, else by peer host; "
                         "0 = no limit (AERIE_MAX_SEQUENCES_PER_CLIENT; default: 64)")
+    g.add_argument("--trusted-proxies", default=env("AERIE_TRUSTED_PROXIES", DEFAULT_TRUSTED_PROXIES),
+                   help="addresses or networks (comma-separated; '*' = any, '' = none) whose 'aerie-forwarded-for' "
+                        "metadata names the client the per-client limits count: the HTTP gateway's callers "
+                        "without API tokens (AERIE_TRUSTED_PROXIES; default: loopback)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
                    help="deadline of each drafter/verifier call, each prefill chunk its own (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--prefill-tries", type=int, default=env("AERIE_PREFILL_TRIES", 3),
@@ -222,4 +230,4 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
         discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client,
-        http_limits=http_limits.from_args(args))
+        trusted_proxies=args.trusted_proxies, http_limits=http_limits.from_args(args))

@@ -19,7 +19,8 @@ import grpc
 from services import telemetry
 from services.rpc import codec
 from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
-from services.rpc.security import ANONYMOUS, NONE, Security, bearer, peer_host, token_identity
+from services.rpc.forwarded import TrustedProxies
+from services.rpc.security import ANONYMOUS, NONE, Security, bearer, token_identity
 from services.rpc.errors import DownstreamError, rpc_errors
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
@@ -49,6 +50,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self.store = store
         self.security = security
         self._per_client: dict[str, int] = {}  # open Generate streams per client (identity or peer host)
+        self._proxies = TrustedProxies.parse(config.trusted_proxies)
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
@@ -93,8 +95,11 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         return found or ANONYMOUS
 
     def _client_key(self, identity: str, context) -> str:
-        """Who the per-client limit counts: the identity, else the peer's host."""
-        return f"identity {identity}" if self.security.api_tokens else f"peer {peer_host(context.peer() or '')}"
+        """Who the per-client limits count: the identity, else the peer's host (or the HTTP caller's)."""
+        if self.security.api_tokens:
+            return f"identity {identity}"
+        # the HTTP gateway names its caller (from a trusted proxy only: services/rpc/forwarded.py)
+        return f"peer {self._proxies.client_host(context.peer() or '', context.invocation_metadata())}"
 
     def _take_slot(self, key: str) -> None:
         limit = self.config.max_sequences_per_client

@@ -49,6 +49,7 @@ from gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from gateway.openai_request import Parsed, check_limits, parse_chat, parse_completion, with_defaults
 from gateway.resume import ResumingCall
 from gateway.validation import BadParameter
+from services.rpc.forwarded import FORWARDED_FOR
 from services.rpc.security import NONE, Security, token_identity
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
@@ -175,11 +176,13 @@ class Gateway:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     def _caller(self, request: Request) -> tuple[tuple[str, str], ...] | None:
-        """The caller's Authorization header as gRPC metadata; HttpError 401 when the coordinator has
-        API tokens and the header holds none of them."""
+        """The caller's Authorization header as gRPC metadata (without API tokens also its address,
+        `aerie-forwarded-for`); HttpError 401 when the coordinator has API tokens and the header holds
+        none of them."""
         header = request.headers.get("authorization")
-        if not self.security.api_tokens:
-            return (("authorization", header),) if header else None
+        if not self.security.api_tokens:  # callers are counted by host: name this one (services/rpc/forwarded.py)
+            forwarded = ((FORWARDED_FOR, request.client.host),) if request.client else ()
+            return ((("authorization", header),) if header else ()) + forwarded or None
         scheme, _, token = (header or "").partition(" ")
         if scheme.lower() != "bearer" or token_identity(token.strip(), self.security.api_tokens) in (None, "gateway"):
             raise HttpError(401, error_body("a valid API key is required: send 'Authorization: Bearer <token>'",

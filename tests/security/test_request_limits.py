@@ -128,3 +128,43 @@ def test_per_client_concurrency_limit(pipeline):
     assert list(open_streams[1])[-1].finish_reason == "length"
     assert list(stub.Generate(request, timeout=60))[-1].finish_reason == "length"
     wait_until(lambda: not servicer._per_client)
+
+
+def test_http_callers_and_forwarded_clients_are_counted_by_their_own_address(pipeline):
+    """Without API tokens the per-client limits count peer hosts. The HTTP gateway names its caller
+    (`aerie-forwarded-for`), and the coordinator believes a trusted proxy (loopback by default): an
+    HTTP caller bound to 127.0.0.2 is `peer ipv4:127.0.0.2`, not the gateway's 127.0.0.1, and a gRPC
+    caller on loopback that forwards 203.0.113.9 is counted as that host (services/rpc/forwarded.py)."""
+    import threading
+
+    import httpx
+
+    from gateway.server import start_http
+    from services.rpc.forwarded import FORWARDED_FOR
+    from tests.pipeline import HOST
+
+    servicer = pipeline.coordinator.servicer
+    http = pipeline.loop.run(start_http(pipeline.addresses["coordinator"], HOST, 0))
+    gate = threading.Event()
+    held = pipeline.verifier.batcher.exclusive(gate.wait)  # the streams stay open until the gate opens
+    answers: list[int] = []
+
+    def http_caller() -> None:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as h:
+            answers.append(h.post(f"http://{HOST}:{http.port}/v1/completions",
+                                  json={"model": "target", "prompt": [1, 2, 3], "max_tokens": 4}).status_code)
+
+    try:
+        caller = threading.Thread(target=http_caller)
+        caller.start()
+        forwarded = pipeline.coordinator_stub().Generate(
+            cpb.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=4), timeout=60,
+            metadata=((FORWARDED_FOR, "203.0.113.9"),))
+        wait_until(lambda: servicer._per_client == {"peer ipv4:127.0.0.2": 1, "peer ipv4:203.0.113.9": 1})
+    finally:
+        gate.set()
+    assert held is not None
+    caller.join(60)
+    assert answers == [200] and list(forwarded)[-1].finish_reason == "length"
+    wait_until(lambda: not servicer._per_client)
+    pipeline.loop.run(http.stop())
