@@ -17,7 +17,8 @@ What one client may make the gateway hold is bounded (gateway/limits.py): the bo
 from its Content-Length before it is read), the request head (431), the messages of a chat (400) and
 the connections per client address (429).
 
-Each request is one Coordinator.Generate call; with `peers` (other coordinators: `aerie gateway
+Each choice of a request (its n, and on /v1/completions a batch of prompts) is one Coordinator.Generate
+call, all of them at once; with `peers` (other coordinators: `aerie gateway
 --coordinators A,B`, a process of its own) a stream whose coordinator dies or drains goes on through
 Resume on another one (gateway/resume.py), so the HTTP client sees one unbroken answer. The first message (the prefill's) is read before the
 HTTP answer starts, so a refused request gets its real status (gateway/errors.py) and nothing is
@@ -246,77 +247,118 @@ class Gateway:
             return _error(400, error_body(str(e), "invalid_request_error", e.param))
         except HttpError as e:
             return _error(e.status, e.body)
-        call = ResumingCall(self.stubs, parsed.request, metadata, self.resume_s)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
+        calls = [ResumingCall(self.stubs, r, metadata, self.resume_s) for r in parsed.choices()]
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, calls))
         try:
-            first = await call.read()
+            firsts = await asyncio.gather(*(c.read() for c in calls))  # every choice admitted, or none
         except grpc.aio.AioRpcError as e:
             watcher.cancel()
+            _cancel(calls)
             status, body = name_param(*from_rpc(e), parsed.max_tokens_param)
             return JSONResponse(body, status_code=status, headers=retry_after(e))
         except asyncio.CancelledError:
             watcher.cancel()
-            if watcher.done() and call.cancelled():
+            _cancel(calls)
+            if watcher.done() and any(c.cancelled() for c in calls):
                 return _closed()
             raise
-        if first is grpc.aio.EOF:
+        if any(first is grpc.aio.EOF for first in firsts):
             watcher.cancel()
+            _cancel(calls)
             return _error(500, error_body("the coordinator ended the stream without a message", "internal_error"))
-        reply = _Reply(chat, info.model, first, parsed.request.sampling.HasField("logprobs"))
+        answer = _Answer(chat, info.model, firsts, parsed.request.sampling.HasField("logprobs"), parsed.n)
         if parsed.stream:
-            return StreamingResponse(self._sse(call, first, reply, parsed.include_usage, watcher),
+            return StreamingResponse(self._sse(calls, firsts, answer, parsed.include_usage, watcher),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            msg = first
+
+        async def read_all(call, msg, reply: _Reply) -> None:
             while msg is not grpc.aio.EOF:
                 reply.add(msg)
                 msg = await call.read()
+
+        try:
+            await asyncio.gather(*(read_all(c, f, r) for c, f, r in zip(calls, firsts, answer.replies)))
         except grpc.aio.AioRpcError as e:
+            _cancel(calls)
             return _error(*from_rpc(e))
         except asyncio.CancelledError:
-            if call.cancelled():
+            _cancel(calls)
+            if any(c.cancelled() for c in calls):
                 return _closed()  # the client went away
             raise
         finally:
             watcher.cancel()
-        return JSONResponse(reply.whole())
+        return JSONResponse(answer.whole())
 
-    async def _sse(self, call, first: cpb.GenerateResponse, reply: _Reply, include_usage: bool,
-                   watcher: asyncio.Task) -> AsyncIterator[str]:
+    async def _sse(self, calls: list[ResumingCall], firsts: list[cpb.GenerateResponse], answer: _Answer,
+                   include_usage: bool, watcher: asyncio.Task) -> AsyncIterator[str]:
+        """The choices' messages as SSE chunks in the order they arrive (each names its choice's index)."""
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            msg = firsts[i]
+            try:
+                while msg is not grpc.aio.EOF:
+                    await arrived.put((i, msg))
+                    msg = await calls[i].read()
+                await arrived.put((i, None))
+            except grpc.aio.AioRpcError as e:
+                await arrived.put((i, e))
+            except asyncio.CancelledError:  # its call was cancelled (the client left), or this task
+                arrived.put_nowait((i, asyncio.CancelledError()))
+                raise
+
+        pumps = [asyncio.create_task(pump(i)) for i in range(len(calls))]
         try:
-            if reply.chat:
-                yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
-            msg = first
-            while msg is not grpc.aio.EOF:
+            if answer.chat:
+                for reply in answer.replies:
+                    yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
+            running = len(calls)
+            while running:
+                i, msg = await arrived.get()
+                if isinstance(msg, asyncio.CancelledError):
+                    return  # the client went away
+                if isinstance(msg, grpc.aio.AioRpcError):
+                    if msg.code() == grpc.StatusCode.CANCELLED:
+                        return  # the client went away: nobody reads further
+                    yield _event(from_rpc(msg)[1])
+                    break
+                if msg is None:
+                    running -= 1
+                    continue
+                reply = answer.replies[i]
                 reply.add(msg)
                 reason = FINISH.get(msg.finish_reason) if msg.finish_reason else None
                 lp = msg.logprobs if msg.HasField("logprobs") and msg.logprobs.token_ids else None
                 if msg.text or reason or lp is not None:
                     yield _event(reply.chunk({"content": msg.text} if msg.text else {}, reason, lp))
-                msg = await call.read()
-            if include_usage:
-                yield _event(reply.usage_chunk())
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED:
-                return  # the client went away: nobody reads further
-            yield _event(from_rpc(e)[1])
+            else:
+                if include_usage:
+                    yield _event(answer.usage_chunk())
         except asyncio.CancelledError:
-            if call.cancelled():
+            if any(c.cancelled() for c in calls):
                 return
             raise
         finally:
             watcher.cancel()
-            call.cancel()
+            for task in pumps:
+                task.cancel()
+            _cancel(calls)
         yield "data: [DONE]\n\n"
 
 
-async def _cancel_on_disconnect(request: Request, call) -> None:
-    """Cancel the Generate call (and so the sequence) when the HTTP client disconnects."""
+def _cancel(calls: list[ResumingCall]) -> None:
+    for call in calls:
+        call.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, calls: list[ResumingCall]) -> None:
+    """Cancel the Generate calls (and so their sequences) when the HTTP client disconnects."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            log.info("client disconnected: cancelling its sequence")
-            call.cancel()
+            log.info("client disconnected: cancelling its sequence(s)")
+            _cancel(calls)
             return
 
 
@@ -324,17 +366,41 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _Reply:
-    """Accumulates one request's answer in OpenAI's shapes (completion or chat)."""
+class _Answer:
+    """One request's answer in OpenAI's shapes (completion or chat): a _Reply per choice, one id (the
+    first choice's sequence), usage summed over the choices (each prompt's tokens counted once)."""
 
-    def __init__(self, chat: bool, model: str, first: cpb.GenerateResponse, logprobs: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, firsts: list[cpb.GenerateResponse], logprobs: bool, n: int) -> None:
         self.chat = chat
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + firsts[0].sequence_id, "created": int(time.time()),
+                "model": model}
+        self.replies = [_Reply(chat, head, first, logprobs, index) for index, first in enumerate(firsts)]
+        self.n = n
+
+    def usage(self) -> dict:
+        prompt = sum(r.prompt_tokens for r in self.replies if r.index % self.n == 0)
+        completion = sum(r.completion_tokens for r in self.replies)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage_chunk(self) -> dict:
+        return {**self.replies[0].head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage()}
+
+    def whole(self) -> dict:
+        return {**self.replies[0].head("chat.completion" if self.chat else "text_completion"),
+                "choices": [r.choice() for r in self.replies], "usage": self.usage()}
+
+
+class _Reply:
+    """Accumulates one choice of a request's answer."""
+
+    def __init__(self, chat: bool, head: dict, first: cpb.GenerateResponse, logprobs: bool, index: int) -> None:
+        self.chat = chat
+        self.index = index
         self.want_logprobs = logprobs
         self.logprobs: list[pb.TokenLogprobs] = []  # per message, when asked for
         self.offset = 0  # text_offset of the next streamed token (completions' logprobs)
-        self.model = model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + first.sequence_id
-        self.created = int(time.time())
+        self._head = head  # id, created, model: the request's
         self.prompt_tokens = int(first.info.prompt_tokens)
         self.completion_tokens = 0
         self.text: list[str] = []
@@ -348,36 +414,27 @@ class _Reply:
         if msg.finish_reason:
             self.finish_reason = FINISH.get(msg.finish_reason, msg.finish_reason)
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+    def head(self, obj: str) -> dict:
+        return {"id": self._head["id"], "object": obj, "created": self._head["created"], "model": self._head["model"]}
 
     def chunk(self, delta: dict, finish_reason: str | None, lp: pb.TokenLogprobs | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs([lp]) if lp is not None else None,
-                      "finish_reason": finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
+            choice = {"index": self.index, "delta": delta,
+                      "logprobs": chat_logprobs([lp]) if lp is not None else None, "finish_reason": finish_reason}
+            return {**self.head("chat.completion.chunk"), "choices": [choice], "usage": None}
         logprobs = completion_logprobs([lp], self.offset) if lp is not None else None
         if logprobs is not None and logprobs["tokens"]:
             self.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+        choice = {"index": self.index, "text": delta.get("content", ""), "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        return {**self.head("text_completion"), "choices": [choice], "usage": None}
 
-    def usage_chunk(self) -> dict:
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage()}
-
-    def whole(self) -> dict:
+    def choice(self) -> dict:
         text = "".join(self.text)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(self.logprobs) if self.want_logprobs else None,
-                      "finish_reason": self.finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "text": text,
-                  "logprobs": completion_logprobs(self.logprobs) if self.want_logprobs else None,
-                  "finish_reason": self.finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
+            return {"index": self.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": chat_logprobs(self.logprobs) if self.want_logprobs else None,
+                    "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": text,
+                "logprobs": completion_logprobs(self.logprobs) if self.want_logprobs else None,
+                "finish_reason": self.finish_reason}

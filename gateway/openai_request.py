@@ -2,7 +2,7 @@
 
 The body is validated by its typed model (gateway/openai_schema.py, also /openapi.json) through
 gateway/validation.py: an unknown field, a value out of its range, or a known field aerie does not
-support (n > 1, presence/frequency penalties, tools, echo, ...) is a `BadParameter` naming the field
+support (best_of > 1, presence/frequency penalties, tools, echo, ...) is a `BadParameter` naming the field
 and its value, which the app answers with HTTP 400 in OpenAI's error shape. This module only maps a
 valid body onto the proto and fills the model's defaults. Nothing here talks to the coordinator.
 
@@ -17,7 +17,8 @@ Used: the OpenAI sampling fields, `logprobs` / `top_logprobs`, and vLLM's extens
 sequence record every request has), `response_format: {"type": "text"}`, `tool_choice: "none"`,
 `tools: []`, `parallel_tool_calls`, and an assistant message's `refusal: null` / `tool_calls: []`.
 Refused with the reason (the models' `refusals`): `echo: true` and vLLM's `prompt_logprobs` (the
-prompt's log-probabilities are not computed), n / best_of > 1, penalties, a logit bias, tools.
+prompt's log-probabilities are not computed), best_of > 1, penalties, a logit bias, tools. Several
+choices (n, a batch of prompts on /v1/completions) are one GenerateRequest each (`Parsed.choices`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,34 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    request: cpb.GenerateRequest
+    request: cpb.GenerateRequest  # the first prompt's; `choices()` gives every choice's
     model: str | None  # as asked (None = the served model)
     stream: bool
     include_usage: bool  # stream_options.include_usage
     unset: frozenset[str] = frozenset()  # sampling fields the body left out (the model's defaults fill them)
     max_tokens_param: str = "max_tokens"  # the body's name for the new-token limit (max_completion_tokens too)
+    n: int = 1  # choices per prompt
+    more_prompts: tuple[str | tuple[int, ...], ...] = ()  # a batch's prompts after the first (completions)
+
+    def choices(self) -> list[cpb.GenerateRequest]:
+        """One GenerateRequest per choice, prompt-major (choice i*n + k is prompt i's k-th): the
+        request with each prompt, and choice k's seed the request's + k (mod 2**63), so a prompt's
+        choices do not depend on what else the batch holds. Call after `with_defaults`."""
+        out = []
+        for prompt in (None, *self.more_prompts):
+            for k in range(self.n):
+                req = cpb.GenerateRequest()
+                req.CopyFrom(self.request)
+                if prompt is not None:
+                    req.ClearField("prompt")
+                    req.ClearField("prompt_ids")
+                if isinstance(prompt, str):
+                    req.prompt = prompt
+                elif prompt is not None:
+                    req.prompt_ids.extend(prompt)
+                req.sampling.seed = (self.request.sampling.seed + k) % 2**63
+                out.append(req)
+        return out
 
 
 # The sampling fields a model's generation_config.json may default, with OpenAI's own default.
@@ -66,10 +89,12 @@ def _request(body: GenerationRequest) -> cpb.GenerateRequest:
     return req
 
 
-def _parsed(body: GenerationRequest, req: cpb.GenerateRequest, max_tokens_param: str) -> Parsed:
+def _parsed(body: GenerationRequest, req: cpb.GenerateRequest, max_tokens_param: str,
+            more_prompts: tuple[str | tuple[int, ...], ...] = ()) -> Parsed:
     unset = frozenset(name for name in OPENAI_DEFAULTS if getattr(body, name) is None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Parsed(req, body.model, bool(body.stream), include_usage, unset, max_tokens_param)
+    return Parsed(req, body.model, bool(body.stream), include_usage, unset, max_tokens_param, body.n or 1,
+                  more_prompts)
 
 
 def with_defaults(parsed: Parsed, defaults: cpb.GenerationDefaults) -> None:
@@ -93,15 +118,15 @@ def check_limits(parsed: Parsed, info: cpb.CoordinatorInfo) -> None:
 def parse_completion(json_body: Any) -> Parsed:
     body = validated(CompletionRequest, json_body)
     req = _request(body)
-    prompt = body.one_prompt()
-    if isinstance(prompt, str):
-        req.prompt = prompt
+    first, *more = body.prompts()
+    if isinstance(first, str):
+        req.prompt = first
     else:
-        req.prompt_ids.extend(prompt)
+        req.prompt_ids.extend(first)
     req.max_new_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if body.logprobs is not None:  # legacy: an int, the top-k count
         req.sampling.logprobs = body.logprobs
-    return _parsed(body, req, "max_tokens")
+    return _parsed(body, req, "max_tokens", tuple(p if isinstance(p, str) else tuple(p) for p in more))
 
 
 def parse_chat(json_body: Any) -> Parsed:

@@ -8,7 +8,8 @@ the field), so what /openapi.json says is what the server checks. What a type ca
 models' validators, which raise a Problem in aerie's words: a batch of prompts, an empty stop string,
 rules across fields (top_logprobs needs logprobs, stream_options needs stream, max_tokens and
 max_completion_tokens agree). A field aerie accepts only in its neutral value (n=1, echo=false, ...)
-is in `refusals` with the reason its 400 gives. gateway/openai_request.py turns a validated body into
+is in `refusals` with the reason its 400 gives. Several choices (a batch of prompts, n) are several
+sequences; gateway/app.py runs them at once. gateway/openai_request.py turns a validated body into
 the Coordinator's GenerateRequest.
 """
 
@@ -27,7 +28,8 @@ INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the widths of the proto fields th
 # one token to sample); the prompt's log-probabilities would need every row's [P, V] logits, per chunk.
 PROMPT_LOGPROBS_WHY = ("aerie does not compute the prompt's log-probabilities (its prefill keeps the logits "
                        "of the prompt's last row only)")
-ONE_CHOICE = "aerie returns one choice per request"
+MAX_CHOICES = 64  # choices one request may ask for, prompts x n: each is a sequence of its own
+NO_RANKING = "aerie does not sample extra candidates to rank: ask for n choices instead"
 NO_PENALTIES = "aerie samples without penalties (use 0)"
 PLAIN_TEXT = "aerie generates plain text"
 
@@ -44,10 +46,10 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
-def _unbatched(prompt: Any) -> Any:
-    """A batch of one prompt is that prompt: ["a"] -> "a", [[5, 6]] -> [5, 6]; the rest as it is."""
-    one = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
-    return prompt[0] if one else prompt
+def _batch(prompt: Any) -> list:
+    """The prompts of a `prompt` field: "a" -> ["a"], [5, 6] -> [[5, 6]], ["a", [5]] -> as it is."""
+    several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    return list(prompt) if several else [prompt]
 
 
 class StreamOptions(_Body):
@@ -58,7 +60,7 @@ class StreamOptions(_Body):
 class GenerationRequest(_Body):
     """Fields of both generation routes."""
     refusals: ClassVar[dict[str, str]] = {  # field -> why only its neutral value is accepted
-        "n": f"{ONE_CHOICE} (n=1)", "best_of": f"{ONE_CHOICE} (best_of=1)", "prompt_logprobs": PROMPT_LOGPROBS_WHY,
+        "best_of": f"{NO_RANKING} (best_of=1)", "prompt_logprobs": PROMPT_LOGPROBS_WHY,
         "presence_penalty": NO_PENALTIES, "frequency_penalty": NO_PENALTIES,
         "logit_bias": "aerie samples without a logit bias (use {})"}
     model: str | None = Field(None, description="the served model (/v1/models); omitted = it")
@@ -73,7 +75,9 @@ class GenerationRequest(_Body):
     seed: int | None = Field(None, ge=0, le=INT64_MAX, description="unset = a random seed")
     stop: NonEmpty | list[NonEmpty] | None = Field(None, description="stop strings")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM's; token ids that end the sequence")
-    n: Literal[1] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per prompt, each a sequence of its "
+                          f"own (at most {MAX_CHOICES} choices a request, prompts x n); with a seed, choice k "
+                          "samples with seed + k")
     best_of: Literal[1] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
@@ -129,8 +133,9 @@ class CompletionRequest(GenerationRequest):
         **GenerationRequest.refusals, "suffix": "aerie does not support suffix (insertion)",
         "echo": "echo returns the prompt with its log-probabilities, and " + PROMPT_LOGPROBS_WHY}
     prompt: NonEmpty | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
-        list[NonEmpty | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)] = Field(
-        description="text or token ids; a list of one prompt is that prompt (a batch of several is refused)")
+        list[NonEmpty | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
+    ] = Field(description="text or token ids, or a batch of them (a choice per prompt and n, the prompt's choices "
+                          "at indices [i*n, (i+1)*n))")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="the target's log-probabilities, with this many alternatives")
     echo: Literal[False] | None = Field(None, description="only false: the prompt's log-probabilities are not "
@@ -140,23 +145,34 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        """aerie's words for the prompt's shapes: one text or one list of token ids (a batch of one is it)."""
-        one = _unbatched(v)
+        """aerie's words for the prompt's shapes: one text or one list of token ids, or a batch of them."""
         if v is None:
             raise Problem("prompt", "prompt is required")
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
-            raise Problem("prompt", f"a batch of {len(v)} prompts is not supported: send one prompt per request")
-        if isinstance(one, str) and not one:
-            raise Problem("prompt", "prompt is an empty string: give at least one character")
-        if one and _token_ids(one) and not all(0 <= t <= INT64_MAX for t in one):
-            raise Problem("prompt", f"prompt token ids must be in [0, {INT64_MAX}]; got {show(v)}")
-        if not isinstance(one, str) and not (one and _token_ids(one)):
-            raise Problem("prompt", f"prompt must be a string or a list of token ids; got {show(v)}")
+        batch = _batch(v)
+        if len(batch) > MAX_CHOICES:
+            raise Problem("prompt", f"a batch of {len(batch)} prompts is more than the {MAX_CHOICES} choices a "
+                                    "request may ask for")
+        for i, one in enumerate(batch):
+            name = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+            if isinstance(one, str) and not one:
+                raise Problem("prompt", f"{name} is an empty string: give at least one character")
+            if one and _token_ids(one) and not all(0 <= t <= INT64_MAX for t in one):
+                raise Problem("prompt", f"{name} token ids must be in [0, {INT64_MAX}]; got {show(one)}")
+            if not isinstance(one, str) and not (one and _token_ids(one)):
+                raise Problem("prompt", f"{name} must be a string or a list of token ids; got {show(one)}")
         return v
 
-    def one_prompt(self) -> str | list[int]:
-        """The prompt: text or token ids (a batch of one unwrapped)."""
-        return _unbatched(self.prompt)
+    @model_validator(mode="after")
+    def _choices(self) -> CompletionRequest:
+        prompts, n = len(self.prompts()), self.n or 1
+        if prompts * n > MAX_CHOICES:
+            raise Problem("n", f"{prompts} prompts x n={n} is {prompts * n} choices; a request may ask for at most "
+                               f"{MAX_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: text or token ids each (a single prompt is a batch of one)."""
+        return _batch(self.prompt)
 
 
 class TextPart(_Body):

@@ -89,7 +89,7 @@ def test_stop_strings(client):
 
 
 BAD = [  # (endpoint, fields, param, text the message must contain)
-    ("completions", {"n": 2}, "n", "n=2"),
+    ("completions", {"n": 65}, "n", "got 65"),
     ("completions", {"best_of": 3}, "best_of", "best_of=3"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "top_logprobs=2"),
     ("completions", {"temperature": 3}, "temperature", "got 3"),
@@ -103,7 +103,8 @@ BAD = [  # (endpoint, fields, param, text the message must contain)
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty=0.5"),
     ("completions", {"echo": True}, "echo", "echo=True"),
-    ("completions", {"prompt": ["t5", "t6"]}, "prompt", "a batch of 2 prompts"),
+    ("completions", {"prompt": ["t5", "t6"], "n": 33}, "n", "2 prompts x n=33 is 66 choices"),
+    ("completions", {"prompt": ["t5", ""]}, "prompt", "prompt[1] is an empty string"),
     ("completions", {"prompt": "t5", "frobnicate": 1}, "frobnicate", "frobnicate=1"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools="),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
