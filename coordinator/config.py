@@ -7,7 +7,8 @@
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
     AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_MAX_QUEUED_REQUESTS (1024), AERIE_QUEUE_TIMEOUT_S (600),
-    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), AERIE_TRUSTED_PROXIES (loopback), the HTTP gateway's AERIE_HTTP_*
+    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), AERIE_TRUSTED_PROXIES (loopback),
+    AERIE_RATE_LIMIT_RPS (0 = off), AERIE_RATE_LIMIT_BURST (20), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from gateway import limits as http_limits
 from gateway.limits import HttpLimits
 from services.rpc.security import redact
+from coordinator.rate_limit import RateLimits
 from services.rpc.forwarded import DEFAULT_TRUSTED_PROXIES, TrustedProxies
 from services.rpc.config import ConfigError, ServiceConfig, add_service_flags, endpoint_problem, env, service_config
 
@@ -73,6 +75,8 @@ class CoordinatorConfig:
     max_sequences_per_client: int = 64
     # peers whose `aerie-forwarded-for` names the client (the HTTP gateway's; services/rpc/forwarded.py)
     trusted_proxies: str = DEFAULT_TRUSTED_PROXIES
+    rate_limit_rps: float = 0.0  # Generate calls per second one client may start (a token bucket); 0 = off
+    rate_limit_burst: int = 20  # ... and at once after an idle while (coordinator/rate_limit.py)
     http_limits: HttpLimits = HttpLimits()  # what one HTTP client may make the gateway hold (gateway/limits.py)
 
     def __post_init__(self) -> None:
@@ -104,6 +108,7 @@ class CoordinatorConfig:
         if self.max_sequences_per_client < 0:
             raise ConfigError(f"max_sequences_per_client must be >= 0 (0 = no limit); got {self.max_sequences_per_client}")
         TrustedProxies.parse(self.trusted_proxies)  # ConfigError naming a bad entry
+        RateLimits(self.rate_limit_rps, self.rate_limit_burst)  # ConfigError naming a bad value
         if self.verifier_wait_s < 0:
             raise ConfigError(f"verifier_wait_s must be >= 0; got {self.verifier_wait_s}")
         for name in ("rpc_timeout_s", "resolve_interval_s", "probe_interval_s", "discover_interval_s", "lease_ttl_s",
@@ -147,6 +152,11 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="addresses or networks (comma-separated; '*' = any, '' = none) whose 'aerie-forwarded-for' "
                         "metadata names the client the per-client limits count: the HTTP gateway's callers "
                         "without API tokens (AERIE_TRUSTED_PROXIES; default: loopback)")
+    g.add_argument("--rate-limit-rps", type=float, default=env("AERIE_RATE_LIMIT_RPS", 0.0),
+                   help="Generate calls per second one client (API identity, else peer host) may start; over it "
+                        "RESOURCE_EXHAUSTED / HTTP 429 with Retry-After; 0 = off (AERIE_RATE_LIMIT_RPS)")
+    g.add_argument("--rate-limit-burst", type=int, default=env("AERIE_RATE_LIMIT_BURST", 20),
+                   help="calls one client may start at once after an idle while (AERIE_RATE_LIMIT_BURST)")
     g.add_argument("--rpc-timeout-s", type=float, default=env("AERIE_RPC_TIMEOUT_S", 60.0),
                    help="deadline of each drafter/verifier call, each prefill chunk its own (AERIE_RPC_TIMEOUT_S)")
     g.add_argument("--prefill-tries", type=int, default=env("AERIE_PREFILL_TRIES", 3),
@@ -230,4 +240,5 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
         discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client,
-        trusted_proxies=args.trusted_proxies, http_limits=http_limits.from_args(args))
+        trusted_proxies=args.trusted_proxies, rate_limit_rps=args.rate_limit_rps,
+        rate_limit_burst=args.rate_limit_burst, http_limits=http_limits.from_args(args))

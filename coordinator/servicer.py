@@ -19,6 +19,7 @@ import grpc
 from services import telemetry
 from services.rpc import codec
 from services.errors import CapacityExceeded, InvalidRequest, SequenceNotFound
+from services.rpc.errors import RETRY_AFTER
 from services.rpc.forwarded import TrustedProxies
 from services.rpc.security import ANONYMOUS, NONE, Security, bearer, token_identity
 from services.rpc.errors import DownstreamError, rpc_errors
@@ -26,6 +27,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import coordinator_grpc
 from coordinator.admission import AdmissionQueue
+from coordinator.rate_limit import RateLimited, RateLimits
 from coordinator.config import CoordinatorConfig
 from coordinator.sequence_run import Committed, HandedOver
 from coordinator.sequence_store import SequenceStore
@@ -51,6 +53,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         self.security = security
         self._per_client: dict[str, int] = {}  # open Generate streams per client (identity or peer host)
         self._proxies = TrustedProxies.parse(config.trusted_proxies)
+        self._rate = RateLimits(config.rate_limit_rps, config.rate_limit_burst)  # per client key
         self._text: Text | None = None
         self._text_lock = threading.Lock()
         self._target = ""  # the verifier's target, once one has answered
@@ -101,6 +104,15 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
         # the HTTP gateway names its caller (from a trusted proxy only: services/rpc/forwarded.py)
         return f"peer {self._proxies.client_host(context.peer() or '', context.invocation_metadata())}"
 
+    def _check_rate(self, key: str, context) -> None:
+        """RateLimited (RESOURCE_EXHAUSTED, `retry-after` seconds in the trailing metadata) for a client
+        over its request rate (coordinator/rate_limit.py)."""
+        try:
+            self._rate.check(key)
+        except RateLimited as e:
+            context.set_trailing_metadata(((RETRY_AFTER, f"{e.retry_after_s:.3f}"),))
+            raise
+
     def _take_slot(self, key: str) -> None:
         limit = self.config.max_sequences_per_client
         held = self._per_client.get(key, 0)
@@ -130,6 +142,7 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
     async def Generate(self, request: cpb.GenerateRequest, context):
         identity = self.identity(context)
         key = self._client_key(identity, context)
+        self._check_rate(key, context)
         self._take_slot(key)  # before any work: a client over its limit costs nothing
         try:
             async for response in self._generate(request, context, identity, key):

@@ -9,6 +9,8 @@
     ALREADY_EXISTS                         -> 409 conflict_error
     RESOURCE_EXHAUSTED / UNAVAILABLE       -> 503 service_unavailable    (no capacity, no replica;
                                                                           RESOURCE_EXHAUSTED with Retry-After)
+    RESOURCE_EXHAUSTED + `retry-after`     -> 429 rate_limit_error       (a client over the coordinator's rate;
+                                                                          Retry-After its own wait)
     DEADLINE_EXCEEDED                      -> 504 timeout_error
     CANCELLED                              -> 499 client_closed_request  (the client went away)
     anything else                          -> 500 internal_error
@@ -16,7 +18,11 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
+
+from services.rpc.errors import RETRY_AFTER
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -63,15 +69,35 @@ def name_param(status: int, body: dict, max_tokens_param: str = "max_tokens") ->
 RETRY_AFTER_S = 1  # a request refused for capacity (a full admission queue, its timeout): try again this soon
 
 
+def _rate_limited_s(e: grpc.RpcError) -> float | None:
+    """The seconds a rate-limited refusal names (its `retry-after` trailing metadata), else None."""
+    if not hasattr(e, "trailing_metadata") or (e.code() if hasattr(e, "code") else None) != \
+            grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
 def retry_after(e: grpc.RpcError) -> dict[str, str] | None:
-    """The Retry-After header of a capacity refusal (RESOURCE_EXHAUSTED), else None."""
+    """The Retry-After header of a capacity refusal (RESOURCE_EXHAUSTED): a rate limit's own wait
+    (whole seconds, rounded up), else RETRY_AFTER_S; None for anything else."""
     code = e.code() if hasattr(e, "code") else None
-    return {"Retry-After": str(RETRY_AFTER_S)} if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    wait_s = _rate_limited_s(e)
+    return {"Retry-After": str(RETRY_AFTER_S if wait_s is None else max(1, math.ceil(wait_s)))}
 
 
 def from_rpc(e: grpc.RpcError) -> tuple[int, dict]:
     """(HTTP status, body) for a failed Coordinator call."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    status, type_ = STATUS.get(code, (500, "internal_error"))
     details = (e.details() if hasattr(e, "details") else None) or str(e)
+    if _rate_limited_s(e) is not None:  # OpenAI's 429 for a client over its rate
+        return 429, error_body(details, "rate_limit_error", code="rate_limit_exceeded")
+    status, type_ = STATUS.get(code, (500, "internal_error"))
     return status, error_body(details, type_, code=code.name)

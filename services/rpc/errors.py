@@ -32,6 +32,8 @@ from services.metrics import REQUESTS_FAILED
 from services.rpc.security import PermissionDenied, Unauthenticated
 
 log = logging.getLogger("aerie.rpc")
+# trailing metadata of a refusal a client may retry later (a rate limit): seconds until it would pass
+RETRY_AFTER = "retry-after"
 
 
 class SequenceExists(InvalidRequest):

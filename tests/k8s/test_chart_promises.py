@@ -150,6 +150,8 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_HTTP_MAX_CONNECTIONS_PER_PEER": str(c["http"]["maxConnectionsPerPeer"]),
             "AERIE_MAX_SEQUENCES_PER_CLIENT": str(c["maxSequencesPerClient"]),
             "AERIE_TRUSTED_PROXIES": c["trustedProxies"],
+            "AERIE_RATE_LIMIT_RPS": str(c["rateLimit"]["rps"]),
+            "AERIE_RATE_LIMIT_BURST": str(c["rateLimit"]["burst"]),
             "AERIE_TOKENIZER": model_path(v, c["tokenizer"]) if c["tokenizer"] else None,
             "AERIE_SERVED_MODEL_NAME": c["servedModelName"] or None,
             "AERIE_DOWNLOAD_DIR": download_dir,
