@@ -1,0 +1,176 @@
+"""KV slots that grow (services/engine/kv_growth.py): a sequence reserves its prompt and an increment
+and grows as it writes rows; the budget admits more sequences than worst-case reservation; when the
+budget cannot hold a growth the youngest sequence is preempted and, prefilled again from its
+committed tokens, still yields the target's greedy tokens (fp32, tiny real models, no timing)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.engine.drafter import Drafter
+from services.engine.engine import Engine, GenerationRequest, fixed_budget
+from services.engine.kv_growth import first_rows, grow_to, youngest
+from services.engine.verifier import DecodeCall, PrefillCall, Verifier
+from services.errors import KVBudgetExceeded, SequencePreempted
+from services.model.kv_pool import KVPool
+from services.model.paged_kv import PagedKVPool
+from services.model.runner import ModelRunner
+from services.spec.sampling import SamplingParams
+from services.spec.tree import TreeParams
+from tests.helpers import VOCAB
+
+TREE = TreeParams(top_k=4, depth=3, size=12)
+GREEDY = SamplingParams()
+
+
+def test_growth_arithmetic() -> None:
+    assert first_rows(300, 4396, 256) == 556 and first_rows(300, 400, 256) == 400
+    assert first_rows(300, 4396, 0) == 4396  # growth off: the worst case
+    assert grow_to(550, 17, 556, 4396, 256) == 823 and grow_to(550, 5, 556, 4396, 256) == 556
+    assert grow_to(4390, 6, 4392, 4396, 256) == 4396  # never past the capacity
+    assert youngest({"a": 0, "b": 3, "c": 1}) == "b"
+
+
+def pool_of(target, kind: str, max_rows: int | None) -> KVPool:
+    if kind == "paged":  # the CUDA layout, run eagerly on the CPU (the static-shape forward included)
+        return PagedKVPool.for_model(target, max_rows or 4096, page_size=4)
+    return KVPool.for_model(target, max_rows)
+
+
+def reference(target, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy tokens: plain decoding, KV reserved for the worst case."""
+    engine = Engine(Verifier(target), None, 512, VOCAB)
+    return [t for s in engine.generate(GenerationRequest(tuple(prompt), n, GREEDY)) for t in s.tokens]
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_slot_grows_across_many_rounds_and_the_output_is_unchanged(llama_pair, kind) -> None:
+    _, target, head = llama_pair
+    grown: list[tuple[str, int]] = []
+    runner = ModelRunner(target, pool_of(target, kind, None), graphs=False)
+    verifier = Verifier(target, head.feature_kind, runner=runner, growth_rows=5,
+                        on_grow=lambda s, rows: grown.append((s, rows)))
+    drafter = Drafter(head, TREE)
+    engine = Engine(verifier, drafter, 512, VOCAB, budget=replace(fixed_budget(drafter), fixed=TREE))
+    prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = [t for s in engine.generate(GenerationRequest(tuple(prompt), 80, GREEDY), seq_id="g") for t in s.tokens]
+    assert out == reference(target, prompt, 80)
+    rows = [r for _, r in grown]
+    assert len(rows) >= 8 and rows == sorted(rows)  # grown round after round, never past what it needed
+    assert rows[-1] < 7 + 80 + TREE.size  # never reserved the worst case
+    assert runner.pool.rows_allocated == 0  # released at the end
+
+
+def test_the_budget_admits_more_sequences_than_worst_case_reservation(llama_pair) -> None:
+    _, target, _ = llama_pair
+    capacity = 4 + 200 + 1  # prompt + max_new_tokens + one decode row
+
+    def admitted(growth: int) -> int:
+        v = Verifier(None, "none", runner=ModelRunner(target, KVPool.for_model(target, max_rows=1000)),
+                     growth_rows=growth)
+        n = 0
+        while True:
+            try:
+                v.prefill(f"s{n}", torch.tensor([1, 2, 3, 4]), GREEDY, capacity)
+            except KVBudgetExceeded:
+                return n
+            n += 1
+
+    assert admitted(0) == 1000 // capacity == 4
+    assert admitted(16) == 1000 // (4 + 16) == 50
+
+
+def test_a_capacity_larger_than_the_budget_is_refused_at_once(llama_pair) -> None:
+    """Growth must never admit a sequence that could not finish alone (no deadlock)."""
+    _, target, _ = llama_pair
+    v = Verifier(None, "none", runner=ModelRunner(target, KVPool.for_model(target, max_rows=100)), growth_rows=8)
+    with pytest.raises(KVBudgetExceeded) as e:
+        v.prefill("big", torch.tensor([1, 2, 3]), GREEDY, 101)
+    assert not e.value.fits_empty and "100 rows" in str(e.value)
+
+
+class Driver:
+    """Plain greedy decoding of several sequences, one Verifier.run per step, with what a coordinator
+    does on a preemption: prefill prompt + committed[:-1] again (when the budget admits it) and go on
+    from committed[-1]."""
+
+    def __init__(self, verifier: Verifier, prompts: dict[str, list[int]], n: int) -> None:
+        self.v, self.prompts, self.n = verifier, prompts, n
+        self.committed: dict[str, list[int]] = {}
+        self.preempted: list[str] = []
+        self.capacity = {s: len(p) + n + 1 for s, p in prompts.items()}
+
+    def admit(self, seq_id: str) -> bool:
+        rows = self.prompts[seq_id] + self.committed.get(seq_id, [None])[:-1]
+        try:
+            first = self.v.prefill(seq_id, torch.tensor(rows), GREEDY, self.capacity[seq_id]).first_token
+        except KVBudgetExceeded:
+            return False
+        self.committed.setdefault(seq_id, [first])  # a rebuild's token is committed already
+        return True
+
+    def step(self, seq_ids: list[str]) -> None:
+        """One forward: a Decode for each admitted sequence still running (a rebuild first)."""
+        for s in seq_ids:
+            running = len(self.committed.get(s, [])) < self.n
+            if running and not self.v.has(s) and (s in self.preempted or s not in self.committed):
+                self.admit(s)
+        live = [s for s in seq_ids if self.v.has(s) and len(self.committed[s]) < self.n]
+        calls = [DecodeCall(s, self.committed[s][-1], len(self.committed[s])) for s in live]
+        for s, out in zip(live, self.v.run(calls)):
+            if isinstance(out, SequencePreempted):
+                self.preempted.append(s)
+                assert "was preempted" in str(out) and "committed tokens" in str(out)
+            else:
+                assert not isinstance(out, BaseException), out
+                self.committed[s].append(out)
+        for s in live:
+            if len(self.committed[s]) >= self.n and self.v.has(s):
+                self.v.release(s)
+
+    def done(self) -> bool:
+        return all(len(self.committed.get(s, [])) >= self.n for s in self.prompts)
+
+
+@pytest.mark.parametrize("kind,budget", [("contiguous", 100), ("paged", 100), ("contiguous", 60)])
+def test_the_youngest_sequence_is_preempted_and_still_yields_the_targets_tokens(llama_pair, kind, budget) -> None:
+    _, target, _ = llama_pair
+    n = 40
+    g = torch.Generator().manual_seed(5)
+    prompts = {s: torch.randint(0, VOCAB, (5,), generator=g).tolist() for s in ("old", "mid", "young")}
+    # each sequence needs up to 46 rows: 100 hold two of them to the end, 60 only one
+    runner = ModelRunner(target, pool_of(target, kind, budget), graphs=False)
+    preempted: list[str] = []
+    v = Verifier(None, "none", runner=runner, growth_rows=4, on_preempt=preempted.append)
+    d = Driver(v, prompts, n)
+    for s in prompts:  # admitted in this order: "old" is the oldest
+        assert d.admit(s)
+    steps = 0
+    while not d.done():
+        d.step(list(prompts))
+        assert runner.pool.rows_allocated <= budget
+        steps += 1
+        assert steps < 10 * n, "no progress"
+    if budget == 100:
+        assert preempted == ["young"]  # the youngest; "old" and "mid" fit together (2 x 46 rows) and go on
+    else:
+        assert len(preempted) >= 2 and "old" not in preempted  # the oldest is never preempted while others hold KV
+    assert preempted == d.preempted and v.preemptions == len(preempted)
+    for s, p in prompts.items():
+        assert d.committed[s][:n] == reference(target, p, n), s
+
+
+def test_a_growth_preempts_before_new_prefills_of_the_same_step(llama_pair) -> None:
+    """Running sequences grow first: a Prefill in the same step gets only what is left."""
+    _, target, _ = llama_pair
+    v = Verifier(None, "none", runner=ModelRunner(target, KVPool.for_model(target, max_rows=20)), growth_rows=2)
+    v.prefill("a", torch.tensor([1, 2, 3]), GREEDY, 12)  # reserves 5
+    tok = v.decode("a", 7, 1)
+    tok = v.decode("a", tok, 2)  # length 5 = reserved
+    out = v.run([PrefillCall("b", torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]), GREEDY, 14),
+                 DecodeCall("a", tok, 3)])
+    assert isinstance(out[0], KVBudgetExceeded)  # 13 + 1 rows do not fit next to a's 8
+    assert isinstance(out[1], int) and v.reserved("a") == 8
