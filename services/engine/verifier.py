@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.kv_growth import first_rows, grow_to, youngest
-from services.errors import (AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound,
-                             SequencePreempted)
+from services.errors import (PREEMPTED, AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded,
+                             SequenceNotFound, SequencePreempted)
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
@@ -396,7 +396,7 @@ class Verifier:
         pool = getattr(self.runner, "pool", None)
         budget = pool.budget_text() if pool is not None else "the KV budget"
         self._preempted[seq_id] = (
-            f"sequence {seq_id!r} was preempted on this verifier: its {seq.reserved} KV rows were released so "
+            f"sequence {seq_id!r} {PREEMPTED}: its {seq.reserved} KV rows were released so "
             f"that older sequences could grow under {budget}; prefill it again from its committed tokens")
         while len(self._preempted) > self.PREEMPTED_KEPT:
             self._preempted.popitem(last=False)
