@@ -29,8 +29,8 @@ the KV budget while other identities hold or wait for KV; alone it may use all o
 its identity's share waits like one over the budget, and is refused naming the share: the greedy
 identity is refused, the others are admitted as KV is released.
 
-KV growth (services/engine/kv_growth.py, --kv-growth-rows): a Prefill reserves its prompt and one
-increment; slots grow as the sequences write rows, and the budget and the shares count the rows
+KV growth (services/engine/kv_growth.py, --kv-growth-rows): a Prefill reserves its whole prompt (at
+its first chunk) and one increment; slots grow as the sequences write rows, and the budget and the shares count the rows
 reserved. When the budget cannot hold a growth, the youngest sequence is preempted: its KV is
 released, its next call gets NOT_FOUND ("... was preempted ...") and its coordinator prefills it again
 from its committed tokens. Such a rebuild goes first: while one waits for KV, no new sequence is admitted.
@@ -120,7 +120,8 @@ class Slice:
         w = self.whole
         prompt = w.prompt[self.start:self.stop]  # [rows] long
         if self.start == 0 and isinstance(w, PrefillCall):
-            return PrefillCall(w.seq_id, prompt, w.sampling, w.capacity, w.feature_kind, more=True)
+            return PrefillCall(w.seq_id, prompt, w.sampling, w.capacity, w.feature_kind, more=True,
+                               prompt_rows=max(w.rows, w.prompt_rows))
         ends = self.stop == w.rows
         last = ends and (not w.more if isinstance(w, PrefillCall) else w.last)
         return PrefillMoreCall(w.seq_id, prompt, last=last)
@@ -227,7 +228,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if offset == 0 and not more:
             work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind), client)
         elif offset == 0:
-            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True), client)
+            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True,
+                                          prompt_rows=total), client)
         else:
             work = self.batcher.call_async(NextChunk(seq_id, prompt, last=not more, offset=offset))
         answer = await timed(PREFILL_SECONDS.labels(SERVICE), work)
@@ -248,7 +250,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not chunk or call.rows <= chunk:
             return await self._admit(call, client)
         parts = call.prompt.split(chunk)
-        first = await self._admit(replace(call, prompt=parts[0], more=True), client)
+        first = await self._admit(replace(call, prompt=parts[0], more=True, prompt_rows=call.rows), client)
         features = [first.features]
         try:
             for k, part in enumerate(parts[1:], 1):
@@ -364,7 +366,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                         raise KVBudgetExceeded(f"{len(waiting)} preempted sequence(s) wait for KV on this verifier "
                                                f"and go first")
                     client = self.shares.client_of(call.seq_id)
-                    rows = self.verifier.first_rows(call.rows, call.capacity)
+                    rows = self.verifier.first_rows(call)
                     self.shares.check(client, rows, batch_rows)
                     batch_rows[client] = batch_rows.get(client, 0) + rows
                     admitted += 1

@@ -85,6 +85,8 @@ class PrefillCall:
     capacity: int  # most KV rows the sequence may use: prompt + generated tokens + one tree
     feature_kind: FeatureKind | None = None  # what this sequence returns (None: the verifier's)
     more: bool = False  # chunked prefill: `prompt` is the first chunk, PrefillMoreCalls follow (no token yet)
+    prompt_rows: int = 0  # rows of the whole prompt when `prompt` is its first chunk: admission reserves
+    #                       KV for all of them (a prompt is never admitted in part); 0 = this call's rows
 
     @property
     def rows(self) -> int:
@@ -252,7 +254,7 @@ class Verifier:
             pool = getattr(self.runner, "pool", None)
             if pool is not None and pool.max_rows is not None and call.capacity > pool.max_rows:
                 raise pool.refusal(call.capacity)  # could not finish even alone: refused at once
-            slot = self.runner.allocate(self.first_rows(call.rows, call.capacity))  # CapacityExceeded: nothing admitted
+            slot = self.runner.allocate(self.first_rows(call))  # CapacityExceeded: nothing admitted
             new_slots[i] = slot
             return StepEntry(slot, call.prompt.long(), logits="last")
         seq = self._get(call.seq_id)
@@ -300,7 +302,7 @@ class Verifier:
             if isinstance(call, PrefillCall):
                 slot = new_slots[index[j]]
                 self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity,
-                                                    self.first_rows(call.rows, call.capacity), next(self._ages),
+                                                    self.first_rows(call), next(self._ages),
                                                     call.sampling, self._kind(call), prefilling=call.more,
                                                     seen=seen.get(j))
                 self._preempted.pop(call.seq_id, None)
@@ -350,9 +352,9 @@ class Verifier:
 
     # ---- KV growth and preemption (services/engine/kv_growth.py) ------------------------------------
 
-    def first_rows(self, prompt_rows: int, capacity: int) -> int:
-        """KV rows a Prefill of `prompt_rows` rows and `capacity` reserves."""
-        return first_rows(prompt_rows, capacity, self.growth_rows)
+    def first_rows(self, call: PrefillCall) -> int:
+        """KV rows the Prefill `call` reserves: its whole prompt and one growth increment."""
+        return first_rows(max(call.rows, call.prompt_rows), call.capacity, self.growth_rows)
 
     def reserved(self, seq_id: str) -> int:
         """KV rows `seq_id`'s slot holds now (0 when it holds none)."""

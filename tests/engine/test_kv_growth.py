@@ -13,7 +13,7 @@ import torch
 from services.engine.drafter import Drafter
 from services.engine.engine import Engine, GenerationRequest, fixed_budget
 from services.engine.kv_growth import first_rows, grow_to, youngest
-from services.engine.verifier import DecodeCall, PrefillCall, Verifier
+from services.engine.verifier import DecodeCall, PrefillCall, PrefillMoreCall, Verifier
 from services.errors import KVBudgetExceeded, SequencePreempted
 from services.model.kv_pool import KVPool
 from services.model.paged_kv import PagedKVPool
@@ -174,3 +174,17 @@ def test_a_growth_preempts_before_new_prefills_of_the_same_step(llama_pair) -> N
                  DecodeCall("a", tok, 3)])
     assert isinstance(out[0], KVBudgetExceeded)  # 13 + 1 rows do not fit next to a's 8
     assert isinstance(out[1], int) and v.reserved("a") == 8
+
+
+def test_a_chunked_prompt_is_reserved_whole_at_its_first_chunk(llama_pair) -> None:
+    """A prompt is never admitted in part: its first chunk reserves every prompt row (+ one increment)."""
+    _, target, _ = llama_pair
+    grown: list[int] = []
+    v = Verifier(None, "none", runner=ModelRunner(target, KVPool.for_model(target, max_rows=30)), growth_rows=4,
+                 on_grow=lambda s, rows: grown.append(rows))
+    prompt = torch.arange(1, 11)
+    v.run([PrefillCall("c", prompt[:4], GREEDY, 25, more=True, prompt_rows=10)])
+    assert v.reserved("c") == 14 and v.runner.pool.rows_allocated == 14
+    last = v.run([PrefillMoreCall("c", prompt[4:], last=True)])[0]
+    assert not grown and v.reserved("c") == 14
+    assert last.first_token == Verifier(target).prefill("w", prompt, GREEDY, 25).first_token
