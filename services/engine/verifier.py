@@ -39,17 +39,14 @@ target's log-probabilities of the tokens a call produced, read once with `take_l
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.kv_growth import first_rows, grow_to, youngest
-from services.errors import (PREEMPTED, AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded,
-                             SequenceNotFound, SequencePreempted)
+from services.engine.kv_growth import SlotGrowth
+from services.errors import AerieError, CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
@@ -148,8 +145,6 @@ class _Sequence:
 
 
 class Verifier:
-    PREEMPTED_KEPT = 4096  # preempted sequence ids remembered for their precise NOT_FOUND
-
     def __init__(self, target: TargetModel | None, feature_kind: FeatureKind = "hidden", max_sequences: int = 64,
                  runner: ModelRunner | None = None, growth_rows: int = 0,
                  on_preempt: Callable[[str], None] | None = None,
@@ -158,8 +153,6 @@ class Verifier:
         ModelRunner of its own over `target` with an unbounded pool. `growth_rows`: the KV growth
         increment (0: reserve each sequence's capacity at Prefill); `on_preempt(seq_id)` after a
         preemption released a sequence, `on_grow(seq_id, reserved)` after a slot grew (worker thread)."""
-        if growth_rows < 0:
-            raise ValueError(f"growth_rows must be >= 0; got {growth_rows}")
         assert feature_kind in ("hidden", "taps", "none"), feature_kind
         if runner is None:
             if target is None:
@@ -169,11 +162,7 @@ class Verifier:
         self.target = target if target is not None else getattr(self.runner, "target", None)
         self.feature_kind = feature_kind
         self.max_sequences = max_sequences
-        self.growth_rows = growth_rows
-        self.on_preempt, self.on_grow = on_preempt, on_grow
-        self.preemptions = 0  # sequences preempted so far
-        self._ages = itertools.count()
-        self._preempted: OrderedDict[str, str] = OrderedDict()  # sequence id -> why (its NOT_FOUND message)
+        self.growth = SlotGrowth(growth_rows, on_grow, on_preempt)
         self._seqs: dict[str, _Sequence] = {}
         self._logprobs: dict[str, TokenLogprobs] = {}  # the latest call's, for sequences that ask
 
@@ -215,7 +204,10 @@ class Verifier:
         index: list[int] = []  # call index of each entry
         new_slots: dict[int, int] = {}  # call index -> slot allocated for a prefill
         seen: set[str] = set()
-        self._grow(calls)
+        if self.growth.rows:
+            pool = getattr(self.runner, "pool", None)
+            self.growth.grow(self._seqs, [c for c in calls if not isinstance(c, PrefillCall)], self.runner,
+                             self.release, pool.budget_text() if pool is not None else "the KV budget")
         for i, call in enumerate(calls):
             try:
                 if call.seq_id in seen:
@@ -302,10 +294,10 @@ class Verifier:
             if isinstance(call, PrefillCall):
                 slot = new_slots[index[j]]
                 self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity,
-                                                    self.first_rows(call), next(self._ages),
+                                                    self.first_rows(call), self.growth.next_age(),
                                                     call.sampling, self._kind(call), prefilling=call.more,
                                                     seen=seen.get(j))
-                self._preempted.pop(call.seq_id, None)
+                self.growth.admitted(call.seq_id)
                 first = -1 if call.more else (last[j] if j in last
                          else next_token(logits[j][-1], call.sampling,
                                      round_generator(call.sampling.seed, 0, out.logits[j].device)))
@@ -354,66 +346,17 @@ class Verifier:
 
     def first_rows(self, call: PrefillCall) -> int:
         """KV rows the Prefill `call` reserves: its whole prompt and one growth increment."""
-        return first_rows(max(call.rows, call.prompt_rows), call.capacity, self.growth_rows)
+        return self.growth.first_rows(max(call.rows, call.prompt_rows), call.capacity)
 
     def reserved(self, seq_id: str) -> int:
         """KV rows `seq_id`'s slot holds now (0 when it holds none)."""
         seq = self._seqs.get(seq_id)
         return seq.reserved if seq is not None else 0
 
-    def _grow(self, calls: list[Call]) -> None:
-        """Before a step: grow the slot of every call on an admitted sequence that needs more rows
-        than it holds (within its capacity), oldest sequence first; preempt the youngest sequence
-        while the budget cannot hold the rows the call needs."""
-        if not self.growth_rows:
-            return
-        needs: dict[str, int] = {}  # sequence id -> rows its (first) call writes
-        for call in calls:
-            seq = None if isinstance(call, PrefillCall) else self._seqs.get(call.seq_id)
-            if seq is not None and call.seq_id not in needs and seq.reserved < seq.length + call.rows <= seq.capacity:
-                needs[call.seq_id] = call.rows
-        for seq_id in sorted(needs, key=lambda s: self._seqs[s].age):
-            seq = self._seqs.get(seq_id)
-            while seq is not None and seq_id in self._seqs:
-                wanted = grow_to(seq.length, needs[seq_id], seq.reserved, seq.capacity, self.growth_rows)
-                least = seq.length + needs[seq_id]
-                if self._try_grow(seq_id, seq, wanted) or self._try_grow(seq_id, seq, least):
-                    break
-                self._preempt(youngest({s: q.age for s, q in self._seqs.items()}))
-
-    def _try_grow(self, seq_id: str, seq: _Sequence, rows: int) -> bool:
-        """Grow `seq`'s slot to `rows` rows; False when the budget cannot hold them."""
-        try:
-            self.runner.grow(seq.slot, rows - seq.reserved)
-        except KVBudgetExceeded:
-            return False
-        seq.reserved = rows
-        if self.on_grow is not None:
-            self.on_grow(seq_id, rows)
-        return True
-
-    def _preempt(self, seq_id: str) -> None:
-        """Release `seq_id`'s KV; its later calls get SequencePreempted until it is prefilled again."""
-        seq = self._seqs[seq_id]
-        pool = getattr(self.runner, "pool", None)
-        budget = pool.budget_text() if pool is not None else "the KV budget"
-        self._preempted[seq_id] = (
-            f"sequence {seq_id!r} {PREEMPTED}: its {seq.reserved} KV rows were released so "
-            f"that older sequences could grow under {budget}; prefill it again from its committed tokens")
-        while len(self._preempted) > self.PREEMPTED_KEPT:
-            self._preempted.popitem(last=False)
-        self.release(seq_id)
-        self.preemptions += 1
-        if self.on_preempt is not None:
-            self.on_preempt(seq_id)
-
     def not_found(self, seq_id: str) -> SequenceNotFound:
-        """The error for a call on `seq_id`, which this verifier does not hold: SequencePreempted
-        when it was preempted, else SequenceNotFound."""
-        why = self._preempted.get(seq_id)
-        if why is not None:
-            return SequencePreempted(why)
-        return SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier")
+        """The error for a call on `seq_id`, which this verifier does not hold (SequencePreempted
+        when it was preempted)."""
+        return self.growth.not_found(seq_id)
 
     def _seen(self, call: Call, logits: torch.Tensor) -> SeenTokens:
         """The committed context of a penalised sequence, with what this call commits before its

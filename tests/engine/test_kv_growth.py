@@ -158,7 +158,7 @@ def test_the_youngest_sequence_is_preempted_and_still_yields_the_targets_tokens(
         assert preempted == ["young"]  # the youngest; "old" and "mid" fit together (2 x 46 rows) and go on
     else:
         assert len(preempted) >= 2 and "old" not in preempted  # the oldest is never preempted while others hold KV
-    assert preempted == d.preempted and v.preemptions == len(preempted)
+    assert preempted == d.preempted and v.growth.preemptions == len(preempted)
     for s, p in prompts.items():
         assert d.committed[s][:n] == reference(target, p, n), s
 

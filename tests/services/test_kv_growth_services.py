@@ -53,7 +53,7 @@ def test_a_preempted_sequence_is_prefilled_again_and_yields_the_targets_tokens(p
     result: dict = {}
     run = threading.Thread(target=lambda: result.setdefault("young", remote_run(pipeline, req)))
     run.start()
-    wait_until(lambda: servicer.verifier.preemptions >= 1)
+    wait_until(lambda: servicer.verifier.growth.preemptions >= 1)
     assert servicer.runner.pool.rows_allocated <= ROWS
     decode(8)  # "old" is unaffected: it goes on (its rebuild-free rows stay where they were)
     stub.Release(pb.ReleaseRequest(sequence_id="old"), timeout=10)  # KV released: the rebuild is admitted
