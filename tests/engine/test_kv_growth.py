@@ -188,3 +188,12 @@ def test_a_chunked_prompt_is_reserved_whole_at_its_first_chunk(llama_pair) -> No
     last = v.run([PrefillMoreCall("c", prompt[4:], last=True)])[0]
     assert not grown and v.reserved("c") == 14
     assert last.first_token == Verifier(target).prefill("w", prompt, GREEDY, 25).first_token
+
+
+def test_the_growth_bench_counts_its_grows() -> None:
+    """services/bench/kv_growth.py (what its timings are of): 306 -> 4161 rows by 256 is 15 grows."""
+    from services.bench.kv_growth import measure
+
+    grows, _, _, rows = measure(256, layers=1, kv_heads=1, head_dim=2)
+    assert (grows, rows) == (15, 4161)
+    assert measure(0, layers=1, kv_heads=1, head_dim=2)[0] == 0  # growth off: the worst case, no grow
