@@ -99,3 +99,54 @@ def test_a_call_on_a_preempted_sequence_names_the_preemption(pipeline):
     assert "b" not in servicer.shares._rows and servicer.verifier.has("a")
     for s in ("a", "b"):
         stub.Release(pb.ReleaseRequest(sequence_id=s), timeout=10)
+
+
+@pytest.fixture(scope="module")
+def shared(model_dirs):
+    """A verifier whose Prefills do not wait for KV (refusals answer at once), with client shares."""
+    from services.rpc.channel import open_channel
+    from services.rpc.config import ServiceConfig
+    from services.rpc.stubs import verifier_grpc
+    from tests.pipeline import HOST, LoopThread
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.server import create_server, load_servicer
+
+    loop = LoopThread()
+    config = VerifierConfig(ServiceConfig(host=HOST), target=str(model_dirs.target), dtype="fp32",
+                            kv_budget_mb=ROWS * 512 / 2 ** 20, kv_wait_s=0, kv_client_share=0.5, kv_growth_rows=8)
+    servicer = load_servicer(config)
+    server, port = loop.run(create_server(f"{HOST}:0", config, servicer))
+    channel = open_channel(f"{HOST}:{port}", config.service.max_message_bytes)
+    yield servicer, verifier_grpc.VerifierStub(channel)
+    channel.close()
+    loop.run(server.stop(None))
+    servicer.close()
+    loop.close()
+
+
+def test_shares_count_the_rows_reserved_not_the_capacity(shared):
+    """Four sequences of capacity 90 fit a client's 50-row share (11 rows reserved each); the fifth
+    passes it; a slot that grows counts its new rows."""
+    servicer, stub = shared
+
+    def prefill(seq_id: str, client: str):
+        req = vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=[1, 2, 3], capacity=90,
+                                         sampling=pb.SamplingParams(), feature_kind=pb.FEATURE_KIND_NONE)
+        return list(stub.Prefill(req, timeout=30, metadata=(("aerie-client", client),)))
+
+    prefill("y0", "y")
+    for i in range(4):
+        prefill(f"x{i}", "x")
+    assert servicer.shares.held("x") == 44 and servicer.runner.pool.rows_allocated == 55
+    with pytest.raises(grpc.RpcError) as e:
+        prefill("x4", "x")
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "client 'x' holds 44 KV rows; 11 more would pass its share of 50 rows" in e.value.details()
+    token = 1
+    for k in range(1, 10):  # y0 writes 9 rows after its 3: the 9th is its 12th, past its 11
+        token = stub.Decode(vpb.DecodeRequest(sequence_id="y0", token=token, round_index=k), timeout=30).token
+    # the slot grew to the 12 rows needed + 8, and the share counts them
+    assert servicer.shares.held("y") == servicer.verifier.reserved("y0") == 12 + 8
+    for s in ("y0", "x0", "x1", "x2", "x3"):
+        stub.Release(pb.ReleaseRequest(sequence_id=s), timeout=10)
+    assert servicer.runner.pool.rows_allocated == 0 and servicer.shares.held("x") == 0
