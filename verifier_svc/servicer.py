@@ -33,7 +33,8 @@ KV growth (services/engine/kv_growth.py, --kv-growth-rows): a Prefill reserves i
 its first chunk) and one increment; slots grow as the sequences write rows, and the budget and the shares count the rows
 reserved. When the budget cannot hold a growth, the youngest sequence is preempted: its KV is
 released, its next call gets NOT_FOUND ("... was preempted ...") and its coordinator prefills it again
-from its committed tokens. Such a rebuild goes first: while one waits for KV, no new sequence is admitted.
+from its committed tokens. Such a rebuild goes first: while one waits for KV, no new sequence is
+admitted; it is not held to its client's share (it was admitted under it once).
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                         queued = True
                         self._kv_waiting += 1
                         self.shares.wait(client)
-                        if isinstance(self.verifier.not_found(call.seq_id), SequencePreempted):
+                        if self._was_preempted(call.seq_id):
                             self._rebuilds_waiting.add(call.seq_id)  # it goes first
                     await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
         finally:
@@ -361,13 +362,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     if len(self._kind) + admitted >= self.config.max_sequences:
                         raise CapacityExceeded(f"verifier holds its maximum of {self.config.max_sequences} "
                                                f"sequences (AERIE_MAX_SEQUENCES)")
-                    waiting = self._rebuilds_waiting - {call.seq_id}
-                    if waiting:
-                        raise KVBudgetExceeded(f"{len(waiting)} preempted sequence(s) wait for KV on this verifier "
-                                               f"and go first")
+                    rebuild = self._was_preempted(call.seq_id)  # admitted under its share once: not held to it
+                    if self._rebuilds_waiting and not rebuild:
+                        raise KVBudgetExceeded(f"{len(self._rebuilds_waiting)} preempted sequence(s) wait for KV on "
+                                               f"this verifier and go first")
                     client = self.shares.client_of(call.seq_id)
                     rows = self.verifier.first_rows(call)
-                    self.shares.check(client, rows, batch_rows)
+                    if not rebuild:
+                        self.shares.check(client, rows, batch_rows)
                     batch_rows[client] = batch_rows.get(client, 0) + rows
                     admitted += 1
                 elif isinstance(call, PrefillMoreCall):
@@ -469,6 +471,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.shares.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
         return kind
+
+    def _was_preempted(self, seq_id: str) -> bool:
+        return isinstance(self.verifier.not_found(seq_id), SequencePreempted)
 
     def _check(self, seq_id: str) -> None:
         if seq_id not in self._kind:

@@ -97,8 +97,24 @@ def test_a_call_on_a_preempted_sequence_names_the_preemption(pipeline):
     assert preempted is not None and preempted.code() == grpc.StatusCode.NOT_FOUND
     assert "sequence 'b' was preempted" in preempted.details() and "KV budget of 100 rows" in preempted.details()
     assert "b" not in servicer.shares._rows and servicer.verifier.has("a")
-    for s in ("a", "b"):
+    # its rebuild goes first: while it waits for KV, a new sequence whose KV would fit is not admitted
+    free = ROWS - servicer.runner.pool.rows_allocated
+    rebuild = threading.Thread(target=lambda: list(stub.Prefill(vpb.VerifierPrefillRequest(
+        sequence_id="b", prompt_ids=[1] * free, capacity=free + 20, sampling=pb.SamplingParams(),
+        feature_kind=pb.FEATURE_KIND_NONE, rebuild=True), timeout=60)))  # free + 8 rows: waits for "a"
+    rebuild.start()
+    wait_until(lambda: servicer._rebuilds_waiting == {"b"})
+    with pytest.raises(grpc.RpcError) as e:  # 10 rows would fit: refused while "b" waits
+        list(stub.Prefill(vpb.VerifierPrefillRequest(
+            sequence_id="c", prompt_ids=[1, 2, 3], capacity=10, sampling=pb.SamplingParams(),
+            feature_kind=pb.FEATURE_KIND_NONE), timeout=1))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not servicer.verifier.has("c")
+    stub.Release(pb.ReleaseRequest(sequence_id="a"), timeout=10)  # KV for "b"
+    rebuild.join(60)
+    assert not rebuild.is_alive() and servicer.verifier.has("b") and servicer.verifier.reserved("b") == free + 8
+    for s in ("b", "c"):
         stub.Release(pb.ReleaseRequest(sequence_id=s), timeout=10)
+    wait_until(lambda: servicer.runner.pool.rows_allocated == 0)
 
 
 @pytest.fixture(scope="module")
