@@ -205,3 +205,32 @@ def test_the_growth_bench_counts_its_grows() -> None:
     grows, _, _, rows = measure(256, layers=1, kv_heads=1, head_dim=2)
     assert (grows, rows) == (15, 4161)
     assert measure(0, layers=1, kv_heads=1, head_dim=2)[0] == 0  # growth off: the worst case, no grow
+
+
+def test_pools_grow_slots_in_place_and_refuse_past_the_budget() -> None:
+    """Contiguous: reallocation keeps the rows in use. Paged: the last page's free rows first, then
+    the lowest free pages; the rows in use keep their arena rows; a refusal changes nothing."""
+    pool = KVPool(1, 1, 2, max_rows=10)
+    slot = pool.allocate(4)
+    cache = pool.cache(slot)
+    cache.write(0, torch.arange(6.0).view(1, 3, 2), -torch.arange(6.0).view(1, 3, 2))
+    cache.advance(3)
+    pool.grow(slot, 5)
+    assert pool.capacity(slot) == 9 and pool.rows_allocated == 9 and pool.length(slot) == 3
+    assert torch.equal(pool.cache(slot).k[0, 0, :3], torch.arange(6.0).view(3, 2))
+    with pytest.raises(KVBudgetExceeded):
+        pool.grow(slot, 2)
+    assert pool.capacity(slot) == 9 and pool.rows_allocated == 9
+
+    paged = PagedKVPool(1, 1, 2, max_rows=16, page_size=4)  # pages 1..4 (0 is the trash page)
+    a, b = paged.allocate(3), paged.allocate(4)  # a: page 1 (3 of its 4 rows), b: page 2
+    paged.grow(a, 1)  # the free row of page 1: no new page
+    assert paged.rows_of(a).tolist() == [4, 5, 6, 7]
+    paged.grow(a, 3)  # page 3, the lowest free one
+    assert paged.rows_of(a).tolist() == [4, 5, 6, 7, 12, 13, 14]
+    with pytest.raises(KVBudgetExceeded):
+        paged.grow(b, 6)  # 7 + 4 + 6 rows > 16
+    assert paged.rows_of(b).tolist() == [8, 9, 10, 11] and paged.rows_allocated == 11
+    paged.release(a)
+    paged.grow(b, 5)  # pages 1 and 3 are free again: the lowest first
+    assert paged.rows_of(b).tolist() == [8, 9, 10, 11, 4, 5, 6, 7, 12]
