@@ -6,8 +6,8 @@ sequence is preempted when the budget cannot hold another's growth.
     victim = youngest({"a": 0, "b": 3, "c": 1})                           # "b": admitted last
     growth = SlotGrowth(rows=256, on_grow=..., on_preempt=...)           # the verifier's: grow(), not_found()
 
-The verifier (services/engine/verifier.py) reserves `first_rows` at Prefill: the prompt and a
-growth increment (`--kv-growth-rows`, default GROWTH_ROWS), never more than the sequence's
+The verifier (services/engine/verifier.py) reserves `first_rows` at Prefill: the whole prompt (a
+prompt sent in chunks: at its first chunk) and a growth increment (`--kv-growth-rows`, default GROWTH_ROWS), never more than the sequence's
 capacity (prompt + max_new_tokens + one tree, what the caller asked for). Before each step, every
 Verify / Decode / prefill chunk that needs more rows than its slot holds grows the slot to
 `grow_to` (the rows it needs plus one increment, at most its capacity), oldest sequence first, so
@@ -21,6 +21,8 @@ its committed tokens (coordinator/sequence_placement.py), so a preemption costs 
 committed token. The oldest sequence is never preempted while another one holds KV, and a Prefill
 whose capacity exceeds the whole budget is refused at once, so the oldest sequence can always grow
 to its capacity and finish: no deadlock. Deterministic: the same calls give the same victims.
+The verifier service turns growth on (--kv-growth-rows); an in-process Verifier keeps growth 0
+(worst-case reservation) unless told, since no coordinator would prefill a preempted sequence again.
 
 Bookkeeping only: no tensors and no RPC; it reaches the KV through the runner's `grow` and the
 verifier's `release`.
