@@ -51,6 +51,7 @@ import torch
 
 from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
+from services.errors import PREEMPTED
 from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, VerifierClient
 from services.rpc.errors import DownstreamError
 from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
@@ -72,7 +73,7 @@ def failover_reason(e: BaseException | None) -> str:
     if e is None:
         return "drafter_returned"
     if isinstance(e, DownstreamError) and e.lost_sequence:
-        return "not_found"
+        return "preempted" if PREEMPTED in str(e) else "not_found"
     if isinstance(e, DownstreamError) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "deadline_exceeded"
     return "unavailable"

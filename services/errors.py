@@ -37,6 +37,16 @@ class SequenceNotFound(AerieError, KeyError):
         return str(self.args[0]) if self.args else "sequence not found"
 
 
+class SequencePreempted(SequenceNotFound):
+    """The verifier released a sequence's KV so that older sequences could grow theirs under the KV
+    budget (services/engine/kv_growth.py). NOT_FOUND at the edge, as for any sequence a verifier no
+    longer holds: the coordinator prefills it again from its committed tokens (nothing is lost). The
+    message holds PREEMPTED, which the coordinator's fail-over metric reads as its reason."""
+
+
+PREEMPTED = "was preempted on this verifier"
+
+
 class CapacityExceeded(AerieError):
     """Over a configured capacity: sequences, prompt length, KV slots (RESOURCE_EXHAUSTED)."""
 

@@ -131,6 +131,8 @@ PROMPT_LENGTH = Histogram("aerie:request_prompt_tokens", "Prompt tokens per admi
 GENERATION_LENGTH = Histogram("aerie:request_generation_tokens", "Output tokens per finished request", _MODEL,
                               buckets=_LENGTHS)
 KV_CACHE_USAGE = Gauge("aerie:kv_cache_usage_perc", "Verifier KV rows held over its KV budget (0..1)", _MODEL)
+NUM_PREEMPTIONS = Counter("aerie:num_preemptions", "Sequences whose verifier KV was released so that older ones "
+                          "could grow (prefilled again by their coordinator)", _MODEL)
 
 
 def model_label(target: str) -> str:

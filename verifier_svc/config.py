@@ -15,6 +15,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.engine.batcher import BatchLimits
+from services.engine.kv_growth import GROWTH_ROWS
 from services.rpc import registry
 from services.errors import InvalidRequest
 from services.device import DEVICE_HELP, check_device
@@ -45,6 +46,7 @@ class VerifierConfig:
     kv_budget_share: float = 0.5  # without kv_budget_mb: this share of the device's free memory at start; 0 = unbounded
     kv_wait_s: float = 5.0  # how long a Prefill whose KV does not fit waits for KV to be released
     kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
+    kv_growth_rows: int = GROWTH_ROWS  # KV a Prefill reserves past its prompt, and each growth; 0 = the worst case
     prefill_chunk: int = 512  # prompt tokens per prefill forward (0 = the whole prompt in one)
     itl_target_ms: float = 0.0  # one step's target time: sizes prefill chunks and the step's token budget; 0 = off (default: docs/distributed.md)
     kv_client_share: float = 0.5  # most of the KV budget one client identity holds while others want KV
@@ -66,6 +68,8 @@ class VerifierConfig:
             raise ConfigError(f"itl_target_ms must be >= 0 (0 = off); got {self.itl_target_ms}")
         if not 0 < self.kv_client_share <= 1:
             raise ConfigError(f"kv_client_share must be in (0, 1]; got {self.kv_client_share}")
+        if self.kv_growth_rows < 0:
+            raise ConfigError(f"kv_growth_rows must be >= 0 (0 = reserve the worst case); got {self.kv_growth_rows}")
         if self.kv_queue < 0:
             raise ConfigError(f"kv_queue must be >= 0; got {self.kv_queue}")
         if not 2 <= self.max_tree_nodes <= MAX_TREE_NODES:
@@ -150,6 +154,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "for KV; alone it may use all of it (AERIE_KV_CLIENT_SHARE, 0.5)")
     g.add_argument("--kv-queue", type=int, default=env("AERIE_KV_QUEUE", 64),
                    help="Prefills waiting for KV at once; more are refused at once (AERIE_KV_QUEUE, 64)")
+    g.add_argument("--kv-growth-rows", type=int, default=env("AERIE_KV_GROWTH_ROWS", GROWTH_ROWS),
+                   help="KV rows a sequence reserves past its prompt at Prefill and adds each time it needs more; "
+                        "when the budget is full the youngest sequence is preempted and prefilled again by its "
+                        f"coordinator (AERIE_KV_GROWTH_ROWS; default: {GROWTH_ROWS}; 0 = reserve prompt + max "
+                        "tokens + one tree at Prefill, never preempt)")
     g.add_argument("--max-model-len", type=int, default=env("AERIE_MAX_MODEL_LEN"),
                    help="the most tokens one sequence may span, prompt + new tokens (vLLM's flag; "
                         "AERIE_MAX_MODEL_LEN; default: the model's context; more than it is refused at start)")
@@ -171,6 +180,7 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           idle_ttl_s=args.idle_ttl_s, max_tree_nodes=args.max_tree_nodes,
                           max_sequence_rows=args.max_sequence_rows, batch=batch_limits(args),
                           kv_budget_mb=args.kv_budget_mb, kv_budget_share=args.kv_budget_share, kv_wait_s=args.kv_wait_s, kv_queue=args.kv_queue,
+                          kv_growth_rows=args.kv_growth_rows,
                           prefill_chunk=args.prefill_chunk, itl_target_ms=args.itl_target_ms,
                           kv_client_share=args.kv_client_share, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -28,6 +28,13 @@ the coordinator: the caller's API identity, else its peer host) may hold at most
 the KV budget while other identities hold or wait for KV; alone it may use all of it. A Prefill over
 its identity's share waits like one over the budget, and is refused naming the share: the greedy
 identity is refused, the others are admitted as KV is released.
+
+KV growth (services/engine/kv_growth.py, --kv-growth-rows): a Prefill reserves its whole prompt (at
+its first chunk) and one increment; slots grow as the sequences write rows, and the budget and the shares count the rows
+reserved. When the budget cannot hold a growth, the youngest sequence is preempted: its KV is
+released, its next call gets NOT_FOUND ("... was preempted ...") and its coordinator prefills it again
+from its committed tokens. Such a rebuild goes first: while one waits for KV, no new sequence is
+admitted; it is not held to its client's share (it was admitted under it once).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from services.engine.kv_shares import ANONYMOUS, KVShares
 from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
-from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
+from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequencePreempted
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.kv_pool import KVPool
@@ -114,7 +121,8 @@ class Slice:
         w = self.whole
         prompt = w.prompt[self.start:self.stop]  # [rows] long
         if self.start == 0 and isinstance(w, PrefillCall):
-            return PrefillCall(w.seq_id, prompt, w.sampling, w.capacity, w.feature_kind, more=True)
+            return PrefillCall(w.seq_id, prompt, w.sampling, w.capacity, w.feature_kind, more=True,
+                               prompt_rows=max(w.rows, w.prompt_rows))
         ends = self.stop == w.rows
         last = ends and (not w.more if isinstance(w, PrefillCall) else w.last)
         return PrefillMoreCall(w.seq_id, prompt, last=last)
@@ -164,7 +172,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.step_rows = (step_rows(verify_cost, config.itl_target_ms / 1000, STEP_FLOOR_ROWS, config.batch.max_rows)
                           if config.itl_target_ms > 0 and verify_cost is not None else None)
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
-        self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
+        self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner, config.kv_growth_rows,
+                                 on_preempt=self._preempted, on_grow=self.shares.hold)
+        self._rebuilds_waiting: set[str] = set()  # preempted sequences whose Prefill waits for KV
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
@@ -219,7 +229,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if offset == 0 and not more:
             work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind), client)
         elif offset == 0:
-            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True), client)
+            work = self._admit(FirstChunk(seq_id, prompt, sampling, request.capacity, kind, more=True,
+                                          prompt_rows=total), client)
         else:
             work = self.batcher.call_async(NextChunk(seq_id, prompt, last=not more, offset=offset))
         answer = await timed(PREFILL_SECONDS.labels(SERVICE), work)
@@ -240,7 +251,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not chunk or call.rows <= chunk:
             return await self._admit(call, client)
         parts = call.prompt.split(chunk)
-        first = await self._admit(replace(call, prompt=parts[0], more=True), client)
+        first = await self._admit(replace(call, prompt=parts[0], more=True, prompt_rows=call.rows), client)
         features = [first.features]
         try:
             for k, part in enumerate(parts[1:], 1):
@@ -276,8 +287,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                         queued = True
                         self._kv_waiting += 1
                         self.shares.wait(client)
+                        if self._was_preempted(call.seq_id):
+                            self._rebuilds_waiting.add(call.seq_id)  # it goes first
                     await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
         finally:
+            self._rebuilds_waiting.discard(call.seq_id)
             if queued:
                 self._kv_waiting -= 1
                 self.shares.done_waiting(client)
@@ -348,9 +362,15 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     if len(self._kind) + admitted >= self.config.max_sequences:
                         raise CapacityExceeded(f"verifier holds its maximum of {self.config.max_sequences} "
                                                f"sequences (AERIE_MAX_SEQUENCES)")
+                    rebuild = self._was_preempted(call.seq_id)  # admitted under its share once: not held to it
+                    if self._rebuilds_waiting and not rebuild:
+                        raise KVBudgetExceeded(f"{len(self._rebuilds_waiting)} preempted sequence(s) wait for KV on "
+                                               f"this verifier and go first")
                     client = self.shares.client_of(call.seq_id)
-                    self.shares.check(client, call.capacity, batch_rows)
-                    batch_rows[client] = batch_rows.get(client, 0) + call.capacity
+                    rows = self.verifier.first_rows(call)
+                    if not rebuild:
+                        self.shares.check(client, rows, batch_rows)
+                    batch_rows[client] = batch_rows.get(client, 0) + rows
                     admitted += 1
                 elif isinstance(call, PrefillMoreCall):
                     self._check(call.seq_id)
@@ -425,11 +445,23 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if call.seq_id in self._kind:  # its first slice admitted it
             return
         self._kind[call.seq_id] = call.feature_kind
-        self.shares.hold(call.seq_id, call.capacity)
+        self.shares.hold(call.seq_id, self.verifier.reserved(call.seq_id))
         self.idle.touch(call.seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
 
     def _release(self, seq_id: str) -> bool:
+        kind = self._forget(seq_id)
+        self.verifier.release(seq_id)
+        return kind is not None
+
+    def _preempted(self, seq_id: str) -> None:
+        """The verifier preempted `seq_id` (its KV is released already): forget it here too."""
+        self._forget(seq_id)
+        metrics.NUM_PREEMPTIONS.labels(metrics.model_label(self.target_path)).inc()
+        log.info("sequence %s preempted: its KV is released for older sequences to grow", seq_id)
+
+    def _forget(self, seq_id: str):
+        """Drop this servicer's state of `seq_id`; its feature kind (None: it held none)."""
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self._chunks.pop(seq_id, None)
@@ -437,13 +469,15 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._prefilling.discard(seq_id)
         self.idle.forget(seq_id)
         self.shares.release(seq_id)
-        self.verifier.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))
-        return kind is not None
+        return kind
+
+    def _was_preempted(self, seq_id: str) -> bool:
+        return isinstance(self.verifier.not_found(seq_id), SequencePreempted)
 
     def _check(self, seq_id: str) -> None:
         if seq_id not in self._kind:
-            raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier")
+            raise self.verifier.not_found(seq_id)
         self.idle.touch(seq_id)
 
     def _chunk_replay(self, call: ChunkCall) -> ChunkAnswer | None:

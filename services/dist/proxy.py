@@ -1,6 +1,6 @@
 """One tensor-parallel group = one verifier: the rank-0 proxy and the worker loop.
 
-    proxy = GroupRunner(runner, comm)       # rank 0: ModelRunner's four methods, broadcast to all ranks
+    proxy = GroupRunner(runner, comm)       # rank 0: ModelRunner's five methods, broadcast to all ranks
     serve_worker(runner, comm)              # ranks 1..N-1: run the same calls in the same order
 
 `GroupRunner` stands in for a `ModelRunner` under the rank-0 `Verifier` (services/engine/verifier.py,
@@ -32,7 +32,7 @@ from services.model.step import Step
 
 log = logging.getLogger("aerie.dist")
 
-METHODS = ("allocate", "release", "keep", "execute")
+METHODS = ("allocate", "release", "keep", "grow", "execute")
 PING, STOP = "ping", "stop"
 
 
@@ -80,6 +80,9 @@ class GroupRunner:
 
     def release(self, slot: int) -> None:
         return self._call("release", slot)
+
+    def grow(self, slot: int, rows: int) -> None:
+        return self._call("grow", slot, rows)
 
     def keep(self, slot: int, start: int, rows) -> None:
         return self._call("keep", slot, start, rows)

@@ -1,7 +1,7 @@
 """The Ray executor: a tensor-parallel group's ranks as Ray actors in a placement group, so a group
 can span the nodes of a Ray cluster (`aerie verifier --tp N --executor ray`).
 
-    proxy = RayExecutor().start(spec)        # the ModelRunner's four methods, forwarded to rank 0
+    proxy = RayExecutor().start(spec)        # the ModelRunner's five methods, forwarded to rank 0
     Verifier(None, "hidden", runner=proxy)   # the rank-0 verifier, unchanged
 
 One bundle per rank ({"CPU": 1}, or {"CPU": 1, "GPU": 1} when the group runs on cuda), strategy PACK
@@ -117,6 +117,9 @@ class RayGroupRunner:
 
     def release(self, slot: int) -> None:
         return self._call("release", slot)
+
+    def grow(self, slot: int, rows: int) -> None:
+        return self._call("grow", slot, rows)
 
     def keep(self, slot: int, start: int, rows) -> None:
         return self._call("keep", slot, start, rows)

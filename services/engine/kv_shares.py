@@ -8,11 +8,12 @@ others want KV.
     shares.wait("bob"); shares.done_waiting("bob")   # bob's Prefill waits for KV meanwhile
     shares.release("s1")                     # the sequence is gone
 
-Rule: a client identity may hold at most `share` x `budget_rows` KV rows (the capacity its sequences
-reserved at Prefill) while another identity holds KV or waits for it; alone it may use the whole
+Rule: a client identity may hold at most `share` x `budget_rows` KV rows (the rows its sequences'
+slots hold now: `hold` again as a slot grows, services/engine/kv_growth.py) while another identity holds KV or waits for it; alone it may use the whole
 budget (nothing is left idle). When the budget is full and a second identity arrives, the first one's
 new Prefills are over its share (the second one waits), so the rows released next go to the second:
-that is the fair queue across identities. Sequences already admitted are never evicted.
+that is the fair queue across identities. A share never evicts a sequence (only a preemption under
+the budget does, services/engine/kv_growth.py).
 
 Counts rows, not sequences: a client with many short sequences and one with a few long ones get the
 same rows. Thread-safe (the event loop claims and waits, the model thread checks, holds and releases).
@@ -98,7 +99,7 @@ class KVShares:
                 f"{len(others)} other client(s) hold or wait for KV")
 
     def hold(self, seq_id: str, rows: int) -> None:
-        """`seq_id` was admitted with `rows` KV rows reserved."""
+        """`seq_id` holds `rows` KV rows (admitted, or its slot grew)."""
         with self._lock:
             self._rows[seq_id] = rows
 

@@ -8,7 +8,7 @@ verification and plain decode, one target forward for a whole batch of calls.
     v.run([PrefillCall | VerifyCall | DecodeCall, ...]) -> [result | AerieError, ...]  (one forward)
 
 The in-process implementation of the verifier role; the verifier service wraps this class unchanged.
-It talks to the model through a runner's four methods only (services/model/runner.py: allocate,
+It talks to the model through a runner's five methods only (services/model/runner.py: allocate, grow,
 release, keep, execute), so a tensor-parallel group proxy can stand in for the local ModelRunner.
 Each sequence returns the features its drafter needs (hidden / taps / none, chosen at prefill), so
 one Verifier serves every kind in one forward; Verifiers sharing a runner share its KV pool.
@@ -25,6 +25,11 @@ A sequence whose drafter is detached (the budget chose plain steps) decodes with
 anyway) and the next Verify returns them in front of its own, so nothing travels per plain step and
 the drafter catches up in one draft call.
 
+KV slots grow (services/engine/kv_growth.py; `growth_rows` > 0): a Prefill reserves its prompt and
+one increment, and a call that needs more rows grows its slot first, oldest sequence first; when the
+budget is full the youngest sequence is preempted (its KV released, its calls answered with
+SequencePreempted, `on_preempt(seq_id)` told). growth_rows 0 reserves the caller's capacity at Prefill.
+
 Two per-sequence options act here: a repetition penalty (services/spec/penalty.py) rewrites each
 scored row's logits with that row's own context before acceptance, so greedy and sampled acceptance
 both see the target's penalised distribution; `logprobs` (services/spec/logprobs.py) keeps the
@@ -34,11 +39,13 @@ target's log-probabilities of the tokens a call produced, read once with `take_l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.kv_growth import SlotGrowth
 from services.errors import AerieError, CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
@@ -72,9 +79,11 @@ class PrefillCall:
     seq_id: str
     prompt: torch.Tensor  # [L] long
     sampling: SamplingParams
-    capacity: int  # KV rows: prompt + generated tokens + one tree
+    capacity: int  # most KV rows the sequence may use: prompt + generated tokens + one tree
     feature_kind: FeatureKind | None = None  # what this sequence returns (None: the verifier's)
     more: bool = False  # chunked prefill: `prompt` is the first chunk, PrefillMoreCalls follow (no token yet)
+    prompt_rows: int = 0  # rows of the whole prompt when `prompt` is its first chunk: admission reserves
+    #                       KV for all of them (a prompt is never admitted in part); 0 = this call's rows
 
     @property
     def rows(self) -> int:
@@ -125,7 +134,9 @@ Result = PrefillResult | VerifyResult | int
 class _Sequence:
     slot: int  # KV slot in the runner's pool
     length: int  # committed KV rows
-    capacity: int
+    capacity: int  # most rows the sequence may use (the Prefill's)
+    reserved: int  # rows its slot holds now (<= capacity; grows, services/engine/kv_growth.py)
+    age: int  # admission counter: larger = admitted later (the first to be preempted)
     sampling: SamplingParams
     feature_kind: FeatureKind
     prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
@@ -135,9 +146,13 @@ class _Sequence:
 
 class Verifier:
     def __init__(self, target: TargetModel | None, feature_kind: FeatureKind = "hidden", max_sequences: int = 64,
-                 runner: ModelRunner | None = None) -> None:
-        """`runner`: a shared runner (or a tensor-parallel proxy with its four methods); None = a
-        ModelRunner of its own over `target` with an unbounded pool."""
+                 runner: ModelRunner | None = None, growth_rows: int = 0,
+                 on_preempt: Callable[[str], None] | None = None,
+                 on_grow: Callable[[str, int], None] | None = None) -> None:
+        """`runner`: a shared runner (or a tensor-parallel proxy with its five methods); None = a
+        ModelRunner of its own over `target` with an unbounded pool. `growth_rows`: the KV growth
+        increment (0: reserve each sequence's capacity at Prefill); `on_preempt(seq_id)` after a
+        preemption released a sequence, `on_grow(seq_id, reserved)` after a slot grew (worker thread)."""
         assert feature_kind in ("hidden", "taps", "none"), feature_kind
         if runner is None:
             if target is None:
@@ -147,6 +162,7 @@ class Verifier:
         self.target = target if target is not None else getattr(self.runner, "target", None)
         self.feature_kind = feature_kind
         self.max_sequences = max_sequences
+        self.growth = SlotGrowth(growth_rows, on_grow, on_preempt)
         self._seqs: dict[str, _Sequence] = {}
         self._logprobs: dict[str, TokenLogprobs] = {}  # the latest call's, for sequences that ask
 
@@ -188,6 +204,10 @@ class Verifier:
         index: list[int] = []  # call index of each entry
         new_slots: dict[int, int] = {}  # call index -> slot allocated for a prefill
         seen: set[str] = set()
+        if self.growth.rows:
+            pool = getattr(self.runner, "pool", None)
+            self.growth.grow(self._seqs, [c for c in calls if not isinstance(c, PrefillCall)], self.runner,
+                             self.release, pool.budget_text() if pool is not None else "the KV budget")
         for i, call in enumerate(calls):
             try:
                 if call.seq_id in seen:
@@ -223,15 +243,18 @@ class Verifier:
                 raise InvalidRequest("prompt is empty: give at least one token")
             if call.capacity < call.rows:
                 raise CapacityExceeded(f"KV capacity {call.capacity} is smaller than the {call.rows}-token prompt")
-            slot = self.runner.allocate(call.capacity)  # CapacityExceeded: nothing admitted
+            pool = getattr(self.runner, "pool", None)
+            if pool is not None and pool.max_rows is not None and call.capacity > pool.max_rows:
+                raise pool.refusal(call.capacity)  # could not finish even alone: refused at once
+            slot = self.runner.allocate(self.first_rows(call))  # CapacityExceeded: nothing admitted
             new_slots[i] = slot
             return StepEntry(slot, call.prompt.long(), logits="last")
         seq = self._get(call.seq_id)
         if isinstance(call, PrefillMoreCall) != seq.prefilling:
             raise InvalidRequest(f"sequence {call.seq_id!r} " + ("is still being prefilled" if seq.prefilling
                                                                  else "is not being prefilled"))
-        if seq.length + call.rows > seq.capacity:
-            raise CapacityExceeded(f"sequence {call.seq_id!r} holds {seq.capacity} KV rows; {seq.length} used, "
+        if seq.length + call.rows > seq.reserved:
+            raise CapacityExceeded(f"sequence {call.seq_id!r} may use {seq.capacity} KV rows; {seq.length} used, "
                                    f"{call.rows} more requested")
         if isinstance(call, PrefillMoreCall):
             if call.rows < 1:
@@ -270,8 +293,11 @@ class Verifier:
             features = self._features(out, j, self._kind(call))
             if isinstance(call, PrefillCall):
                 slot = new_slots[index[j]]
-                self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity, call.sampling,
-                                                    self._kind(call), prefilling=call.more, seen=seen.get(j))
+                self._seqs[call.seq_id] = _Sequence(slot, call.rows, call.capacity,
+                                                    self.first_rows(call), self.growth.next_age(),
+                                                    call.sampling, self._kind(call), prefilling=call.more,
+                                                    seen=seen.get(j))
+                self.growth.admitted(call.seq_id)
                 first = -1 if call.more else (last[j] if j in last
                          else next_token(logits[j][-1], call.sampling,
                                      round_generator(call.sampling.seed, 0, out.logits[j].device)))
@@ -316,6 +342,22 @@ class Verifier:
             results.append(VerifyResult(acc, features))
         return results
 
+    # ---- KV growth and preemption (services/engine/kv_growth.py) ------------------------------------
+
+    def first_rows(self, call: PrefillCall) -> int:
+        """KV rows the Prefill `call` reserves: its whole prompt and one growth increment."""
+        return self.growth.first_rows(max(call.rows, call.prompt_rows), call.capacity)
+
+    def reserved(self, seq_id: str) -> int:
+        """KV rows `seq_id`'s slot holds now (0 when it holds none)."""
+        seq = self._seqs.get(seq_id)
+        return seq.reserved if seq is not None else 0
+
+    def not_found(self, seq_id: str) -> SequenceNotFound:
+        """The error for a call on `seq_id`, which this verifier does not hold (SequencePreempted
+        when it was preempted)."""
+        return self.growth.not_found(seq_id)
+
     def _seen(self, call: Call, logits: torch.Tensor) -> SeenTokens:
         """The committed context of a penalised sequence, with what this call commits before its
         logits are read (the prompt, a prefill chunk, a decode step's token); a tree's own tokens
@@ -356,6 +398,7 @@ class Verifier:
         return call.sampling if isinstance(call, PrefillCall) else self._seqs[call.seq_id].sampling
 
     def release(self, seq_id: str) -> None:
+        """Free `seq_id`'s KV (a preempted sequence stays known as preempted until it is prefilled again)."""
         seq = self._seqs.pop(seq_id, None)
         self._logprobs.pop(seq_id, None)
         if seq is not None:
@@ -372,7 +415,7 @@ class Verifier:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise SequenceNotFound(f"unknown sequence {seq_id!r} on this verifier") from None
+            raise self.not_found(seq_id) from None
 
     @staticmethod
     def _features(out: StepOutput, j: int, kind: FeatureKind) -> torch.Tensor:

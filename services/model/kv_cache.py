@@ -39,6 +39,8 @@ class KVRows(Protocol):
 
     def keep(self, start: int, slots: torch.Tensor) -> None: ...
 
+    def grow(self, capacity: int) -> None: ...
+
 
 class RowSpan:
     """The row bookkeeping every KV cache shares: `capacity` rows, the first `length` in use."""
@@ -83,6 +85,17 @@ class KVCache(RowSpan):
         self.k[layer, :, self.length:end] = k_new
         self.v[layer, :, self.length:end] = v_new
         return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def grow(self, capacity: int) -> None:
+        """Reserve `capacity` rows (more than now): new tensors, the first `length` rows copied over.
+        Example: capacity 300, length 280 -> grow(556): k, v become [L, nKV, 556, hd], rows 0..279 kept."""
+        assert capacity > self.capacity, (capacity, self.capacity)
+        shape = (*self.k.shape[:2], capacity, self.k.shape[3])
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :, :self.length] = self.k[:, :, :self.length]
+        v[:, :, :self.length] = self.v[:, :, :self.length]
+        self.k, self.v, self.capacity = k, v, capacity
 
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Compact: copy the rows at absolute `slots` [n] (ascending; slots[i] >= start + i) to

@@ -4,11 +4,13 @@
     slot = pool.allocate(rows)       # lowest free slot id; CapacityExceeded naming the budget
     pool.cache(slot)                 # that slot's KVCache: k, v [num_layers, num_kv_heads, rows, head_dim]
     pool.keep(slot, start, rows [n]) # compaction of an accepted path (a per-slot gather)
+    pool.grow(slot, rows)            # reserve `rows` more rows for the slot; KVBudgetExceeded when they do not fit
     pool.truncate(slot, length); pool.length(slot); pool.release(slot)
 
-Each slot is a preallocated `KVCache` of the rows asked for at `allocate` (the sequence's prompt,
-its generated tokens and one tree in flight), created when the slot is allocated and dropped when it
-is released, so memory follows the sequences admitted, not a worst case. `max_rows` (None =
+Each slot is a preallocated `KVCache` of the rows asked for at `allocate` (the verifier asks for the
+prompt and a growth increment, services/engine/kv_growth.py), created when the slot is allocated,
+reallocated larger by `grow` (the rows in use copied over) and dropped when it is released, so
+memory follows the rows the sequences reserved, not a worst case. `max_rows` (None =
 unbounded) is the pool's budget: the sum of the rows of all allocated slots never exceeds it, so a
 sequence whose KV does not fit is refused at `allocate`, never partially admitted. `bytes_per_row`
 converts a memory budget into rows (K and V, every layer).
@@ -84,6 +86,17 @@ class KVPool:
                                     self.dtype, self.device)
         self._rows_allocated += rows
         return slot
+
+    def grow(self, slot: int, rows: int) -> None:
+        """Reserve `rows` more rows for `slot` (its rows in use stay where they are, logically);
+        KVBudgetExceeded (nothing changed) when they do not fit the budget."""
+        if rows < 1:
+            raise ValueError(f"a KV slot grows by rows >= 1; got {rows}")
+        cache = self.cache(slot)
+        if not self.fits(rows):
+            raise self.refusal(rows)
+        cache.grow(cache.capacity + rows)
+        self._rows_allocated += rows
 
     def release(self, slot: int) -> None:
         """Free `slot` (unknown slots are ignored: release is idempotent)."""

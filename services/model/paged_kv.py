@@ -4,6 +4,7 @@
     slot = pool.allocate(rows)        # ceil(rows / page_size) free pages; CapacityExceeded naming the budget
     pool.cache(slot)                  # a PagedCache: the KVCache interface over that slot's pages
     pool.rows_of(slot)                # [capacity] arena row of each of the slot's rows (host, numpy)
+    pool.grow(slot, rows)             # `rows` more rows: the slot's last page, then new pages (nothing moves)
     pool.keep / truncate / length / capacity / release   as KVPool
 
 Layout (one tensor for K, one for V, shared by every sequence):
@@ -40,6 +41,16 @@ class PagedCache(RowSpan):
         self.pool = pool
         self.rows_host = rows  # [capacity] int64 arena rows
         self.rows = torch.from_numpy(rows).to(pool.device)  # [capacity] the same on the pool's device
+
+    def grow(self, capacity: int) -> None:
+        """Take `capacity` rows of the slot's pages (PagedKVPool.grow added the pages): the rows in
+        use keep their arena rows, so nothing is copied and a captured graph's page table is refilled
+        from `rows_host` at its next replay."""
+        rows = self.pool.arena_rows(self.pool.pages_of(self))[:capacity]
+        assert capacity > self.capacity and np.array_equal(rows[:self.capacity], self.rows_host), capacity
+        self.rows_host = rows
+        self.rows = torch.from_numpy(rows).to(self.pool.device)
+        self.capacity = capacity
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [nKV, T, hd] at logical rows [length, length+T); return the layer's K and V over
@@ -98,11 +109,32 @@ class PagedKVPool(KVPool):
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         taken = sorted(self._free.pop() for _ in range(pages))
         self._pages[slot] = taken
-        p = self.page_size
-        arena_rows = (np.asarray(taken, dtype=np.int64)[:, None] * p + np.arange(p, dtype=np.int64)[None]).reshape(-1)
-        self._slots[slot] = PagedCache(self, arena_rows[:rows])
+        self._slots[slot] = PagedCache(self, self.arena_rows(taken)[:rows])
         self._rows_allocated += rows
         return slot
+
+    def grow(self, slot: int, rows: int) -> None:
+        """`rows` more rows for `slot`: the free rows of its last page first, then the lowest free
+        pages; KVBudgetExceeded (nothing changed) when the budget or the arena has no room."""
+        if rows < 1:
+            raise ValueError(f"a KV slot grows by rows >= 1; got {rows}")
+        cache = self.paged(slot)
+        capacity = cache.capacity + rows
+        pages = -(-capacity // self.page_size) - len(self._pages[slot])
+        if not self.fits(rows) or pages > len(self._free):
+            raise self.refusal(rows)
+        self._pages[slot] += sorted(self._free.pop() for _ in range(pages))
+        cache.grow(capacity)
+        self._rows_allocated += rows
+
+    def arena_rows(self, pages: list[int]) -> np.ndarray:
+        """[len(pages) * page_size] int64: the arena rows of `pages`, in order."""
+        p = self.page_size
+        return (np.asarray(pages, dtype=np.int64)[:, None] * p + np.arange(p, dtype=np.int64)[None]).reshape(-1)
+
+    def pages_of(self, cache: PagedCache) -> list[int]:
+        """The pages of the slot whose cache is `cache`."""
+        return next(self._pages[s] for s, c in self._slots.items() if c is cache)
 
     def release(self, slot: int) -> None:
         cache = self._slots.pop(slot, None)

@@ -4,11 +4,12 @@
     slot = runner.allocate(rows)             # KV for one sequence (CapacityExceeded naming the budget)
     out = runner.execute(Step(entries))      # one target forward for every entry -> StepOutput
     runner.keep(slot, start, rows [n])       # compaction of an accepted path
+    runner.grow(slot, rows)                  # `rows` more KV rows for a slot (KVBudgetExceeded when full)
     runner.release(slot)
 
 It does the forward and the KV bookkeeping only: no acceptance, no sampling, no sequences ids, no
-RPC. The verifier (services/engine/verifier.py) calls it through these four methods only, so a
-tensor-parallel group proxy with the same four methods (every rank runs a ModelRunner over its
+RPC. The verifier (services/engine/verifier.py) calls it through these five methods only, so a
+tensor-parallel group proxy with the same five methods (every rank runs a ModelRunner over its
 shard and its own pool; arguments are picklable, tensors on the CPU are fine) can stand in for it.
 Calls are deterministic: the same calls in the same order give the same slots and rows on every rank.
 
@@ -69,6 +70,10 @@ class ModelRunner:
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
+
+    def grow(self, slot: int, rows: int) -> None:
+        """Reserve `rows` more KV rows for `slot` (KVBudgetExceeded, nothing changed, when they do not fit)."""
+        self.pool.grow(slot, rows)
 
     def keep(self, slot: int, start: int, rows: torch.Tensor | list[int]) -> None:
         """Keep the KV rows at absolute indices `rows` [n] (ascending, rows[i] >= start + i) at

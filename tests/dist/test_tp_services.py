@@ -118,3 +118,19 @@ def vpb_stream(stub, seq_id: str):
     return stub.Prefill(vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=list(PROMPT), capacity=64,
                                                    feature_kind=1),  # HIDDEN
                         timeout=30)
+
+
+def test_tp2_slots_grow_in_step_on_every_rank(model_dirs, redis_url):
+    """KV growth through the group (GroupRunner.grow, broadcast like every runner call): a 4-row
+    increment grows each sequence's slot on both ranks many times and the output stays TP=1's."""
+    p = start_pipeline(model_dirs, redis_url, verifier_overrides={**TP, "kv_growth_rows": 4})
+    grown: list[int] = []
+    hold = p.verifier.verifier.growth.on_grow
+    p.verifier.verifier.growth.on_grow = lambda s, rows: (grown.append(rows), hold(s, rows))
+    try:
+        req = GenerationRequest(PROMPT, 32, SamplingParams())
+        assert remote(p, req) == local_run(local_engine(model_dirs), req)
+        assert len(grown) >= 3
+        wait_until(lambda: p.verifier.num_sequences == 0)
+    finally:
+        p.close()

@@ -49,6 +49,7 @@ NOT_SET_BY_CHART = {
     "AERIE_KV_BUDGET_SHARE": "verifier KV budget as a share of free memory at start; the default 0.5 fits a pod",
     "AERIE_KV_WAIT_S": "KV admission wait under --kv-budget-mb; the default fits",
     "AERIE_KV_QUEUE": "KV admission queue under --kv-budget-mb; the default fits",
+    "AERIE_KV_GROWTH_ROWS": "KV growth increment of a sequence under the KV budget; the default fits",
     "AERIE_PREFILL_CHUNK": "chunked prefill: the code's measured default (512 tokens per chunk) fits",
     "AERIE_ITL_TARGET_MS": "step scheduler: a step's ITL target (off by default) slices prefill chunks by the pod's measured costs",
     "AERIE_KV_CLIENT_SHARE": "per-client share of the verifier KV budget while others want KV; the default 0.5 fits",
