@@ -7,8 +7,9 @@ sequence is preempted when the budget cannot hold another's growth.
     growth = SlotGrowth(rows=256, on_grow=..., on_preempt=...)           # the verifier's: grow(), not_found()
 
 The verifier (services/engine/verifier.py) reserves `first_rows` at Prefill: the whole prompt (a
-prompt sent in chunks: at its first chunk) and a growth increment (`--kv-growth-rows`, default GROWTH_ROWS), never more than the sequence's
-capacity (prompt + max_new_tokens + one tree, what the caller asked for). Before each step, every
+prompt sent in chunks: at its first chunk) and a growth increment (`--kv-growth-rows`, default
+GROWTH_ROWS), never more than the sequence's capacity (prompt + max_new_tokens + one tree, what the
+caller asked for). Before each step, every
 Verify / Decode / prefill chunk that needs more rows than its slot holds grows the slot to
 `grow_to` (the rows it needs plus one increment, at most its capacity), oldest sequence first, so
 the running sequences grow before new Prefills of the same step take KV.
@@ -70,7 +71,8 @@ class Slot(Protocol):
 
 
 class Call(Protocol):
-    seq_id: str
+    @property
+    def seq_id(self) -> str: ...
 
     @property
     def rows(self) -> int: ...
