@@ -2,6 +2,7 @@
 
     lp = token_logprobs(logits[rows], tokens, top)   # logits [n, V] of the rows that produced tokens [n]
     lp.logprobs[i], lp.top_ids[i], lp.top_logprobs[i]
+    plp = prompt_logprobs(logits [c, V], tokens [c], top)   # a prefill chunk's rows, ROWS_PER_BLOCK at a time
 
 The distribution is the target's own: log_softmax of its logits in fp32 before any sampling
 processor (temperature, top-p/k, min-p, repetition penalty), as vLLM's default `raw_logprobs`, so the
@@ -45,3 +46,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int], top: 
     chosen = lp.gather(1, ids[:, None])[:, 0]  # [n]
     values, indices = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)  # [n, k]
     return TokenLogprobs(ids.cpu(), chosen.cpu(), indices.cpu(), values.cpu())
+
+
+ROWS_PER_BLOCK = 256  # prompt rows per log_softmax: a [256, V] fp32 temporary, whatever the chunk's length
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int], top: int,
+                    block: int = ROWS_PER_BLOCK) -> TokenLogprobs:
+    """logits [n, V] of prompt rows (row i predicts tokens[i], i.e. the prompt token after the row's
+    own), tokens [n], top k -> TokenLogprobs of the n tokens on the host, computed `block` rows at a
+    time so a long prefill chunk never holds a second [n, V] fp32 tensor."""
+    n = int(logits.shape[0])
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    return TokenLogprobs.cat([token_logprobs(logits[i:i + block], tokens[i:i + block], top)
+                              for i in range(0, max(n, 1), block)])
