@@ -210,7 +210,8 @@ def encode_logprobs(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
         return None
     return pb.TokenLogprobs(token_ids=lp.token_ids.tolist(), logprobs=lp.logprobs.tolist(),
                             top=int(lp.top_ids.shape[1]), top_ids=lp.top_ids.flatten().tolist(),
-                            top_logprobs=lp.top_logprobs.flatten().tolist())
+                            top_logprobs=lp.top_logprobs.flatten().tolist(),
+                            ranks=lp.ranks.tolist() if lp.ranks is not None else None)
 
 
 def decode_logprobs(msg: pb.TokenLogprobs, tokens: Sequence[int] | None) -> TokenLogprobs:
@@ -220,13 +221,14 @@ def decode_logprobs(msg: pb.TokenLogprobs, tokens: Sequence[int] | None) -> Toke
         tokens = list(msg.token_ids)
     n, k = len(msg.token_ids), msg.top
     if list(msg.token_ids) != list(tokens) or len(msg.logprobs) != n or k < 0 or \
-            len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k:
+            len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k or len(msg.ranks) not in (0, n):
         raise InvalidRequest(f"logprobs of {n} tokens (top {k}) do not match the {len(tokens)} tokens they "
                              f"come with")
     return TokenLogprobs(torch.tensor(list(msg.token_ids), dtype=torch.long),
                          torch.tensor(list(msg.logprobs), dtype=torch.float32),
                          torch.tensor(list(msg.top_ids), dtype=torch.long).reshape(n, k),
-                         torch.tensor(list(msg.top_logprobs), dtype=torch.float32).reshape(n, k))
+                         torch.tensor(list(msg.top_logprobs), dtype=torch.float32).reshape(n, k),
+                         torch.tensor(list(msg.ranks), dtype=torch.long) if len(msg.ranks) == n and n else None)
 
 
 def encode_tree_params(t: TreeParams) -> pb.TreeParams:

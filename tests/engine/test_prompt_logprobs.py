@@ -23,16 +23,17 @@ def reference(hf, prompt: list[int], k: int):
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]  # row i -> token i+1
     want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    return want, torch.topk(ref, k, dim=-1)
+    return want, torch.topk(ref, k, dim=-1), (ref > want[:, None]).sum(-1) + 1
 
 
 def check(got, hf, prompt: list[int], k: int) -> None:
-    want, top = reference(hf, prompt, k)
+    want, top, ranks = reference(hf, prompt, k)
     assert got is not None and got.token_ids.tolist() == prompt[1:]
     assert torch.allclose(got.logprobs, want, atol=1e-4), (got.logprobs - want).abs().max()
     assert got.top_ids.shape == (len(prompt) - 1, k)
     assert torch.equal(got.top_ids, top.indices)
     assert torch.allclose(got.top_logprobs, top.values, atol=1e-4)
+    assert torch.equal(got.ranks, ranks)
 
 
 def test_a_whole_prompt_is_scored_by_the_targets_rows(llama_pair):
