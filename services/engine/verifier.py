@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -80,9 +80,9 @@ def merge_prefill(parts: list[PrefillResult]) -> PrefillResult:
     every part's features [sum c_i, F] and prompt log-probabilities (None when the parts have none)."""
     if len(parts) == 1:
         return parts[0]
-    lps = [p.prompt_logprobs for p in parts]
+    lps = [p.prompt_logprobs for p in parts if p.prompt_logprobs is not None]
     return PrefillResult(parts[-1].first_token, torch.cat([p.features for p in parts]),
-                         None if any(lp is None for lp in lps) else TokenLogprobs.cat(lps))
+                         TokenLogprobs.cat(lps) if len(lps) == len(parts) else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +413,7 @@ class Verifier:
             self._logprobs[seq_id] = token_logprobs(logits, tokens, top)
 
     @staticmethod
-    def _prefill_rows(sampling: SamplingParams) -> str:
+    def _prefill_rows(sampling: SamplingParams) -> Literal["all", "last"]:
         """Which rows of a prefill chunk get logits: every row for a sequence that asked for its prompt's
         log-probabilities, else the last (the first token's) only."""
         return "last" if sampling.prompt_logprobs is None else "all"

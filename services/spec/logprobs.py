@@ -36,10 +36,10 @@ class TokenLogprobs:
 
     @staticmethod
     def cat(parts: list[TokenLogprobs]) -> TokenLogprobs:
-        ranked = [p for p in parts if len(p)] or parts[:1]  # (an empty part off the wire has no ranks)
-        ranks = None if any(p.ranks is None for p in ranked) else torch.cat([p.ranks for p in ranked])
-        return TokenLogprobs(*(torch.cat([getattr(p, f) for p in parts])
-                               for f in ("token_ids", "logprobs", "top_ids", "top_logprobs")), ranks)
+        ranked = [p.ranks for p in parts if len(p)] or [parts[0].ranks]  # (an empty part off the wire has none)
+        ranks = torch.cat([r for r in ranked if r is not None]) if all(r is not None for r in ranked) else None
+        return TokenLogprobs(torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
+                             torch.cat([p.top_ids for p in parts]), torch.cat([p.top_logprobs for p in parts]), ranks)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int], top: int, ranks: bool = False
