@@ -328,7 +328,10 @@ class Gateway:
         try:
             for reply in answer.replies:
                 if answer.chat:
-                    yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
+                    first = reply.chunk({"role": "assistant", "content": ""}, None)
+                    if reply.prompt_k is not None:  # vLLM's: with the first chunk
+                        first["prompt_logprobs"] = reply.vllm_prompt_logprobs()
+                    yield _event(first)
                 elif reply.echo is not None or reply.prompt_k is not None:
                     yield _event(reply.echo_chunk())  # the prompt (and its log-probabilities) first
             running = len(calls)

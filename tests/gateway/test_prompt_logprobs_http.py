@@ -111,6 +111,11 @@ def test_vllm_prompt_logprobs_on_both_routes(client, llama_pair):
     assert got[0] is None and [list(e) for e in got[1:]] == [[str(t)] for t in templated[1:]]
     assert [e[str(t)]["logprob"] for e, t in zip(got[1:], templated[1:])] == pytest.approx(
         chosen(hf_rows(hf, templated), templated), abs=1e-4)
+    chunks = list(client.chat.completions.create(model="target", messages=[{"role": "user", "content": TEXT}],
+                                                 max_tokens=2, temperature=0, stream=True,
+                                                 extra_body={**RAW, "prompt_logprobs": 0}))
+    assert chunks[0].model_extra["prompt_logprobs"] == got  # streamed: with the first chunk
+    assert all("prompt_logprobs" not in (c.model_extra or {}) for c in chunks[1:])
 
 
 def test_each_choice_carries_its_own_prompts(client, llama_pair):
