@@ -92,3 +92,13 @@ def test_slices_of_a_step_budget(pipeline, model_dirs, llama_pair):
     before = servicer.batcher.batches
     same(call(stub, "sliced", 20), expected(llama_pair))
     assert servicer.batcher.batches - before == 6  # 8 + 8 + 4 rows per 20-row chunk: sliced indeed
+
+
+def test_a_rebuild_does_not_score_the_prompt(pipeline):
+    """A fail-over's rebuild (prompt + committed tokens) was scored by the first prefill: its answer has none."""
+    stub = verifier_grpc.VerifierStub(pipeline.channel("verifier"))
+    req = vpb.VerifierPrefillRequest(sequence_id="rebuilt", prompt_ids=PROMPT[:10], capacity=32, rebuild=True,
+                                     sampling=pb.SamplingParams(prompt_logprobs=K), feature_kind=pb.FEATURE_KIND_HIDDEN)
+    out = list(stub.Prefill(req, timeout=60))
+    stub.Release(pb.ReleaseRequest(sequence_id="rebuilt"), timeout=10)
+    assert out[0].first_token >= 0 and not any(m.HasField("prompt_logprobs") for m in out)
