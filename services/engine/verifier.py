@@ -429,9 +429,8 @@ class Verifier:
         if top is None:
             return None
         tail, seq.prompt_tail = seq.prompt_tail, (None if last else logits[-1:].clone())
-        if tail is None:
-            return prompt_logprobs(logits[:-1], prompt[1:], top)
-        return prompt_logprobs(torch.cat([tail, logits[:-1]]), prompt, top)
+        rows = prompt_logprobs(logits[:-1], prompt[1:], top)  # (a view: no copy of the chunk's logits)
+        return rows if tail is None else TokenLogprobs.cat([prompt_logprobs(tail, prompt[:1], top), rows])
 
     def _kind(self, call: Call) -> FeatureKind:
         if isinstance(call, PrefillCall):
