@@ -50,7 +50,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int], top: 
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
     chosen = lp.gather(1, ids[:, None])[:, 0]  # [n]
     values, indices = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)  # [n, k]
-    rank = (lp > chosen[:, None]).sum(-1).add_(1).cpu() if ranks else None  # [n]
+    # [n]; an int32 sum of the comparison (a default sum promotes the [n, V] booleans to int64 first)
+    rank = (lp > chosen[:, None]).sum(-1, dtype=torch.int32).add_(1).long().cpu() if ranks else None
     return TokenLogprobs(ids.cpu(), chosen.cpu(), indices.cpu(), values.cpu(), rank)
 
 
