@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from services import metrics
-from services.engine.verifier import PrefillResult
+from services.engine.verifier import PrefillResult, merge_prefill
 from services.rpc.clients import RemoteVerifier
 from services.rpc.errors import DownstreamError
 from services.spec.sampling import SamplingParams
@@ -67,18 +67,18 @@ class ChunkedPrefill:
         self.tries = tries
         self.stop = stop
         self.done = 0  # rows the current verifier holds
-        self.features: list[torch.Tensor] = []  # [c, F] per chunk done
+        self.parts: list[PrefillResult] = []  # per chunk done: its features [c, F] (and prompt logprobs)
         self.calls = 0  # chunk calls sent (tries included), for logs and tests
 
     def restart(self) -> None:
         """The next run() goes to a verifier that holds none of the rows: start from row 0."""
-        self.done, self.features = 0, []
+        self.done, self.parts = 0, []
 
     def run(self, rv: RemoteVerifier) -> PrefillResult:
-        """Prefill the rows not done yet on `rv` -> (first token, features [L, F] of every row)."""
+        """Prefill the rows not done yet on `rv` -> (first token, features [L, F] of every row, the
+        prompt log-probabilities of rows 1..L-1 when sampling.prompt_logprobs asks)."""
         size = rv.prefill_chunk or len(self.rows)
         total = len(self.rows)
-        first = -1
         while self.done < total:
             self.stop()
             start, end = self.done, min(self.done + size, total)
@@ -103,8 +103,6 @@ class ChunkedPrefill:
                                 "sending it again", self.seq_id, chunk, rv.client.address, rv.client.timeout_s,
                                 attempt, self.tries)
                     self.stop()
-            self.features.append(pre.features)
+            self.parts.append(pre)
             self.done = end
-            first = pre.first_token
-        features = self.features[0] if len(self.features) == 1 else torch.cat(self.features)
-        return PrefillResult(first, features)
+        return merge_prefill(self.parts)

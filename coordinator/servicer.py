@@ -195,7 +195,8 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
                 response = cpb.GenerateResponse(sequence_id=admitted.run.seq_id, tokens=output.tokens,
                                                 stats=codec.encode_stats(output.stats, item.commit_s),
                                                 finish_reason=output.finish_reason or "", text=delta,
-                                                logprobs=text.logprobs(output.logprobs))
+                                                logprobs=text.logprobs(output.logprobs),
+                                                prompt_logprobs=text.logprobs(output.prompt_logprobs))
                 if first:
                     response.info.CopyFrom(admitted.info)
                     response.info.target, response.info.draft = public_name(response.info.target), \
@@ -237,7 +238,9 @@ class CoordinatorServicer(coordinator_grpc.CoordinatorServicer):
     async def Resume(self, request: cpb.ResumeRequest, context):
         """Committed tokens from `from_token_index` on, then each new commit until the sequence ends
         (it reads Redis, so any coordinator answers, whichever one drives the sequence), with their
-        log-probabilities when the sequence asked for them (stored with the tokens)."""
+        log-probabilities when the sequence asked for them (stored with the tokens). The prompt's
+        log-probabilities (sampling.prompt_logprobs) came with the Generate stream's first message
+        only: they are not stored, and a Resume (even from token 0) does not send them."""
         seq_id = codec.sequence_id(request.sequence_id)
         sent = request.from_token_index
         if sent < 0:

@@ -46,7 +46,7 @@ from starlette.routing import Route
 from gateway.errors import error_body, from_rpc, name_param, retry_after
 from gateway.extras import Extras, http_error
 from gateway.limits import BodyTooLarge, HttpLimits, read_body
-from gateway.openai_logprobs import chat_logprobs, completion_logprobs
+from gateway.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from gateway.openai_request import Parsed, check_limits, parse_chat, parse_completion, with_defaults
 from gateway.resume import ResumingCall
 from gateway.validation import BadParameter
@@ -247,7 +247,8 @@ class Gateway:
             return _error(400, error_body(str(e), "invalid_request_error", e.param))
         except HttpError as e:
             return _error(e.status, e.body)
-        calls = [ResumingCall(self.stubs, r, metadata, self.resume_s) for r in parsed.choices()]
+        requests = parsed.choices()
+        calls = [ResumingCall(self.stubs, r, metadata, self.resume_s) for r in requests]
         watcher = asyncio.create_task(_cancel_on_disconnect(request, calls))
         try:
             firsts = await asyncio.gather(*(c.read() for c in calls))  # every choice admitted, or none
@@ -266,7 +267,13 @@ class Gateway:
             watcher.cancel()
             _cancel(calls)
             return _error(500, error_body("the coordinator ended the stream without a message", "internal_error"))
-        answer = _Answer(chat, info.model, firsts, parsed.request.sampling.HasField("logprobs"), parsed.n)
+        try:
+            echoed = [await self._prompt_text(r, metadata) for r in requests] if parsed.echo else None
+        except grpc.aio.AioRpcError as e:
+            watcher.cancel()
+            _cancel(calls)
+            return _error(*from_rpc(e))
+        answer = _Answer(chat, info.model, firsts, parsed, echoed)
         if parsed.stream:
             return StreamingResponse(self._sse(calls, firsts, answer, parsed.include_usage, watcher),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -290,6 +297,15 @@ class Gateway:
             watcher.cancel()
         return JSONResponse(answer.whole())
 
+    async def _prompt_text(self, req: cpb.GenerateRequest, metadata) -> str:
+        """An echoed prompt's text: as the body gave it, or its token ids decoded by the coordinator
+        (special tokens kept, as they were prompted)."""
+        if req.HasField("prompt"):
+            return req.prompt
+        answer = await self.stub.Detokenize(cpb.DetokenizeRequest(tokens=req.prompt_ids, skip_special_tokens=False),
+                                            timeout=INFO_TIMEOUT_S, metadata=metadata)
+        return answer.text
+
     async def _sse(self, calls: list[ResumingCall], firsts: list[cpb.GenerateResponse], answer: _Answer,
                    include_usage: bool, watcher: asyncio.Task) -> AsyncIterator[str]:
         """The choices' messages as SSE chunks in the order they arrive (each names its choice's index)."""
@@ -310,9 +326,14 @@ class Gateway:
 
         pumps = [asyncio.create_task(pump(i)) for i in range(len(calls))]
         try:
-            if answer.chat:
-                for reply in answer.replies:
-                    yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
+            for reply in answer.replies:
+                if answer.chat:
+                    first = reply.chunk({"role": "assistant", "content": ""}, None)
+                    if reply.prompt_k is not None:  # vLLM's: with the first chunk
+                        first["prompt_logprobs"] = reply.vllm_prompt_logprobs()
+                    yield _event(first)
+                elif reply.echo is not None or reply.prompt_k is not None:
+                    yield _event(reply.echo_chunk())  # the prompt (and its log-probabilities) first
             running = len(calls)
             while running:
                 i, msg = await arrived.get()
@@ -329,6 +350,10 @@ class Gateway:
                 reply = answer.replies[i]
                 reply.add(msg)
                 reason = FINISH.get(msg.finish_reason) if msg.finish_reason else None
+                if not reply.generate:  # max_tokens=0: only the end
+                    if reason:
+                        yield _event(reply.chunk({}, reply.finish_reason))
+                    continue
                 lp = msg.logprobs if msg.HasField("logprobs") and msg.logprobs.token_ids else None
                 if msg.text or reason or lp is not None:
                     yield _event(reply.chunk({"content": msg.text} if msg.text else {}, reason, lp))
@@ -370,12 +395,15 @@ class _Answer:
     """One request's answer in OpenAI's shapes (completion or chat): a _Reply per choice, one id (the
     first choice's sequence), usage summed over the choices (each prompt's tokens counted once)."""
 
-    def __init__(self, chat: bool, model: str, firsts: list[cpb.GenerateResponse], logprobs: bool, n: int) -> None:
+    def __init__(self, chat: bool, model: str, firsts: list[cpb.GenerateResponse], parsed: Parsed,
+                 echoed: list[str] | None = None) -> None:
+        """`echoed`: each choice's prompt text (echo=true)."""
         self.chat = chat
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + firsts[0].sequence_id, "created": int(time.time()),
                 "model": model}
-        self.replies = [_Reply(chat, head, first, logprobs, index) for index, first in enumerate(firsts)]
-        self.n = n
+        self.replies = [_Reply(chat, head, first, parsed, index, echoed[index] if echoed else None)
+                        for index, first in enumerate(firsts)]
+        self.n = parsed.n
 
     def usage(self) -> dict:
         prompt = sum(r.prompt_tokens for r in self.replies if r.index % self.n == 0)
@@ -387,17 +415,28 @@ class _Answer:
                 "usage": self.usage()}
 
     def whole(self) -> dict:
-        return {**self.replies[0].head("chat.completion" if self.chat else "text_completion"),
-                "choices": [r.choice() for r in self.replies], "usage": self.usage()}
+        out = {**self.replies[0].head("chat.completion" if self.chat else "text_completion"),
+               "choices": [r.choice() for r in self.replies], "usage": self.usage()}
+        if self.chat and self.replies[0].prompt_k is not None:  # vLLM's: of the answer (one prompt)
+            out["prompt_logprobs"] = self.replies[0].vllm_prompt_logprobs()
+        return out
 
 
 class _Reply:
     """Accumulates one choice of a request's answer."""
 
-    def __init__(self, chat: bool, head: dict, first: cpb.GenerateResponse, logprobs: bool, index: int) -> None:
+    def __init__(self, chat: bool, head: dict, first: cpb.GenerateResponse, parsed: Parsed, index: int,
+                 echo: str | None = None) -> None:
+        """`echo`: the prompt's text, shown in front of the completion (echo=true)."""
         self.chat = chat
         self.index = index
-        self.want_logprobs = logprobs
+        sampling = parsed.request.sampling
+        self.want_logprobs = sampling.HasField("logprobs")
+        self.top = sampling.logprobs  # the alternatives the legacy / chat views show
+        self.echo = echo
+        self.generate = parsed.generate  # False: max_tokens=0, the token generated is not shown
+        self.prompt_k = parsed.prompt_logprobs  # vLLM's prompt_logprobs view (None: not asked)
+        self.prompt_lp = first.prompt_logprobs if first.HasField("prompt_logprobs") else None
         self.logprobs: list[pb.TokenLogprobs] = []  # per message, when asked for
         self.offset = 0  # text_offset of the next streamed token (completions' logprobs)
         self._head = head  # id, created, model: the request's
@@ -407,12 +446,14 @@ class _Reply:
         self.finish_reason: str | None = None
 
     def add(self, msg: cpb.GenerateResponse) -> None:
+        if msg.finish_reason:  # max_tokens=0: the budget of no tokens ended it
+            self.finish_reason = FINISH.get(msg.finish_reason, msg.finish_reason) if self.generate else "length"
+        if not self.generate:
+            return
         self.completion_tokens += len(msg.tokens)
         self.text.append(msg.text)
         if msg.HasField("logprobs"):
             self.logprobs.append(msg.logprobs)
-        if msg.finish_reason:
-            self.finish_reason = FINISH.get(msg.finish_reason, msg.finish_reason)
 
     def head(self, obj: str) -> dict:
         return {"id": self._head["id"], "object": obj, "created": self._head["created"], "model": self._head["model"]}
@@ -422,11 +463,32 @@ class _Reply:
             choice = {"index": self.index, "delta": delta,
                       "logprobs": chat_logprobs([lp]) if lp is not None else None, "finish_reason": finish_reason}
             return {**self.head("chat.completion.chunk"), "choices": [choice], "usage": None}
-        logprobs = completion_logprobs([lp], self.offset) if lp is not None else None
+        logprobs = completion_logprobs([lp], self.offset, self.top) if lp is not None else None
         if logprobs is not None and logprobs["tokens"]:
             self.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         choice = {"index": self.index, "text": delta.get("content", ""), "logprobs": logprobs,
                   "finish_reason": finish_reason}
+        return {**self.head("text_completion"), "choices": [choice], "usage": None}
+
+    def _prompt_lp(self) -> pb.TokenLogprobs:
+        if self.prompt_lp is None:  # the coordinator always sends them when asked (a Resume never starts a stream)
+            raise RuntimeError(f"choice {self.index}: the coordinator sent no prompt log-probabilities")
+        return self.prompt_lp
+
+    def vllm_prompt_logprobs(self) -> list:
+        return vllm_prompt_logprobs(self._prompt_lp(), self.prompt_k or 0)
+
+    def _echo_logprobs(self) -> dict | None:
+        return echo_logprobs(self._prompt_lp(), self.echo or "", self.top) if self.want_logprobs else None
+
+    def echo_chunk(self) -> dict:
+        """The first streamed chunk of an echo / prompt_logprobs completion: the prompt's text and
+        log-probabilities (the completion's text_offset continue after it)."""
+        choice = {"index": self.index, "text": self.echo or "",
+                  "logprobs": self._echo_logprobs() if self.echo is not None else None, "finish_reason": None}
+        if self.prompt_k is not None:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs()
+        self.offset = len(self.echo or "")
         return {**self.head("text_completion"), "choices": [choice], "usage": None}
 
     def choice(self) -> dict:
@@ -435,6 +497,11 @@ class _Reply:
             return {"index": self.index, "message": {"role": "assistant", "content": text},
                     "logprobs": chat_logprobs(self.logprobs) if self.want_logprobs else None,
                     "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": text,
-                "logprobs": completion_logprobs(self.logprobs) if self.want_logprobs else None,
-                "finish_reason": self.finish_reason}
+        logprobs = completion_logprobs(self.logprobs, len(self.echo or ""), self.top) if self.want_logprobs else None
+        if self.echo is not None and logprobs is not None:  # the prompt's tokens first
+            logprobs = {key: values + logprobs[key] for key, values in self._echo_logprobs().items()}
+        out = {"index": self.index, "text": (self.echo or "") + text, "logprobs": logprobs,
+               "finish_reason": self.finish_reason}
+        if self.prompt_k is not None:
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs()
+        return out

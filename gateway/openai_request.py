@@ -16,9 +16,13 @@ Used: the OpenAI sampling fields, `logprobs` / `top_logprobs`, and vLLM's extens
 (neutral for one stateless completion): `user`, `metadata`, `store` (aerie stores nothing beyond the
 sequence record every request has), `response_format: {"type": "text"}`, `tool_choice: "none"`,
 `tools: []`, `parallel_tool_calls`, and an assistant message's `refusal: null` / `tool_calls: []`.
-Refused with the reason (the models' `refusals`): `echo: true` and vLLM's `prompt_logprobs` (the
-prompt's log-probabilities are not computed), best_of > 1, penalties, a logit bias, tools. Several
+Refused with the reason (the models' `refusals`): best_of > 1, penalties, a logit bias, tools. Several
 choices (n, a batch of prompts on /v1/completions) are one GenerateRequest each (`Parsed.choices`).
+
+The prompt's log-probabilities: `echo: true` with `logprobs: k` on /v1/completions and vLLM's
+`prompt_logprobs: k` (both routes) set sampling.prompt_logprobs to the larger k (each view shows its
+own k). `max_tokens: 0` with echo (OpenAI's legacy scoring) asks the coordinator for one token, which
+the answer drops (`Parsed.generate` False): the prefill samples that token anyway, so it costs nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class Parsed:
     max_tokens_param: str = "max_tokens"  # the body's name for the new-token limit (max_completion_tokens too)
     n: int = 1  # choices per prompt
     more_prompts: tuple[str | tuple[int, ...], ...] = ()  # a batch's prompts after the first (completions)
+    echo: bool = False  # completions: the prompt (and with logprobs its log-probabilities) in front of the answer
+    generate: bool = True  # False: max_tokens=0 with echo, the one token generated is dropped
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the alternatives its view shows
 
     def choices(self) -> list[cpb.GenerateRequest]:
         """One GenerateRequest per choice, prompt-major (choice i*n + k is prompt i's k-th): the
@@ -90,11 +97,15 @@ def _request(body: GenerationRequest) -> cpb.GenerateRequest:
 
 
 def _parsed(body: GenerationRequest, req: cpb.GenerateRequest, max_tokens_param: str,
-            more_prompts: tuple[str | tuple[int, ...], ...] = ()) -> Parsed:
+            more_prompts: tuple[str | tuple[int, ...], ...] = (), echo: bool = False, generate: bool = True) -> Parsed:
     unset = frozenset(name for name in OPENAI_DEFAULTS if getattr(body, name) is None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    wanted = [k for k in (body.prompt_logprobs, req.sampling.logprobs if echo and
+                          req.sampling.HasField("logprobs") else None) if k is not None]
+    if wanted:
+        req.sampling.prompt_logprobs = max(wanted)
     return Parsed(req, body.model, bool(body.stream), include_usage, unset, max_tokens_param, body.n or 1,
-                  more_prompts)
+                  more_prompts, echo, generate, body.prompt_logprobs)
 
 
 def with_defaults(parsed: Parsed, defaults: cpb.GenerationDefaults) -> None:
@@ -123,10 +134,11 @@ def parse_completion(json_body: Any) -> Parsed:
         req.prompt = first
     else:
         req.prompt_ids.extend(first)
-    req.max_new_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    req.max_new_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
     if body.logprobs is not None:  # legacy: an int, the top-k count
         req.sampling.logprobs = body.logprobs
-    return _parsed(body, req, "max_tokens", tuple(p if isinstance(p, str) else tuple(p) for p in more))
+    return _parsed(body, req, "max_tokens", tuple(p if isinstance(p, str) else tuple(p) for p in more),
+                   bool(body.echo), body.max_tokens != 0)
 
 
 def parse_chat(json_body: Any) -> Parsed:

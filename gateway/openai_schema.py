@@ -7,7 +7,7 @@ with a body is validated by its model (gateway/validation.py turns the first err
 the field), so what /openapi.json says is what the server checks. What a type cannot say is in the
 models' validators, which raise a Problem in aerie's words: a batch of prompts, an empty stop string,
 rules across fields (top_logprobs needs logprobs, stream_options needs stream, max_tokens and
-max_completion_tokens agree). A field aerie accepts only in its neutral value (n=1, echo=false, ...)
+max_completion_tokens agree, max_tokens=0 needs echo). A field aerie accepts only in its neutral value (n=1, ...)
 is in `refusals` with the reason its 400 gives. Several choices (a batch of prompts, n) are several
 sequences; gateway/app.py runs them at once. gateway/openai_request.py turns a validated body into
 the Coordinator's GenerateRequest.
@@ -24,10 +24,6 @@ from services.spec.sampling import MAX_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the widths of the proto fields they fill
-# echo / prompt_logprobs: the verifier's prefill applies the LM head to the prompt's last row only (its
-# one token to sample); the prompt's log-probabilities would need every row's [P, V] logits, per chunk.
-PROMPT_LOGPROBS_WHY = ("aerie does not compute the prompt's log-probabilities (its prefill keeps the logits "
-                       "of the prompt's last row only)")
 MAX_CHOICES = 64  # choices one request may ask for, prompts x n: each is a sequence of its own
 NO_RANKING = "aerie does not sample extra candidates to rank: ask for n choices instead"
 NO_PENALTIES = "aerie samples without penalties (use 0)"
@@ -60,7 +56,7 @@ class StreamOptions(_Body):
 class GenerationRequest(_Body):
     """Fields of both generation routes."""
     refusals: ClassVar[dict[str, str]] = {  # field -> why only its neutral value is accepted
-        "best_of": f"{NO_RANKING} (best_of=1)", "prompt_logprobs": PROMPT_LOGPROBS_WHY,
+        "best_of": f"{NO_RANKING} (best_of=1)",
         "presence_penalty": NO_PENALTIES, "frequency_penalty": NO_PENALTIES,
         "logit_bias": "aerie samples without a logit bias (use {})"}
     model: str | None = Field(None, description="the served model (/v1/models); omitted = it")
@@ -89,8 +85,9 @@ class GenerationRequest(_Body):
     presence_penalty: float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     frequency_penalty: float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="only empty (not supported)")
-    prompt_logprobs: None = Field(None, description="vLLM's; only null: the prompt's log-probabilities are not "
-                                                    "computed (the prefill keeps the last prompt row's logits)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "vLLM's: the target's log-probability of each prompt token (null for the first) with this many "
+        "alternatives, as `prompt_logprobs` (per choice on /v1/completions, of the answer on chat)"))
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -130,16 +127,17 @@ class GenerationRequest(_Body):
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
     refusals: ClassVar[dict[str, str]] = {
-        **GenerationRequest.refusals, "suffix": "aerie does not support suffix (insertion)",
-        "echo": "echo returns the prompt with its log-probabilities, and " + PROMPT_LOGPROBS_WHY}
+        **GenerationRequest.refusals, "suffix": "aerie does not support suffix (insertion)"}
     prompt: NonEmpty | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
         list[NonEmpty | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
     ] = Field(description="text or token ids, or a batch of them (a choice per prompt and n, the prompt's choices "
                           "at indices [i*n, (i+1)*n))")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="the target's log-probabilities, with this many alternatives")
-    echo: Literal[False] | None = Field(None, description="only false: the prompt's log-probabilities are not "
-                                                          "computed (the prefill keeps the last prompt row's logits)")
+    echo: bool | None = Field(None, description="the prompt's text in front of the completion's; with logprobs, "
+                                                "the prompt's tokens first (the first one's logprob null)")
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description=(
+        "at most the server's cap (/v1/models max_tokens); 0 only with echo (score the prompt, generate nothing)"))
     suffix: Literal[""] | None = Field(None, description="only empty (not supported)")
 
     @field_validator("prompt", mode="before")
@@ -164,6 +162,9 @@ class CompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _choices(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise Problem("max_tokens", "max_tokens=0 needs echo=true (it scores the prompt and generates nothing); "
+                                        "otherwise max_tokens must be >= 1")
         prompts, n = len(self.prompts()), self.n or 1
         if prompts * n > MAX_CHOICES:
             raise Problem("n", f"{prompts} prompts x n={n} is {prompts * n} choices; a request may ask for at most "

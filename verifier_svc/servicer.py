@@ -53,7 +53,7 @@ from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
 from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
-                                      VerifyCall)
+                                      VerifyCall, merge_prefill)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequencePreempted
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
@@ -180,7 +180,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         # sequence id -> (offset, rows prefilled after it, answer) of its latest chunk, for a chunk sent again
         self._chunks: dict[str, tuple[int, int, ChunkAnswer]] = {}
-        self._slices: dict[str, list[torch.Tensor]] = {}  # sequence id -> features of its call's slices so far
+        self._slices: dict[str, list[PrefillResult]] = {}  # sequence id -> its call's slices' answers so far
         self._prefilling: set[str] = set()  # admitted sequences whose prompt is not complete yet
         self.batcher: Batcher[Call] = Batcher("verifier", self._run_batch, rows=lambda c: c.rows,
                                               key=lambda c: c.seq_id, limits=config.batch,
@@ -221,6 +221,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                    f"{self.config.max_prompt_tokens} (AERIE_MAX_PROMPT_TOKENS)")
         prompt = torch.tensor(codec.token_ids(request.prompt_ids, self.vocab_size, "prompt"), dtype=torch.long)
         sampling = codec.decode_sampling(request.sampling)
+        if request.rebuild:  # a rebuild's rows were scored by the first prefill (its client has them)
+            sampling = replace(sampling, prompt_logprobs=None)
         kind = codec.feature_kind(request.feature_kind)
         if not total < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{total + 1}, {self.max_capacity}] for a {total}-token prompt "
@@ -239,9 +241,12 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         else:
             result = answer
             logprobs = codec.encode_logprobs(self.verifier.take_logprobs(seq_id))  # None unless asked for
-        for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes)):
-            yield vpb.VerifierPrefillResponse(first_token=result.first_token if i == 0 else 0, features=chunk,
-                                              logprobs=logprobs if i == 0 else None)
+        prompt_logprobs = codec.encode_logprobs(result.prompt_logprobs)  # None unless asked for
+        room = self.config.service.chunk_bytes - (prompt_logprobs.ByteSize() if prompt_logprobs is not None else 0)
+        for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes, room)):
+            yield vpb.VerifierPrefillResponse(
+                first_token=result.first_token if i == 0 else 0, features=chunk, logprobs=logprobs if i == 0 else None,
+                prompt_logprobs=prompt_logprobs if i == 0 else None)
 
     async def _prefill(self, call: PrefillCall, client: str) -> PrefillResult:
         """The whole prompt in one forward, or in chunks of the prefill chunk (--prefill-chunk, cut to
@@ -252,15 +257,15 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             return await self._admit(call, client)
         parts = call.prompt.split(chunk)
         first = await self._admit(replace(call, prompt=parts[0], more=True, prompt_rows=call.rows), client)
-        features = [first.features]
+        done = [first]
         try:
             for k, part in enumerate(parts[1:], 1):
-                out = await self.batcher.call_async(PrefillMoreCall(call.seq_id, part, last=k == len(parts) - 1))
-                features.append(out.features)
+                done.append(await self.batcher.call_async(PrefillMoreCall(call.seq_id, part,
+                                                                          last=k == len(parts) - 1)))
         except BaseException:
             await self.batcher.exclusive_async(self._release, call.seq_id)  # never partially admitted
             raise
-        return PrefillResult(out.first_token, torch.cat(features))
+        return merge_prefill(done)
 
     async def _admit(self, call: PrefillCall, client: str = ANONYMOUS):
         """Prefill under the KV budget and `client`'s share of it: a sequence whose KV does not fit
@@ -402,14 +407,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     def _respond(self, call: Call, out):
         if isinstance(call, Slice):
             parts = self._slices.setdefault(call.seq_id, [])
-            parts.append(out.features)
+            parts.append(out)
             if call.start == 0 and isinstance(call.whole, PrefillCall):
                 self._admitted(call.whole)
             if call.stop < call.whole.rows:
                 self._prefilling.add(call.seq_id)
                 return out  # a slice's own answer: not seen by the caller
             del self._slices[call.seq_id]
-            return self._respond(call.whole, PrefillResult(out.first_token, torch.cat(parts)))
+            return self._respond(call.whole, merge_prefill(parts))
         if isinstance(call, (PrefillCall, PrefillMoreCall)):
             if out.first_token < 0:
                 self._prefilling.add(call.seq_id)

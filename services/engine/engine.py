@@ -115,6 +115,8 @@ class RoundOutput:
     stats: RoundStats
     finish_reason: FinishReason | None = None  # once finished
     logprobs: TokenLogprobs | None = None  # of `tokens` (n = len(tokens)), when sampling.logprobs is set
+    prompt_logprobs: TokenLogprobs | None = None  # round 0 only, when sampling.prompt_logprobs is set: of
+    #                                               prompt tokens 1..L-1 (none after a take-over's rebuild)
 
 
 def check_stop(new: list[int], produced: int, max_new_tokens: int, stop_ids: frozenset[int]
@@ -291,7 +293,7 @@ class Engine:
             seq.draft = self._draft(seq_id, seq, pre.first_token)
         seq.produced = len(new)
         logprobs = self._logprobs(req, seq_id, len(new))
-        return seq, RoundOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason, logprobs)
+        return seq, RoundOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason, logprobs, pre.prompt_logprobs)
 
     def _logprobs(self, req: GenerationRequest, seq_id: str, n: int) -> TokenLogprobs | None:
         """The target's log-probabilities of the first n tokens the verifier's latest call produced

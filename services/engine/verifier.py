@@ -35,13 +35,20 @@ scored row's logits with that row's own context before acceptance, so greedy and
 both see the target's penalised distribution; `logprobs` (services/spec/logprobs.py) keeps the
 target's log-probabilities of the tokens a call produced, read once with `take_logprobs(seq_id)`
 (the results' types stay as they are).
+
+`prompt_logprobs` (opt-in per sequence; OpenAI's `echo` + `logprobs`, vLLM's `prompt_logprobs`):
+its prefill chunks ask the forward for the logits of every row (not the last only) and each
+PrefillResult carries the target's raw log-probabilities of the prompt tokens that chunk's rows
+score: row i predicts token i+1, so a first chunk of c rows scores tokens 1..c-1 (token 0 has no
+prediction) and its last row's logits ([1, V]) wait in the sequence for the next chunk, whose first
+token they score. Computed per chunk, `ROWS_PER_BLOCK` rows per log_softmax (services/spec/logprobs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -50,7 +57,7 @@ from services.errors import AerieError, CapacityExceeded, InvalidRequest, Sequen
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
-from services.spec.logprobs import TokenLogprobs, token_logprobs
+from services.spec.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, next_token, round_generator
 from services.spec.tree import DraftTree
@@ -64,6 +71,18 @@ if TYPE_CHECKING:
 class PrefillResult:
     first_token: int  # sampled from the last prompt row with the round-0 generator
     features: torch.Tensor  # [L, F] target features of the prompt rows
+    prompt_logprobs: TokenLogprobs | None = None  # sampling.prompt_logprobs set: of the prompt tokens
+    #                                               this chunk's rows score (see the module doc)
+
+
+def merge_prefill(parts: list[PrefillResult]) -> PrefillResult:
+    """The answer for a prompt run in parts (chunks, slices), in order: the last part's first token,
+    every part's features [sum c_i, F] and prompt log-probabilities (None when the parts have none)."""
+    if len(parts) == 1:
+        return parts[0]
+    lps = [p.prompt_logprobs for p in parts if p.prompt_logprobs is not None]
+    return PrefillResult(parts[-1].first_token, torch.cat([p.features for p in parts]),
+                         TokenLogprobs.cat(lps) if len(lps) == len(parts) else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +161,8 @@ class _Sequence:
     prefilling: bool = False  # a chunked prefill is under way (no verify or decode yet)
     kept: list[torch.Tensor] = field(default_factory=list)  # [1, F] per Decode with keep_features
     seen: SeenTokens | None = None  # the committed context, when the sequence has a repetition penalty
+    prompt_tail: torch.Tensor | None = None  # [1, V] logits of the latest prefill chunk's last row,
+    #                                          which scores the next chunk's first token (prompt_logprobs)
 
 
 class Verifier:
@@ -248,7 +269,7 @@ class Verifier:
                 raise pool.refusal(call.capacity)  # could not finish even alone: refused at once
             slot = self.runner.allocate(self.first_rows(call))  # CapacityExceeded: nothing admitted
             new_slots[i] = slot
-            return StepEntry(slot, call.prompt.long(), logits="last")
+            return StepEntry(slot, call.prompt.long(), logits=self._prefill_rows(call.sampling))
         seq = self._get(call.seq_id)
         if isinstance(call, PrefillMoreCall) != seq.prefilling:
             raise InvalidRequest(f"sequence {call.seq_id!r} " + ("is still being prefilled" if seq.prefilling
@@ -259,7 +280,7 @@ class Verifier:
         if isinstance(call, PrefillMoreCall):
             if call.rows < 1:
                 raise InvalidRequest("a prefill chunk needs at least one token")
-            return StepEntry(seq.slot, call.prompt.long(), logits="last")
+            return StepEntry(seq.slot, call.prompt.long(), logits=self._prefill_rows(seq.sampling))
         if isinstance(call, VerifyCall):
             tree = call.tree
             return StepEntry(seq.slot, tree.tokens, seq.length + tree.depths, tree.mask)  # moved by the runner
@@ -302,7 +323,8 @@ class Verifier:
                          else next_token(logits[j][-1], call.sampling,
                                      round_generator(call.sampling.seed, 0, out.logits[j].device)))
                 self._keep_logprobs(call.seq_id, out.logits[j][-1:], [first] if first >= 0 else [])
-                results.append(PrefillResult(first, features))
+                results.append(PrefillResult(first, features, self._score_prompt(call.seq_id, out.logits[j],
+                                                                                 call.prompt, not call.more)))
                 continue
             seq = self._seqs[call.seq_id]
             if isinstance(call, PrefillMoreCall):
@@ -314,7 +336,8 @@ class Verifier:
                              else next_token(logits[j][-1], seq.sampling,
                                              round_generator(seq.sampling.seed, 0, out.logits[j].device)))
                     self._keep_logprobs(call.seq_id, out.logits[j][-1:], [first])
-                results.append(PrefillResult(first, features))
+                results.append(PrefillResult(first, features, self._score_prompt(call.seq_id, out.logits[j],
+                                                                                 call.prompt, call.last)))
                 continue
             gen = (None if seq.sampling.greedy  # drawn on the logits' device: a CPU generator cannot draw from CUDA
                    else round_generator(seq.sampling.seed, call.round_index, out.logits[j].device))
@@ -388,6 +411,26 @@ class Verifier:
         top = self._seqs[seq_id].sampling.logprobs
         if top is not None and tokens:
             self._logprobs[seq_id] = token_logprobs(logits, tokens, top)
+
+    @staticmethod
+    def _prefill_rows(sampling: SamplingParams) -> Literal["all", "last"]:
+        """Which rows of a prefill chunk get logits: every row for a sequence that asked for its prompt's
+        log-probabilities, else the last (the first token's) only."""
+        return "last" if sampling.prompt_logprobs is None else "all"
+
+    def _score_prompt(self, seq_id: str, logits: torch.Tensor, prompt: torch.Tensor, last: bool
+                      ) -> TokenLogprobs | None:
+        """logits [c, V] of a prefill chunk's rows, prompt [c] its tokens -> the log-probabilities of
+        the tokens these rows score (the chunk's tokens but the first, and that one from the previous
+        chunk's last row when there was one); keeps this chunk's last row for the next chunk unless
+        `last`. None when the sequence did not ask. Example: chunks [t0 t1 t2] [t3 t4] -> t1 t2 | t3 t4."""
+        seq = self._seqs[seq_id]
+        top = seq.sampling.prompt_logprobs
+        if top is None:
+            return None
+        tail, seq.prompt_tail = seq.prompt_tail, (None if last else logits[-1:].clone())
+        rows = prompt_logprobs(logits[:-1], prompt[1:], top)  # (a view: no copy of the chunk's logits)
+        return rows if tail is None else TokenLogprobs.cat([prompt_logprobs(tail, prompt[:1], top), rows])
 
     def _kind(self, call: Call) -> FeatureKind:
         if isinstance(call, PrefillCall):

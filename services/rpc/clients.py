@@ -136,7 +136,8 @@ class RemoteVerifier:
         """`rebuild`: prompt + committed tokens of an admitted sequence (a fail-over), not bounded by
         the verifier's max_prompt_tokens. A chunk (coordinator/prefill.py): prompt [c] holds rows
         [offset, offset + c) of a `prompt_tokens`-row prompt (0 = `prompt` is all of it); its own
-        deadline; first_token is -1 until the last chunk; features [c, F] of these rows only."""
+        deadline; first_token is -1 until the last chunk; features [c, F] of these rows only, and
+        (sampling.prompt_logprobs) the log-probabilities of the prompt tokens these rows score."""
         more = bool(prompt_tokens) and offset + len(prompt) < prompt_tokens
         request = vpb.VerifierPrefillRequest(
             sequence_id=seq_id, prompt_ids=prompt.tolist(), sampling=codec.encode_sampling(sampling),
@@ -144,7 +145,7 @@ class RemoteVerifier:
             offset=offset, more=more, prompt_tokens=prompt_tokens)
         rows = 0 if self.feature_kind == "none" else len(prompt)  # plain decoding gets no features
         features = codec.TensorAssembler("features", shape=(rows, None))
-        first_token = None
+        first_token, prompt_logprobs = None, None
         with self.phases.phase(0, "verify"):
             try:
                 metadata = (("aerie-client", self.kv_client),) if self.kv_client else None
@@ -153,10 +154,12 @@ class RemoteVerifier:
                         first_token = int(msg.first_token)
                         if msg.HasField("logprobs"):
                             self._logprobs = codec.decode_logprobs(msg.logprobs, [first_token])
+                        if msg.HasField("prompt_logprobs"):
+                            prompt_logprobs = codec.decode_logprobs(msg.prompt_logprobs, None)
                     features.add(msg.features)
             except grpc.RpcError as e:
                 raise DownstreamError.from_rpc(e, self.client.role, self.client.address) from None
-        return PrefillResult(first_token, features.result())
+        return PrefillResult(first_token, features.result(), prompt_logprobs)
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
         request = vpb.VerifyRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree))

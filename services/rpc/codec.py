@@ -189,6 +189,8 @@ def encode_sampling(p: SamplingParams) -> pb.SamplingParams:
                             repetition_penalty=p.repetition_penalty)
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -199,7 +201,8 @@ def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
                           top_k=msg.top_k, seed=msg.seed, min_p=msg.min_p,
                           repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                          prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
 
 
 def encode_logprobs(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
@@ -207,20 +210,25 @@ def encode_logprobs(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
         return None
     return pb.TokenLogprobs(token_ids=lp.token_ids.tolist(), logprobs=lp.logprobs.tolist(),
                             top=int(lp.top_ids.shape[1]), top_ids=lp.top_ids.flatten().tolist(),
-                            top_logprobs=lp.top_logprobs.flatten().tolist())
+                            top_logprobs=lp.top_logprobs.flatten().tolist(),
+                            ranks=lp.ranks.tolist() if lp.ranks is not None else None)
 
 
-def decode_logprobs(msg: pb.TokenLogprobs, tokens: Sequence[int]) -> TokenLogprobs:
-    """The log-probabilities of `tokens` (a response's own): InvalidRequest when they do not match."""
+def decode_logprobs(msg: pb.TokenLogprobs, tokens: Sequence[int] | None) -> TokenLogprobs:
+    """The log-probabilities of `tokens` (a response's own): InvalidRequest when they do not match
+    (`tokens` None: the message's own token ids, e.g. prompt tokens, only its shapes are checked)."""
+    if tokens is None:
+        tokens = list(msg.token_ids)
     n, k = len(msg.token_ids), msg.top
     if list(msg.token_ids) != list(tokens) or len(msg.logprobs) != n or k < 0 or \
-            len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k:
+            len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k or len(msg.ranks) not in (0, n):
         raise InvalidRequest(f"logprobs of {n} tokens (top {k}) do not match the {len(tokens)} tokens they "
                              f"come with")
     return TokenLogprobs(torch.tensor(list(msg.token_ids), dtype=torch.long),
                          torch.tensor(list(msg.logprobs), dtype=torch.float32),
                          torch.tensor(list(msg.top_ids), dtype=torch.long).reshape(n, k),
-                         torch.tensor(list(msg.top_logprobs), dtype=torch.float32).reshape(n, k))
+                         torch.tensor(list(msg.top_logprobs), dtype=torch.float32).reshape(n, k),
+                         torch.tensor(list(msg.ranks), dtype=torch.long) if len(msg.ranks) == n and n else None)
 
 
 def encode_tree_params(t: TreeParams) -> pb.TreeParams:

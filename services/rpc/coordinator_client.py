@@ -100,7 +100,9 @@ class RemoteEngine:
                         received += len(msg.tokens)
                         yield RoundOutput(list(msg.tokens), codec.decode_stats(msg.stats), msg.finish_reason or None,
                                           codec.decode_logprobs(msg.logprobs, msg.tokens)
-                                          if msg.HasField("logprobs") else None)
+                                          if msg.HasField("logprobs") else None,
+                                          codec.decode_logprobs(msg.prompt_logprobs, None)
+                                          if msg.HasField("prompt_logprobs") else None)
                     if outage is not None:  # a Resume stream that ended at once: the sequence had ended
                         s.resumed_at.append((s.address, outage.from_index))
                     return

@@ -35,6 +35,7 @@ class SamplingParams:
     min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 = off
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context; 1 = off
     logprobs: int | None = None  # None = off; k >= 0: the chosen token's log-probability and the top k
+    prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's (but the first) and the top k
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -51,6 +52,8 @@ class SamplingParams:
             raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off); got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]; got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -73,7 +73,7 @@ def test_a_body_under_the_limit_is_served(served):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("max_tokens", 10**12, "max_tokens must be >= 1 and <= 2147483647; got 1000000000000"),
+    ("max_tokens", 10**12, "max_tokens must be >= 0 and <= 2147483647; got 1000000000000"),  # (0: with echo)
     ("prompt", [5, 2**64], "prompt token ids must be in [0, 9223372036854775807]"),
     ("seed", 2**63, "seed must be >= 0 and <= 9223372036854775807"),  # (the engine's seed range)
     ("top_k", 2**40, "top_k must be >= -1 and <= 2147483647"),

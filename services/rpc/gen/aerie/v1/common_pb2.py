@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61\x65rie/v1/common.proto\x12\x08\x61\x65rie.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.aerie.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xcb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x90\x01\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0b\n\x03top\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x11\n\ttop_texts\x18\x07 \x03(\t\"~\n\nTreeParams\x12\r\n\x05top_k\x18\x01 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\x18\n\x0ctotal_tokens\x18\x03 \x01(\x05\x42\x02\x18\x01\x12\x0c\n\x04size\x18\x05 \x01(\x05\x12\x19\n\x0cstop_logprob\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_stop_logprob\"*\n\tCostCurve\x12\x0c\n\x04rows\x18\x01 \x03(\x03\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\"\x93\x01\n\tDraftTree\x12 \n\x06tokens\x18\x01 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12!\n\x07parents\x18\x02 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\x1f\n\x05paths\x18\x03 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12 \n\x06scores\x18\x04 \x01(\x0b\x32\x10.aerie.v1.Tensor\"%\n\x0eReleaseRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0e\n\nDTYPE_BOOL\x10\x06*r\n\x0b\x46\x65\x61tureKind\x12\x1c\n\x18\x46\x45\x41TURE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46\x45\x41TURE_KIND_HIDDEN\x10\x01\x12\x15\n\x11\x46\x45\x41TURE_KIND_TAPS\x10\x02\x12\x15\n\x11\x46\x45\x41TURE_KIND_NONE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61\x65rie/v1/common.proto\x12\x08\x61\x65rie.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.aerie.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xfd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18< \x01(\x05H\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x9f\x01\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0b\n\x03top\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x11\n\ttop_texts\x18\x07 \x03(\t\x12\r\n\x05ranks\x18< \x03(\x03\"~\n\nTreeParams\x12\r\n\x05top_k\x18\x01 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\x18\n\x0ctotal_tokens\x18\x03 \x01(\x05\x42\x02\x18\x01\x12\x0c\n\x04size\x18\x05 \x01(\x05\x12\x19\n\x0cstop_logprob\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_stop_logprob\"*\n\tCostCurve\x12\x0c\n\x04rows\x18\x01 \x03(\x03\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\"\x93\x01\n\tDraftTree\x12 \n\x06tokens\x18\x01 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12!\n\x07parents\x18\x02 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12\x1f\n\x05paths\x18\x03 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12 \n\x06scores\x18\x04 \x01(\x0b\x32\x10.aerie.v1.Tensor\"%\n\x0eReleaseRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0e\n\nDTYPE_BOOL\x10\x06*r\n\x0b\x46\x65\x61tureKind\x12\x1c\n\x18\x46\x45\x41TURE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46\x45\x41TURE_KIND_HIDDEN\x10\x01\x12\x15\n\x11\x46\x45\x41TURE_KIND_TAPS\x10\x02\x12\x15\n\x11\x46\x45\x41TURE_KIND_NONE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TREEPARAMS'].fields_by_name['total_tokens']._loaded_options = None
   _globals['_TREEPARAMS'].fields_by_name['total_tokens']._serialized_options = b'\030\001'
-  _globals['_DTYPE']._serialized_start=873
-  _globals['_DTYPE']._serialized_end=1011
-  _globals['_FEATUREKIND']._serialized_start=1013
-  _globals['_FEATUREKIND']._serialized_end=1127
+  _globals['_DTYPE']._serialized_start=938
+  _globals['_DTYPE']._serialized_end=1076
+  _globals['_FEATUREKIND']._serialized_start=1078
+  _globals['_FEATUREKIND']._serialized_end=1192
   _globals['_TENSOR']._serialized_start=35
   _globals['_TENSOR']._serialized_end=104
   _globals['_SAMPLINGPARAMS']._serialized_start=107
-  _globals['_SAMPLINGPARAMS']._serialized_end=310
-  _globals['_TOKENLOGPROBS']._serialized_start=313
-  _globals['_TOKENLOGPROBS']._serialized_end=457
-  _globals['_TREEPARAMS']._serialized_start=459
-  _globals['_TREEPARAMS']._serialized_end=585
-  _globals['_COSTCURVE']._serialized_start=587
-  _globals['_COSTCURVE']._serialized_end=629
-  _globals['_DRAFTTREE']._serialized_start=632
-  _globals['_DRAFTTREE']._serialized_end=779
-  _globals['_RELEASEREQUEST']._serialized_start=781
-  _globals['_RELEASEREQUEST']._serialized_end=818
-  _globals['_RELEASERESPONSE']._serialized_start=820
-  _globals['_RELEASERESPONSE']._serialized_end=855
-  _globals['_INFOREQUEST']._serialized_start=857
-  _globals['_INFOREQUEST']._serialized_end=870
+  _globals['_SAMPLINGPARAMS']._serialized_end=360
+  _globals['_TOKENLOGPROBS']._serialized_start=363
+  _globals['_TOKENLOGPROBS']._serialized_end=522
+  _globals['_TREEPARAMS']._serialized_start=524
+  _globals['_TREEPARAMS']._serialized_end=650
+  _globals['_COSTCURVE']._serialized_start=652
+  _globals['_COSTCURVE']._serialized_end=694
+  _globals['_DRAFTTREE']._serialized_start=697
+  _globals['_DRAFTTREE']._serialized_end=844
+  _globals['_RELEASEREQUEST']._serialized_start=846
+  _globals['_RELEASEREQUEST']._serialized_end=883
+  _globals['_RELEASERESPONSE']._serialized_start=885
+  _globals['_RELEASERESPONSE']._serialized_end=920
+  _globals['_INFOREQUEST']._serialized_start=922
+  _globals['_INFOREQUEST']._serialized_end=935
 # @@protoc_insertion_point(module_scope)

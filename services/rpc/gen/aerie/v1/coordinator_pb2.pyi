@@ -192,7 +192,7 @@ class SequenceInfo(_message.Message):
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info", "text", "logprobs")
+    __slots__ = ("sequence_id", "tokens", "stats", "finish_reason", "info", "text", "logprobs", "prompt_logprobs")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class GenerateResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     stats: RoundStats
@@ -207,7 +208,8 @@ class GenerateResponse(_message.Message):
     info: SequenceInfo
     text: str
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., info: _Optional[_Union[SequenceInfo, _Mapping]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("sequence_id",)
