@@ -12,8 +12,8 @@ Rule: a client identity may hold at most `share` x `budget_rows` KV rows (the ro
 slots hold now: `hold` again as a slot grows, services/engine/kv_growth.py) while another identity
 holds KV or waits for it; alone it may use the whole budget (nothing is left idle). When the budget
 is full and a second identity arrives, the first one's new Prefills are over its share (the second
-one waits), so the rows released next go to the second: that is the fair queue across identities. A share never evicts a sequence (only a preemption under
-the budget does, services/engine/kv_growth.py).
+one waits), so the rows released next go to the second: that is the fair queue across identities.
+A share never evicts a sequence (only a preemption under the budget does, services/engine/kv_growth.py).
 
 Counts rows, not sequences: a client with many short sequences and one with a few long ones get the
 same rows. Thread-safe (the event loop claims and waits, the model thread checks, holds and releases).
