@@ -44,6 +44,7 @@ import torch
 from services.device import device_memory, free_memory_bytes, is_gpu
 from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
+from services.engine.step_cost import StepBudget, StepCost
 from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
@@ -163,6 +164,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # or no measured cost)
         self.step_rows = (step_rows(verify_cost, config.itl_target_ms / 1000, STEP_FLOOR_ROWS, config.batch.max_rows)
                           if config.itl_target_ms > 0 and verify_cost is not None else None)
+        # ... which the steps then learn (services/engine/step_cost.py): the start-up curve is only the prior
+        self.step_budget = (StepBudget(StepCost.from_curve(verify_cost), config.itl_target_ms / 1000,
+                                       STEP_FLOOR_ROWS, config.batch.max_rows)
+                            if self.step_rows is not None else None)
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
@@ -177,7 +182,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                               on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind),
                                               prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall, Slice)),
                                               step_rows=self.step_rows, split=_split, splittable=self._splittable,
-                                              decoding=lambda: len(self._kind) - len(self._prefilling))
+                                              decoding=lambda: len(self._kind) - len(self._prefilling),
+                                              budget=self.step_budget, prefix=lambda c: self.verifier.length(c.seq_id))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 

@@ -63,6 +63,7 @@ class Queued:
     prefill: bool  # a Prefill chunk (True) or a decode/verify of a running sequence (False)
     key: Hashable  # its sequence: a step holds one call per key
     splittable: bool = False  # a prefill call whose first rows may run alone (rule 5)
+    prefix: int = 0  # rows its sequence holds in KV before this call (each new row attends to them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,7 +248,8 @@ def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipe
     servicer = VerifierServicer(base.target, config, base.target_path, base.eos_token_ids,
                                 CostCurve((1, 1000), (0.05, 1.049)))
     assert servicer.step_rows == 32 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
-    servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget
+    servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget,
+    servicer.batcher.budget = None  # fixed (not the one learned from the steps: services/engine/step_cost.py)
     server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
     pipeline.servers.append((server, servicer))
     sliced = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
