@@ -44,7 +44,7 @@ import torch
 from services.device import device_memory, free_memory_bytes, is_gpu
 from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
-from services.engine.step_cost import StepBudget, StepCost
+from services.engine.step_cost import AUTO_RATIO, StepBudget, StepCost
 from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
@@ -63,7 +63,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
-from verifier_svc.config import VerifierConfig
+from verifier_svc.config import AUTO, VerifierConfig
 
 log = logging.getLogger("aerie.verifier")
 
@@ -162,12 +162,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.shares = KVShares(pool.max_rows if pool is not None else None, config.kv_client_share)
         # the token budget of one step and the prefill chunk cut to it (None / as configured: no ITL target
         # or no measured cost)
-        self.step_rows = (step_rows(verify_cost, config.itl_target_ms / 1000, STEP_FLOOR_ROWS, config.batch.max_rows)
-                          if config.itl_target_ms > 0 and verify_cost is not None else None)
+        auto = config.itl_target_ms == AUTO
+        target_s = None if auto else config.itl_target_ms / 1000  # auto: AUTO_RATIO x a plain step's time
+        on = (auto or target_s > 0) and verify_cost is not None
+        self.step_rows = (step_rows(verify_cost, AUTO_RATIO * verify_cost(1) if auto else target_s, STEP_FLOOR_ROWS,
+                                    config.batch.max_rows) if on else None)
         # ... which the steps then learn (services/engine/step_cost.py): the start-up curve is only the prior
-        self.step_budget = (StepBudget(StepCost.from_curve(verify_cost), config.itl_target_ms / 1000,
-                                       STEP_FLOOR_ROWS, config.batch.max_rows)
-                            if self.step_rows is not None else None)
+        self.step_budget = (StepBudget(StepCost.from_curve(verify_cost), target_s, STEP_FLOOR_ROWS,
+                                       config.batch.max_rows) if on else None)
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs

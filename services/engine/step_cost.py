@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,8 @@ from services.spec.cost import CostCurve
 
 ROW_UNIT = 64.0  # rows per unit of the `rows` feature
 PAIR_UNIT = 64.0 * 1024.0  # (query, key) pairs per unit of the `attended` feature
+AUTO_RATIO = 3.0  # auto target: a step beside a prompt costs at most this many plain steps
+PLAIN_WINDOW = 16  # auto target: the plain (decode-only) steps whose median is a plain step's time
 TRIM = 4.0  # a step whose residual passes TRIM x the window's median residual leaves the fit
 
 
@@ -146,20 +148,40 @@ class StepCost:
 @dataclass
 class StepBudget:
     """The token budget of each step from an online StepCost: the decode rows queued plus the most
-    prefill rows (at the first queued prefill's prefix) whose predicted step time fits `target_s`,
-    within [floor, cap]. Example: t = 0.05 + 0.001 * rows (c = 0), target 0.2 s, one decode row
-    queued -> 150 rows (1 decode + 149 prompt rows)."""
+    prefill rows (at the first queued prefill's prefix) whose predicted step time fits the step's
+    target, within [floor, cap]. The target is `target_s`, or with `target_s` None (auto) `ratio` x
+    a plain step's time: the median of the last PLAIN_WINDOW steps that ran no prefill row (observed,
+    not predicted: a model fitted to slices of one size cannot tell its fixed cost from its rows'),
+    before 3 of them the predicted time of the queued decodes alone (one row when none is queued).
+    So a step beside a prompt costs at most `ratio` plain steps, whatever the device, and since each
+    step then gives the prompt about (ratio - 1) / ratio of its time, the prompt's prefill takes about
+    ratio / (ratio - 1) its time alone (1.5x at ratio 3). Example: t = 0.05 + 0.001 * rows (c = 0),
+    target 0.2 s, one decode row queued -> 150 rows (1 decode + 149 prompt rows); auto, ratio 3:
+    target 3 x 0.051 = 0.153 s -> 103 rows."""
 
     cost: StepCost
-    target_s: float
+    target_s: float | None
     floor: int
     cap: int
+    ratio: float = AUTO_RATIO
+    _plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW), repr=False)  # seconds
 
     def __post_init__(self) -> None:
-        if not self.target_s > 0:
-            raise InvalidRequest(f"target_s must be > 0; got {self.target_s}")
+        if self.target_s is not None and not self.target_s > 0:
+            raise InvalidRequest(f"target_s must be > 0 (or None: auto); got {self.target_s}")
+        if not self.ratio > 1:
+            raise InvalidRequest(f"ratio must be > 1; got {self.ratio}")
         if not 1 <= self.floor <= self.cap:
             raise InvalidRequest(f"need 1 <= floor <= cap; got floor {self.floor}, cap {self.cap}")
+
+    def target(self, queued: Sequence[Queued]) -> float:
+        """This step's target time (seconds)."""
+        if self.target_s is not None:
+            return self.target_s
+        if len(self._plain) >= 3:
+            return self.ratio * float(np.median(self._plain))
+        d_rows, d_pairs = shape([q for q in queued if not q.prefill])
+        return self.ratio * self.cost.predict(max(d_rows, 1), d_pairs)
 
     def rows(self, queued: Sequence[Queued]) -> int:
         """This step's budget over the calls queued (decodes counted whole, the prefill's rows
@@ -167,9 +189,10 @@ class StepBudget:
         decodes = [q for q in queued if not q.prefill]
         d_rows, d_pairs = shape(decodes)
         prefix = next((q.prefix for q in queued if q.prefill), 0)
+        target = self.target(queued)
 
         def fits(r: int) -> bool:
-            return self.cost.predict(d_rows + r, d_pairs + attended(r, prefix)) <= self.target_s
+            return self.cost.predict(d_rows + r, d_pairs + attended(r, prefix)) <= target
 
         lo, hi = 0, max(self.cap - d_rows, 0)  # the most prompt rows r with fits(r), by bisection
         if not fits(0):
@@ -186,3 +209,5 @@ class StepBudget:
         """The step that ran (its calls, a slice with its own rows and prefix) and its wall time."""
         rows, pairs = shape(ran)
         self.cost.observe(rows, pairs, seconds)
+        if ran and not any(q.prefill for q in ran) and seconds >= 0:
+            self._plain.append(seconds)

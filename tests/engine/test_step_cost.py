@@ -122,9 +122,34 @@ def test_floor_cap_and_decodes():
 def test_invalid_settings_are_refused():
     with pytest.raises(InvalidRequest, match="target_s must be > 0"):
         StepBudget(StepCost(0.05, 0.001), 0.0, 32, 1024)
+    with pytest.raises(InvalidRequest, match="ratio must be > 1"):
+        StepBudget(StepCost(0.05, 0.001), None, 32, 1024, ratio=1.0)
     with pytest.raises(InvalidRequest, match="floor <= cap"):
         StepBudget(StepCost(0.05, 0.001), 0.2, 64, 32)
     with pytest.raises(InvalidRequest, match=">= 0"):
         StepCost(-1.0, 0.001)
     with pytest.raises(InvalidRequest, match="window must be >= 3"):
         StepCost(0.05, 0.001, window=2)
+
+
+def test_the_auto_target_is_a_multiple_of_the_plain_step():
+    """Auto (no target_s): a step may cost `ratio` x what its decodes cost alone (predicted before 3
+    plain steps ran, then their median), so the slice follows the device: 3 x 51 ms -> 103 rows; a device whose forward's fixed cost
+    is 10x smaller gets a target 10x smaller too, and trees of 16 rows raise the target with them."""
+    budget = StepBudget(StepCost(0.05, 0.001), None, 8, 4096)
+    one = [Queued(1, False, "d"), Queued(512, True, "p", True)]
+    assert budget.target(one) == pytest.approx(0.153) and budget.rows(one) == 103
+    fast = StepBudget(StepCost(0.005, 0.0001), None, 8, 4096)
+    assert fast.target(one) == pytest.approx(0.0153) and fast.rows(one) == 103  # the same shape, 10x faster
+    trees = [Queued(16, False, "d"), Queued(512, True, "p", True)]
+    assert budget.target(trees) == pytest.approx(3 * 0.066) and budget.rows(trees) == 148
+    assert budget.target([Queued(512, True, "p", True)]) == pytest.approx(0.153)  # no decode: one row's
+    # learned: a prior 2x too slow; once 3 plain steps ran (their median: 2 x 0.144 s is disturbed),
+    # the slices settle where a step costs 3 plain steps
+    learned = StepBudget(StepCost(0.28, 0.007), None, 8, 1024)
+    plain = true_cost([Queued(1, False, "d", prefix=330)])
+    for seconds in (plain, 2 * plain, plain):
+        learned.observe([Queued(1, False, "d", prefix=330)], seconds)
+    assert learned.target(one) == pytest.approx(3 * plain)
+    steps = slice_steps(learned, 30)
+    assert all(seconds == pytest.approx(3 * plain, rel=0.05) for _, _, seconds in steps[10:])
