@@ -153,3 +153,23 @@ def test_the_auto_target_is_a_multiple_of_the_plain_step():
     assert learned.target(one) == pytest.approx(3 * plain)
     steps = slice_steps(learned, 30)
     assert all(seconds == pytest.approx(3 * plain, rel=0.05) for _, _, seconds in steps[10:])
+
+
+def test_the_flag_takes_auto_or_milliseconds():
+    import argparse
+
+    from services.rpc.config import ConfigError, ServiceConfig
+    from verifier_svc.config import VerifierConfig, add_flags, itl_target
+
+    assert itl_target("auto") == "auto" and itl_target(" AUTO ") == "auto"
+    assert itl_target("450") == 450.0 and itl_target("0") == 0.0
+    for bad in ("fast", "-5", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be 'auto' or a number of ms >= 0"):
+            itl_target(bad)
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    assert p.parse_args(["--itl-target-ms", "auto"]).itl_target_ms == "auto"
+    with pytest.raises(ConfigError, match="itl_target_ms must be 'auto' or a number of ms >= 0"):
+        VerifierConfig(ServiceConfig(), itl_target_ms="soon")
+    with pytest.raises(ConfigError, match="itl_target_ms must be 'auto' or a number of ms >= 0"):
+        VerifierConfig(ServiceConfig(), itl_target_ms=-1.0)
