@@ -17,8 +17,9 @@ the latest chunk's answer is kept until the sequence's first Verify or Decode, s
 after its deadline (it ran meanwhile) is answered from it instead of running twice.
 
 Steps (services/engine/step_scheduler.py): each forward serves every queued Verify/Decode first, then
-prefill rows up to a token budget: the most rows whose measured forward (`verify_cost`) fits
---itl-target-ms (at least STEP_FLOOR_ROWS). While a sequence decodes here, a prefill call that does not
+prefill rows up to a token budget: the most rows whose predicted forward fits --itl-target-ms (or,
+auto, 3 plain steps), at least STEP_FLOOR_ROWS; the prediction is learned from the steps that ran,
+seeded from `verify_cost` (services/engine/step_cost.py). While a sequence decodes here, a prefill call that does not
 fit is cut into `Slice`s, one per step (the rest keeps its place in the queue): a coordinator's
 512-row chunk stays one RPC with one deadline but runs as several budget-sized forwards next to the
 decodes, and as one forward when no sequence decodes (a prompt alone loses nothing to the budget).

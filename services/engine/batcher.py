@@ -9,8 +9,8 @@
 One worker thread owns the model. Each step (one forward) serves the calls queued before the first
 exclusive function, as services/engine/step_scheduler.py picks them: every decode/verify call first
 (arrival order, up to `max_batch` calls and `max_rows` rows), then Prefill chunks while the step stays
-within `step_rows` (the token budget from the cost model and the ITL target; a call larger than
-`max_rows` runs alone), and hands them to `run_batch` as one list: one forward. Calls queued during
+within the token budget (`step_rows`, fixed, or `budget`, learned from the steps that ran:
+services/engine/step_cost.py; a call larger than `max_rows` runs alone), and hands them to `run_batch` as one list: one forward. Calls queued during
 that forward form the next batch. The budget applies while a sequence decodes here (`decoding`);
 then a prefill call that does not fit is cut (`split`): its first rows run in this step, the rest
 keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
