@@ -45,7 +45,7 @@ import torch
 from services.device import device_memory, free_memory_bytes, is_gpu
 from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
-from services.engine.step_cost import AUTO_RATIO, StepBudget, StepCost
+from services.engine.step_cost import AUTO_RATIO, StepBudget, StepCost, pair_flops
 from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall)
@@ -70,7 +70,8 @@ log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
 CLIENT_METADATA = "aerie-client"  # the identity a Prefill's KV counts against (set by the coordinator)
-STEP_FLOOR_ROWS = 32  # a step's token budget never goes below this (a slow CPU still prefills)
+STEP_FLOOR_ROWS = 16  # a step's token budget never goes below this (a slow CPU still prefills); 16, not 32:
+#   at an 8k offset 32 prompt rows alone cost 0.75 s on the 2-core CPU of docs/distributed.md
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.step_rows = (step_rows(verify_cost, AUTO_RATIO * verify_cost(1) if auto else target_s, STEP_FLOOR_ROWS,
                                     config.batch.max_rows) if on else None)
         # ... which the steps then learn (services/engine/step_cost.py): the start-up curve is only the prior
-        self.step_budget = (StepBudget(StepCost.from_curve(verify_cost), target_s, STEP_FLOOR_ROWS,
+        m = target.config
+        pairs = pair_flops(m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim)
+        self.step_budget = (StepBudget(StepCost.from_curve(verify_cost, pairs), target_s, STEP_FLOOR_ROWS,
                                        config.batch.max_rows) if on else None)
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)

@@ -53,6 +53,16 @@ def attended(rows: int, prefix: int) -> float:
     return rows * (prefix + (rows + 1) / 2)
 
 
+def pair_flops(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    """FLOPs of one attended (query, key) pair over FLOPs of one row through a layer's linears: the
+    prior's c / b. Per layer a pair costs 4 * heads * head_dim (q.k and p.v), a row 2 * (the q, k,
+    v, o and MLP weights). SmolLM2-135M (576, 1536, 9, 3, 64) -> 2304 / 7,077,888 = 3.3e-4 (measured
+    on the 2-core CPU of docs/distributed.md: 5e-4, attention runs below the linears' FLOP rate)."""
+    q = heads * head_dim
+    weights = hidden * q * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
+    return 4 * q / (2 * weights)
+
+
 def shape(calls: Sequence[Queued]) -> tuple[int, float]:
     """(rows, attended) of a step over `calls`."""
     return sum(q.rows for q in calls), sum(attended(q.rows, q.prefix) for q in calls)
@@ -74,10 +84,11 @@ class StepCost:
         self.steps = 0  # steps observed so far
 
     @classmethod
-    def from_curve(cls, curve: CostCurve, **kw) -> StepCost:
-        """The prior from the start-up curve t_verify(rows) (after CURVE_PREFIX rows): a least-squares
-        line through its points; at least 0 intercept and a positive slope. Example: points
-        (1, 0.051), (1000, 1.05) -> a 0.05, b 0.001, c 0."""
+    def from_curve(cls, curve: CostCurve, pair_per_row: float = 0.0, **kw) -> StepCost:
+        """The prior from the start-up curve t_verify(rows) (after a 128-row prefix): a least-squares
+        line through its points (a >= 0, b > 0), and c = b * `pair_per_row` (an attended pair's share
+        of a row's cost, e.g. `pair_flops(config)`: the curve, at one prefix, cannot tell). Example:
+        points (1, 0.051), (1000, 1.05) -> a 0.05, b 0.001, c 0."""
         r = np.array(curve.rows, dtype=float)
         t = np.array(curve.seconds, dtype=float)
         if len(r) == 1:
@@ -85,7 +96,7 @@ class StepCost:
         b, a = np.polyfit(r, t, 1)
         b = max(float(b), 1e-9)
         a = max(float(a), 0.0)
-        return cls(a, b, **kw)
+        return cls(a, b, b * pair_per_row, **kw)
 
     @property
     def coefficients(self) -> tuple[float, float, float]:

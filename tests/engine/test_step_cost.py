@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.step_cost import StepBudget, StepCost, attended, shape
+from services.engine.step_cost import StepBudget, StepCost, attended, pair_flops, shape
 from services.engine.step_scheduler import Queued
 from services.errors import InvalidRequest
 from services.spec.cost import CostCurve
@@ -57,6 +57,10 @@ def test_the_prior_is_the_start_up_curve():
     budget = StepBudget(StepCost.from_curve(CostCurve((1, 1000), (0.051, 1.05))), 0.2, 32, 1024)
     assert budget.rows([Queued(1, False, "d"), Queued(512, True, "p", True)]) == 150
     assert budget.rows([]) == 150
+    # the attention term's prior: the model's FLOPs of a pair against a row's (SmolLM2-135M's shape)
+    ratio = pair_flops(576, 1536, 9, 3, 64)
+    assert ratio == pytest.approx(2304 / 7_077_888)
+    assert StepCost.from_curve(CostCurve((1, 1000), (0.051, 1.05)), ratio).coefficients[2] == pytest.approx(0.001 * ratio)
 
 
 @pytest.mark.parametrize("prior", [(0.3, 0.006), (0.05, 0.001)], ids=["too-slow", "too-fast"])

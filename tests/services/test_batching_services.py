@@ -271,7 +271,7 @@ def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipe
                             prefill_chunk=28, itl_target_ms=1)
     servicer = VerifierServicer(base.target, config, base.target_path, base.eos_token_ids,
                                 CostCurve((1, 1000), (0.05, 1.049)))
-    assert servicer.step_rows == 32 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
+    assert servicer.step_rows == 16 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
     servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget,
     servicer.batcher.budget = None  # fixed (not the one learned from the steps: services/engine/step_cost.py)
     server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
