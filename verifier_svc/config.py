@@ -142,11 +142,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "(AERIE_PREFILL_CHUNK; default: 512; 0 = off: the whole prompt in one forward)")
     g.add_argument("--itl-target-ms", type=itl_target, default=env("AERIE_ITL_TARGET_MS", 0.0),
                    help="inter-token latency target of one step: each step serves every running decode, then "
-                        "prefill rows up to the budget whose measured forward time fits this target: while a "
-                        "sequence decodes, a prefill chunk runs in budget-sized slices, one per step, e.g. 200 "
-                        "(AERIE_ITL_TARGET_MS; default: 0 = off: arrival "
-                        "order, --prefill-chunk as given; on for now it trades a long prompt's TTFT for its "
-                        "neighbours' gaps, docs/distributed.md)")
+                        "prefill rows up to the budget whose predicted time (learned from the steps that ran) "
+                        "fits this target: while a sequence decodes, a prefill chunk runs in budget-sized "
+                        "slices, one per step; a number of ms (e.g. 400) or auto (3 plain steps) "
+                        "(AERIE_ITL_TARGET_MS; default: 0 = off: arrival order, --prefill-chunk as given; off "
+                        "because on a CPU it still trades a long prompt's TTFT for its neighbours' gaps, "
+                        "docs/distributed.md)")
     g.add_argument("--kv-client-share", type=float, default=env("AERIE_KV_CLIENT_SHARE", 0.5),
                    help="most of the KV budget one client identity may hold while other identities hold or wait "
                         "for KV; alone it may use all of it (AERIE_KV_CLIENT_SHARE, 0.5)")
