@@ -162,18 +162,20 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     lambda: pool.rows_allocated / pool.max_rows)
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.shares = KVShares(pool.max_rows if pool is not None else None, config.kv_client_share)
-        # the token budget of one step and the prefill chunk cut to it (None / as configured: no ITL target
-        # or no measured cost)
+        # the token budget of one step from the start-up curve (None: no ITL target or no measured cost;
+        # what the budget starts from) ...
         auto = config.itl_target_ms == AUTO
         target_s = None if auto else config.itl_target_ms / 1000  # auto: AUTO_RATIO x a plain step's time
         on = (auto or target_s > 0) and verify_cost is not None
         self.step_rows = (step_rows(verify_cost, AUTO_RATIO * verify_cost(1) if auto else target_s, STEP_FLOOR_ROWS,
                                     config.batch.max_rows) if on else None)
         # ... which the steps then learn (services/engine/step_cost.py): the start-up curve is only the prior
-        m = target.config
-        pairs = pair_flops(m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim)
-        self.step_budget = (StepBudget(StepCost.from_curve(verify_cost, pairs), target_s, STEP_FLOOR_ROWS,
-                                       config.batch.max_rows) if on else None)
+        self.step_budget: StepBudget | None = None
+        if on:
+            m = target.config  # the attention term's prior: a pair's FLOPs against a row's
+            pairs = pair_flops(m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim)
+            self.step_budget = StepBudget(StepCost.from_curve(verify_cost, pairs), target_s, STEP_FLOOR_ROWS,
+                                          config.batch.max_rows)
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner)
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
