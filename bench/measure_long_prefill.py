@@ -30,11 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.rpc.channel import open_channel  # noqa: E402
 from up_process import start_up  # noqa: E402  (bench/)
+from verifier_svc.config import itl_target  # noqa: E402
 from services.rpc.stubs import coordinator as cpb  # noqa: E402
 from services.rpc.stubs import coordinator_grpc  # noqa: E402
 
 
-def start(state: Path, chunk: int, itl_ms: float) -> subprocess.Popen:
+def start(state: Path, chunk: int, itl_ms: float | str) -> subprocess.Popen:
     env = {**os.environ, "AERIE_LOG_LEVEL": "ERROR", "AERIE_PREFILL_CHUNK": str(chunk),
            "AERIE_ITL_TARGET_MS": str(itl_ms)}
     return start_up(["--port", "0", "--state-file", str(state)], env)
@@ -59,7 +60,7 @@ def generate(address: str, prompt: list[int], n: int, times: list[float], stop: 
         ch.close()
 
 
-def one_setting(chunk: int, itl_ms: float, long_len: int, vocab: int, alone: bool) -> dict:
+def one_setting(chunk: int, itl_ms: float | str, long_len: int, vocab: int, alone: bool) -> dict:
     alone_ttft = None
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state.json"
@@ -92,6 +93,7 @@ def one_setting(chunk: int, itl_ms: float, long_len: int, vocab: int, alone: boo
     before = [y - x for x, y in zip(a_times, a_times[1:]) if y <= t0]
     during = [y - x for x, y in zip(a_times, a_times[1:]) if y > t0 and x < t1]
     return {"prefill_chunk": chunk, "itl_target_ms": itl_ms, "long_prompt_tokens": long_len,
+            "load_average_1m": round(os.getloadavg()[0], 2),
             "b_alone_time_to_first_token_s": alone_ttft,
             "a_gap_before_p50_s": round(statistics.median(before), 3),
             "a_gaps_during_prefill": len(during),
@@ -112,11 +114,11 @@ def main() -> None:
     rows = []
     for setting in args.chunks.split(","):
         chunk, _, itl = setting.partition(":")
-        rows.append(one_setting(int(chunk), float(itl or 0), args.long, args.vocab, args.alone))
+        rows.append(one_setting(int(chunk), itl_target(itl or "0"), args.long, args.vocab, args.alone))
     print(f"{'chunk':>6} {'ITL ms':>7} {'A p50 before':>13} {'A p50 during':>13} {'A max during':>13} {'B TTFT':>8} "
           f"{'B alone':>8}")
     for r in rows:
-        print(f"{r['prefill_chunk']:>6} {r['itl_target_ms']:>7g} {r['a_gap_before_p50_s']:>12}s "
+        print(f"{r['prefill_chunk']:>6} {r['itl_target_ms']!s:>7} {r['a_gap_before_p50_s']:>12}s "
               f"{r['a_gap_during_p50_s']!s:>12}s {r['a_gap_during_max_s']!s:>12}s {r['b_time_to_first_token_s']:>7}s "
               f"{r['b_alone_time_to_first_token_s']!s:>7}s")
     if args.out:

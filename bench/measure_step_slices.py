@@ -25,10 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.engine.step_cost import shape  # noqa: E402
+from services.engine.step_scheduler import Queued  # noqa: E402
 from services.engine.verifier import DecodeCall, PrefillCall  # noqa: E402
 from services.rpc.config import ServiceConfig  # noqa: E402
 from services.spec.sampling import SamplingParams  # noqa: E402
-from verifier_svc.config import VerifierConfig  # noqa: E402
+from verifier_svc.config import VerifierConfig, itl_target  # noqa: E402
 from verifier_svc.server import load_servicer  # noqa: E402
 from verifier_svc.servicer import FirstChunk, NextChunk  # noqa: E402
 
@@ -49,10 +51,20 @@ async def prefill(s, seq_id: str, prompt: torch.Tensor) -> float:
     return time.monotonic() - t0
 
 
-async def one_setting(itl_ms: float, long_len: int) -> dict:
+async def one_setting(itl_ms: float | str, long_len: int) -> dict:
     s = load_servicer(VerifierConfig(ServiceConfig(host="127.0.0.1"), itl_target_ms=itl_ms))
     steps: list[tuple[float, int, float]] = []  # (end time, rows, seconds) of each forward
     s.batcher._on_batch = lambda st: steps.append((time.monotonic(), st.rows, st.seconds))
+    trace: list[list[float]] = []  # per step with a learned budget: rows, attended pairs, seconds, predicted
+    if s.step_budget is not None:
+        learn = s.step_budget.observe
+
+        def observe(ran, seconds):
+            rows, pairs = shape(ran)
+            trace.append([rows, pairs, round(seconds, 4), round(s.step_budget.cost.predict(rows, pairs), 4)])
+            learn(ran, seconds)
+
+        s.step_budget.observe = observe
     g = torch.Generator().manual_seed(0)
     vocab = s.vocab_size
     try:
@@ -81,25 +93,34 @@ async def one_setting(itl_ms: float, long_len: int) -> dict:
         s.close()
     during = [x for x in steps[first:] if x[0] <= t1]
     gaps = [y - x for x, y in zip(times, times[1:]) if y > t0 and x < t1]
+    fitted = s.step_budget.cost.coefficients if s.step_budget is not None else None
     return {"itl_target_ms": itl_ms, "step_rows": s.step_rows, "long_prompt_tokens": long_len,
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "target_s_at_end": (None if s.step_budget is None
+                                else round(s.step_budget.target([Queued(1, False, "A", prefix=64)]), 3)),
+            "fitted_step_cost": None if fitted is None else {"a_s": round(fitted[0], 4), "b_s_per_row": round(fitted[1], 6),
+                                                             "c_s_per_pair": fitted[2]},
+            "rows_per_step_p10_p90": [sorted(r for _, r, _ in during)[len(during) // 10],
+                                      sorted(r for _, r, _ in during)[(9 * len(during)) // 10]],
             "b_prefill_alone_s": round(alone, 2), "b_prefill_beside_a_s": round(beside, 2),
             "ratio": round(beside / alone, 2), "steps_during": len(during),
             "rows_per_step_p50": statistics.median(r for _, r, _ in during),
             "longest_step_s": round(max(x[2] for x in during), 3),
-            "a_gap_p50_s": round(statistics.median(gaps), 3), "a_gap_max_s": round(max(gaps), 3)}
+            "a_gap_p50_s": round(statistics.median(gaps), 3), "a_gap_max_s": round(max(gaps), 3),
+            "steps": trace}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--itl", default="0,200", help="ITL targets in ms to compare (0 = off)")
+    ap.add_argument("--itl", default="0,200", help="ITL targets in ms to compare (0 = off; auto)")
     ap.add_argument("--long", type=int, default=4096, help="tokens in B's prompt")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     if os.environ.get("AERIE_TORCH_THREADS"):  # as `aerie verifier` does (aerie_cli/flags.py): its cost curve
         torch.set_num_threads(int(os.environ["AERIE_TORCH_THREADS"]))
-    rows = [asyncio.run(one_setting(float(t), args.long)) for t in args.itl.split(",")]
+    rows = [asyncio.run(one_setting(itl_target(t), args.long)) for t in args.itl.split(",")]
     for r in rows:
-        print(json.dumps(r), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"step_slices": rows}, indent=1))
 

@@ -25,6 +25,7 @@ MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's ow
 from services.rpc.config import DTYPE_NAMES, ConfigError, dtype_flag, ServiceConfig, add_service_flags, env, service_config
 
 DEFAULT_PORT = 50052
+AUTO = "auto"  # --itl-target-ms auto: a step beside a prompt costs at most AUTO_RATIO plain steps (step_cost.py)
 DEFAULT_MAX_SEQUENCES = 64  # the drafter's default too (drafter_svc/config.py)
 
 
@@ -48,7 +49,7 @@ class VerifierConfig:
     kv_queue: int = 64  # Prefills waiting for KV at once; more are refused at once
     kv_growth_rows: int = GROWTH_ROWS  # KV a Prefill reserves past its prompt, and each growth; 0 = the worst case
     prefill_chunk: int = 512  # prompt tokens per prefill forward (0 = the whole prompt in one)
-    itl_target_ms: float = 0.0  # one step's target time: sizes prefill chunks and the step's token budget; 0 = off (default: docs/distributed.md)
+    itl_target_ms: float | str = 0.0  # one step's target time (ms) for the step's token budget; "auto" = AUTO_RATIO plain steps; 0 = off (docs/distributed.md)
     kv_client_share: float = 0.5  # most of the KV budget one client identity holds while others want KV
     max_tree_nodes: int = 512  # largest tree a Verify may carry (the auto budget's largest is 32)
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
@@ -64,8 +65,9 @@ class VerifierConfig:
             raise ConfigError(f"kv_wait_s must be >= 0; got {self.kv_wait_s}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0 = off); got {self.prefill_chunk}")
-        if not self.itl_target_ms >= 0:
-            raise ConfigError(f"itl_target_ms must be >= 0 (0 = off); got {self.itl_target_ms}")
+        if self.itl_target_ms != AUTO and not (isinstance(self.itl_target_ms, (int, float)) and self.itl_target_ms >= 0):
+            raise ConfigError(f"itl_target_ms must be {AUTO!r} or a number of ms >= 0 (0 = off); "
+                              f"got {self.itl_target_ms!r}")
         if not 0 < self.kv_client_share <= 1:
             raise ConfigError(f"kv_client_share must be in (0, 1]; got {self.kv_client_share}")
         if self.kv_growth_rows < 0:
@@ -142,13 +144,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill call (the coordinator's chunk, each its own deadline) and, with "
                         "no sequence decoding here, per forward; other sequences' rounds run between the chunks "
                         "(AERIE_PREFILL_CHUNK; default: 512; 0 = off: the whole prompt in one forward)")
-    g.add_argument("--itl-target-ms", type=float, default=env("AERIE_ITL_TARGET_MS", 0.0),
+    g.add_argument("--itl-target-ms", type=itl_target, default=env("AERIE_ITL_TARGET_MS", 0.0),
                    help="inter-token latency target of one step: each step serves every running decode, then "
-                        "prefill rows up to the budget whose measured forward time fits this target: while a "
-                        "sequence decodes, a prefill chunk runs in budget-sized slices, one per step, e.g. 200 "
-                        "(AERIE_ITL_TARGET_MS; default: 0 = off: arrival "
-                        "order, --prefill-chunk as given; on for now it trades a long prompt's TTFT for its "
-                        "neighbours' gaps, docs/distributed.md)")
+                        "prefill rows up to the budget whose predicted time (learned from the steps that ran) "
+                        "fits this target: while a sequence decodes, a prefill chunk runs in budget-sized "
+                        "slices, one per step; a number of ms (e.g. 400) or auto (3 plain steps) "
+                        "(AERIE_ITL_TARGET_MS; default: 0 = off: arrival order, --prefill-chunk as given; off "
+                        "because on a CPU it still trades a long prompt's TTFT for its neighbours' gaps, "
+                        "docs/distributed.md)")
     g.add_argument("--kv-client-share", type=float, default=env("AERIE_KV_CLIENT_SHARE", 0.5),
                    help="most of the KV budget one client identity may hold while other identities hold or wait "
                         "for KV; alone it may use all of it (AERIE_KV_CLIENT_SHARE, 0.5)")
@@ -172,6 +175,19 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
                    help="most KV rows one sequence may reserve (AERIE_MAX_SEQUENCE_ROWS; default: the target's "
                         "context + --max-tree-nodes)")
+
+
+def itl_target(value: str) -> float | str:
+    """--itl-target-ms: "auto" or a number of ms >= 0."""
+    if str(value).strip().lower() == AUTO:
+        return AUTO
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {AUTO!r} or a number of ms >= 0 (0 = off); got {value!r}") from None
+    if not ms >= 0:
+        raise argparse.ArgumentTypeError(f"must be {AUTO!r} or a number of ms >= 0 (0 = off); got {value!r}")
+    return ms
 
 
 def from_args(args: argparse.Namespace) -> VerifierConfig:

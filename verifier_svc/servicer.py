@@ -17,8 +17,9 @@ the latest chunk's answer is kept until the sequence's first Verify or Decode, s
 after its deadline (it ran meanwhile) is answered from it instead of running twice.
 
 Steps (services/engine/step_scheduler.py): each forward serves every queued Verify/Decode first, then
-prefill rows up to a token budget: the most rows whose measured forward (`verify_cost`) fits
---itl-target-ms (at least STEP_FLOOR_ROWS). While a sequence decodes here, a prefill call that does not
+prefill rows up to a token budget: the most rows whose predicted forward fits --itl-target-ms (or,
+auto, 3 plain steps), at least STEP_FLOOR_ROWS; the prediction is learned from the steps that ran,
+seeded from `verify_cost` (services/engine/step_cost.py). While a sequence decodes here, a prefill call that does not
 fit is cut into `Slice`s, one per step (the rest keeps its place in the queue): a coordinator's
 512-row chunk stays one RPC with one deadline but runs as several budget-sized forwards next to the
 decodes, and as one forward when no sequence decodes (a prompt alone loses nothing to the budget).
@@ -51,6 +52,7 @@ import torch
 from services.device import device_memory, free_memory_bytes, is_gpu
 from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
+from services.engine.step_cost import AUTO_RATIO, StepBudget, StepCost, pair_flops
 from services.engine.step_scheduler import step_rows
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall, merge_prefill)
@@ -69,13 +71,14 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
-from verifier_svc.config import VerifierConfig
+from verifier_svc.config import AUTO, VerifierConfig
 
 log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
 CLIENT_METADATA = "aerie-client"  # the identity a Prefill's KV counts against (set by the coordinator)
-STEP_FLOOR_ROWS = 32  # a step's token budget never goes below this (a slow CPU still prefills)
+STEP_FLOOR_ROWS = 16  # a step's token budget never goes below this (a slow CPU still prefills); 16, not 32:
+#   at an 8k offset 32 prompt rows alone cost 0.75 s on the 2-core CPU of docs/distributed.md
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +170,20 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     lambda: pool.rows_allocated / pool.max_rows)
         self._kv_waiting = 0  # Prefills waiting for KV under the budget
         self.shares = KVShares(pool.max_rows if pool is not None else None, config.kv_client_share)
-        # the token budget of one step and the prefill chunk cut to it (None / as configured: no ITL target
-        # or no measured cost)
-        self.step_rows = (step_rows(verify_cost, config.itl_target_ms / 1000, STEP_FLOOR_ROWS, config.batch.max_rows)
-                          if config.itl_target_ms > 0 and verify_cost is not None else None)
+        # the token budget of one step from the start-up curve (None: no ITL target or no measured cost;
+        # what the budget starts from) ...
+        auto = config.itl_target_ms == AUTO
+        target_s = None if auto else config.itl_target_ms / 1000  # auto: AUTO_RATIO x a plain step's time
+        on = (auto or target_s > 0) and verify_cost is not None
+        self.step_rows = (step_rows(verify_cost, AUTO_RATIO * verify_cost(1) if auto else target_s, STEP_FLOOR_ROWS,
+                                    config.batch.max_rows) if on else None)
+        # ... which the steps then learn (services/engine/step_cost.py): the start-up curve is only the prior
+        self.step_budget: StepBudget | None = None
+        if on:
+            m = target.config  # the attention term's prior: a pair's FLOPs against a row's
+            pairs = pair_flops(m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim)
+            self.step_budget = StepBudget(StepCost.from_curve(verify_cost, pairs), target_s, STEP_FLOOR_ROWS,
+                                          config.batch.max_rows)
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner, config.kv_growth_rows,
                                  on_preempt=self._preempted, on_grow=self.shares.hold)
@@ -187,7 +200,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                               on_batch=batch_observer(SERVICE), expect=lambda: len(self._kind),
                                               prefill=lambda c: isinstance(c, (PrefillCall, PrefillMoreCall, Slice)),
                                               step_rows=self.step_rows, split=_split, splittable=self._splittable,
-                                              decoding=lambda: len(self._kind) - len(self._prefilling))
+                                              decoding=lambda: len(self._kind) - len(self._prefilling),
+                                              budget=self.step_budget, prefix=lambda c: self.verifier.length(c.seq_id))
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 

@@ -9,9 +9,9 @@
 One worker thread owns the model. Each step (one forward) serves the calls queued before the first
 exclusive function, as services/engine/step_scheduler.py picks them: every decode/verify call first
 (arrival order, up to `max_batch` calls and `max_rows` rows), then Prefill chunks while the step stays
-within `step_rows` (the token budget from the cost model and the ITL target; a call larger than
-`max_rows` runs alone), and hands them to `run_batch` as one list: one forward. Calls queued during
-that forward form the next batch. The budget applies while a sequence decodes here (`decoding`);
+within the token budget (`step_rows`, fixed, or `budget`, learned from the steps that ran:
+services/engine/step_cost.py; a call larger than `max_rows` runs alone), and hands them to
+`run_batch` as one list: one forward. Calls queued during that forward form the next batch. The budget applies while a sequence decodes here (`decoding`);
 then a prefill call that does not fit is cut (`split`): its first rows run in this step, the rest
 keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
 that fails fails the call; a call whose first slice ran can no longer be cancelled). Gathering: when fewer
@@ -40,10 +40,13 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from services.engine.step_scheduler import STARVE_STEPS, Queued, plan
 from services.errors import CapacityExceeded, InvalidRequest
+
+if TYPE_CHECKING:
+    from services.engine.step_cost import StepBudget
 
 C = TypeVar("C")
 
@@ -92,14 +95,18 @@ class Batcher(Generic[C]):
                  prefill: Callable[[C], bool] | None = None, step_rows: int | None = None,
                  split: Callable[[C, int], tuple[C, C]] | None = None,
                  splittable: Callable[[C], bool] | None = None,
-                 decoding: Callable[[], int] | None = None) -> None:
+                 decoding: Callable[[], int] | None = None, budget: StepBudget | None = None,
+                 prefix: Callable[[C], int] | None = None) -> None:
         """`expect`: how many calls the next batch could hold (the sequences holding state here);
         None = never wait for more calls. `prefill`: whether a call is a Prefill chunk (None = none
         is); `step_rows`: the token budget of one step (services/engine/step_scheduler.py; None =
         `max_rows` only). `split(call, rows)`: (its first `rows` rows, the rest), for the calls
         `splittable(call)` allows (None: no call is cut). `decoding`: how many sequences decode here;
-        the budget applies only while one does (None: always). `clock`: seconds, for a batch's run
-        time and the gathering deadline (tests pass a manual clock, so what they assert does not follow the machine's
+        the budget applies only while one does (None: always). `budget`: a budget learned from the
+        steps that ran (services/engine/step_cost.py), used instead of `step_rows` when given: asked
+        for each step's rows, told each step's calls and run time; `prefix(call)`: the rows its
+        sequence holds in KV before it (None: 0), what the budget's attention term reads. `clock`:
+        seconds, for a batch's run time and the gathering deadline (tests pass a manual clock, so what they assert does not follow the machine's
         speed); the queue's admission deadline is always real time."""
         self.name = name
         self.limits = limits
@@ -110,6 +117,9 @@ class Batcher(Generic[C]):
         self._prefill = prefill or (lambda call: False)
         self.step_rows = step_rows
         self._split, self._splittable, self._decoding = split, splittable, decoding
+        self.budget = budget
+        self._prefix = prefix or (lambda call: 0)
+        self._ran: list[Queued] = []  # the calls of the step being run, for `budget.observe`
         self._passed_over = 0  # steps in a row that ran no prefill while one waited
         self._queue: deque[_Item] = deque()
         self._calls_waiting = 0
@@ -208,8 +218,9 @@ class Batcher(Generic[C]):
                 head.append(item)
             queued = [Queued(self._rows(i.call), self._prefill(i.call), self._key(i.call),
                              self._split is not None and self._prefill(i.call)
-                             and (self._splittable is None or self._splittable(i.call))) for i in head]
-            budget = self.step_rows
+                             and (self._splittable is None or self._splittable(i.call)),
+                             self._prefix(i.call) if self.budget is not None else 0) for i in head]
+            budget = self.step_rows if self.budget is None else self.budget.rows(queued)
             if budget is not None and self._decoding is not None and self._decoding() == 0 \
                     and all(q.prefill for q in queued):
                 budget = None  # no sequence decodes here: a prompt alone runs whole chunks
@@ -221,6 +232,9 @@ class Batcher(Generic[C]):
             self._passed_over = 0 if ran_prefill or not waiting_prefill else self._passed_over + 1
             if step.cut is not None:
                 batch = self._cut(batch, head[step.cut[0]], step.cut[1])
+            if self.budget is not None:  # what this step runs (a slice: its own rows), before it runs
+                self._ran = [Queued(self._rows(i.call), self._prefill(i.call), self._key(i.call),
+                                    prefix=self._prefix(i.call)) for i in batch]
             taken = {id(i) for i in batch if i.owner is None}
             self._queue = deque(i for i in self._queue if id(i) not in taken)
             self._calls_waiting -= len(taken)
@@ -288,6 +302,11 @@ class Batcher(Generic[C]):
                         self._drop(item.owner, e)
                 continue
             self._last_s = self._clock() - t0
+            if self.budget is not None:
+                try:
+                    self.budget.observe(self._ran, self._last_s)
+                except Exception:  # noqa: BLE001 (a budget that fails to learn never withholds the results)
+                    pass
             if self._on_batch is not None:  # before the results: a caller that reads the metrics after
                 #                             its call returns sees its batch counted
                 try:

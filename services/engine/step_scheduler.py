@@ -39,10 +39,10 @@ Policy of `pick`, over the calls queued up to the first barrier:
      collapse when decodes nearly fill the budget: a step may exceed the budget by that much).
 
 The budget applies only while a sequence decodes here (the batcher passes budget None otherwise): a
-prompt prefilling alone runs whole chunks, one forward each. What the budget does not model: a slice at
-a long offset attends to the whole prefix, so it costs more than t_verify(rows) measured after a short
-prefix; and t_verify is a tree forward with logits for every row, a prompt row (logits for the last
-row only) costs somewhat less.
+prompt prefilling alone runs whole chunks, one forward each. `step_rows` is a budget fixed from the
+start-up curve t_verify(rows) (a tree forward after a 128-row prefix); the verifier sizes each step
+instead from the cost learned from the steps that ran, with each call's `prefix` (a slice at a long
+offset attends to the whole prefix): services/engine/step_cost.py.
 
 Pure: no threads, no clocks, no model; the batcher (services/engine/batcher.py) calls it under its lock.
 """
@@ -63,6 +63,7 @@ class Queued:
     prefill: bool  # a Prefill chunk (True) or a decode/verify of a running sequence (False)
     key: Hashable  # its sequence: a step holds one call per key
     splittable: bool = False  # a prefill call whose first rows may run alone (rule 5)
+    prefix: int = 0  # rows its sequence holds in KV before this call (each new row attends to them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,6 +192,11 @@ class Verifier:
         `seq_id` produced (None unless its SamplingParams.logprobs is set); read once."""
         return self._logprobs.pop(seq_id, None)
 
+    def length(self, seq_id: str) -> int:
+        """The KV rows `seq_id` holds (0: not here): the prefix its next rows attend to."""
+        seq = self._seqs.get(seq_id)
+        return seq.length if seq is not None else 0
+
     # ---- batch 1 ---------------------------------------------------------------------------------
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,

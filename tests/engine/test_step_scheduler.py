@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from services.engine.batcher import Batcher, BatchLimits
+from services.engine.step_cost import StepBudget, StepCost, attended
 from services.engine.step_scheduler import STARVE_STEPS, Queued, Step, pick, plan, step_rows
 from services.spec.budget import CostCurve
 
@@ -48,12 +49,13 @@ class Driver:
 
 
 def run(calls: list[Call], budget: int | None, limits: BatchLimits = BatchLimits(max_batch=16, max_rows=1024),
-        driver: Driver | None = None, **batcher_kw):
+        driver: Driver | None = None, learned: StepBudget | None = None, **batcher_kw):
     """Every call of `calls` queued before the first step, then steps until each sequence is done: the
-    calls of each step. `driver` (default Driver()) runs the steps; `batcher_kw` go to the Batcher."""
+    calls of each step. `driver` (default Driver()) runs the steps; `learned`: a budget learned from
+    the steps (the Batcher's `budget`, used instead of `budget` rows); `batcher_kw` go to the Batcher."""
     d = driver or Driver()
     b = Batcher("test", d, rows=lambda c: c.rows, key=lambda c: c.seq, limits=limits,
-                prefill=lambda c: c.prefill, step_rows=budget, **batcher_kw)
+                prefill=lambda c: c.prefill, step_rows=budget, budget=learned, **batcher_kw)
     d.batcher = b
     d.live = len(calls)
     try:
@@ -196,3 +198,51 @@ def test_plan_cuts_the_first_prefill_that_does_not_fit():
     assert plan(q, 16, 1024, budget=20) == Step([0, 1], (0, 10))  # half the budget, beyond it
     assert plan(q[:1], 16, 1024, budget=100) == Step([0], (0, 100))
     assert plan([Queued(2000, True, "a", splittable=True)], 16, 1024, budget=300) == Step([0], (0, 300))
+
+
+class TimedDriver(SlicingDriver):
+    """A SlicingDriver whose steps take a synthetic time on a manual clock (the batcher's `clock`):
+    50 ms + 1 ms a row + 0.2 us per attended (query, key) pair; `done` counts each sequence's rows."""
+
+    def __init__(self, decoders: int) -> None:
+        super().__init__(decoders)
+        self.now = 0.0
+        self.done_rows: dict[str, int] = {}
+        self.seconds: list[float] = []
+
+    def cost(self, calls: list) -> float:
+        return 0.05 + sum(0.001 * c.rows + 2e-7 * attended(c.rows, self.done_rows.get(c.seq, 0)) for c in calls)
+
+    def __call__(self, calls: list) -> list:
+        self.seconds.append(self.cost(calls))
+        self.now += self.seconds[-1]
+        for c in calls:
+            self.done_rows[c.seq] = self.done_rows.get(c.seq, 0) + c.rows
+        return super().__call__(calls)
+
+
+def test_the_learned_budget_sizes_the_slices_to_the_real_cost():
+    """The budget learned online inside the batcher (services/engine/step_cost.py), on a manual clock:
+    the start-up curve says 100 ms + 2 ms a row (twice the real cost), so the first slices hold the
+    prior's 50 rows for a 200 ms target (34 prompt rows beside a 16-row tree); after 10 steps the
+    slices are sized by the real cost (about 110 rows early in the prompt, fewer as the prefix
+    grows: each row attends to it), every full step from then on takes 200 ms within 3%, the tree
+    is in each of them, and once the decoding sequence finished the rest of the prompt runs in whole
+    chunks."""
+    d = TimedDriver(decoders=1)
+    budget = StepBudget(StepCost.from_curve(CostCurve((1, 64), (0.102, 0.228))), 0.2, 8, 1024)
+    prior_rows = budget.rows([Queued(16, False, "d"), Queued(512, True, "p", True)])
+    assert prior_rows == 50
+    steps = run([Call("p", CHUNK, True, 7), Call("d", 16, False, 34)], None, driver=d, split=split,
+                decoding=lambda: d.decoders, learned=budget, prefix=lambda c: d.done_rows.get(c.seq, 0),
+                clock=lambda: d.now)
+    assert sum(c.rows for s in steps for c in s if c.prefill) == 8 * CHUNK  # every prompt row ran once
+    beside = [i for i, s in enumerate(steps) if any(not c.prefill for c in s) and any(c.prefill for c in s)]
+    assert beside[:12] == list(range(12))  # the tree in every step while the prompt prefills
+    assert [c.rows for c in steps[0] if c.prefill] == [prior_rows - 16]  # the prior's slice
+    full = [i for i in beside[10:] if any(isinstance(c, Part) for c in steps[i])]  # a cut: the budget's rows
+    assert len(full) > 15
+    assert all(abs(d.seconds[i] - 0.2) <= 0.006 for i in full), [round(d.seconds[i], 3) for i in full]
+    slices = [sum(c.rows for c in steps[i] if c.prefill) for i in full]
+    assert slices[0] > 100 and slices[-1] < 0.8 * slices[0]  # twice the prior's rows; fewer far into the prompt
+    assert [[c.rows for c in s] for s in steps[35:]] == [[CHUNK]] * 2  # alone again: whole chunks

@@ -232,6 +232,30 @@ def test_chunked_prefill_equals_one_forward_and_lets_rounds_in_between(pipeline,
     assert mid.token >= 0 and servicer.batcher.batches >= before + 3 + 3  # 3 chunks + 3 decodes (+ other's)
 
 
+def test_the_step_budget_is_learned_and_auto_is_three_plain_steps(pipeline, model_dirs):
+    """--itl-target-ms auto: the budget's target is 3 plain steps (before any ran, 3 x the start-up
+    curve's one-row forward: 3 x 50 ms -> 101 rows on this curve); a number of ms is a fixed target;
+    either way the batcher sizes the steps by the cost learned from them (services/engine/step_cost.py);
+    0 is off."""
+    from services.spec.cost import CostCurve
+    from verifier_svc.servicer import VerifierServicer
+
+    base = pipeline.verifier
+    cost = CostCurve((1, 1000), (0.05, 1.049))
+    made = {t: VerifierServicer(base.target, VerifierConfig(ServiceConfig(host=HOST), itl_target_ms=t),
+                                base.target_path, base.eos_token_ids, cost) for t in ("auto", 200.0, 0.0)}
+    try:
+        auto, fixed, off = made["auto"], made[200.0], made[0.0]
+        assert auto.step_rows == 101 and auto.step_budget.target_s is None
+        assert auto.step_budget.target([]) == pytest.approx(0.15)
+        assert fixed.step_rows == 151 and fixed.step_budget.target_s == 0.2
+        assert auto.batcher.budget is auto.step_budget and fixed.batcher.budget is fixed.step_budget
+        assert off.step_rows is None and off.step_budget is None and off.batcher.budget is None
+    finally:
+        for s in made.values():
+            s.close()
+
+
 def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipeline, model_dirs):
     """An 8-row step budget: while another sequence decodes here, each 28-row chunk of a 56-token
     prompt sent chunk by chunk (as a coordinator sends it: offset, more) runs as four forwards
@@ -247,8 +271,9 @@ def test_a_chunk_is_sliced_into_budget_steps_while_another_sequence_decodes(pipe
                             prefill_chunk=28, itl_target_ms=1)
     servicer = VerifierServicer(base.target, config, base.target_path, base.eos_token_ids,
                                 CostCurve((1, 1000), (0.05, 1.049)))
-    assert servicer.step_rows == 32 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
-    servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget
+    assert servicer.step_rows == 16 and servicer.prefill_chunk == 28  # the budget's floor; the chunk as set
+    servicer.batcher.step_rows = 8  # the tiny model's 64-token context is below that floor: an 8-row budget,
+    servicer.batcher.budget = None  # fixed (not the one learned from the steps: services/engine/step_cost.py)
     server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
     pipeline.servers.append((server, servicer))
     sliced = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
