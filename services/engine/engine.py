@@ -53,7 +53,7 @@ import torch
 from services.engine.roles import DrafterRole, VerifierRole
 from services.errors import InvalidRequest
 from services.spec.acceptance import AcceptanceStats, observe, observe_realized
-from services.spec.ahead import prefix_hits, top_guess, use_ahead
+from services.spec.ahead import follow, prefix_hits, top_guess, trim, use_ahead
 from services.spec.budget import Budget, RoundPlan, build_budget
 from services.spec.logprobs import TokenLogprobs
 from services.spec.overlap import AheadPolicy
@@ -387,12 +387,17 @@ class Engine:
         # sampling: nominal seconds, so that a seed replays the same trees whatever the timing
         draft_s = self._draft_est if not seq.sort_paths else 1.0
         step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
-        depth = policy.choose(draft_s, step_s, len(path), busy=0.0)
+        # the drafter's load (a remote drafter reports it with each answer); sampling: 0, as above
+        busy = float(getattr(self.drafter, "busy", 0.0)) if not seq.sort_paths else 0.0
+        depth = policy.choose(draft_s, step_s, len(path), busy=busy)
         if depth is None:
             return None
         guess = self.guesser(draft.tree, depth, seq.produced) if self.guesser else path[:depth]
         if not guess:
             return None
+        node = follow(draft.tree, guess)  # the verifier tries its children before it draws a bonus
+        exclude = () if node is None else tuple(int(draft.tree.tokens[i]) for i in range(1, draft.tree.size)
+                                                if int(draft.tree.parents[i]) == node)
         tokens = torch.cat(seq.pending_tokens) if seq.pending_tokens else torch.zeros(0, dtype=torch.long)
         features = torch.cat(seq.pending_features) if seq.pending_features else torch.zeros(0)
         seq.pending_tokens.clear()
@@ -402,7 +407,7 @@ class Engine:
         def run() -> tuple[DraftTree | None, float]:
             t0 = time.perf_counter()
             tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params,  # type: ignore[union-attr]
-                                       round_index + 1)
+                                       round_index + 1, branches=policy.branches, exclude=exclude)
             return tree, time.perf_counter() - t0
 
         if self._ahead_pool is None:
@@ -458,7 +463,7 @@ class Engine:
         use = ahead is not None and plan.tree is not None
         if ahead is not None and plan.tree is not None:
             assert int(ahead.tokens[0]) == root, (int(ahead.tokens[0]), root)  # rerooted at the bonus
-            tree = ahead
+            tree = trim(ahead, plan.tree, seq.sort_paths)  # the round's shape (an ahead tree may be larger)
         else:
             tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
         eagle_size = tree.size

@@ -11,7 +11,8 @@ from services.engine.engine import Engine, GenerationRequest
 from services.engine.verifier import Verifier
 from services.spec.overlap import AheadPolicy
 from services.spec.sampling import SamplingParams
-from services.spec.tree import TreeParams
+from services.spec.ahead import use_ahead
+from services.spec.tree import TreeParams, expand, rerank
 from tests.helpers import VOCAB, hf_greedy, oracle
 
 SHAPE = TreeParams(4, 3, 16)
@@ -102,8 +103,47 @@ def test_draft_ahead_leaves_only_committed_rows(llama_pair):
     f = head.config.feature_size
     d.draft("s", torch.tensor([4, 9, 21]), torch.randn(3, f), SHAPE)
     length = d._caches["s"].length
-    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE)
+    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE, branches=0)
     assert tree is not None and int(tree.tokens[0]) == 31 and tree.size == SHAPE.size
+    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE)
+    assert tree is not None and tree.size == 1 + 2 * SHAPE.size  # two branches, a fresh-sized subtree each
     assert d._caches["s"].length == length
     tree2 = d.draft_ahead("s", torch.tensor([30]), torch.randn(1, f), [31], SHAPE)
     assert tree2 is not None and d._caches["s"].length == length + 1  # the committed row stays
+
+
+def test_a_hit_reroots_to_the_fresh_tree_of_its_branch(llama_pair):
+    """The ahead tree (two branches, the in-flight children excluded) rerooted at a branch is the tree
+    a fresh draft from that branch grows when its row gets the head's predicted feature: same tokens,
+    parents, depth and node count as the round's shape (the old single-beam ahead tree: fewer)."""
+    _, _, head = llama_pair
+    f = head.config.feature_size
+    torch.manual_seed(3)
+    feats = torch.randn(3, f)
+    d = Drafter(head, SHAPE)
+    d.start("s", 64, sampling=False)
+    d.draft("s", torch.tensor([4, 9, 21]), feats, SHAPE)
+    guess = [30, 31]
+    plain = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), guess, SHAPE, branches=0)
+    skip = int(plain.tokens[1])  # pretend the tree in flight holds the root's best child
+    ahead = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), guess, SHAPE, exclude=(skip,))
+    branches = [i for i in range(1, ahead.size) if int(ahead.parents[i]) == 0]
+    assert len(branches) == 2 and skip not in [int(ahead.tokens[i]) for i in branches]
+    ref = Drafter(head, SHAPE)  # the same committed rows, then guess + branch rows from predicted features
+    ref.start("r", 64, sampling=False)
+    ref.draft("r", torch.tensor([4, 9, 21]), feats, SHAPE)
+    cache = ref._caches["r"]
+    for b in branches:
+        bonus = int(ahead.tokens[b])
+        sub = use_ahead(ahead, guess, guess + [bonus], False)  # a hit at the bonus
+        stable, last = cache.length, ref._last["r"]
+        for tok in guess + [bonus]:
+            last = head(last[None], torch.tensor([tok]), cache)[0]
+        fresh = rerank(expand(head, cache, last, SHAPE), bonus, SHAPE, False)
+        cache.truncate(stable)
+        assert sub.size == fresh.size == SHAPE.size and sub.max_depth == fresh.max_depth
+        assert sub.tokens.tolist() == fresh.tokens.tolist() and sub.parents.tolist() == fresh.parents.tolist()
+        assert torch.allclose(sub.scores, fresh.scores, atol=1e-4)
+    # the single-beam ahead tree's subtree under its best child: smaller and a level shallower
+    old = use_ahead(plain, guess, guess + [int(plain.tokens[1])], False)
+    assert old is None or old.size < SHAPE.size

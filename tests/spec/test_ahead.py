@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import tests.spec.test_sampling as ts
-from services.spec.ahead import follow, prefix_hits, reroot, top_guess, use_ahead
+from services.spec.ahead import follow, prefix_hits, reroot, top_guess, trim, use_ahead
 from services.spec.overlap import AheadPolicy
 from services.spec.sampling import SamplingParams
-from services.spec.tree import build_tree
+from services.spec.tree import TreeParams, build_tree
 
 
 def tree(tokens, parents, scores=None, sort_paths=False):
@@ -83,3 +83,15 @@ def test_sampling_on_a_rerooted_ahead_tree_keeps_the_target_distribution(monkeyp
     params = SamplingParams(1.0, seed=7)
     assert ts.chi_square_p(params, wrong=False) > 1e-3
     assert ts.chi_square_p(params, wrong=True) < 1e-6, "the check must fail a wrong rule"
+
+
+def test_trim_cuts_an_ahead_tree_back_to_the_rounds_shape():
+    # 7 -> 5 -> 3 -> 2 and 7 -> 8: depth 1 (two levels) and size 3 keep the best ancestor-closed nodes
+    t = tree([7, 5, 8, 3, 2], [-1, 0, 0, 1, 3], [0, -0.1, -2, -0.3, -0.4])
+    cut = trim(t, TreeParams(top_k=2, depth=1, size=3), False)
+    assert cut.tokens.tolist() == [7, 5, 3] and cut.parents.tolist() == [-1, 0, 1]
+    assert trim(t, TreeParams(top_k=2, depth=3, size=5), False) is t  # it fits: unchanged
+    tied = tree([7, 5, 3, 4], [-1, 0, 1, 1], [0, 0.0, 0.0, 0.0])  # exact ties: a parent is never cut off
+    assert trim(tied, TreeParams(top_k=2, depth=2, size=2), False).tokens.tolist() == [7, 5]
+    stop = trim(t, TreeParams(top_k=2, depth=3, size=5, stop_logprob=-0.35), False)
+    assert stop.tokens.tolist() == [7, 5, 3]
