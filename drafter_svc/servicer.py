@@ -15,6 +15,7 @@ of extending the draft KV twice. DraftAhead (drafting ahead, services/spec/ahead
 from __future__ import annotations
 
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,10 +130,20 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         branches = request.branches if request.HasField("branches") else None
         if branches is not None and branches < 0:
             raise InvalidRequest(f"branches must be >= 0 (0: one tree); got {branches}")
-        exclude = tuple(codec.token_ids(request.exclude, self.vocab_size, "exclude"))
+        chain = tuple(codec.token_ids(request.chain, self.vocab_size, "chain"))
+        if len(chain) > self.drafter.tree.depth + 1:
+            raise InvalidRequest(f"chain must hold at most {self.drafter.tree.depth + 1} tokens (the tree depth + 1); "
+                                 f"got {len(chain)}")
+        flat = codec.token_ids(request.exclude, self.vocab_size, "exclude")
+        sizes = list(request.exclude_sizes)
+        if any(n < 0 for n in sizes) or sum(sizes) != len(flat) or len(sizes) > len(chain) + 1:
+            raise InvalidRequest(f"exclude_sizes must split the {len(flat)} exclude tokens into at most "
+                                 f"{len(chain) + 1} lists (one per attach point); got {sizes}")
+        offsets = [0, *itertools.accumulate(sizes)]
+        exclude = tuple(tuple(flat[a:b]) for a, b in itertools.pairwise(offsets))
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, self._params(request))
         return await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(
-            _Work(call, request.round_index, guess=tuple(guess), branches=branches, exclude=exclude)))
+            _Work(call, request.round_index, guess=tuple(guess), branches=branches, exclude=exclude, chain=chain)))
 
     @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -170,7 +181,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         if work.guess is not None:
             branches = self.drafter.ahead_branches if work.branches is None else min(work.branches,
                                                                                      self.drafter.ahead_branches)
-            expansion = ahead_rows(tree, branches) if branches else tree.draft_rows
+            expansion = len(work.chain) + ahead_rows(tree, (len(work.chain) + 1) * branches) if branches else tree.draft_rows
         return int(work.call.tokens.shape[0]) + len(work.guess or ()) + expansion
 
     def _run_batch(self, batch: list["_Work"]) -> list:
@@ -237,7 +248,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     def _draft_ahead(self, w: "_Work") -> dpb.DraftResponse | BaseException:
         try:
             tree = self.drafter.draft_ahead(w.call.seq_id, w.call.tokens, w.call.features, list(w.guess or ()),
-                                            w.call.params, w.round_index, w.branches, w.exclude)
+                                            w.call.params, w.round_index, w.branches, w.exclude, w.chain)
         except AerieError as e:
             return e
         response = dpb.DraftResponse() if tree is None else dpb.DraftResponse(tree=codec.encode_tree(tree))
@@ -261,5 +272,6 @@ class _Work:
     sampling: bool = False  # a Prefill: sampling paths order
     guess: tuple[int, ...] | None = None  # a DraftAhead: the guessed committed tokens
     branches: int | None = None  # a DraftAhead: likely bonuses to grow subtrees under (None: the drafter's)
-    exclude: tuple[int, ...] = ()  # a DraftAhead: tokens that are no branch
+    exclude: tuple[tuple[int, ...], ...] = ()  # a DraftAhead: tokens that are no branch, per attach point
+    chain: tuple[int, ...] = ()  # a DraftAhead: the top path past the guess
 

@@ -81,8 +81,10 @@ class Drafter:
             raise InvalidRequest(f"sequence {seq_id!r} already exists on this drafter")
         if len(self._caches) >= self.max_sequences:
             raise CapacityExceeded(f"drafter holds its maximum of {self.max_sequences} sequences")
-        # one tree expansion, or draft_ahead's guessed rows (at most depth + 2) and its branches
-        rows = max_rows + max(self.tree.draft_rows, self.tree.depth + 2 + ahead_rows(self.tree, self.ahead_branches))
+        # one tree expansion, or draft_ahead's guessed and chain rows (at most depth + 2 and depth + 1)
+        # and its branches (at the root and at every chain node)
+        d = self.tree.depth
+        rows = max_rows + max(self.tree.draft_rows, 2 * d + 3 + ahead_rows(self.tree, (d + 2) * self.ahead_branches))
         cache: KVRows | None = None
         if self.pool is not None:
             try:
@@ -177,7 +179,7 @@ class Drafter:
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
                     params: TreeParams | None = None, round_index: int = 0, branches: int | None = None,
-                    exclude: tuple[int, ...] = ()) -> DraftTree | None:
+                    exclude: tuple[tuple[int, ...], ...] = (), chain: tuple[int, ...] = ()) -> DraftTree | None:
         """Grow the ahead tree from a guessed verdict (services/spec/ahead.py) while the current tree
         is verified. tokens [n] / features [n, F]: committed rows the draft KV has not seen (n may be
         0: the KV is current); they are committed to the draft KV like a `draft` call's. Then each
@@ -186,9 +188,11 @@ class Drafter:
         guess's last token, and the guessed rows are dropped: the draft KV again holds only committed
         rows with target features.
         `branches` (None: this drafter's `ahead_branches`; capped by it and by the free KV rows):
-        > 0 grows a fresh-sized subtree of shape `params` under each of that many likely bonuses,
-        skipping `exclude` (services/spec/ahead_tree.py: a hit reroots to the round's own depth and
-        size); 0 grows one tree of shape `params` (the bonus's subtree is then a level shallower).
+        > 0 grows a fresh-sized subtree of shape `params` under each of that many likely bonuses at
+        the root and at each node of `chain` (the tree in flight's top path past the guess, a path
+        of the ahead tree; cut short where the KV has no room), skipping `exclude[p]` at the root
+        (p = 0) and at chain node p (services/spec/ahead_tree.py: a hit reroots to the round's own depth and size); 0 grows one
+        tree of shape `params` (the bonus's subtree is then a level or more shallower; no chain).
         None if the guess's rows do not fit the draft KV. `round_index`: the round that will verify
         the ahead tree (the gRPC path's tracing; unused here).
         Eager on every device (the CUDA graphs replay fixed-shape expansions of committed rows only)."""
@@ -210,10 +214,19 @@ class Drafter:
         last = self._last.get(seq_id)
         if last is None:
             raise InvalidRequest(f"sequence {seq_id!r} has no committed draft rows yet: draft before drafting ahead")
+        if len(chain) > self.tree.depth + 1:
+            raise InvalidRequest(f"a chain has at most {self.tree.depth + 1} tokens; got {len(chain)}")
+        if len(exclude) > len(chain) + 1:
+            raise InvalidRequest(f"exclude has one list per attach point (the root and each chain token: "
+                                 f"{len(chain) + 1}); got {len(exclude)}")
         free = cache.capacity - cache.length - len(guess)
         branches = min(branches, self.ahead_branches)
-        while branches and ahead_rows(params, branches) > free:
-            branches -= 1
+        chain = tuple(chain) if branches else ()
+        while branches and len(chain) + ahead_rows(params, (len(chain) + 1) * branches) > free:
+            if chain:
+                chain = chain[:-1]
+            else:
+                branches -= 1
         if not branches and params.draft_rows > free:
             return None
         stable = cache.length
@@ -221,9 +234,13 @@ class Drafter:
             for tok in guess:  # row (predicted feature of the previous row, guessed token)
                 last = self.head(last[None], torch.tensor([tok], device=dev), cache)[0]
             sort_paths = self._sort_paths[seq_id]
-            if branches:
-                return expand_branches(self.head, cache, last, guess[-1], params, branches, set(exclude), sort_paths)
-            return rerank(expand(self.head, cache, last, params), guess[-1], params, sort_paths)
+            if not branches:
+                return rerank(expand(self.head, cache, last, params), guess[-1], params, sort_paths)
+            lasts = [last]
+            for tok in chain:  # the chain's rows, like guessed rows
+                lasts.append(self.head(lasts[-1][None], torch.tensor([tok], device=dev), cache)[0])
+            return expand_branches(self.head, cache, torch.stack(lasts), guess[-1], list(chain), params, branches,
+                                   tuple(exclude), sort_paths)
         finally:
             cache.truncate(stable)  # guessed rows came from draft features: never keep them
 

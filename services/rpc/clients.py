@@ -232,11 +232,11 @@ class RemoteDrafter:
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
                     params: TreeParams | None = None, span_round: int | None = None, branches: int | None = None,
-                    exclude: tuple[int, ...] = ()) -> DraftTree | None:
+                    exclude: tuple[tuple[int, ...], ...] = (), chain: tuple[int, ...] = ()) -> DraftTree | None:
         """The DraftAhead call (services.engine.drafter.Drafter.draft_ahead over gRPC): tokens [n] /
         features [n, F] committed rows the draft KV has not seen (n may be 0), `guess` the guessed
         committed tokens -> the ahead tree rooted at guess[-1], or None (the guessed rows do not fit).
-        `branches` / `exclude`: the ahead tree's likely bonuses (services/spec/ahead_tree.py).
+        `branches` / `exclude` / `chain`: the ahead tree's likely bonuses (services/spec/ahead_tree.py).
         Numbered with the draft calls (the drafter's idempotency key); `span_round` as in `draft`.
         Runs on the engine's drafter thread while the main thread's Verify is in flight (one call of
         a sequence at a time)."""
@@ -245,7 +245,8 @@ class RemoteDrafter:
                                    "draft before drafting ahead")
         round_index = self._round.get(seq_id, 0) + 1
         request = dpb.DraftAheadRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
-                                        guess=list(guess), exclude=list(exclude))
+                                        guess=list(guess), chain=list(chain), exclude=[t for e in exclude for t in e],
+                                        exclude_sizes=[len(e) for e in exclude])
         if branches is not None:
             request.branches = branches
         if tokens.numel():

@@ -202,10 +202,17 @@ def test_draft_ahead_rpc_is_idempotent_and_validated(pipeline):
     one = dpb.DraftAheadRequest(sequence_id="s", round_index=3, guess=[31, 7], tree=tree, branches=0)
     assert codec.decode_tree(stub.DraftAhead(one, timeout=60).tree, VOCAB).size == 16  # one tree of the shape
     skip = int(ahead.tokens[1])  # the first branch, excluded: no branch holds it any more
-    ex = dpb.DraftAheadRequest(sequence_id="s", round_index=4, guess=[31, 7], tree=tree, exclude=[skip])
+    ex = dpb.DraftAheadRequest(sequence_id="s", round_index=4, guess=[31, 7], tree=tree, exclude=[skip],
+                               exclude_sizes=[1], chain=[9])
     ahead = codec.decode_tree(stub.DraftAhead(ex, timeout=60).tree, VOCAB)
-    assert skip not in [int(ahead.tokens[i]) for i in range(1, ahead.size) if int(ahead.parents[i]) == 0]
-    for field, match in (({"branches": -1}, "branches must be >= 0"), ({"exclude": [VOCAB]}, "outside the vocabulary")):
+    assert int(ahead.tokens[1]) == 9 and int(ahead.parents[1]) == 0  # the chain
+    assert skip not in [int(ahead.tokens[i]) for i in range(2, ahead.size) if int(ahead.parents[i]) == 0]
+    assert ahead.size == 2 + 2 * 2 * 16  # two branches at the root and at the chain node
+    for field, match in (({"branches": -1}, "branches must be >= 0"),
+                         ({"exclude": [VOCAB], "exclude_sizes": [1]}, "outside the vocabulary"),
+                         ({"exclude": [3]}, "exclude_sizes must split the 1 exclude tokens"),
+                         ({"exclude": [3, 4], "exclude_sizes": [1, 1]}, "into at most 1 lists"),
+                         ({"chain": [1] * 5}, "chain must hold at most 4 tokens")):
         bad = dpb.DraftAheadRequest(sequence_id="s", round_index=5, guess=[3], **field)
         with pytest.raises(grpc.RpcError) as e:
             stub.DraftAhead(bad, timeout=60)

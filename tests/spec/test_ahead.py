@@ -95,3 +95,15 @@ def test_trim_cuts_an_ahead_tree_back_to_the_rounds_shape():
     assert trim(tied, TreeParams(top_k=2, depth=2, size=2), False).tokens.tolist() == [7, 5]
     stop = trim(t, TreeParams(top_k=2, depth=3, size=5, stop_logprob=-0.35), False)
     assert stop.tokens.tolist() == [7, 5, 3]
+
+
+def test_chained_policy_counts_every_accept_length_past_the_guess():
+    """With the chain (services/spec/ahead_tree.py) a guess of 1 also hits when the verdict accepts
+    more of the top path: the hit probability sums the prefix rates from j on (synthetic verdicts)."""
+    p = AheadPolicy(contention=0.5, learn_cost=False)
+    for _ in range(80):  # the verdict accepts the top path's first 3 tokens, then the bonus
+        p.observe_verdict([False, False, True])
+        p.observe_ahead(True)
+    assert p.choose(0.010, 0.001, 3) == 3  # one tree at the guess's end: only a guess of 3 can hit
+    assert p.choose(0.010, 0.001, 3, chained=True) == 1  # the chain: a guess of 1 hits too
+    assert AheadPolicy(contention=1.0, learn_cost=False).choose(0.010, 0.001, 3, chained=True) is None
