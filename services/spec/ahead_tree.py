@@ -107,16 +107,7 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
             cand_branch = f_branch.repeat_interleave(k)
             tokens.append(toks), scores.append(cu), parents.append(f_node.repeat_interleave(k))
             branch_of.append(cand_branch)
-            sels = []
-            for b in range(nb):  # each branch keeps its own top_k (a fresh tree's beam)
-                idx = (cand_branch == b).nonzero().squeeze(1)
-                if idx.numel():
-                    best = torch.topk(cu[idx], min(k, int(idx.numel())))
-                    n = int(best.values.shape[0])
-                    if stop > float("-inf"):
-                        n = max(1, int((best.values - base[b] >= stop).sum()))
-                    sels.append(idx[best.indices[:n]])
-            sel = torch.cat(sels)
+            sel = _beams(cu, cand_branch, base, nb, k, stop)
             rows = sel // k
             f_hidden, f_ids, f_score, f_branch = out[rows], toks[sel], cu[sel], cand_branch[sel]
             f_node, f_att = next_id + sel, f_att[rows]
@@ -125,6 +116,28 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
     finally:
         cache.truncate(start)  # tree rows came from draft features: never keep them
     return _assemble(root, chain, b_tok, b_score, b_att, tokens, scores, parents, branch_of, base, params, sort_paths)
+
+
+def _beams(cu: torch.Tensor, cand_branch: torch.Tensor, base: torch.Tensor, nb: int, k: int, stop: float
+           ) -> torch.Tensor:
+    """The next frontier: each branch keeps its own `top_k` best candidates (a fresh tree's beam), in
+    branch order. cu [F * K] cumulative scores, cand_branch [F * K] -> flat indices [F']. Without
+    dynamic depth every branch has the same frontier width (1, then top_k): one batched topk."""
+    n = int(cu.shape[0])
+    if stop == float("-inf") and n % nb == 0:
+        width = n // nb  # candidates per branch, contiguous (the frontier is grouped by branch)
+        best = torch.topk(cu.view(nb, width), min(k, width), dim=1).indices  # [B, K]
+        return (best + torch.arange(nb, device=cu.device)[:, None] * width).reshape(-1)
+    sels = []
+    for b in range(nb):
+        idx = (cand_branch == b).nonzero().squeeze(1)
+        if idx.numel():
+            best = torch.topk(cu[idx], min(k, int(idx.numel())))
+            keep = int(best.values.shape[0])
+            if stop > float("-inf"):
+                keep = max(1, int((best.values - base[b] >= stop).sum()))
+            sels.append(idx[best.indices[:keep]])
+    return torch.cat(sels)
 
 
 def _assemble(root, chain, b_tok, b_score, b_att, tokens, scores, parents, branch_of, base, params,

@@ -40,7 +40,7 @@ class AheadPolicy:
     decay: float = 0.97  # forgetting per observation
     enabled: bool = True  # False: never draft ahead (the --no-overlap switch)
     learn_cost: bool = True  # False: keep `contention` as given (tests; a known deployment)
-    branches: int = 2  # likely bonuses the ahead tree grows a fresh-sized subtree under (ahead_tree.py; 0: one tree)
+    branches: int = 1  # likely bonuses per attach point with a fresh-sized subtree (ahead_tree.py; 0: one tree)
     _hits: list[float] = field(default_factory=list)  # [max_depth] discounted hits per depth
     _trials: list[float] = field(default_factory=list)  # [max_depth] discounted trials
     _in_tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [hits, trials]
