@@ -54,6 +54,8 @@ def summary(runs: list) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="the tests' tiny Llama + distilled head (else --target/--draft)")
+    p.add_argument("--tiny-layers", type=int, default=2,
+                   help="--tiny: the target's layers (more: a verify longer than the one-layer head's draft)")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default="auto")
     p.add_argument("--dtype", default="fp32")
@@ -82,7 +84,7 @@ def main() -> None:
     if args.tiny:
         from tests.helpers import distill_head, save_bench_dirs, tiny_hf, to_native
 
-        hf = tiny_hf("llama", layers=2, seed=0)
+        hf = tiny_hf("llama", layers=args.tiny_layers, seed=0)
         target = to_native(hf)
         root = save_bench_dirs((hf, target, distill_head(target, "eagle", seed=0)), Path(tmp.name))
         args.target, args.draft = str(root / "target"), str(root / "head")
@@ -150,7 +152,7 @@ def main() -> None:
         if name.startswith("in_process-"):
             report[f"{name}_vs_in_process"] = ratio(name, "in_process")
     report["exact"] = all(len({tuple(r.tokens) for r in rows}) == 1 for rows in zip(*runs.values()))
-    report["config"] = {"model": "tiny (tests/helpers.py)" if args.tiny else args.target or "default",
+    report["config"] = {"model": f"tiny (tests/helpers.py), {args.tiny_layers} layers" if args.tiny else args.target or "default",
                         "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
