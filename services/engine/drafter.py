@@ -57,6 +57,7 @@ class Drafter:
         self._caches: dict[str, KVRows] = {}  # KVCache, or a PagedCache on CUDA
         self._slots: dict[str, int] = {}  # paged: the sequence's slot in `pool`
         self._sort_paths: dict[str, bool] = {}
+        self._rows: dict[str, int] = {}  # committed rows + one tree expansion (a draft's limit; the KV adds ahead slack)
         self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
         self.pool: PagedKVPool | None = None
         self.graphs = None
@@ -95,6 +96,7 @@ class Drafter:
                 cache = None
         self._caches[seq_id] = cache if cache is not None else self.head.new_cache(rows)
         self._sort_paths[seq_id] = sampling
+        self._rows[seq_id] = max_rows + self.tree.draft_rows
 
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
@@ -135,10 +137,10 @@ class Drafter:
                 if n < 1 or call.features.ndim != 2 or call.features.shape != (n, f):
                     raise InvalidRequest(
                         f"features must have shape [{n}, {f}]; got {list(call.features.shape)}")
-                cache = self._caches[call.seq_id]
-                if cache.length + n + params.draft_rows > cache.capacity:  # checked here: fails alone
+                cache, rows = self._caches[call.seq_id], self._rows[call.seq_id]
+                if cache.length + n + params.draft_rows > rows:  # checked here: fails alone
                     raise CapacityExceeded(
-                        f"draft KV of sequence {call.seq_id!r} holds {cache.capacity} rows; {cache.length} used, "
+                        f"draft KV of sequence {call.seq_id!r} holds {rows} rows; {cache.length} used, "
                         f"{n} committed rows and {params.draft_rows} tree rows requested")
             except AerieError as e:
                 results[i] = e
@@ -206,6 +208,9 @@ class Drafter:
             raise InvalidRequest(f"branches must be >= 0; got {branches}")
         dev = self.head.device
         n = int(tokens.shape[0])
+        if cache.length + n > self._rows[seq_id]:
+            raise CapacityExceeded(f"draft KV of sequence {seq_id!r} holds {self._rows[seq_id]} rows; "
+                                   f"{cache.length} used, {n} committed rows requested")
         if n:
             f = self.head.config.feature_size
             if features.shape != (n, f):
@@ -248,6 +253,7 @@ class Drafter:
         self._caches.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self._sort_paths.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
         slot = self._slots.pop(seq_id, None)
         if slot is not None and self.pool is not None:
             self.pool.release(slot)
