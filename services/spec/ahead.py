@@ -8,7 +8,10 @@ Vocabulary (one word per concept, used across aerie):
   * ahead tree  the tree drafted from the guess: its root is the guess's last token; its draft KV
                 rows for the guessed tokens use the head's own predicted features (the target's
                 are not back yet). Those rows are dropped afterwards: the draft KV keeps only
-                committed rows with target features.
+                committed rows with target features. Its shape (services/spec/ahead_tree.py): the
+                top path past the guess (the chain) with a fresh-sized subtree under the likely
+                bonuses at the root and at every chain node, so a hit reroots to a round-sized
+                tree; `trim` cuts whatever tree a round uses back to the round's shape.
   * hit         the committed tokens start with the guess AND the rest of them (accepted drafts
                 past the guess and the bonus) is a path of the ahead tree from its root; the round
                 then verifies the ahead tree rerooted at that path's end (`reroot`: the real bonus
