@@ -46,7 +46,9 @@ def test_greedy_with_overlap_equals_the_target(pair, request):
         assert run(off, prompt, N)[0] == ref
         ahead += sum(s.ahead for s in stats)
         hits += sum(s.ahead_hit for s in stats)
-    # the top-path guess drafts ahead every round and hits in some (18 of 36 with llama_pair)
+        # a hit verifies the fresh-sized subtree of its branch: as many nodes as a drafted tree
+        assert all(s.tree_size == SHAPE.size for s in stats if s.ahead_hit)
+    # the top-path guess drafts ahead every round and hits in some
     assert ahead > 0 and 0 < hits <= ahead
 
 
