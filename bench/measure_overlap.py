@@ -113,6 +113,7 @@ def main() -> None:
         for m in local_modes:  # the same engine code with drafting ahead (a drafter thread in process)
             other = build_local_engine(args.target, args.draft, args.dtype, TreeParams(4, 3, 16) if args.tiny else None)
             other.engine.ahead = AheadPolicy(contention=0.0, learn_cost=False) if m == "always" else AheadPolicy()
+            other.engine.drafter.ahead_branches = 2  # the draft KV's ahead rows, as `aerie up --overlap` drafters
             engines[f"in_process-{m}"] = other.engine
 
         def pipeline(name, prompt, n=args.max_new_tokens):

@@ -42,9 +42,11 @@ class Drafter:
     """`tree` is the largest shape a call may ask for (it sizes the draft KV); `draft(..., params)`
     grows any shape it covers (the budget picks one per round), `params=None` grows `tree` itself."""
 
-    def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64, ahead_branches: int = 2) -> None:
-        """`ahead_branches`: the most branches (likely bonuses) an ahead tree may grow a fresh-sized
-        subtree under (services/spec/ahead_tree.py); each sequence's draft KV reserves their rows."""
+    def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64, ahead_branches: int = 0) -> None:
+        """`ahead_branches`: the most branches (likely bonuses) per attach point an ahead tree may grow
+        a fresh-sized subtree under (services/spec/ahead_tree.py); each sequence's draft KV reserves
+        their rows, so it is 0 (the single ahead tree, no reservation) unless drafting ahead is on:
+        an Engine built with `ahead` raises it to its policy's `branches` before any sequence starts."""
         if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
                 f"top_k={tree.top_k} (--tree-top-k) exceeds the draft vocabulary ({head.draft_vocab_size})")

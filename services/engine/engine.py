@@ -178,6 +178,8 @@ class Engine:
         if ahead is not None and (drafter is None or not hasattr(drafter, "draft_ahead")):
             raise InvalidRequest("drafting ahead needs a drafter that can draft ahead (draft_ahead)")
         self.ahead = ahead
+        if ahead is not None and hasattr(drafter, "ahead_branches") and not getattr(drafter, "num_sequences", 0):
+            drafter.ahead_branches = max(drafter.ahead_branches, ahead.branches)  # type: ignore[union-attr]
         self.guesser = guesser
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._open_ahead: dict[str, _Ahead] = {}  # seq_id -> its ahead draft in flight

@@ -100,7 +100,7 @@ def test_engine_refuses_overlap_without_a_drafter(llama_pair):
 
 def test_draft_ahead_leaves_only_committed_rows(llama_pair):
     _, _, head = llama_pair
-    d = Drafter(head, SHAPE)
+    d = Drafter(head, SHAPE, ahead_branches=2)
     d.start("s", 64, sampling=False)
     f = head.config.feature_size
     d.draft("s", torch.tensor([4, 9, 21]), torch.randn(3, f), SHAPE)
@@ -123,7 +123,7 @@ def test_a_hit_reroots_to_the_fresh_tree_of_its_branch(llama_pair):
     f = head.config.feature_size
     torch.manual_seed(3)
     feats = torch.randn(3, f)
-    d = Drafter(head, SHAPE)
+    d = Drafter(head, SHAPE, ahead_branches=2)
     d.start("s", 64, sampling=False)
     d.draft("s", torch.tensor([4, 9, 21]), feats, SHAPE)
     guess = [30, 31]
