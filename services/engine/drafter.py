@@ -59,7 +59,8 @@ class Drafter:
         self._caches: dict[str, KVRows] = {}  # KVCache, or a PagedCache on CUDA
         self._slots: dict[str, int] = {}  # paged: the sequence's slot in `pool`
         self._sort_paths: dict[str, bool] = {}
-        self._rows: dict[str, int] = {}  # committed rows + one tree expansion (a draft's limit; the KV adds ahead slack)
+        # committed rows + one tree expansion: a draft's limit (the KV adds the ahead draft's slack)
+        self._rows: dict[str, int] = {}
         self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
         self.pool: PagedKVPool | None = None
         self.graphs = None
@@ -195,8 +196,9 @@ class Drafter:
         > 0 grows a fresh-sized subtree of shape `params` under each of that many likely bonuses at
         the root and at each node of `chain` (the tree in flight's top path past the guess, a path
         of the ahead tree; cut short where the KV has no room), skipping `exclude[p]` at the root
-        (p = 0) and at chain node p (services/spec/ahead_tree.py: a hit reroots to the round's own depth and size); 0 grows one
-        tree of shape `params` (the bonus's subtree is then a level or more shallower; no chain).
+        (p = 0) and at chain node p (services/spec/ahead_tree.py: a hit reroots to the round's own
+        depth and size); 0 grows one tree of shape `params` (the bonus's subtree is then a level
+        or more shallower; no chain).
         None if the guess's rows do not fit the draft KV. `round_index`: the round that will verify
         the ahead tree (the gRPC path's tracing; unused here).
         Eager on every device (the CUDA graphs replay fixed-shape expansions of committed rows only)."""

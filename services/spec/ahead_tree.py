@@ -83,7 +83,9 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
     for p in range(m + 1):
         skip = set(exclude[p]) if p < len(exclude) else set()
         for t, v in _branches(head, lp0[p], params, branches, skip | ({chain[p]} if p < m else set())):
-            b_tok.append(t), b_score.append(v), b_att.append(p)
+            b_tok.append(t)
+            b_score.append(v)
+            b_att.append(p)
     nb = len(b_tok)
     base = torch.tensor(b_score, device=dev)  # [B] each branch's own score (a fresh tree starts at 0)
     # the frontier: head inputs, scores, branch, node id (branches 0..B-1, then candidates), attach point
@@ -105,7 +107,9 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
             cu = (child.values + f_score[:, None]).reshape(-1)  # [F * K] cumulative log-prob
             toks = head.to_target(child.indices).reshape(-1)
             cand_branch = f_branch.repeat_interleave(k)
-            tokens.append(toks), scores.append(cu), parents.append(f_node.repeat_interleave(k))
+            tokens.append(toks)
+            scores.append(cu)
+            parents.append(f_node.repeat_interleave(k))
             branch_of.append(cand_branch)
             sel = _beams(cu, cand_branch, base, nb, k, stop)
             rows = sel // k
@@ -126,8 +130,8 @@ def _beams(cu: torch.Tensor, cand_branch: torch.Tensor, base: torch.Tensor, nb: 
     n = int(cu.shape[0])
     if stop == float("-inf") and n % nb == 0:
         width = n // nb  # candidates per branch, contiguous (the frontier is grouped by branch)
-        best = torch.topk(cu.view(nb, width), min(k, width), dim=1).indices  # [B, K]
-        return (best + torch.arange(nb, device=cu.device)[:, None] * width).reshape(-1)
+        top = torch.topk(cu.view(nb, width), min(k, width), dim=1).indices  # [B, K]
+        return (top + torch.arange(nb, device=cu.device)[:, None] * width).reshape(-1)
     sels = []
     for b in range(nb):
         idx = (cand_branch == b).nonzero().squeeze(1)
