@@ -2,7 +2,8 @@
 coordinator, verifier and drafter each, every one its own process), one serial and one per
 `--modes` entry with `--overlap MODE` (DraftAhead overlapping each Verify; "on": the learning
 policy, "always": whenever a guess can hit), interleaved per prompt (the order rotates) so machine
-noise hits all alike, plus the same EAGLE engine in process; ratios from the same run.
+noise hits all alike, plus the same EAGLE engine in process (and, with `--in-process-ahead on,always`,
+that engine drafting ahead on a thread of its own); ratios from the same run.
 
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --tiny --max-new-tokens 48 \
         --repeats 3 --out bench/results/overlap-tiny-t1.json
@@ -53,6 +54,8 @@ def summary(runs: list) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="the tests' tiny Llama + distilled head (else --target/--draft)")
+    p.add_argument("--tiny-layers", type=int, default=2,
+                   help="--tiny: the target's layers (more: a verify longer than the one-layer head's draft)")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default="auto")
     p.add_argument("--dtype", default="fp32")
@@ -63,8 +66,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
     p.add_argument("--up-args", default="", help="extra `aerie up` flags for both pipelines, space separated")
+    p.add_argument("--in-process-ahead", default="",
+                   help="comma list of overlap modes (on,always) to run the in-process engine with too")
     p.add_argument("--out", default=None, help="JSON here")
     args = p.parse_args()
+    load_start = os.getloadavg()
 
     from aerie_cli.flags import set_torch_threads
     from services.bench.bench import load_prompts, run_engine, run_steps
@@ -78,7 +84,7 @@ def main() -> None:
     if args.tiny:
         from tests.helpers import distill_head, save_bench_dirs, tiny_hf, to_native
 
-        hf = tiny_hf("llama", layers=2, seed=0)
+        hf = tiny_hf("llama", layers=args.tiny_layers, seed=0)
         target = to_native(hf)
         root = save_bench_dirs((hf, target, distill_head(target, "eagle", seed=0)), Path(tmp.name))
         args.target, args.draft = str(root / "target"), str(root / "head")
@@ -100,6 +106,15 @@ def main() -> None:
         local = build_local_engine(args.target, args.draft, args.dtype,
                                    TreeParams(4, 3, 16) if args.tiny else None)
         prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
+        from services.spec.overlap import AheadPolicy
+
+        local_modes = [m.strip() for m in args.in_process_ahead.split(",") if m.strip()]
+        engines = {"in_process": local.engine}
+        for m in local_modes:  # the same engine code with drafting ahead (a drafter thread in process)
+            other = build_local_engine(args.target, args.draft, args.dtype, TreeParams(4, 3, 16) if args.tiny else None)
+            other.engine.ahead = AheadPolicy(contention=0.0, learn_cost=False) if m == "always" else AheadPolicy()
+            other.engine.drafter.ahead_branches = 2  # the draft KV's ahead rows, as `aerie up --overlap` drafters
+            engines[f"in_process-{m}"] = other.engine
 
         def pipeline(name, prompt, n=args.max_new_tokens):
             req = GenerationRequest(prompt.ids, n)
@@ -107,15 +122,17 @@ def main() -> None:
 
         for name in ups:  # warm-up: first-call allocations in every process
             pipeline(name, prompts[0], 8)
-        run_engine(local.engine, prompts[0], 4)
-        runs: dict[str, list] = {name: [] for name in [*names, "in_process"]}
+        for engine in engines.values():
+            run_engine(engine, prompts[0], 4)
+        runs: dict[str, list] = {name: [] for name in [*names, *engines]}
         t0 = time.perf_counter()
         for rep in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 k = (i + rep) % len(names)
                 for name in names[k:] + names[:k]:
                     runs[name].append(pipeline(name, prompt))
-                runs["in_process"].append(run_engine(local.engine, prompt, args.max_new_tokens))
+                for name, engine in engines.items():
+                    runs[name].append(run_engine(engine, prompt, args.max_new_tokens))
             print(f"pass {rep + 1}/{args.repeats}: {time.perf_counter() - t0:.0f}s", flush=True)
         for s in sessions.values():
             s.close()
@@ -132,12 +149,16 @@ def main() -> None:
     for m in modes:
         report[f"overlap-{m}_vs_serial"] = ratio(f"overlap-{m}", "serial")
         report[f"overlap-{m}_vs_in_process"] = ratio(f"overlap-{m}", "in_process")
+    for name in runs:
+        if name.startswith("in_process-"):
+            report[f"{name}_vs_in_process"] = ratio(name, "in_process")
     report["exact"] = all(len({tuple(r.tokens) for r in rows}) == 1 for rows in zip(*runs.values()))
-    report["config"] = {"model": "tiny (tests/helpers.py)" if args.tiny else args.target or "default",
+    report["config"] = {"model": f"tiny (tests/helpers.py), {args.tiny_layers} layers" if args.tiny else args.target or "default",
                         "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
-                        "modes": modes, "up_args": args.up_args, "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+                        "modes": modes, "up_args": args.up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
+                        "load_average": os.getloadavg()}
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -321,7 +321,8 @@ class SequencePlacement:
                 tokens, features = self._refill(tokens, features)
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
-                    params: TreeParams | None = None, round_index: int | None = None) -> DraftTree | None:
+                    params: TreeParams | None = None, round_index: int | None = None, branches: int | None = None,
+                    exclude: tuple[tuple[int, ...], ...] = (), chain: tuple[int, ...] = ()) -> DraftTree | None:
         """The ahead tree (RemoteDrafter.draft_ahead) or None: no drafter, its first draft not sent,
         the guess does not fit, or the call failed over (see the module doc). On the drafter thread."""
         rd = self._rd
@@ -330,7 +331,7 @@ class SequencePlacement:
                 self._held.append((tokens, features))
             return None
         try:
-            return rd.draft_ahead(seq_id, tokens, features, guess, params, round_index)
+            return rd.draft_ahead(seq_id, tokens, features, guess, params, round_index, branches, exclude, chain)
         except Exception as e:  # noqa: BLE001 - is_failover decides
             if not is_failover(e):
                 raise
@@ -492,8 +493,15 @@ class _DrafterSide:
     def draft(self, seq_id, tokens, features, params=None):
         return self._p.draft(seq_id, tokens, features, params)
 
-    def draft_ahead(self, seq_id, tokens, features, guess, params=None, round_index=None):
-        return self._p.draft_ahead(seq_id, tokens, features, guess, params, round_index)
+    def draft_ahead(self, seq_id, tokens, features, guess, params=None, round_index=None, branches=None, exclude=(),
+                    chain=()):
+        return self._p.draft_ahead(seq_id, tokens, features, guess, params, round_index, branches, exclude, chain)
+
+    @property
+    def busy(self) -> float:
+        """The placed drafter's load in its latest answer (0 with none placed)."""
+        rd = self._p._rd
+        return rd.busy if rd is not None else 0.0
 
     def release(self, seq_id):
         self._p.release()

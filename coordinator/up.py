@@ -39,6 +39,7 @@ from services.engine.local import DraftSpec, resolve_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
 from services.rpc.api_tokens import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
+from coordinator.config import overlap_mode
 from coordinator.redis_server import redact, start_redis, stop_process, stop_processes
 
 
@@ -196,7 +197,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb, --max-model-len and
     --gpu-memory-utilization (verifiers), --max-queued-requests, --queue-timeout-s,
-    --served-model-name (one or more names) and --overlap (coordinators). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
+    --served-model-name (one or more names) and --overlap (coordinators; drafters then reserve the
+    ahead tree's rows, --ahead-branches 2). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
     AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
     more than the share of the host's free memory."""
     out = []
@@ -222,6 +224,9 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--served-model-name", *args.served_model_name]
     if role == "coordinator" and getattr(args, "overlap", None):
         out += ["--overlap", args.overlap]
+    overlap = getattr(args, "overlap", None) or overlap_mode(os.environ.get("AERIE_OVERLAP", "off"))
+    if role == "drafter" and overlap in ("on", "always") and not os.environ.get("AERIE_AHEAD_BRANCHES"):
+        out += ["--ahead-branches", "2"]  # the draft KV's rows for the ahead tree's branches
     return out
 
 

@@ -3,6 +3,7 @@
     AERIE_DRAFTER_PORT (50053), AERIE_TARGET, AERIE_DRAFT, AERIE_DTYPE (fp32), AERIE_TREE_TOP_K,
     AERIE_TREE_DEPTH, AERIE_TREE_TOKENS (unset: the auto budget, which the coordinator runs per round
     within services.spec.budget.AUTO_LARGEST; any of them: that fixed shape), AERIE_MAX_SEQUENCES (64),
+    AERIE_AHEAD_BRANCHES (0; drafting ahead: services/spec/ahead_tree.py),
     the batching ones in services/rpc/batch_config.py and the common ones in services/rpc/config.py.
 """
 
@@ -37,6 +38,7 @@ class DrafterConfig:
     draft_dtype: str | None = None  # fp32 | bf16 | int8; None = services.device.default_draft_dtype
     tree: TreeParams | None = None  # None = auto budget (the coordinator picks each round's shape)
     max_sequences: int = 64
+    ahead_branches: int = 0  # drafting ahead: branches per attach point the draft KV reserves rows for
 
     idle_ttl_s: float = 600.0  # release a sequence untouched this long (its coordinator is gone); 0 = never
     batch: BatchLimits = BatchLimits()  # continuous batching (services/rpc/batch_config.py)
@@ -56,6 +58,8 @@ class DrafterConfig:
             raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.max_sequences < 1:
             raise ConfigError(f"max_sequences must be >= 1; got {self.max_sequences}")
+        if not 0 <= self.ahead_branches <= 8:
+            raise ConfigError(f"ahead_branches must be in [0, 8]; got {self.ahead_branches}")
 
 
 def tree_flag(text: str) -> int | None:
@@ -93,6 +97,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
     g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
                    help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
+    g.add_argument("--ahead-branches", type=int, default=env("AERIE_AHEAD_BRANCHES", 0),
+                   help="drafting ahead: likely bonuses per attach point the ahead tree may grow a round-sized "
+                        "subtree under; each sequence's draft KV reserves their rows (AERIE_AHEAD_BRANCHES; "
+                        "default 0: the single ahead tree; `aerie up --overlap on|always` passes 2)")
     add_batch_flags(p)
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
                    help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES; default: 512)")
@@ -107,5 +115,5 @@ def from_args(args: argparse.Namespace) -> DrafterConfig:
         raise ConfigError(str(e)) from None
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype, device=args.device,
                          draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
-                         max_tree_nodes=args.max_tree_nodes,
+                         max_tree_nodes=args.max_tree_nodes, ahead_branches=args.ahead_branches,
                          idle_ttl_s=args.idle_ttl_s, batch=batch_limits(args))

@@ -33,7 +33,7 @@ def load_servicer(config: DrafterConfig) -> DrafterServicer:
                                config.draft_vocab, config.draft_dtype, device=device)
     assert local.engine.drafter is not None
     head = local.engine.drafter.head
-    drafter = Drafter(head, config.tree or AUTO_LARGEST, config.max_sequences)
+    drafter = Drafter(head, config.tree or AUTO_LARGEST, config.max_sequences, config.ahead_branches)
     report = load_report(local.draft_path) or {}
     top1 = float(report.get("top1_agreement") or 0.0) if isinstance(report.get("top1_agreement"), (int, float)) else 0.0
     # the head's t_draft curves for the coordinator's budget (measured by build_local_engine, cached)

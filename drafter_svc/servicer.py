@@ -4,6 +4,8 @@ Model work runs on one worker thread (services/engine/batcher.py). Continuous ba
 Prefill and Draft calls that arrive while the head runs are gathered, in arrival order, into the next
 batch (`Drafter.draft_many`: one head step per tree level for all their sequences, up to --max-batch
 calls and --max-batch-rows rows); a call that fails fails alone. Release runs between batches.
+Every answer carries the drafter's load as the sequence sees it (`busy`, drafter_svc/load.py: the
+share of the last seconds spent on other sequences' batches), for the coordinator's overlap policy.
 Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
 of extending the draft KV twice. DraftAhead (drafting ahead, services/spec/ahead.py) runs
@@ -13,14 +15,18 @@ of extending the draft KV twice. DraftAhead (drafting ahead, services/spec/ahead
 from __future__ import annotations
 
 
-import torch
-
+import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from services.engine.batcher import Batcher
 from services.engine.drafter import DraftCall, Drafter
 from services.errors import AerieError, InvalidRequest
 from services.spec.cost import CostCurve
+from services.spec.ahead_tree import ahead_rows
 from services.spec.tree import TreeParams
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
@@ -31,6 +37,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import drafter_grpc
 from drafter_svc.config import DrafterConfig
+from drafter_svc.load import DrafterLoad
 
 SERVICE = "drafter"
 
@@ -39,8 +46,11 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     SERVICE = SERVICE
 
     def __init__(self, drafter: Drafter, config: DrafterConfig, draft_path: str, max_context: int,
-                 costs: tuple[CostCurve, CostCurve] | None = None, top1_agreement: float = 0.0) -> None:
-        """`costs`: (head layer, projection) curves measured on this device, served by GetInfo."""
+                 costs: tuple[CostCurve, CostCurve] | None = None, top1_agreement: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`costs`: (head layer, projection) curves measured on this device, served by GetInfo;
+        `clock`: the load meter's seconds (tests pass an explicit clock)."""
+        self.load = DrafterLoad(clock=clock)
         self.costs = costs
         self.top1_agreement = top1_agreement
         self.drafter = drafter
@@ -117,9 +127,23 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         features = (codec.decode_tensor(request.features, "features", dtype=self.dtype,
                                         shape=(len(tokens), self.feature_size))
                     if tokens else torch.zeros(0, self.feature_size, dtype=self.dtype))
+        branches = request.branches if request.HasField("branches") else None
+        if branches is not None and branches < 0:
+            raise InvalidRequest(f"branches must be >= 0 (0: one tree); got {branches}")
+        chain = tuple(codec.token_ids(request.chain, self.vocab_size, "chain"))
+        if len(chain) > self.drafter.tree.depth + 1:
+            raise InvalidRequest(f"chain must hold at most {self.drafter.tree.depth + 1} tokens (the tree depth + 1); "
+                                 f"got {len(chain)}")
+        flat = codec.token_ids(request.exclude, self.vocab_size, "exclude")
+        sizes = list(request.exclude_sizes)
+        if any(n < 0 for n in sizes) or sum(sizes) != len(flat) or len(sizes) > len(chain) + 1:
+            raise InvalidRequest(f"exclude_sizes must split the {len(flat)} exclude tokens into at most "
+                                 f"{len(chain) + 1} lists (one per attach point); got {sizes}")
+        offsets = [0, *itertools.accumulate(sizes)]
+        exclude = tuple(tuple(flat[a:b]) for a, b in itertools.pairwise(offsets))
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, self._params(request))
-        return await timed(DRAFT_SECONDS.labels(SERVICE),
-                           self.batcher.call_async(_Work(call, request.round_index, guess=tuple(guess))))
+        return await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(
+            _Work(call, request.round_index, guess=tuple(guess), branches=branches, exclude=exclude, chain=chain)))
 
     @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -150,12 +174,30 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     # ---- on the worker thread ------------------------------------------------------------------------
 
     def _rows(self, work: "_Work") -> int:
-        """Head rows the call costs: its committed rows (and guessed rows) plus its tree's expansion rows."""
+        """Head rows the call costs: its committed rows (and guessed rows) plus its tree's expansion rows
+        (an ahead tree's: its branches' rows)."""
         tree = work.call.params or self.drafter.tree
-        return int(work.call.tokens.shape[0]) + len(work.guess or ()) + tree.draft_rows
+        expansion = tree.draft_rows
+        if work.guess is not None:
+            branches = self.drafter.ahead_branches if work.branches is None else min(work.branches,
+                                                                                     self.drafter.ahead_branches)
+            expansion = len(work.chain) + ahead_rows(tree, (len(work.chain) + 1) * branches) if branches else tree.draft_rows
+        return int(work.call.tokens.shape[0]) + len(work.guess or ()) + expansion
 
     def _run_batch(self, batch: list["_Work"]) -> list:
-        """Start the prefills, answer replays, then grow every other tree in one `draft_many`."""
+        """Start the prefills, answer replays, then grow every other tree in one `draft_many`; each
+        answer carries the load its sequence sees (this batch's other sequences included)."""
+        t0 = self.load.clock()
+        try:
+            results = self._answer(batch)
+        finally:
+            self.load.ran(t0, self.load.clock(), {w.call.seq_id for w in batch})
+        for w, r in zip(batch, results, strict=True):
+            if isinstance(r, dpb.DraftResponse):
+                r.busy = self.load.busy(w.call.seq_id)
+        return results
+
+    def _answer(self, batch: list["_Work"]) -> list:
         results: list = [None] * len(batch)
         todo: list[int] = []
         for i, w in enumerate(batch):
@@ -206,7 +248,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     def _draft_ahead(self, w: "_Work") -> dpb.DraftResponse | BaseException:
         try:
             tree = self.drafter.draft_ahead(w.call.seq_id, w.call.tokens, w.call.features, list(w.guess or ()),
-                                            w.call.params)
+                                            w.call.params, w.round_index, w.branches, w.exclude, w.chain)
         except AerieError as e:
             return e
         response = dpb.DraftResponse() if tree is None else dpb.DraftResponse(tree=codec.encode_tree(tree))
@@ -229,4 +271,7 @@ class _Work:
     max_rows: int | None = None  # a Prefill: the draft KV to reserve
     sampling: bool = False  # a Prefill: sampling paths order
     guess: tuple[int, ...] | None = None  # a DraftAhead: the guessed committed tokens
+    branches: int | None = None  # a DraftAhead: likely bonuses to grow subtrees under (None: the drafter's)
+    exclude: tuple[tuple[int, ...], ...] = ()  # a DraftAhead: tokens that are no branch, per attach point
+    chain: tuple[int, ...] = ()  # a DraftAhead: the top path past the guess
 

@@ -150,7 +150,8 @@ class Pipeline:
             server, port = self.loop.run(create_verifier(f"{HOST}:0", config, servicer))
         else:
             config = DrafterConfig(self.service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32",
-                                   tree=tree, max_sequences=max_sequences, draft_dtype=draft_dtype)
+                                   tree=tree, max_sequences=max_sequences, draft_dtype=draft_dtype,
+                                   ahead_branches=2)  # as `aerie up --overlap on` (the overlap tests' coordinators)
             servicer = load_drafter(config)
             server, port = self.loop.run(create_drafter(f"{HOST}:0", config, servicer))
         self.servers.append((server, servicer))
@@ -189,7 +190,8 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
     p.servers.append((vserver, verifier))
     if with_drafter:
         dconfig = DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
-                                max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, draft_dtype=draft_dtype)
+                                max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, draft_dtype=draft_dtype,
+                                ahead_branches=2)  # as `aerie up --overlap on` (the overlap tests' coordinators)
         p.drafter = load_drafter(dconfig)
         dserver, dport = loop.run(create_drafter(f"{HOST}:0", dconfig, p.drafter))
         p.servers.append((dserver, p.drafter))

@@ -23,6 +23,7 @@ from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudg
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVRows
 from services.model.paged_kv import PagedCache, PagedKVPool
+from services.spec.ahead_tree import ahead_rows, expand_branches
 from services.spec.tree import DraftTree, TreeParams, expand, expand_many, extend_many, rerank
 
 if TYPE_CHECKING:
@@ -41,16 +42,25 @@ class Drafter:
     """`tree` is the largest shape a call may ask for (it sizes the draft KV); `draft(..., params)`
     grows any shape it covers (the budget picks one per round), `params=None` grows `tree` itself."""
 
-    def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64) -> None:
+    def __init__(self, head: DraftHead, tree: TreeParams, max_sequences: int = 64, ahead_branches: int = 0) -> None:
+        """`ahead_branches`: the most branches (likely bonuses) per attach point an ahead tree may grow
+        a fresh-sized subtree under (services/spec/ahead_tree.py); each sequence's draft KV reserves
+        their rows, so it is 0 (the single ahead tree, no reservation) unless drafting ahead is on:
+        an Engine built with `ahead` raises it to its policy's `branches` before any sequence starts."""
         if tree.top_k > head.draft_vocab_size:
             raise InvalidRequest(
                 f"top_k={tree.top_k} (--tree-top-k) exceeds the draft vocabulary ({head.draft_vocab_size})")
         self.head = head
         self.tree = tree
         self.max_sequences = max_sequences
+        if ahead_branches < 0:
+            raise InvalidRequest(f"ahead_branches must be >= 0; got {ahead_branches}")
+        self.ahead_branches = ahead_branches
         self._caches: dict[str, KVRows] = {}  # KVCache, or a PagedCache on CUDA
         self._slots: dict[str, int] = {}  # paged: the sequence's slot in `pool`
         self._sort_paths: dict[str, bool] = {}
+        # committed rows + one tree expansion: a draft's limit (the KV adds the ahead draft's slack)
+        self._rows: dict[str, int] = {}
         self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
         self.pool: PagedKVPool | None = None
         self.graphs = None
@@ -75,7 +85,10 @@ class Drafter:
             raise InvalidRequest(f"sequence {seq_id!r} already exists on this drafter")
         if len(self._caches) >= self.max_sequences:
             raise CapacityExceeded(f"drafter holds its maximum of {self.max_sequences} sequences")
-        rows = max_rows + self.tree.draft_rows  # draft_ahead's guessed rows use the engine's tree slack
+        # one tree expansion, or draft_ahead's guessed and chain rows (at most depth + 2 and depth + 1)
+        # and its branches (at the root and at every chain node)
+        d = self.tree.depth
+        rows = max_rows + max(self.tree.draft_rows, 2 * d + 3 + ahead_rows(self.tree, (d + 2) * self.ahead_branches))
         cache: KVRows | None = None
         if self.pool is not None:
             try:
@@ -86,6 +99,7 @@ class Drafter:
                 cache = None
         self._caches[seq_id] = cache if cache is not None else self.head.new_cache(rows)
         self._sort_paths[seq_id] = sampling
+        self._rows[seq_id] = max_rows + self.tree.draft_rows
 
     def check_params(self, params: TreeParams) -> None:
         if not self.tree.covers(params):
@@ -126,10 +140,10 @@ class Drafter:
                 if n < 1 or call.features.ndim != 2 or call.features.shape != (n, f):
                     raise InvalidRequest(
                         f"features must have shape [{n}, {f}]; got {list(call.features.shape)}")
-                cache = self._caches[call.seq_id]
-                if cache.length + n + params.draft_rows > cache.capacity:  # checked here: fails alone
+                cache, rows = self._caches[call.seq_id], self._rows[call.seq_id]
+                if cache.length + n + params.draft_rows > rows:  # checked here: fails alone
                     raise CapacityExceeded(
-                        f"draft KV of sequence {call.seq_id!r} holds {cache.capacity} rows; {cache.length} used, "
+                        f"draft KV of sequence {call.seq_id!r} holds {rows} rows; {cache.length} used, "
                         f"{n} committed rows and {params.draft_rows} tree rows requested")
             except AerieError as e:
                 results[i] = e
@@ -169,23 +183,38 @@ class Drafter:
         return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
-                    params: TreeParams | None = None, round_index: int = 0) -> DraftTree | None:
+                    params: TreeParams | None = None, round_index: int = 0, branches: int | None = None,
+                    exclude: tuple[tuple[int, ...], ...] = (), chain: tuple[int, ...] = ()) -> DraftTree | None:
         """Grow the ahead tree from a guessed verdict (services/spec/ahead.py) while the current tree
         is verified. tokens [n] / features [n, F]: committed rows the draft KV has not seen (n may be
         0: the KV is current); they are committed to the draft KV like a `draft` call's. Then each
         guessed token gets a row fed with the head's own predicted feature of the row before it (one
         one-row head step each), the tree is expanded from the last guessed row and rooted at the
         guess's last token, and the guessed rows are dropped: the draft KV again holds only committed
-        rows with target features. None if the guess's rows do not fit the draft KV. `round_index`:
-        the round that will verify the ahead tree (the gRPC path's tracing; unused here).
+        rows with target features.
+        `branches` (None: this drafter's `ahead_branches`; capped by it and by the free KV rows):
+        > 0 grows a fresh-sized subtree of shape `params` under each of that many likely bonuses at
+        the root and at each node of `chain` (the tree in flight's top path past the guess, a path
+        of the ahead tree; cut short where the KV has no room), skipping `exclude[p]` at the root
+        (p = 0) and at chain node p (services/spec/ahead_tree.py: a hit reroots to the round's own
+        depth and size); 0 grows one tree of shape `params` (the bonus's subtree is then a level
+        or more shallower; no chain).
+        None if the guess's rows do not fit the draft KV. `round_index`: the round that will verify
+        the ahead tree (the gRPC path's tracing; unused here).
         Eager on every device (the CUDA graphs replay fixed-shape expansions of committed rows only)."""
         cache = self._cache(seq_id)
         params = self.tree if params is None else params
         self.check_params(params)
         if not 1 <= len(guess) <= self.tree.depth + 2:
             raise InvalidRequest(f"a guess has 1..{self.tree.depth + 2} tokens; got {len(guess)}")
+        branches = self.ahead_branches if branches is None else branches
+        if branches < 0:
+            raise InvalidRequest(f"branches must be >= 0; got {branches}")
         dev = self.head.device
         n = int(tokens.shape[0])
+        if cache.length + n > self._rows[seq_id]:
+            raise CapacityExceeded(f"draft KV of sequence {seq_id!r} holds {self._rows[seq_id]} rows; "
+                                   f"{cache.length} used, {n} committed rows requested")
         if n:
             f = self.head.config.feature_size
             if features.shape != (n, f):
@@ -194,21 +223,41 @@ class Drafter:
         last = self._last.get(seq_id)
         if last is None:
             raise InvalidRequest(f"sequence {seq_id!r} has no committed draft rows yet: draft before drafting ahead")
-        if cache.length + len(guess) + params.draft_rows > cache.capacity:
+        if len(chain) > self.tree.depth + 1:
+            raise InvalidRequest(f"a chain has at most {self.tree.depth + 1} tokens; got {len(chain)}")
+        if len(exclude) > len(chain) + 1:
+            raise InvalidRequest(f"exclude has one list per attach point (the root and each chain token: "
+                                 f"{len(chain) + 1}); got {len(exclude)}")
+        free = cache.capacity - cache.length - len(guess)
+        branches = min(branches, self.ahead_branches)
+        chain = tuple(chain) if branches else ()
+        while branches and len(chain) + ahead_rows(params, (len(chain) + 1) * branches) > free:
+            if chain:
+                chain = chain[:-1]
+            else:
+                branches -= 1
+        if not branches and params.draft_rows > free:
             return None
         stable = cache.length
         try:
             for tok in guess:  # row (predicted feature of the previous row, guessed token)
                 last = self.head(last[None], torch.tensor([tok], device=dev), cache)[0]
-            cand = expand(self.head, cache, last, params)
+            sort_paths = self._sort_paths[seq_id]
+            if not branches:
+                return rerank(expand(self.head, cache, last, params), guess[-1], params, sort_paths)
+            lasts = [last]
+            for tok in chain:  # the chain's rows, like guessed rows
+                lasts.append(self.head(lasts[-1][None], torch.tensor([tok], device=dev), cache)[0])
+            return expand_branches(self.head, cache, torch.stack(lasts), guess[-1], list(chain), params, branches,
+                                   tuple(exclude), sort_paths)
         finally:
             cache.truncate(stable)  # guessed rows came from draft features: never keep them
-        return rerank(cand, guess[-1], params, self._sort_paths[seq_id])
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self._sort_paths.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
         slot = self._slots.pop(seq_id, None)
         if slot is not None and self.pool is not None:
             self.pool.release(slot)

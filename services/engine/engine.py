@@ -53,7 +53,7 @@ import torch
 from services.engine.roles import DrafterRole, VerifierRole
 from services.errors import InvalidRequest
 from services.spec.acceptance import AcceptanceStats, observe, observe_realized
-from services.spec.ahead import prefix_hits, top_guess, use_ahead
+from services.spec.ahead import follow, prefix_hits, top_guess, trim, use_ahead
 from services.spec.budget import Budget, RoundPlan, build_budget
 from services.spec.logprobs import TokenLogprobs
 from services.spec.overlap import AheadPolicy
@@ -158,6 +158,7 @@ class _Ahead:
     """An ahead draft in flight (or done): the drafter thread's future and what it bet on."""
     future: Future  # -> (DraftTree | None, seconds)
     guess: list[int]  # the guessed committed tokens (the ahead tree is rooted at the last)
+    chain: list[int] = field(default_factory=list)  # the top path past the guess (a path of the ahead tree)
     tree: DraftTree | None = None
     ahead_s: float = 0.0
 
@@ -179,6 +180,8 @@ class Engine:
         if ahead is not None and (drafter is None or not hasattr(drafter, "draft_ahead")):
             raise InvalidRequest("drafting ahead needs a drafter that can draft ahead (draft_ahead)")
         self.ahead = ahead
+        if ahead is not None and hasattr(drafter, "ahead_branches") and not getattr(drafter, "num_sequences", 0):
+            drafter.ahead_branches = max(drafter.ahead_branches, ahead.branches)  # type: ignore[union-attr]
         self.guesser = guesser
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._open_ahead: dict[str, _Ahead] = {}  # seq_id -> its ahead draft in flight
@@ -389,12 +392,15 @@ class Engine:
         # sampling: nominal seconds, so that a seed replays the same trees whatever the timing
         draft_s = self._draft_est if not seq.sort_paths else 1.0
         step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
-        depth = policy.choose(draft_s, step_s, len(path), busy=0.0)
+        # the drafter's load (a remote drafter reports it with each answer); sampling: 0, as above
+        busy = float(getattr(self.drafter, "busy", 0.0)) if not seq.sort_paths else 0.0
+        depth = policy.choose(draft_s, step_s, len(path), busy=busy, chained=policy.branches > 0)
         if depth is None:
             return None
         guess = self.guesser(draft.tree, depth, seq.produced) if self.guesser else path[:depth]
         if not guess:
             return None
+        chain, exclude = _chain(draft.tree, guess, path)
         tokens = torch.cat(seq.pending_tokens) if seq.pending_tokens else torch.zeros(0, dtype=torch.long)
         features = torch.cat(seq.pending_features) if seq.pending_features else torch.zeros(0)
         seq.pending_tokens.clear()
@@ -404,12 +410,12 @@ class Engine:
         def run() -> tuple[DraftTree | None, float]:
             t0 = time.perf_counter()
             tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params,  # type: ignore[union-attr]
-                                       round_index + 1)
+                                       round_index + 1, branches=policy.branches, exclude=exclude, chain=chain)
             return tree, time.perf_counter() - t0
 
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="aerie-ahead")
-        ahead = _Ahead(self._ahead_pool.submit(run), list(guess))
+        ahead = _Ahead(self._ahead_pool.submit(run), list(guess), list(chain))
         self._open_ahead[seq_id] = ahead
         return ahead
 
@@ -435,8 +441,9 @@ class Engine:
         if ahead is None or ahead.tree is None:
             return self._draft(seq_id, seq, seq.root)
         hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
-        if (seq.policy is not None and done.tokens[: len(ahead.guess)] == ahead.guess
-                and len(done.tokens) <= len(ahead.guess) + 1):  # the guess + the bonus: was it on the tree?
+        bet = ahead.guess + ahead.chain  # the guess, then the chain: the bonus hangs from one of them
+        if (seq.policy is not None and len(ahead.guess) < len(done.tokens) <= len(bet) + 1
+                and done.tokens[:-1] == bet[: len(done.tokens) - 1]):  # on the bet + the bonus: on the tree?
             seq.policy.observe_ahead(hit is not None)
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
@@ -460,7 +467,7 @@ class Engine:
         use = ahead is not None and plan.tree is not None
         if ahead is not None and plan.tree is not None:
             assert int(ahead.tokens[0]) == root, (int(ahead.tokens[0]), root)  # rerooted at the bonus
-            tree = ahead
+            tree = trim(ahead, plan.tree, seq.sort_paths)  # the round's shape (an ahead tree may be larger)
         else:
             tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
         eagle_size = tree.size
@@ -491,6 +498,24 @@ class Engine:
         self.budget.observe_draft(params, int(tokens.shape[0]), draft_s)
         self._draft_est = draft_s if self._draft_est == 0.0 else 0.8 * self._draft_est + 0.2 * draft_s
         return tree
+
+
+def _chain(tree: DraftTree, guess: list[int], path: list[int]
+           ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """For a guess on the tree's top path `path`: (chain, exclude). chain: the path past the guess
+    (the verdict may accept more of it before the bonus); exclude[p]: the tree's children of the
+    guessed node (p = 0) and of the chain's p-th node, which the verifier tries before it draws a
+    bonus there (never the bonus). Another guess (an injected guesser's): no chain, no exclusion.
+    Example: tokens [7, 5, 8, 3, 4], parents [-1, 0, 0, 1, 1], path [5, 3], guess [5]
+    -> ((3,), ((3, 4), ()))."""
+    if not guess or guess != path[: len(guess)]:
+        return (), ()
+    parents, toks = tree.parents.tolist(), tree.tokens.tolist()
+    exclude = []
+    for j in range(len(guess), len(path) + 1):
+        node = follow(tree, path[:j])
+        exclude.append(tuple(toks[i] for i in range(1, len(toks)) if parents[i] == node))
+    return tuple(path[len(guess):]), tuple(exclude)
 
 
 @dataclass(frozen=True, slots=True)

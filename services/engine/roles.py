@@ -6,10 +6,12 @@ Each role has two implementations: in process (`services.engine.drafter.Drafter`
 so the round semantics live in one place, `Engine`. `Engine` is typed against these protocols.
 
 Drafting ahead (Engine's `ahead`) needs one more drafter method, `draft_ahead(seq_id, tokens,
-features, guess, params, round_index) -> DraftTree | None` (services/engine/drafter.py documents it;
-over gRPC the DraftAhead call, `RemoteDrafter.draft_ahead`, and the coordinator's placement wraps it
-with fail-over); the engine checks for it when built with `ahead`, so a drafter without it still
-serves every other use. It is called from the engine's drafter thread while `verify` runs.
+features, guess, params, round_index, branches, exclude) -> DraftTree | None`
+(services/engine/drafter.py documents it; over gRPC the DraftAhead call, `RemoteDrafter.draft_ahead`,
+and the coordinator's placement wraps it with fail-over); the engine checks for it when built with
+`ahead`, so a drafter without it still serves every other use. It is called from the engine's
+drafter thread while `verify` runs. An optional `busy` attribute (0..1, the drafter's load as the
+sequence sees it; a remote drafter reports it with each answer) feeds the overlap policy.
 """
 
 from __future__ import annotations

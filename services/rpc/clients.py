@@ -200,6 +200,7 @@ class RemoteDrafter:
         self._feature_kind = codec.FEATURE_KINDS[info.feature_kind]
         self._pending: dict[str, tuple[int, bool]] = {}  # started, not yet prefilled
         self._round: dict[str, int] = {}  # the round the latest tree is for
+        self.busy = 0.0  # the drafter's load in its latest answer (DraftResponse.busy, 0..1)
 
     @property
     def feature_kind(self) -> FeatureKind:
@@ -229,13 +230,16 @@ class RemoteDrafter:
             with self.phases.phase(span_round or round_index, "draft"):
                 response = self.client.call(self.client.stub.Draft, request)
         self._round[seq_id] = round_index
+        self.busy = response.busy
         return codec.decode_tree(response.tree, self.vocab_size)
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
-                    params: TreeParams | None = None, span_round: int | None = None) -> DraftTree | None:
+                    params: TreeParams | None = None, span_round: int | None = None, branches: int | None = None,
+                    exclude: tuple[tuple[int, ...], ...] = (), chain: tuple[int, ...] = ()) -> DraftTree | None:
         """The DraftAhead call (services.engine.drafter.Drafter.draft_ahead over gRPC): tokens [n] /
         features [n, F] committed rows the draft KV has not seen (n may be 0), `guess` the guessed
         committed tokens -> the ahead tree rooted at guess[-1], or None (the guessed rows do not fit).
+        `branches` / `exclude` / `chain`: the ahead tree's likely bonuses (services/spec/ahead_tree.py).
         Numbered with the draft calls (the drafter's idempotency key); `span_round` as in `draft`.
         Runs on the engine's drafter thread while the main thread's Verify is in flight (one call of
         a sequence at a time)."""
@@ -244,7 +248,10 @@ class RemoteDrafter:
                                    "draft before drafting ahead")
         round_index = self._round.get(seq_id, 0) + 1
         request = dpb.DraftAheadRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
-                                        guess=list(guess))
+                                        guess=list(guess), chain=list(chain), exclude=[t for e in exclude for t in e],
+                                        exclude_sizes=[len(e) for e in exclude])
+        if branches is not None:
+            request.branches = branches
         if tokens.numel():
             request.features.CopyFrom(codec.encode_tensor(features))
         if params is not None:
@@ -252,6 +259,7 @@ class RemoteDrafter:
         with self.phases.phase(span_round or round_index, "draft_ahead"):
             response = self.client.call(self.client.stub.DraftAhead, request)
         self._round[seq_id] = round_index
+        self.busy = response.busy
         return codec.decode_tree(response.tree, self.vocab_size) if response.HasField("tree") else None
 
     def prefilled(self, seq_id: str) -> bool:

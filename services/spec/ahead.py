@@ -8,7 +8,10 @@ Vocabulary (one word per concept, used across aerie):
   * ahead tree  the tree drafted from the guess: its root is the guess's last token; its draft KV
                 rows for the guessed tokens use the head's own predicted features (the target's
                 are not back yet). Those rows are dropped afterwards: the draft KV keeps only
-                committed rows with target features.
+                committed rows with target features. Its shape (services/spec/ahead_tree.py): the
+                top path past the guess (the chain) with a fresh-sized subtree under the likely
+                bonuses at the root and at every chain node, so a hit reroots to a round-sized
+                tree; `trim` cuts whatever tree a round uses back to the round's shape.
   * hit         the committed tokens start with the guess AND the rest of them (accepted drafts
                 past the guess and the bonus) is a path of the ahead tree from its root; the round
                 then verifies the ahead tree rerooted at that path's end (`reroot`: the real bonus
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from services.spec.tree import DraftTree, build_tree
+from services.spec.tree import DraftTree, TreeParams, build_tree
 
 
 def top_guess(tree: DraftTree, depth: int) -> list[int]:
@@ -85,6 +88,29 @@ def reroot(tree: DraftTree, node: int, sort_paths: bool) -> DraftTree:
     scores = tree.scores[idx] - tree.scores[node]
     return build_tree(tree.tokens[idx], torch.tensor(new_parents, dtype=torch.long, device=tree.tokens.device),
                       scores, sort_paths)
+
+
+def trim(tree: DraftTree, params: TreeParams, sort_paths: bool) -> DraftTree:
+    """`tree` cut back to the round's shape: nodes at most `depth + 1` levels deep, then the best
+    `size - 1` by score (a stable sort: ties keep the earlier node, so parents stay), and with dynamic
+    depth only those at or above `stop_logprob` (one at least). A tree that fits is returned as is.
+    Example: tokens [7, 5, 8, 3], parents [-1, 0, 0, 1], scores [0, -.1, -2, -.3], size 3 -> [7, 5, 3]."""
+    depths = tree.depths.tolist()
+    scores = tree.scores.tolist()
+    ok = [i for i in range(1, tree.size) if depths[i] <= params.depth + 1]  # ancestor-closed
+    ranked = sorted(ok, key=lambda i: -scores[i])  # sorted() is stable: a parent precedes its children
+    if params.stop_logprob > float("-inf"):
+        ranked = [i for i in ranked if scores[i] >= params.stop_logprob] or ranked[:1]
+    ranked = ranked[: params.size - 1]
+    if len(ranked) == tree.size - 1:
+        return tree
+    keep = [0] + sorted(ranked)
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents = tree.parents.tolist()
+    dev = tree.tokens.device
+    idx = torch.tensor(keep, dtype=torch.long, device=dev)
+    new_parents = torch.tensor([-1] + [new_index[parents[i]] for i in keep[1:]], dtype=torch.long, device=dev)
+    return build_tree(tree.tokens[idx], new_parents, tree.scores[idx], sort_paths)
 
 
 def use_ahead(ahead: DraftTree, guess: list[int], committed: list[int], sort_paths: bool) -> DraftTree | None:

@@ -40,6 +40,7 @@ class AheadPolicy:
     decay: float = 0.97  # forgetting per observation
     enabled: bool = True  # False: never draft ahead (the --no-overlap switch)
     learn_cost: bool = True  # False: keep `contention` as given (tests; a known deployment)
+    branches: int = 1  # likely bonuses per attach point with a fresh-sized subtree (ahead_tree.py; 0: one tree)
     _hits: list[float] = field(default_factory=list)  # [max_depth] discounted hits per depth
     _trials: list[float] = field(default_factory=list)  # [max_depth] discounted trials
     _in_tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [hits, trials]
@@ -54,20 +55,36 @@ class AheadPolicy:
     def hit_rate(self, depth: int) -> float:
         """P(hit) for a guess of `depth` tokens: prefix rate x in-tree rate."""
         w = self.prior_weight
-        prefix = (self._hits[depth - 1] + w * self.prior_hit) / (self._trials[depth - 1] + w)
         hits, trials = self._in_tree
-        return prefix * (hits + w * self.prior_in_tree) / (trials + w)
+        return self._prefix(depth) * (hits + w * self.prior_in_tree) / (trials + w)
 
-    def choose(self, draft_s: float, step_s: float, path_len: int, busy: float = 0.0) -> int | None:
+    def _prefix(self, depth: int) -> float:
+        """P(the committed tokens are the top path's first `depth` tokens + the bonus)."""
+        w = self.prior_weight
+        return (self._hits[depth - 1] + w * self.prior_hit) / (self._trials[depth - 1] + w)
+
+    def choose(self, draft_s: float, step_s: float, path_len: int, busy: float = 0.0,
+               chained: bool = False) -> int | None:
         """The guess depth to draft ahead at, or None (do not draft ahead). draft_s: the predicted
         seconds of the next tree's draft; step_s: one one-row head step; path_len: tokens on the
-        tree's top path (a guess cannot be longer); busy: the drafter's load (0 idle .. 1 saturated)."""
+        tree's top path (a guess cannot be longer); busy: the drafter's load (0 idle .. 1 saturated).
+        chained: the ahead tree also holds the top path past the guess with bonuses at each of its
+        nodes (services/spec/ahead_tree.py), so a guess of j hits at any accept length >= j:
+        P(hit at j) = min(1, sum of the prefix rates at j..path_len) x in-tree, and the ahead draft
+        costs one more level and a one-row step per chain token."""
         if not self.enabled or path_len < 1 or draft_s <= 0:
             return None
         contention = max(self.contention, min(max(busy, 0.0), 1.0))
         best, best_gain = None, 0.0
-        for j in range(1, min(self.max_depth, path_len) + 1):
-            gain = self.hit_rate(j) * draft_s - contention * (draft_s + j * step_s)
+        top = min(self.max_depth, path_len)
+        for j in range(1, top + 1):
+            if chained:
+                in_tree = self.hit_rate(1) / self._prefix(1)
+                p_hit = min(1.0, sum(self._prefix(d) for d in range(j, top + 1))) * in_tree
+                cost = draft_s + (path_len + 1) * step_s  # guess + chain rows, one level more
+            else:
+                p_hit, cost = self.hit_rate(j), draft_s + j * step_s
+            gain = p_hit * draft_s - contention * cost
             if gain > best_gain:
                 best, best_gain = j, gain
         return best

@@ -274,3 +274,18 @@ def test_serve_refuses_a_model_swallowed_as_a_served_name(capsys):
     assert "--served-model-name took m org/x as names and no MODEL is given; put MODEL first" in err
     args = parse("serve", "--served-model-name", "a", "--served-model-name", "b")  # repeated: the default model
     assert args.served_model_name == ["a", "b"] and args.target is None
+
+
+def test_overlap_makes_the_drafters_reserve_the_ahead_rows(monkeypatch):
+    """`aerie up --overlap on|always` (or AERIE_OVERLAP) gives its drafters --ahead-branches 2: their
+    draft KV reserves the ahead tree's rows (services/spec/ahead_tree.py); off, none."""
+    monkeypatch.delenv("AERIE_OVERLAP", raising=False)
+    monkeypatch.delenv("AERIE_AHEAD_BRANCHES", raising=False)
+    assert "--ahead-branches" not in role_flags(parse("up"), "drafter")
+    assert role_flags(parse("up", "--overlap", "always"), "drafter")[-2:] == ["--ahead-branches", "2"]
+    assert "--ahead-branches" not in role_flags(parse("up", "--overlap", "on"), "coordinator")
+    monkeypatch.setenv("AERIE_OVERLAP", "1")
+    assert role_flags(parse("up"), "drafter")[-2:] == ["--ahead-branches", "2"]
+    assert "--ahead-branches" not in role_flags(parse("up", "--overlap", "off"), "drafter")
+    monkeypatch.setenv("AERIE_AHEAD_BRANCHES", "1")  # the drafters read their own setting
+    assert "--ahead-branches" not in role_flags(parse("up"), "drafter")

@@ -10,7 +10,9 @@ import grpc
 import pytest
 import torch
 
+from drafter_svc.load import DrafterLoad
 from services.rpc import codec
+from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
 from services.rpc.stubs import drafter as dpb
 from services.spec.overlap import AheadPolicy
@@ -186,7 +188,8 @@ def test_draft_ahead_rpc_is_idempotent_and_validated(pipeline):
                                     features=codec.encode_tensor(torch.randn(1, f)), tree=tree)
     first = stub.DraftAhead(request, timeout=60)
     ahead = codec.decode_tree(first.tree, VOCAB)
-    assert int(ahead.tokens[0]) == 7 and ahead.size == 16
+    # the drafter's default: two branches (likely bonuses), a fresh-sized subtree under each
+    assert int(ahead.tokens[0]) == 7 and ahead.size == 1 + 2 * 16
     assert drafter._caches["s"].length == length + 1  # the committed row stays, the guessed rows do not
     assert stub.DraftAhead(request, timeout=60) == first  # a retry: the same tree, the KV untouched
     assert drafter._caches["s"].length == length + 1
@@ -196,6 +199,50 @@ def test_draft_ahead_rpc_is_idempotent_and_validated(pipeline):
         with pytest.raises(grpc.RpcError) as e:
             stub.DraftAhead(bad, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+    one = dpb.DraftAheadRequest(sequence_id="s", round_index=3, guess=[31, 7], tree=tree, branches=0)
+    assert codec.decode_tree(stub.DraftAhead(one, timeout=60).tree, VOCAB).size == 16  # one tree of the shape
+    skip = int(ahead.tokens[1])  # the first branch, excluded: no branch holds it any more
+    ex = dpb.DraftAheadRequest(sequence_id="s", round_index=4, guess=[31, 7], tree=tree, exclude=[skip],
+                               exclude_sizes=[1], chain=[9])
+    ahead = codec.decode_tree(stub.DraftAhead(ex, timeout=60).tree, VOCAB)
+    assert int(ahead.tokens[1]) == 9 and int(ahead.parents[1]) == 0  # the chain
+    assert skip not in [int(ahead.tokens[i]) for i in range(2, ahead.size) if int(ahead.parents[i]) == 0]
+    assert ahead.size == 2 + 2 * 2 * 16  # two branches at the root and at the chain node
+    for field, match in (({"branches": -1}, "branches must be >= 0"),
+                         ({"exclude": [VOCAB], "exclude_sizes": [1]}, "outside the vocabulary"),
+                         ({"exclude": [3]}, "exclude_sizes must split the 1 exclude tokens"),
+                         ({"exclude": [3, 4], "exclude_sizes": [1, 1]}, "into at most 1 lists"),
+                         ({"chain": [1] * 5}, "chain must hold at most 4 tokens")):
+        bad = dpb.DraftAheadRequest(sequence_id="s", round_index=5, guess=[3], **field)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.DraftAhead(bad, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         stub.DraftAhead(dpb.DraftAheadRequest(sequence_id="nope", round_index=2, guess=[3]), timeout=60)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_busy_drafter_drafts_ahead_less(pipeline, target_greedy):
+    """The drafter reports its load (DraftResponse.busy: the share of its last second spent on OTHER
+    sequences' batches) and the coordinator's policy takes it as contention. A synthetic load on an
+    explicit clock: another sequence filled the last second -> busy 1.0 -> no ahead draft at all;
+    the same drafter idle -> ahead drafts again. No timing: the clock never moves."""
+    servicer = pipeline.drafter
+    servicer.load = DrafterLoad(window_s=1.0, clock=lambda: 100.0)
+    servicer.load.ran(99.0, 100.0, {"someone-else"})  # the synthetic load
+    f = servicer.drafter.head.config.feature_size
+    prefill = dpb.DrafterPrefillRequest(sequence_id="b", max_rows=64, tokens=[4, 9],
+                                        features=codec.encode_tensor(torch.randn(2, f)))
+    assert pipeline.drafter_stub().Prefill(iter([prefill]), timeout=60).busy == 1.0
+    pipeline.drafter_stub().Release(pb.ReleaseRequest(sequence_id="b"), timeout=60)
+    servicer.load.ran(99.5, 100.0, {"b"})  # its own batches are no load for a sequence
+    assert servicer.load.busy("b") == 1.0 and servicer.load.busy("someone-else") == 0.5
+    pipeline.coordinator.sequences.ahead = always()  # contention 0: only the load can stop it
+    tokens, messages = stream(pipeline, 24)
+    assert tokens == target_greedy[:24]
+    assert not any(s.ahead for s in rounds(messages))
+    servicer.load = DrafterLoad(window_s=1.0, clock=lambda: 100.0)  # idle
+    tokens, messages = stream(pipeline, 24)
+    assert tokens == target_greedy[:24]
+    assert any(s.ahead for s in rounds(messages))
+

@@ -11,7 +11,8 @@ from services.engine.engine import Engine, GenerationRequest
 from services.engine.verifier import Verifier
 from services.spec.overlap import AheadPolicy
 from services.spec.sampling import SamplingParams
-from services.spec.tree import TreeParams
+from services.spec.ahead import use_ahead
+from services.spec.tree import TreeParams, expand, rerank
 from tests.helpers import VOCAB, hf_greedy, oracle
 
 SHAPE = TreeParams(4, 3, 16)
@@ -45,7 +46,9 @@ def test_greedy_with_overlap_equals_the_target(pair, request):
         assert run(off, prompt, N)[0] == ref
         ahead += sum(s.ahead for s in stats)
         hits += sum(s.ahead_hit for s in stats)
-    # the top-path guess drafts ahead every round and hits in some (18 of 36 with llama_pair)
+        # a hit verifies the fresh-sized subtree of its branch: as many nodes as a drafted tree
+        assert all(s.tree_size == SHAPE.size for s in stats if s.ahead_hit)
+    # the top-path guess drafts ahead every round and hits in some
     assert ahead > 0 and 0 < hits <= ahead
 
 
@@ -97,13 +100,74 @@ def test_engine_refuses_overlap_without_a_drafter(llama_pair):
 
 def test_draft_ahead_leaves_only_committed_rows(llama_pair):
     _, _, head = llama_pair
-    d = Drafter(head, SHAPE)
+    d = Drafter(head, SHAPE, ahead_branches=2)
     d.start("s", 64, sampling=False)
     f = head.config.feature_size
     d.draft("s", torch.tensor([4, 9, 21]), torch.randn(3, f), SHAPE)
     length = d._caches["s"].length
-    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE)
+    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE, branches=0)
     assert tree is not None and int(tree.tokens[0]) == 31 and tree.size == SHAPE.size
+    tree = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), [30, 31], SHAPE)
+    assert tree is not None and tree.size == 1 + 2 * SHAPE.size  # two branches, a fresh-sized subtree each
     assert d._caches["s"].length == length
     tree2 = d.draft_ahead("s", torch.tensor([30]), torch.randn(1, f), [31], SHAPE)
     assert tree2 is not None and d._caches["s"].length == length + 1  # the committed row stays
+
+
+def test_a_hit_reroots_to_the_fresh_tree_of_its_branch(llama_pair):
+    """The ahead tree (two branches at the root and at the one chain node, the in-flight children
+    excluded) rerooted at any branch is the tree a fresh draft from that branch grows when its rows
+    get the head's predicted features: same tokens, parents, depth and node count as the round's
+    shape (the old single-beam ahead tree: fewer)."""
+    _, _, head = llama_pair
+    f = head.config.feature_size
+    torch.manual_seed(3)
+    feats = torch.randn(3, f)
+    d = Drafter(head, SHAPE, ahead_branches=2)
+    d.start("s", 64, sampling=False)
+    d.draft("s", torch.tensor([4, 9, 21]), feats, SHAPE)
+    guess = [30, 31]
+    plain = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), guess, SHAPE, branches=0)
+    skip = int(plain.tokens[1])  # pretend the tree in flight holds the root's best child...
+    chain = [int(plain.tokens[plain.parents.tolist().index(1)])]  # ...and its best child: the chain
+    ahead = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), guess, SHAPE,
+                          exclude=((skip,), ()), chain=tuple(chain))
+    assert d._caches["s"].length == 3  # only the committed rows stay
+    parents = ahead.parents.tolist()
+    assert int(ahead.tokens[1]) == chain[0] and parents[1] == 0  # the chain hangs from the root
+    attach = {0: [], 1: []}  # attach point -> its branch nodes
+    for i in range(2, ahead.size):
+        if parents[i] in attach:
+            attach[parents[i]].append(i)
+    assert len(attach[0]) == 2 and len(attach[1]) == 2
+    assert skip not in [int(ahead.tokens[i]) for i in attach[0]]
+    assert ahead.size == 2 + 4 * SHAPE.size
+    ref = Drafter(head, SHAPE)  # the same committed rows, then the bet's and the branch's rows
+    ref.start("r", 64, sampling=False)
+    ref.draft("r", torch.tensor([4, 9, 21]), feats, SHAPE)
+    cache = ref._caches["r"]
+    for point, nodes in attach.items():
+        for b in nodes:
+            bonus = int(ahead.tokens[b])
+            verdict = guess + chain[:point] + [bonus]
+            sub = use_ahead(ahead, guess, verdict, False)  # a hit at this bonus
+            stable, last = cache.length, ref._last["r"]
+            for tok in verdict:
+                last = head(last[None], torch.tensor([tok]), cache)[0]
+            fresh = rerank(expand(head, cache, last, SHAPE), bonus, SHAPE, False)
+            cache.truncate(stable)
+            assert sub.size == fresh.size == SHAPE.size and sub.max_depth == fresh.max_depth
+            assert sub.tokens.tolist() == fresh.tokens.tolist() and sub.parents.tolist() == fresh.parents.tolist()
+            assert torch.allclose(sub.scores, fresh.scores, atol=1e-4)
+    # the single-beam ahead tree's subtree under its best child: smaller
+    old = use_ahead(plain, guess, guess + [skip], False)
+    assert old is None or old.size < SHAPE.size
+
+
+def test_chain_and_exclusions_follow_the_top_path():
+    from services.engine.engine import _chain
+    from services.spec.tree import build_tree
+    t = build_tree(torch.tensor([7, 5, 8, 3, 4]), torch.tensor([-1, 0, 0, 1, 1]), torch.zeros(5), False)
+    assert _chain(t, [5], [5, 3]) == ((3,), ((3, 4), ()))
+    assert _chain(t, [5, 3], [5, 3]) == ((), ((),))  # the guess is the whole path: the bonus follows it
+    assert _chain(t, [8], [5, 3]) == ((), ())  # not the top path (an injected guess): nothing

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import tests.spec.test_sampling as ts
-from services.spec.ahead import follow, prefix_hits, reroot, top_guess, use_ahead
+from services.spec.ahead import follow, prefix_hits, reroot, top_guess, trim, use_ahead
 from services.spec.overlap import AheadPolicy
 from services.spec.sampling import SamplingParams
-from services.spec.tree import build_tree
+from services.spec.tree import TreeParams, build_tree
 
 
 def tree(tokens, parents, scores=None, sort_paths=False):
@@ -83,3 +83,27 @@ def test_sampling_on_a_rerooted_ahead_tree_keeps_the_target_distribution(monkeyp
     params = SamplingParams(1.0, seed=7)
     assert ts.chi_square_p(params, wrong=False) > 1e-3
     assert ts.chi_square_p(params, wrong=True) < 1e-6, "the check must fail a wrong rule"
+
+
+def test_trim_cuts_an_ahead_tree_back_to_the_rounds_shape():
+    # 7 -> 5 -> 3 -> 2 and 7 -> 8: depth 1 (two levels) and size 3 keep the best ancestor-closed nodes
+    t = tree([7, 5, 8, 3, 2], [-1, 0, 0, 1, 3], [0, -0.1, -2, -0.3, -0.4])
+    cut = trim(t, TreeParams(top_k=2, depth=1, size=3), False)
+    assert cut.tokens.tolist() == [7, 5, 3] and cut.parents.tolist() == [-1, 0, 1]
+    assert trim(t, TreeParams(top_k=2, depth=3, size=5), False) is t  # it fits: unchanged
+    tied = tree([7, 5, 3, 4], [-1, 0, 1, 1], [0, 0.0, 0.0, 0.0])  # exact ties: a parent is never cut off
+    assert trim(tied, TreeParams(top_k=2, depth=2, size=2), False).tokens.tolist() == [7, 5]
+    stop = trim(t, TreeParams(top_k=2, depth=3, size=5, stop_logprob=-0.35), False)
+    assert stop.tokens.tolist() == [7, 5, 3]
+
+
+def test_chained_policy_counts_every_accept_length_past_the_guess():
+    """With the chain (services/spec/ahead_tree.py) a guess of 1 also hits when the verdict accepts
+    more of the top path: the hit probability sums the prefix rates from j on (synthetic verdicts)."""
+    p = AheadPolicy(contention=0.5, learn_cost=False)
+    for _ in range(80):  # the verdict accepts the top path's first 3 tokens, then the bonus
+        p.observe_verdict([False, False, True])
+        p.observe_ahead(True)
+    assert p.choose(0.010, 0.001, 3) == 3  # one tree at the guess's end: only a guess of 3 can hit
+    assert p.choose(0.010, 0.001, 3, chained=True) == 1  # the chain: a guess of 1 hits too
+    assert AheadPolicy(contention=1.0, learn_cost=False).choose(0.010, 0.001, 3, chained=True) is None

@@ -38,26 +38,36 @@ class DraftRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
 class DraftAheadRequest(_message.Message):
-    __slots__ = ("sequence_id", "round_index", "tokens", "features", "guess", "tree")
+    __slots__ = ("sequence_id", "round_index", "tokens", "features", "guess", "tree", "branches", "chain", "exclude", "exclude_sizes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     GUESS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_SIZES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     round_index: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
     guess: _containers.RepeatedScalarFieldContainer[int]
     tree: _common_pb2.TreeParams
-    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., guess: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    branches: int
+    chain: _containers.RepeatedScalarFieldContainer[int]
+    exclude: _containers.RepeatedScalarFieldContainer[int]
+    exclude_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., guess: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., branches: _Optional[int] = ..., chain: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[int]] = ..., exclude_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree",)
+    __slots__ = ("tree", "busy")
     TREE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+    busy: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., busy: _Optional[float] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("draft", "dtype", "feature_kind", "feature_size", "vocab_size", "tree", "max_sequences", "num_sequences", "fixed_tree", "head_cost", "logits_cost", "top1_agreement")
