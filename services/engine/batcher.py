@@ -11,8 +11,8 @@ exclusive function, as services/engine/step_scheduler.py picks them: every decod
 (arrival order, up to `max_batch` calls and `max_rows` rows), then Prefill chunks while the step stays
 within the token budget (`step_rows`, fixed, or `budget`, learned from the steps that ran:
 services/engine/step_cost.py; a call larger than `max_rows` runs alone), and hands them to
-`run_batch` as one list: one forward. Calls queued during that forward form the next batch. The budget applies while a sequence decodes here (`decoding`);
-then a prefill call that does not fit is cut (`split`): its first rows run in this step, the rest
+`run_batch` as one list: one forward. Calls queued during that forward form the next batch. The
+budget applies while a sequence decodes here (`decoding`); then a prefill call that does not fit is cut (`split`): its first rows run in this step, the rest
 keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
 that fails fails the call; a call whose first slice ran can no longer be cancelled). Gathering: when fewer
 calls wait than sequences hold state here (`expect`), the worker waits for the missing ones, at most
@@ -106,8 +106,9 @@ class Batcher(Generic[C]):
         steps that ran (services/engine/step_cost.py), used instead of `step_rows` when given: asked
         for each step's rows, told each step's calls and run time; `prefix(call)`: the rows its
         sequence holds in KV before it (None: 0), what the budget's attention term reads. `clock`:
-        seconds, for a batch's run time and the gathering deadline (tests pass a manual clock, so what they assert does not follow the machine's
-        speed); the queue's admission deadline is always real time."""
+        seconds, for a batch's run time and the gathering deadline (tests pass a manual clock, so what
+        they assert does not follow the machine's speed); the queue's admission deadline is always
+        real time."""
         self.name = name
         self.limits = limits
         self._expect = expect
