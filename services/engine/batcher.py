@@ -12,8 +12,8 @@ exclusive function, as services/engine/step_scheduler.py picks them: every decod
 within the token budget (`step_rows`, fixed, or `budget`, learned from the steps that ran:
 services/engine/step_cost.py; a call larger than `max_rows` runs alone), and hands them to
 `run_batch` as one list: one forward. Calls queued during that forward form the next batch. The
-budget applies while a sequence decodes here (`decoding`); then a prefill call that does not fit is cut (`split`): its first rows run in this step, the rest
-keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
+budget applies while a sequence decodes here (`decoding`); then a prefill call that does not fit is
+cut (`split`): its first rows run in this step, the rest keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
 that fails fails the call; a call whose first slice ran can no longer be cancelled). Gathering: when fewer
 calls wait than sequences hold state here (`expect`), the worker waits for the missing ones, at most
 min(max_wait_s, half the last forward's time), so that sequences whose calls come back after a
