@@ -10,17 +10,17 @@ One worker thread owns the model. Each step (one forward) serves the calls queue
 exclusive function, as services/engine/step_scheduler.py picks them: every decode/verify call first
 (arrival order, up to `max_batch` calls and `max_rows` rows), then Prefill chunks while the step stays
 within the token budget (`step_rows`, fixed, or `budget`, learned from the steps that ran:
-services/engine/step_cost.py; a call larger than `max_rows` runs alone), and hands them to
-`run_batch` as one list: one forward. Calls queued during that forward form the next batch. The
-budget applies while a sequence decodes here (`decoding`); then a prefill call that does not fit is
-cut (`split`): its first rows run in this step, the rest keeps its place in the queue and its caller's future, which gets the last slice's result (a slice
-that fails fails the call; a call whose first slice ran can no longer be cancelled). Gathering: when fewer
-calls wait than sequences hold state here (`expect`), the worker waits for the missing ones, at most
-min(max_wait_s, half the last forward's time), so that sequences whose calls come back after a
-round trip elsewhere stay in one batch instead of taking turns; alone (one sequence) it never
-waits. A second call
-of the same key (sequence) waits for the next batch, so a batch never holds one sequence twice.
-An exclusive function is a barrier: the calls before it run first, the calls after it after.
+services/engine/step_cost.py; a call larger than `max_rows` runs alone), and hands them to `run_batch`
+as one list: one forward. Calls queued during that forward form the next batch. The budget applies while
+a sequence decodes here (`decoding`); then a prefill call that does not fit is cut (`split`): its first
+rows run in this step, the rest keeps its place in the queue and its caller's future, which gets the
+last slice's result (a slice that fails fails the call; a call whose first slice ran can no longer be
+cancelled). Gathering: when fewer calls wait than sequences hold state here (`expect`), the worker waits
+for the missing ones, at most min(max_wait_s, half the last forward's time), so that sequences whose
+calls come back after a round trip elsewhere stay in one batch instead of taking turns; alone (one
+sequence) it never waits. A second call of the same key (sequence) waits for the next batch, so a batch
+never holds one sequence twice. An exclusive function is a barrier: the calls before it run first, the
+calls after it after.
 
 `run_batch(calls)` returns one result per call, in order; a result that is an exception is raised
 to that call only, so one bad request never fails its neighbours. If `run_batch` itself raises,
