@@ -94,7 +94,8 @@ def test_verify_round_on_the_device_until_the_one_host_copy(llama_pair, penalty)
     slot = verifier.runner.allocate(64)
     verifier.runner.pool.cache(slot).length = 10  # as if a 10-token prompt had been prefilled
     seen = SeenTokens(target.config.vocab_size, "meta") if penalty != 1.0 else None
-    verifier._seqs["s"] = _Sequence(slot, 10, 64, SamplingParams(repetition_penalty=penalty), "hidden", seen=seen)
+    verifier._seqs["s"] = _Sequence(slot, 10, capacity=64, reserved=64, age=0, feature_kind="hidden", seen=seen,
+                                    sampling=SamplingParams(repetition_penalty=penalty))
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as info:
         verifier.verify("s", small_tree("cpu"), 1)  # a host tree, as the drafter service sends it
     frames = [f for f in traceback.extract_tb(info.tb) if "/services/" in f.filename]
