@@ -82,7 +82,8 @@ def test_slices_of_a_step_budget(pipeline, model_dirs, llama_pair):
                             prefill_chunk=20, itl_target_ms=1)
     servicer = VerifierServicer(base.target, config, base.target_path, base.eos_token_ids,
                                 CostCurve((1, 1000), (0.05, 1.049)))
-    servicer.batcher.step_rows = 8  # (as tests/services/test_batching_services.py: an 8-row budget)
+    servicer.batcher.step_rows = 8  # (as tests/services/test_batching_services.py: an 8-row budget,
+    servicer.batcher.budget = None  # fixed, not the one learned from the steps)
     server, port = pipeline.loop.run(create_verifier(f"{HOST}:0", config, servicer))
     pipeline.servers.append((server, servicer))
     stub = verifier_grpc.VerifierStub(pipeline.channel_to(f"{HOST}:{port}"))
