@@ -268,7 +268,10 @@ class Gateway:
             _cancel(calls)
             return _error(500, error_body("the coordinator ended the stream without a message", "internal_error"))
         try:
-            echoed = [await self._prompt_text(r, metadata) for r in requests] if parsed.echo else None
+            echoed = None
+            if parsed.echo:  # one text per prompt (choices are prompt-major: n in a row share it)
+                texts = [await self._prompt_text(r, metadata) for r in requests[::parsed.n]]
+                echoed = [text for text in texts for _ in range(parsed.n)]
         except grpc.aio.AioRpcError as e:
             watcher.cancel()
             _cancel(calls)

@@ -1,7 +1,7 @@
 """Requests per second per client (coordinator/rate_limit.py): a token bucket per client key, pure
 with a fake clock; through a real coordinator (gRPC: RESOURCE_EXHAUSTED with `retry-after`) and the
 HTTP API (429, Retry-After), other clients unaffected. The rate in the service tests refills one
-token in 1000 s, so no test depends on how long a step takes."""
+token in 1000 s, so no test depends on how long a step takes (the waits are checked within 100 s)."""
 
 import grpc
 import httpx
@@ -73,7 +73,7 @@ def test_a_client_over_its_rate_is_refused_and_the_others_are_not(limited):
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert e.value.details().startswith("peer ipv4:127.0.0.1 is over its rate limit of 0.001 requests/s (burst 2")
     wait = dict(e.value.trailing_metadata())[RETRY_AFTER]
-    assert 999.0 < float(wait) <= 1000.0
+    assert 900.0 < float(wait) <= 1000.0  # 1000 s less the time since the burst (a loaded machine is slow)
     other = stub.Generate(request, timeout=60, metadata=((FORWARDED_FOR, "203.0.113.9"),))  # another client
     assert list(other)[-1].finish_reason == "length"
 
@@ -86,7 +86,7 @@ def test_the_http_api_answers_429_with_retry_after(limited):
             codes = [h.post(f"http://{HOST}:{http.port}/v1/completions", json=body) for _ in range(3)]
         assert [r.status_code for r in codes] == [200, 200, 429]
         refused = codes[2]
-        assert refused.headers["Retry-After"] == "1000"
+        assert 900 < int(refused.headers["Retry-After"]) <= 1000  # whole seconds, rounded up
         error = refused.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
         assert error["message"].startswith("peer ipv4:127.0.0.3 is over its rate limit")
