@@ -388,7 +388,10 @@ class Engine:
         if policy is None or draft.plan.tree is None or draft.tree.size < 2:
             return None
         params = draft.plan.tree
-        path = top_guess(draft.tree, draft.tree.max_depth)
+        # a merged retrieved chain can make the tree deeper than the head's trees: the drafter takes a
+        # guess of at most depth + 2 tokens and a chain of at most depth + 1 (its KV's ahead rows)
+        assert self.drafter is not None  # a policy needs a drafter (__init__)
+        path = top_guess(draft.tree, min(draft.tree.max_depth, self.drafter.tree.depth + 2))
         # sampling: nominal seconds, so that a seed replays the same trees whatever the timing
         draft_s = self._draft_est if not seq.sort_paths else 1.0
         step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
@@ -397,7 +400,7 @@ class Engine:
         depth = policy.choose(draft_s, step_s, len(path), busy=busy, chained=policy.branches > 0)
         if depth is None:
             return None
-        guess = self.guesser(draft.tree, depth, seq.produced) if self.guesser else path[:depth]
+        guess = self.guesser(draft.tree, depth, seq.produced)[:len(path)] if self.guesser else path[:depth]
         if not guess:
             return None
         chain, exclude = _chain(draft.tree, guess, path)

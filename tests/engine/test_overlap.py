@@ -171,3 +171,23 @@ def test_chain_and_exclusions_follow_the_top_path():
     assert _chain(t, [5], [5, 3]) == ((3,), ((3, 4), ()))
     assert _chain(t, [5, 3], [5, 3]) == ((), ((),))  # the guess is the whole path: the bonus follows it
     assert _chain(t, [8], [5, 3]) == ((), ())  # not the top path (an injected guess): nothing
+
+
+
+def test_overlap_with_retrieved_chains_deeper_than_the_head(llama_pair):
+    """eagle+sam: a merged retrieved chain makes the tree deeper than the head's trees, so its top
+    path is longer than a guess plus a chain the drafter takes (depth + 2 and depth + 1 tokens; the
+    round failed with InvalidRequest before). The engine caps both; greedy output stays the target's."""
+    hf, target, head = llama_pair
+    shape = TreeParams(2, 1, 3)  # depth 1: a guess of <= 3 tokens, a chain of <= 2
+    engine = Engine(Verifier(target, head.feature_kind), Drafter(head, shape), 512, VOCAB,
+                    retrieval=True, ahead=policy())
+    g = torch.Generator().manual_seed(7)
+    deep = 0
+    for _ in range(2):
+        part = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+        prompt = part * 3  # repeats: retrieval proposes long chains
+        tokens, stats = run(engine, prompt, 48)
+        assert tokens == hf_greedy(hf, prompt, 48), prompt
+        deep += sum(s.tree_max_depth > shape.depth + 2 and s.ahead for s in stats)
+    assert deep > 0, "no round drafted ahead from a tree deeper than the head's guess limit"
