@@ -59,7 +59,8 @@ def register(sub) -> None:
                    help="comma list of concurrent sequences, e.g. 1,2,4,8,16: aggregate tok/s and ITL for plain, "
                         "a fixed tree and the adaptive budget through in-process services (default: off)")
     c.add_argument("--concurrency-methods", default="plain,tree,adaptive",
-                   help="methods of the concurrency sweep (default: plain,tree,adaptive)")
+                   help="methods of the concurrency sweep: plain, tree, adaptive, overlap (adaptive drafting "
+                        "ahead: --overlap on) (default: plain,tree,adaptive)")
     c.add_argument("--repeats", type=int, default=1,
                    help="concurrency sweep repeats; the table shows the median (default: 1)")
     c.add_argument("--max-batch", type=int, default=16, help="the services' calls per forward (default: 16)")

