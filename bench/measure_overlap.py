@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--prompts", default=None, help="Spec-Bench JSONL (--tiny: its own four prompts)")
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--per-category", type=int, default=0, help="the first N prompts of each category (0: all)")
+    p.add_argument("--categories", default="", help="comma list: only these Spec-Bench categories (e.g. summarization,rag)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
@@ -105,7 +106,8 @@ def main() -> None:
 
         local = build_local_engine(args.target, args.draft, args.dtype,
                                    TreeParams(4, 3, 16) if args.tiny else None)
-        prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
+        prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category,
+                               [c.strip() for c in args.categories.split(",") if c.strip()])
         from services.spec.overlap import AheadPolicy
 
         local_modes = [m.strip() for m in args.in_process_ahead.split(",") if m.strip()]
@@ -154,7 +156,8 @@ def main() -> None:
             report[f"{name}_vs_in_process"] = ratio(name, "in_process")
     report["exact"] = all(len({tuple(r.tokens) for r in rows}) == 1 for rows in zip(*runs.values()))
     report["config"] = {"model": f"tiny (tests/helpers.py), {args.tiny_layers} layers" if args.tiny else args.target or "default",
-                        "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
+                        "draft": args.draft, "prompts": len(prompts), "prompt_file": args.prompts,
+                        "categories": args.categories, "per_category": args.per_category, "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
                         "modes": modes, "up_args": args.up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
