@@ -3,7 +3,8 @@ coordinator, verifier and drafter each, every one its own process), one serial a
 `--modes` entry with `--overlap MODE` (DraftAhead overlapping each Verify; "on": the learning
 policy, "always": whenever a guess can hit), interleaved per prompt (the order rotates) so machine
 noise hits all alike, plus the same EAGLE engine in process (and, with `--in-process-ahead on,always`,
-that engine drafting ahead on a thread of its own); ratios from the same run.
+that engine drafting ahead on a thread of its own); ratios from the same run. `--baseline-up-args`
+adds one more serial pipeline with other flags (an A/B of a flag in the same run).
 
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_overlap.py --tiny --max-new-tokens 48 \
         --repeats 3 --out bench/results/overlap-tiny-t1.json
@@ -67,6 +68,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
     p.add_argument("--up-args", default="", help="extra `aerie up` flags for both pipelines, space separated")
+    p.add_argument("--baseline-up-args", default=None,
+                   help="start one more serial pipeline with these extra `aerie up` flags (e.g. '--plain-run 0'), "
+                        "named serial-baseline, in the same interleaved run (an A/B of a flag)")
     p.add_argument("--in-process-ahead", default="",
                    help="comma list of overlap modes (on,always) to run the in-process engine with too")
     p.add_argument("--out", default=None, help="JSON here")
@@ -95,10 +99,13 @@ def main() -> None:
     env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_OVERLAP": "0"}
     argv = ["--port", "0", "--http-port", "0", *model, *args.up_args.split()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    names = ["serial", *(f"overlap-{m}" for m in modes)]
+    names = ["serial", *(["serial-baseline"] if args.baseline_up_args is not None else []),
+             *(f"overlap-{m}" for m in modes)]
     lines: dict[str, list[str]] = {name: [] for name in names}
     ups = {"serial": start_up(argv, env, lines["serial"])}
     try:
+        if args.baseline_up_args is not None:
+            ups["serial-baseline"] = start_up([*argv, *args.baseline_up_args.split()], env, lines["serial-baseline"])
         for m in modes:
             ups[f"overlap-{m}"] = start_up([*argv, "--overlap", m], env, lines[f"overlap-{m}"])
         sessions = {name: RemoteSession(coordinator_address(lines[name]), None, "", None) for name in ups}
@@ -148,6 +155,9 @@ def main() -> None:
         return round(report[a]["tokens_per_s"] / report[b]["tokens_per_s"], 3)
 
     report["serial_vs_in_process"] = ratio("serial", "in_process")
+    if args.baseline_up_args is not None:
+        report["serial-baseline_vs_in_process"] = ratio("serial-baseline", "in_process")
+        report["serial_vs_serial-baseline"] = ratio("serial", "serial-baseline")
     for m in modes:
         report[f"overlap-{m}_vs_serial"] = ratio(f"overlap-{m}", "serial")
         report[f"overlap-{m}_vs_in_process"] = ratio(f"overlap-{m}", "in_process")
@@ -160,7 +170,7 @@ def main() -> None:
                         "categories": args.categories, "per_category": args.per_category, "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
-                        "modes": modes, "up_args": args.up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
+                        "modes": modes, "up_args": args.up_args, "baseline_up_args": args.baseline_up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
                         "load_average": os.getloadavg()}
     print(json.dumps(report, indent=1))
     if args.out:
