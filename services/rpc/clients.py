@@ -183,8 +183,69 @@ class RemoteVerifier:
             self._kept += 1
         return token
 
+    def decode_run(self, seq_id: str, token: int, round_index: int, steps: int,
+                   keep_features: bool = False) -> PlainRun:
+        """A run of `steps` plain steps from round `round_index` (the DecodeRun call): an iterator of
+        tokens, one per round, read as the engine needs them; close() cancels the rest. Each token's
+        logprobs are what take_logprobs returns after it. The stream's deadline is timeout_s per step."""
+        return PlainRun(self, seq_id, token, round_index, steps, keep_features)
+
     def release(self, seq_id: str) -> None:
         self.client.release(seq_id)
+
+
+class PlainRun:
+    """The tokens of one DecodeRun call (RemoteVerifier.decode_run), one per round. A failed read
+    raises DownstreamError (tokens read before stay valid). A verifier without DecodeRun (UNIMPLEMENTED
+    on the first read) is asked with one Decode per remaining round instead."""
+
+    def __init__(self, rv: RemoteVerifier, seq_id: str, token: int, round_index: int, steps: int,
+                 keep_features: bool) -> None:
+        self.rv = rv
+        self.seq_id = seq_id
+        self.keep_features = keep_features
+        self.round_index = round_index  # the round of the next token
+        self.left = steps  # tokens not read yet
+        self._token = token  # the latest token (the next step's input)
+        request = vpb.DecodeRunRequest(sequence_id=seq_id, round_index=round_index, token=token, steps=steps,
+                                       keep_features=keep_features)
+        self._call = rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps)
+        self._unary = False  # the verifier has no DecodeRun: one Decode per round
+        self._read = 0  # answers read from the stream
+
+    def __iter__(self) -> PlainRun:
+        return self
+
+    def __next__(self) -> int:
+        if self.left <= 0:
+            raise StopIteration
+        rv, round_index = self.rv, self.round_index
+        if self._unary:
+            token = rv.decode(self.seq_id, self._token, round_index, self.keep_features)
+        else:
+            with rv.phases.phase(round_index, "verify"):
+                try:
+                    response = next(self._call)
+                except StopIteration:
+                    raise DownstreamError(grpc.StatusCode.INTERNAL, f"verifier {rv.client.address} ended a run of "
+                                          f"{self.seq_id!r} {self.left} steps early") from None
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read:
+                        self._unary = True
+                        return next(self)
+                    raise DownstreamError.from_rpc(e, rv.client.role, rv.client.address) from None
+            self._read += 1
+            token = int(response.token)
+            rv._logprobs = codec.decode_logprobs(response.logprobs, [token]) if response.HasField("logprobs") else None
+            if self.keep_features and rv.feature_kind != "none":
+                rv._kept += 1
+        self._token, self.round_index, self.left = token, round_index + 1, self.left - 1
+        return token
+
+    def close(self) -> None:
+        """Cancel the rest of the run (the verifier stops after the step in progress)."""
+        self.left = 0
+        self._call.cancel()
 
 
 class RemoteDrafter:
