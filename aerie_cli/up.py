@@ -73,6 +73,9 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
     g.add_argument("--kv-budget-mb", type=float, default=None,
                    help="each verifier's KV memory budget in MiB; past it requests queue (default: a share of the "
                         "free memory, the verifier's --kv-budget-share)")
+    g.add_argument("--plain-run", type=int, default=None, metavar="N",
+                   help="the coordinators' plain decode rounds per DecodeRun call (the verifier runs them back to "
+                        "back); 0 = one Decode per plain round (default: AERIE_PLAIN_RUN, else 16)")
     g.add_argument("--overlap", type=overlap_mode, default=None, metavar="{off,on,always}",
                    help="the coordinators draft the next tree ahead while one is verified (DraftAhead overlapping "
                         "Verify; docs/distributed.md): on = a per-sequence policy turns it off where it cannot pay, "

@@ -7,7 +7,7 @@
     AERIE_PROBE_INTERVAL_S (2), AERIE_DISCOVER (1), AERIE_DISCOVER_INTERVAL_S (1),
     AERIE_FINISHED_TTL_S (3600), AERIE_REDIS_RETRY_S (30), AERIE_REDIS_PING_TIMEOUT_S (1), AERIE_LEASE_TTL_S (10),
     AERIE_MAX_SEQUENCES_PER_CLIENT (64), AERIE_MAX_QUEUED_REQUESTS (1024), AERIE_QUEUE_TIMEOUT_S (600),
-    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), AERIE_TRUSTED_PROXIES (loopback),
+    AERIE_PREFILL_TRIES (3), AERIE_OVERLAP (0), AERIE_PLAIN_RUN (16), AERIE_TRUSTED_PROXIES (loopback),
     AERIE_RATE_LIMIT_RPS (0 = off), AERIE_RATE_LIMIT_BURST (20), the HTTP gateway's AERIE_HTTP_*
     (gateway/limits.py), and the common ones in
     services/rpc/config.py.
@@ -59,6 +59,8 @@ class CoordinatorConfig:
     # draft the next tree ahead while one is verified (DraftAhead during Verify): "off"; "on" (the
     # per-sequence policy decides, services/spec/overlap.py); "always" (whenever a guess can hit: measurements)
     overlap: str = "off"
+    # plain rounds per DecodeRun call (services/engine/engine.py "Plain runs"); 0 = one Decode per plain round
+    plain_run: int = 16
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
     model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B: B here)
@@ -89,6 +91,8 @@ class CoordinatorConfig:
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://; got {redact(self.redis_url)!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ConfigError(f"overlap must be one of {', '.join(OVERLAP_MODES)}; got {self.overlap!r}")
+        if not 0 <= self.plain_run <= MAX_PLAIN_RUN:
+            raise ConfigError(f"plain_run must be in [0, {MAX_PLAIN_RUN}] (0 = off); got {self.plain_run}")
         if self.redis_retry_s < 0:
             raise ConfigError(f"redis_retry_s must be >= 0; got {self.redis_retry_s}")
         for name in ("max_new_tokens", "sequence_ttl_s", "max_sequences", "finished_ttl_s", "prefill_tries"):
@@ -131,6 +135,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                    help="draft the next tree ahead while one is verified: a DraftAhead call from a guessed verdict "
                         "overlaps each Verify; 1: the per-sequence policy turns it off where it cannot pay; always: "
                         "whenever a guess can hit (measurements) (AERIE_OVERLAP, 0; docs/distributed.md)")
+    g.add_argument("--plain-run", type=int, default=env("AERIE_PLAIN_RUN", 16), metavar="N",
+                   help="plain decode rounds per DecodeRun call: the verifier runs up to N plain steps back to back "
+                        "while the coordinator commits them; 0 = one Decode per plain round (AERIE_PLAIN_RUN, 16; "
+                        "docs/distributed.md)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),
                    help="the most new tokens a request may ask for (AERIE_MAX_NEW_TOKENS)")
@@ -198,6 +206,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
 
 
 OVERLAP_MODES = ("off", "on", "always")
+MAX_PLAIN_RUN = 64  # DecodeRunRequest.steps' limit (verifier_svc/plain_run.py)
 
 
 def overlap_mode(text: str | bool) -> str:
@@ -235,7 +244,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]), http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
-        overlap=overlap_mode(args.overlap),
+        overlap=overlap_mode(args.overlap), plain_run=args.plain_run,
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),

@@ -31,6 +31,12 @@ A detached drafter (plain steps: Decode with keep_features) leaves the features 
 verifier until the next Verify returns them. A verifier that fails meanwhile loses them; the rebuild's
 own features hold the same rows, so the next Verify's answer gets them back in front (nothing lost).
 
+A run of plain rounds (DecodeRun, `decode_run`): each token the engine reads from it is added to
+`committed` as a Decode's would be; a run that breaks fails over like a Decode (the sequence is
+rebuilt from `committed` on a replacement, or on the same verifier after a transient error) and the
+rest of the run continues there as a new run from the next round. Tokens the broken run computed
+but the engine had not read are not used (the rebuilt verifier computes the same ones again).
+
 `committed` here is every token the verifier has produced (what Redis holds plus the round in
 flight, which the engine commits next): the same list a coordinator taking a sequence over would
 read from Redis. With no drafter available the drafter side returns a root-only tree: the verifier
@@ -213,6 +219,11 @@ class SequencePlacement:
         if keep_features:
             self._kept += 1
         return out
+
+    def decode_run(self, seq_id: str, token: int, round_index: int, steps: int,
+                   keep_features: bool = False) -> _PlacedRun:
+        """A run of `steps` plain rounds (RemoteVerifier.decode_run) with fail-over (module doc)."""
+        return _PlacedRun(self, seq_id, token, round_index, steps, keep_features)
 
     def take_logprobs(self, seq_id: str):
         """The current verifier's log-probabilities of the latest call's tokens (RemoteVerifier)."""
@@ -451,6 +462,55 @@ def _release_later(client, seq_id: str) -> None:
     threading.Thread(target=client.release, args=(seq_id,), name="release-old", daemon=True).start()
 
 
+class _PlacedRun:
+    """A run over the sequence's placement: its tokens, one per round (services.engine.engine.PlainRun)."""
+
+    def __init__(self, p: SequencePlacement, seq_id: str, token: int, round_index: int, steps: int,
+                 keep_features: bool) -> None:
+        self.p = p
+        self.seq_id = seq_id
+        self.keep_features = keep_features
+        self.round_index = round_index  # the round of the next token
+        self.left = steps  # tokens not read yet
+        self._run = None  # the current verifier's run (a RemoteVerifier PlainRun)
+
+    def __iter__(self) -> _PlacedRun:
+        return self
+
+    def __next__(self) -> int:
+        if self.left <= 0:
+            raise StopIteration
+        p = self.p
+        p._round = self.round_index
+        token = p._on_verifier(self._read)
+        p.committed.append(token)
+        if self.keep_features:
+            p._kept += 1
+        self.round_index += 1
+        self.left -= 1
+        return token
+
+    def _read(self, rv) -> int:
+        """The next token from the current verifier; a run that broke is started again there (after
+        the fail-over's rebuild) for the rounds still to come."""
+        if self._run is None:
+            # committed[-1]: the engine's root (`token`) for the first run, the latest token read for a restart
+            self._run = rv.decode_run(self.seq_id, self.p.committed[-1], self.round_index, self.left,
+                                      self.keep_features)
+        try:
+            return next(self._run)
+        except BaseException:
+            self._run.close()
+            self._run = None
+            raise
+
+    def close(self) -> None:
+        self.left = 0
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+
+
 class _VerifierSide:
     """The verifier role for `Engine` (services.engine.roles.VerifierRole)."""
 
@@ -465,6 +525,9 @@ class _VerifierSide:
 
     def decode(self, seq_id, token, round_index, keep_features=False):
         return self._p.decode(seq_id, token, round_index, keep_features)
+
+    def decode_run(self, seq_id, token, round_index, steps, keep_features=False):
+        return self._p.decode_run(seq_id, token, round_index, steps, keep_features)
 
     def take_logprobs(self, seq_id):
         return self._p.take_logprobs(seq_id)

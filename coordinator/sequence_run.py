@@ -178,6 +178,8 @@ def _observe(output: RoundOutput, commit_s: float) -> None:
     metrics.BUDGET_NODES.labels(SERVICE).observe(max(s.tree_size, 1))  # (deprecated name, one release)
     if s.detached:
         metrics.DETACHED_ROUNDS.labels(SERVICE).inc()
+    if s.run:
+        metrics.PLAIN_RUN_ROUNDS.labels(SERVICE).inc()
     if s.ahead:
         metrics.AHEAD_ROUNDS.labels(SERVICE).inc()
     if s.ahead_hit:

@@ -207,7 +207,8 @@ class Sequences:
             budget = replace(budget, load=board)
         ahead = self.ahead if placement.drafter is not None else None
         return vinfo, Engine(placement.verifier, placement.drafter, int(vinfo.max_context), int(vinfo.vocab_size),
-                             tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval, ahead, self.guesser)
+                             tuple(int(t) for t in vinfo.eos_token_ids), budget, retrieval, ahead, self.guesser,
+                             plain_run=self.config.plain_run)
 
     def adopt(self, seq_id: str) -> bool:
         """Take over a running sequence whose coordinator is gone (its lease expired): rebuild it on

@@ -80,6 +80,8 @@ BUDGET_NODES = Histogram("aerie_budget_nodes", "DEPRECATED (removed next release
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 DETACHED_ROUNDS = Counter("aerie_detached_rounds", "Plain steps with the drafter detached (Decode keeping the "
                           "features on the verifier: no draft call, no features sent)", ["service"])
+PLAIN_RUN_ROUNDS = Counter("aerie_plain_run_rounds", "Plain rounds whose token came from a run of plain steps "
+                           "(DecodeRun, AERIE_PLAIN_RUN) instead of a Decode call of their own", ["service"])
 AHEAD_ROUNDS = Counter("aerie_ahead_rounds", "Rounds that drafted the next tree ahead while their tree was "
                        "verified (AERIE_OVERLAP)", ["service"])
 AHEAD_HITS = Counter("aerie_ahead_hits", "Rounds that verified a tree drafted ahead (the guess hit: no draft "

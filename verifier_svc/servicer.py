@@ -10,6 +10,11 @@ sequence's drafter decides which features it needs (hidden / taps / none, given 
 Verify and Decode are idempotent per (sequence, round): the latest round's response is kept and a
 repeated call (a retry after UNAVAILABLE) returns it instead of running the round twice.
 
+DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
+the batcher, the next queued by the model thread as soon as the previous token is known. Every
+round of the sequence's latest run is kept, so that after a broken run stream a Decode or DecodeRun
+at any round the run computed is answered again, never run twice.
+
 A prefill comes whole (one call; --prefill-chunk splits it into forwards here) or, from a coordinator,
 chunk by chunk (`offset`, `more`: each chunk its own call and deadline, see proto/aerie/v1/verifier.proto).
 A chunk call that fails leaves the rows prefilled so far in place, so the caller resumes from them;
@@ -72,6 +77,7 @@ from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
 from verifier_svc.config import AUTO, VerifierConfig
+from verifier_svc.plain_run import RunAnswers, RunChain, RunStep, check_steps
 
 log = logging.getLogger("aerie.verifier")
 
@@ -191,6 +197,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
+        self._run_answers = RunAnswers()  # sequence id -> its latest run's answers per round, for replays
         # sequence id -> (offset, rows prefilled after it, answer) of its latest chunk, for a chunk sent again
         self._chunks: dict[str, tuple[int, int, ChunkAnswer]] = {}
         self._slices: dict[str, list[PrefillResult]] = {}  # sequence id -> its call's slices' answers so far
@@ -335,6 +342,26 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                                                request.keep_features)))
 
     @rpc_errors
+    async def DecodeRun(self, request: vpb.DecodeRunRequest, context):
+        """`steps` plain steps from `round_index`, one answer each (verifier_svc/plain_run.py)."""
+        seq_id = codec.sequence_id(request.sequence_id)
+        _check_round(request.round_index)
+        check_steps(request.steps)
+        token = codec.token_ids([request.token], self.vocab_size, "decode")[0]
+        chain = RunChain(self.batcher, asyncio.get_running_loop(),
+                         RunStep(seq_id, token, request.round_index, request.keep_features), request.steps,
+                         VERIFY_SECONDS.labels(SERVICE).observe)
+        chain.start()
+        try:
+            for _ in range(request.steps):
+                answer = await chain.answers.get()
+                if isinstance(answer, BaseException):
+                    raise answer
+                yield answer
+        finally:
+            chain.cancel()  # the caller went away (or the run failed): queue no further step
+
+    @rpc_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         seq_id = codec.sequence_id(request.sequence_id)
         return pb.ReleaseResponse(released=await self.batcher.exclusive_async(self._release, seq_id))
@@ -394,7 +421,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 elif isinstance(call, PrefillMoreCall):
                     self._check(call.seq_id)
                 else:
-                    replay = self._replay(call.seq_id, call.round_index)
+                    replay = self._replay(call)
                     if replay is not None:
                         results[i] = replay
                         continue
@@ -454,8 +481,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response = codec.encode_verify_result(out)
             if logprobs is not None:
                 response.logprobs.CopyFrom(logprobs)
+        elif isinstance(call, RunStep):
+            response = vpb.DecodeResponse(token=out, logprobs=logprobs, round_index=call.round_index)
         else:
             response = vpb.DecodeResponse(token=out, logprobs=logprobs)
+        if isinstance(call, RunStep):
+            self._run_answers.keep(call.seq_id, call.round_index, response)
+        else:
+            self._run_answers.forget(call.seq_id)  # past its run
         self._chunks.pop(call.seq_id, None)  # the caller has the whole prefill's answer
         self._last[call.seq_id] = (call.round_index, response)
         return response
@@ -483,6 +516,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         """Drop this servicer's state of `seq_id`; its feature kind (None: it held none)."""
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
+        self._run_answers.forget(seq_id)
         self._chunks.pop(seq_id, None)
         self._slices.pop(seq_id, None)
         self._prefilling.discard(seq_id)
@@ -514,9 +548,17 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                      f"{call.offset} cannot follow")
         return None
 
-    def _replay(self, seq_id: str, round_index: int):
-        """The stored response when `round_index` is the latest round again; None for a new round."""
+    def _replay(self, call: VerifyCall | DecodeCall):
+        """The stored response when the call's round is the latest round again, or a Decode at a round
+        of the latest run (a retry after a broken run stream); None for a new round."""
+        seq_id, round_index = call.seq_id, call.round_index
         self._check(seq_id)
+        ran = self._run_answers.get(seq_id, round_index)
+        if ran is not None:
+            if isinstance(call, VerifyCall):
+                raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} was a plain step of a run here; "
+                                     "a Verify cannot repeat it")
+            return ran
         last = self._last.get(seq_id)
         if last is None or round_index > last[0]:
             return None

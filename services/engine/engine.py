@@ -27,6 +27,18 @@ The budget changes the tree, never the acceptance rule: output stays the target'
 load board (continuous batching) sizes each sequence's tree for the whole batch: the sequences
 sharing the verifier's forwards post their plans there, keyed by sequence id.
 
+Plain runs (`plain_run` N > 0, a verifier role with `decode_run`: the coordinator's gRPC verifier; in
+process there is no round trip to hide): a plain round (no drafter) or a detached round that finds no
+run open starts one, a DecodeRun of h steps, h = min(N, tokens max_new_tokens still allows, and for
+detached rounds the rounds before the budget's next probe: Budget.detached_rounds); the following
+rounds take their tokens from it, each still its own round (RoundOutput, RoundStats with
+verify_s = the time it waited for its token), committed and streamed as before. The verifier queues
+each next step itself, so it never waits for the coordinator between them. The budget still plans
+every detached round (its bookkeeping is that of h single rounds); a plan that would draft again
+inside a run (only a load change can: h ends before the probe) waits for the run's end. A stop
+(EOS, stop ids, max_new_tokens) or a cancel closes the run. With retrieval no runs: its chains
+depend on every new token.
+
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
 the policy picks j, or not to draft ahead at all). If the verdict hits the guess, the next round
@@ -46,7 +58,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -101,6 +113,7 @@ class RoundStats:
     ahead_wait_s: float = 0.0  # of those, seconds the round waited for it after the verifier answered
     ahead_hit: bool = False  # this round's tree was drafted ahead (the previous round's guess hit)
     saved_s: float = 0.0  # draft seconds this round did not wait for (its ahead tree's draft time)
+    run: bool = False  # a plain round whose token came from a run (DecodeRun; see the module doc)
 
     @property
     def accepted(self) -> int:
@@ -140,6 +153,16 @@ def fixed_budget(drafter: DrafterRole | None, retrieval: bool = False) -> Budget
     return build_budget(None, None, tree, drafter is not None, retrieval)
 
 
+class PlainRun(Protocol):
+    """What a verifier role's `decode_run` returns: the run's tokens, one per round, read in order."""
+    left: int  # tokens not read yet
+
+    def __next__(self) -> int: ...
+
+    def close(self) -> None:
+        """Cancel the rest of the run."""
+
+
 @dataclass
 class _Draft:
     """The tree in flight and what `observe` needs about it."""
@@ -166,11 +189,14 @@ class _Ahead:
 class Engine:
     def __init__(self, verifier: VerifierRole, drafter: DrafterRole | None, max_context: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
-                 retrieval: bool = False, ahead: AheadPolicy | None = None, guesser: Guesser | None = None
-                 ) -> None:
+                 retrieval: bool = False, ahead: AheadPolicy | None = None, guesser: Guesser | None = None,
+                 plain_run: int = 0) -> None:
         """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains;
         `ahead`: draft the next tree ahead while one is verified (module doc), guessing with
-        `guesser` (None: the top path)."""
+        `guesser` (None: the top path); `plain_run`: plain rounds per run at most (module doc; 0 = one
+        decode call per plain round; used only with a verifier role that has `decode_run`)."""
+        if plain_run < 0:
+            raise InvalidRequest(f"plain_run must be >= 0; got {plain_run}")
         self.verifier = verifier
         self.drafter = drafter
         self.max_context = max_context
@@ -185,6 +211,8 @@ class Engine:
         self.guesser = guesser
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._open_ahead: dict[str, _Ahead] = {}  # seq_id -> its ahead draft in flight
+        self.plain_run = plain_run if hasattr(verifier, "decode_run") and not retrieval else 0
+        self._open_runs: dict[str, PlainRun] = {}  # seq_id -> its run of plain rounds in flight
         self._draft_est = 0.0  # EWMA seconds of a head draft (the policy's draft_s)
         budget = budget or fixed_budget(drafter, retrieval)
         # what the budget may use is what this engine has: a head, retrieval
@@ -250,6 +278,7 @@ class Engine:
         try:
             yield from self._run(req, seq_id, prompt, capacity, stop_ids, round_base)
         finally:
+            self._close_run(seq_id)  # a stop or cancel inside a run: the verifier stops it
             self._settle(self._open_ahead.pop(seq_id, None))  # never release under a running ahead draft
             if self.budget.load is not None:
                 self.budget.load.leave(seq_id)
@@ -309,7 +338,7 @@ class Engine:
 
     def _new_sequence(self, req: GenerationRequest, root: int) -> _SequenceState:
         seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
-                             sort_paths=not req.sampling.greedy, root=root,
+                             sort_paths=not req.sampling.greedy, root=root, max_new_tokens=req.max_new_tokens,
                              policy=copy.deepcopy(self.ahead) if self.ahead is not None else None)
         if req.sampling.greedy:  # where the latest greedy sequence left `realized` (see __init__)
             board = self.budget.load
@@ -320,26 +349,50 @@ class Engine:
         """Run round `round_index` as planned: a plain decode step (no speculation), a detached plain step,
         or the verification of the drafted tree (which may be the root alone)."""
         if seq.draft is None:
-            return self._plain_round(seq_id, seq.root, round_index)
+            return self._plain_round(seq_id, seq, round_index)
         if seq.draft.detached:
-            return self._detached_round(seq_id, seq.draft, seq.root, round_index)
+            return self._detached_round(seq_id, seq, seq.draft, round_index)
         return self._tree_round(seq_id, seq, seq.draft, round_index)
 
-    def _plain_round(self, seq_id: str, root: int, round_index: int) -> _Verified:
+    def _plain_round(self, seq_id: str, seq: _SequenceState, round_index: int) -> _Verified:
         """Plain decoding: one token per target forward."""
         t0 = time.perf_counter()
-        token = self.verifier.decode(seq_id, root, round_index)
-        return _Verified([token], RoundStats(round_index, 1, 0, 0, 0.0, time.perf_counter() - t0))
+        token, run = self._plain_token(seq_id, seq, round_index, False, seq.max_new_tokens)
+        return _Verified([token], RoundStats(round_index, 1, 0, 0, 0.0, time.perf_counter() - t0, run=run))
 
-    def _detached_round(self, seq_id: str, draft: _Draft, root: int, round_index: int) -> _Verified:
+    def _detached_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """The budget chose a plain step with the drafter detached: the row's features stay on the
         verifier (they come with the next Verify)."""
         t0 = time.perf_counter()
-        token = self.verifier.decode(seq_id, root, round_index, keep_features=True)
+        token, run = self._plain_token(seq_id, seq, round_index, True, self.budget.detached_rounds(seq.stats))
         stats = RoundStats(round_index, 1, 0, 0, draft.draft_s, time.perf_counter() - t0,
-                           predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True)
+                           predicted_tokens=draft.plan.tokens, predicted_s=draft.plan.seconds, detached=True,
+                           run=run)
         self.budget.observe_verify(draft.plan, stats.verify_s)  # (measured latency: the load board)
         return _Verified([token], stats)
+
+    def _plain_token(self, seq_id: str, seq: _SequenceState, round_index: int, keep_features: bool,
+                     rounds: int) -> tuple[int, bool]:
+        """The token of plain round `round_index` and whether it came from a run: from the open run,
+        else from a new run of h = min(plain_run, tokens left, `rounds`) steps when h > 1, else
+        from one decode call."""
+        run = self._open_runs.get(seq_id)
+        if run is None:
+            h = min(self.plain_run, seq.max_new_tokens - seq.produced, rounds)
+            if h <= 1:
+                return self.verifier.decode(seq_id, seq.root, round_index, keep_features=keep_features), False
+            run = self.verifier.decode_run(seq_id, seq.root, round_index, h,  # type: ignore[attr-defined]
+                                           keep_features=keep_features)
+            self._open_runs[seq_id] = run
+        token = next(run)
+        if not run.left:
+            self._open_runs.pop(seq_id, None)
+        return token, True
+
+    def _close_run(self, seq_id: str) -> None:
+        run = self._open_runs.pop(seq_id, None)
+        if run is not None:
+            run.close()
 
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
@@ -461,6 +514,8 @@ class Engine:
         was_detached = seq.detached
         seq.detached = (self.budget.detach and self.drafter is not None and not plan.drafts
                         and not self.budget.probes_next(seq.stats))
+        if not seq.detached and seq_id in self._open_runs:
+            seq.detached = True  # a run's rounds stay plain: a plan that drafts waits for its end (module doc)
         if seq.detached:  # a plain step that leaves the drafter alone (see the module doc)
             return _Draft(root_tree(root), plan, [], 1, time.perf_counter() - t0, detached=True)
         if plan.tree is not None and was_detached:
@@ -539,6 +594,7 @@ class _SequenceState:
     detached: bool = False  # the last planned round leaves its features on the verifier
     root: int = -1  # the last committed token: the next round's root
     produced: int = 0  # tokens streamed so far (stop-truncated)
+    max_new_tokens: int = 0  # the request's (a run never asks for more tokens than it allows)
     draft: _Draft | None = None  # the planned next round (None: plain decoding, no speculation)
     ahead: _Ahead | None = None  # the ahead draft of the round just verified (until _next_draft)
     policy: AheadPolicy | None = None  # this sequence's copy of the engine's policy (None: no overlap)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from typing import ContextManager, Protocol
 
 import grpc
@@ -183,8 +185,114 @@ class RemoteVerifier:
             self._kept += 1
         return token
 
+    def decode_run(self, seq_id: str, token: int, round_index: int, steps: int,
+                   keep_features: bool = False) -> PlainRun:
+        """A run of `steps` plain steps from round `round_index` (the DecodeRun call): an iterator of
+        tokens, one per round, read as the engine needs them; close() cancels the rest. Each token's
+        logprobs are what take_logprobs returns after it. The stream's deadline is timeout_s per step."""
+        return PlainRun(self, seq_id, token, round_index, steps, keep_features)
+
     def release(self, seq_id: str) -> None:
         self.client.release(seq_id)
+
+
+class PlainRun:
+    """The tokens of one DecodeRun call (RemoteVerifier.decode_run), one per round. A failed read
+    raises DownstreamError (tokens read before stay valid). Each read has the deadline of a unary call
+    (timeout_s, kept by a watchdog thread that cancels the call: a stuck verifier is found as soon
+    as a Decode would find it); the stream's own deadline is timeout_s per step. A verifier without
+    DecodeRun (UNIMPLEMENTED on the first read) is asked with one Decode per remaining round instead."""
+
+    def __init__(self, rv: RemoteVerifier, seq_id: str, token: int, round_index: int, steps: int,
+                 keep_features: bool) -> None:
+        self.rv = rv
+        self.seq_id = seq_id
+        self.keep_features = keep_features
+        self.round_index = round_index  # the round of the next token
+        self.left = steps  # tokens not read yet
+        self._token = token  # the latest token (the next step's input)
+        request = vpb.DecodeRunRequest(sequence_id=seq_id, round_index=round_index, token=token, steps=steps,
+                                       keep_features=keep_features)
+        self._call = rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps)
+        self._unary = False  # the verifier has no DecodeRun: one Decode per round
+        self._read = 0  # answers read from the stream
+        self._cond = threading.Condition()
+        self._deadline: float | None = None  # time.monotonic() by which the read in progress must answer
+        self._timed_out = False
+        self._done = False
+        threading.Thread(target=self._watchdog, name="aerie-run-deadline", daemon=True).start()
+
+    def __iter__(self) -> PlainRun:
+        return self
+
+    def __next__(self) -> int:
+        if self.left <= 0:
+            raise StopIteration
+        rv, round_index = self.rv, self.round_index
+        if self._unary:
+            token = rv.decode(self.seq_id, self._token, round_index, self.keep_features)
+        else:
+            with rv.phases.phase(round_index, "verify"):
+                response = self._next_answer()
+            self._read += 1
+            if response is None:  # UNIMPLEMENTED: an older verifier
+                self._unary = True
+                return next(self)
+            token = int(response.token)
+            rv._logprobs = codec.decode_logprobs(response.logprobs, [token]) if response.HasField("logprobs") else None
+            if self.keep_features and rv.feature_kind != "none":
+                rv._kept += 1
+        self._token, self.round_index, self.left = token, round_index + 1, self.left - 1
+        if not self.left:
+            self._stop_watchdog()
+        return token
+
+    def _next_answer(self):
+        """The next DecodeResponse within timeout_s; None when the verifier has no DecodeRun."""
+        rv = self.rv
+        with self._cond:
+            self._deadline = time.monotonic() + rv.client.timeout_s
+            self._cond.notify()
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise DownstreamError(grpc.StatusCode.INTERNAL, f"verifier {rv.client.address} ended a run of "
+                                  f"{self.seq_id!r} {self.left} steps early") from None
+        except grpc.RpcError as e:
+            if self._timed_out:
+                raise DownstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"{rv.client.role} at {rv.client.address} did not answer in time: round "
+                                      f"{self.round_index} of a run took over {rv.client.timeout_s:g} s") from None
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read:
+                return None
+            raise DownstreamError.from_rpc(e, rv.client.role, rv.client.address) from None
+        finally:
+            with self._cond:
+                self._deadline = None
+
+    def _watchdog(self) -> None:
+        with self._cond:
+            while not self._done:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    self._timed_out = True
+                    self._call.cancel()
+                    return
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        """Cancel the rest of the run (the verifier stops after the step in progress)."""
+        self.left = 0
+        self._call.cancel()
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify()
 
 
 class RemoteDrafter:

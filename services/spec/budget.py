@@ -146,6 +146,14 @@ class Budget:
         engine attaches the drafter one round ahead of it). Always True for a fixed shape."""
         return self.fixed is not None or stats.idle_rounds + 1 >= (stats.probe_gap or self.probe_every)
 
+    def detached_rounds(self, stats: AcceptanceStats) -> int:
+        """Called for a detached round (planned plain, probes_next False): how many rounds from it on,
+        this one included, stay detached while the plans stay plain, i.e. before the round that
+        probes_next attaches the drafter for. Each plain plan adds one idle round, and round j (0 =
+        this one) stays detached while idle_rounds + j + 1 < gap. Example: gap 16, idle_rounds 3 ->
+        12 (rounds 0..11; the plan of round 12 reaches idle 15 and attaches the drafter)."""
+        return max(1, (stats.probe_gap or self.probe_every) - stats.idle_rounds - 1)
+
     def max_tree_size(self) -> int:
         """The largest tree (nodes, root included) a round can verify (KV reservation on the verifier)."""
         eagle = (self.fixed or self.largest).size if self.eagle else 1

@@ -195,6 +195,29 @@ def test_overlap_flag_reaches_the_coordinators_and_its_config():
         CoordinatorConfig(ServiceConfig(), verifiers=("127.0.0.1:1",), overlap="sometimes")
 
 
+def test_plain_run_flag_reaches_the_coordinators_and_its_config(monkeypatch):
+    from coordinator.config import CoordinatorConfig, ConfigError, add_flags, from_args
+    from services.rpc.config import ServiceConfig
+
+    assert "--plain-run" not in role_flags(parse("up"), "coordinator")  # default: AERIE_PLAIN_RUN, else 16
+    assert role_flags(parse("up", "--plain-run", "0"), "coordinator")[-2:] == ["--plain-run", "0"]
+    assert "--plain-run" not in role_flags(parse("up", "--plain-run", "8"), "verifier")
+
+    def coordinator_config(*argv):
+        p = argparse.ArgumentParser()
+        add_flags(p)
+        return from_args(p.parse_args(["--verifiers", "127.0.0.1:1", *argv]))
+
+    monkeypatch.delenv("AERIE_PLAIN_RUN", raising=False)
+    assert coordinator_config().plain_run == 16
+    assert coordinator_config("--plain-run", "4").plain_run == 4
+    monkeypatch.setenv("AERIE_PLAIN_RUN", "0")
+    assert coordinator_config().plain_run == 0
+    for bad in (-1, 65):
+        with pytest.raises(ConfigError, match=f"plain_run must be in \\[0, 64\\] \\(0 = off\\); got {bad}"):
+            CoordinatorConfig(ServiceConfig(), verifiers=("127.0.0.1:1",), plain_run=bad)
+
+
 def test_float16_runs_on_cuda_only(capsys):
     """float16 is accepted by name (vLLM's --dtype half) and refused on the CPU before anything loads:
     mapped to nothing else, since that would change the numbers asked for."""

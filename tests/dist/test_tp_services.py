@@ -75,7 +75,18 @@ def test_tp2_qwen2_plain_decoding_equals_tp1(tmp_path, redis_url):
     p = start_pipeline(dirs, redis_url, with_drafter=False, verifier_overrides=TP)
     try:
         req = GenerationRequest(PROMPT, 16)
-        assert remote(p, req) == local_run(local_engine(dirs, with_drafter=False), req)
+        expected = local_run(local_engine(dirs, with_drafter=False), req)
+        assert remote(p, req) == expected
+        # a coordinator with no drafter pool decodes in plain runs (DecodeRun through the group's servicer)
+        from prometheus_client import REGISTRY
+
+        def runs() -> float:
+            return REGISTRY.get_sample_value("aerie_plain_run_rounds_total", {"service": "coordinator"}) or 0.0
+
+        p.coordinator, p.addresses["coordinator"] = p.add_coordinator(redis_url, drafters=(), discover=False)
+        before = runs()
+        assert remote(p, req) == expected
+        assert runs() - before == 15
     finally:
         p.close()
 

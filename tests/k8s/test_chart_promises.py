@@ -137,6 +137,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_RESOLVE_INTERVAL_S": str(c["resolveIntervalSeconds"]),
             "AERIE_RETRIEVAL": "1" if c["retrieval"] else "0",
             "AERIE_OVERLAP": str(c["overlap"]),
+            "AERIE_PLAIN_RUN": str(c["plainRun"]),
             "AERIE_VERIFIER_WAIT_S": str(c["verifierWaitSeconds"]),
             "AERIE_PROBE_INTERVAL_S": str(c["probeIntervalSeconds"]),
             "AERIE_LEASE_TTL_S": str(c["leaseTtlSeconds"]),

@@ -194,8 +194,8 @@ def test_long_prompt_features_stream_in_chunks(pipeline, model_dirs):
 
 
 class SlowDecodeVerifier:
-    """The pipeline's real verifier behind a second server whose Decode never answers (a verifier
-    stuck in a long forward): every other RPC is the real one."""
+    """The pipeline's real verifier behind a second server whose Decode and DecodeRun never answer (a
+    verifier stuck in a long forward): every other RPC is the real one."""
 
     def __init__(self, real) -> None:
         self.real = real
@@ -205,6 +205,10 @@ class SlowDecodeVerifier:
 
     async def Decode(self, request, context):
         await asyncio.sleep(60)  # cancelled when the caller's deadline passes
+
+    async def DecodeRun(self, request, context):
+        await asyncio.sleep(60)  # cancelled when the caller's per-step deadline passes
+        yield None
 
 
 def test_unreachable_verifier_is_unavailable(pipeline, redis_url):

@@ -83,13 +83,29 @@ class DecodeRequest(_message.Message):
     keep_features: bool
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
 
+class DecodeRunRequest(_message.Message):
+    __slots__ = ("sequence_id", "round_index", "token", "steps", "keep_features")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    round_index: int
+    token: int
+    steps: int
+    keep_features: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ..., steps: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
-    __slots__ = ("token", "logprobs")
+    __slots__ = ("token", "logprobs", "round_index")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     token: int
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    round_index: int
+    def __init__(self, token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., round_index: _Optional[int] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
     __slots__ = ("target", "dtype", "vocab_size", "max_context", "eos_token_ids", "max_sequences", "num_sequences", "max_prompt_tokens", "verify_cost", "prefill_chunk")

@@ -50,6 +50,11 @@ class VerifierStub:
                 request_serializer=aerie_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=aerie_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeRun = channel.unary_stream(
+                '/aerie.v1.Verifier/DecodeRun',
+                request_serializer=aerie_dot_v1_dot_verifier__pb2.DecodeRunRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/aerie.v1.Verifier/Release',
                 request_serializer=aerie_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -89,6 +94,18 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeRun(self, request, context):
+        """A run of plain steps: `steps` Decode steps one after another (rounds round_index,
+        round_index + 1, ...), each fed the previous step's token, one answer per step (round_index
+        set). The verifier queues each next step as soon as the previous token is known, before the
+        answer reaches the caller. Cancelling the call stops the run after the step in progress; an
+        error ends the stream with its status (answers sent stay valid). Every round a run computed is
+        answered again, never run twice, by a Decode or DecodeRun at that round (a retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free the sequence's KV.
         """
@@ -119,6 +136,11 @@ def add_VerifierServicer_to_server(servicer, server):
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=aerie_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeRun': grpc.unary_stream_rpc_method_handler(
+                    servicer.DecodeRun,
+                    request_deserializer=aerie_dot_v1_dot_verifier__pb2.DecodeRunRequest.FromString,
                     response_serializer=aerie_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -212,6 +234,33 @@ class Verifier:
             target,
             '/aerie.v1.Verifier/Decode',
             aerie_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+            aerie_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aerie.v1.Verifier/DecodeRun',
+            aerie_dot_v1_dot_verifier__pb2.DecodeRunRequest.SerializeToString,
             aerie_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
