@@ -453,7 +453,8 @@ class Engine:
         depth = policy.choose(draft_s, step_s, len(path), busy=busy, chained=policy.branches > 0)
         if depth is None:
             return None
-        guess = self.guesser(draft.tree, depth, seq.produced)[:len(path)] if self.guesser else path[:depth]
+        limit = self.drafter.tree.depth + 2  # the longest guess a drafter takes
+        guess = self.guesser(draft.tree, depth, seq.produced)[:limit] if self.guesser else path[:depth]
         if not guess:
             return None
         chain, exclude = _chain(draft.tree, guess, path)
@@ -465,7 +466,7 @@ class Engine:
 
         def run() -> tuple[DraftTree | None, float]:
             t0 = time.perf_counter()
-            tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params,  # type: ignore[union-attr]
+            tree = drafter.draft_ahead(seq_id, tokens, features, list(guess), params,  # type: ignore[attr-defined]
                                        round_index + 1, branches=policy.branches, exclude=exclude, chain=chain)
             return tree, time.perf_counter() - t0
 
