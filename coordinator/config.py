@@ -45,7 +45,8 @@ def parse_endpoints(text: str, name: str) -> tuple[str, ...]:
 class CoordinatorConfig:
     service: ServiceConfig
     verifiers: tuple[str, ...]  # host:port entries
-    drafters: tuple[str, ...] = ()  # empty = plain decoding
+    drafters: tuple[str, ...] = ()  # host:port entries; empty: only drafters that register in Redis (discover)
+    drafter_pool: bool = True  # False (--drafters none): plain decoding, no drafter even a discovered one
     redis_url: str = "redis://127.0.0.1:6379/0"
     max_new_tokens: int = 4096  # the most a request may ask for
     sequence_ttl_s: int = 86400  # a sequence's Redis record expires this long after its last update
@@ -127,7 +128,9 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g = p.add_argument_group("coordinator")
     g.add_argument("--verifiers", default=env("AERIE_VERIFIERS", ""), help="host:port list; may be empty when verifiers register in Redis (AERIE_VERIFIERS)")
     g.add_argument("--drafters", default=env("AERIE_DRAFTERS", ""),
-                   help="host:port list; empty = plain decoding (AERIE_DRAFTERS)")
+                   help="host:port list; 'none' = plain decoding, never a drafter (not even one registered in "
+                        "Redis); empty = only drafters registered in Redis (--discover), plain rounds until one "
+                        "registers (AERIE_DRAFTERS)")
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
@@ -233,11 +236,17 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [n.strip() for n in str(env("AERIE_SERVED_MODEL_NAME", "")).split(",") if n.strip()]
 
 
+def _no_drafters(text: str) -> bool:
+    """--drafters none: no drafter pool at all."""
+    return text.strip().lower() == "none"
+
+
 def from_args(args: argparse.Namespace) -> CoordinatorConfig:
     names = served_names(args)
     return CoordinatorConfig(
         service_config(args), verifiers=parse_endpoints(args.verifiers, "verifiers"),
-        drafters=parse_endpoints(args.drafters, "drafters"), redis_url=args.redis_url,
+        drafters=() if _no_drafters(args.drafters) else parse_endpoints(args.drafters, "drafters"),
+        drafter_pool=not _no_drafters(args.drafters), redis_url=args.redis_url,
         max_new_tokens=args.max_new_tokens_limit, sequence_ttl_s=args.sequence_ttl_s,
         max_sequences=args.max_sequences, max_queued_requests=args.max_queued_requests,
         queue_timeout_s=args.queue_timeout_s, rpc_timeout_s=args.rpc_timeout_s, prefill_tries=args.prefill_tries,

@@ -71,7 +71,7 @@ def build(config: CoordinatorConfig) -> Coordinator:
                      discover=discover("verifier"))
     drafters = (Pool("drafter", config.drafters, lambda a: DrafterClient(a, limit, timeout, security), probe_interval_s=probe,
                      discover=discover("drafter"))
-                if config.drafters or config.discover else None)
+                if config.drafter_pool and (config.drafters or config.discover) else None)
     pools = [p for p in (verifiers, drafters) if p is not None]
     sequences = Sequences(config, store, verifiers, drafters)
     servicer = CoordinatorServicer(config, sequences, store, security)

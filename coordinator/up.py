@@ -193,6 +193,14 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def pool_flags(verifiers: list[str], drafters: list[str], retrieval: bool) -> list[str]:
+    """The coordinators' pools: the started verifiers and drafters; no drafter (no draft head, or
+    --drafters 0) is `--drafters none`, plain decoding (not a drafter pool that looks for one every
+    round among the replicas registered in Redis)."""
+    return ["--verifiers", ",".join(verifiers), "--drafters", ",".join(drafters) or "none",
+            *(["--retrieval"] if retrieval else [])]
+
+
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb, --max-model-len and
@@ -347,9 +355,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         services += verifiers + drafters
         for s in services:
             s.wait_ready(deadline)
-        pools = ["--verifiers", ",".join(v.address for v in verifiers),
-                 "--drafters", ",".join(d.address for d in drafters),
-                 *(["--retrieval"] if DraftSpec.parse(args.draft).retrieval else [])]
+        pools = pool_flags([v.address for v in verifiers], [d.address for d in drafters],
+                           DraftSpec.parse(args.draft).retrieval)
         in_process = getattr(args, "gateway", "process") == "coordinator"
         coordinators = [Service("coordinator", [*common, *metrics(i), *pools, *role_flags(args, "coordinator"),
                                                 *(["--http-port", str(args.http_port)] if in_process and i == 0 else [])],

@@ -218,6 +218,30 @@ def test_plain_run_flag_reaches_the_coordinators_and_its_config(monkeypatch):
             CoordinatorConfig(ServiceConfig(), verifiers=("127.0.0.1:1",), plain_run=bad)
 
 
+def test_drafters_none_means_no_drafter_pool(monkeypatch):
+    """`--drafters none` (AERIE_DRAFTERS=none): no drafter pool even with discovery; an empty list keeps
+    the pool of drafters registered in Redis."""
+    from coordinator.config import add_flags, from_args
+
+    def coordinator_config(*argv):
+        p = argparse.ArgumentParser()
+        add_flags(p)
+        return from_args(p.parse_args(["--verifiers", "127.0.0.1:1", *argv]))
+
+    monkeypatch.delenv("AERIE_DRAFTERS", raising=False)
+    none = coordinator_config("--drafters", "none")
+    assert (none.drafters, none.drafter_pool) == ((), False)
+    empty = coordinator_config()
+    assert (empty.drafters, empty.drafter_pool) == ((), True)
+    some = coordinator_config("--drafters", "127.0.0.1:2")
+    assert (some.drafters, some.drafter_pool) == (("127.0.0.1:2",), True)
+    monkeypatch.setenv("AERIE_DRAFTERS", "None")
+    assert coordinator_config().drafter_pool is False
+    from coordinator.up import pool_flags  # what `aerie up` passes its coordinators
+
+    assert pool_flags(["h:1"], [], False) == ["--verifiers", "h:1", "--drafters", "none"]
+    assert pool_flags(["h:1"], ["h:2", "h:3"], True) == ["--verifiers", "h:1", "--drafters", "h:2,h:3", "--retrieval"]
+
 def test_float16_runs_on_cuda_only(capsys):
     """float16 is accepted by name (vLLM's --dtype half) and refused on the CPU before anything loads:
     mapped to nothing else, since that would change the numbers asked for."""

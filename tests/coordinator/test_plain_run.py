@@ -64,6 +64,22 @@ def test_greedy_plain_runs_equal_the_target_and_runs_off(plain, llama_pair):
     wait_until(lambda: plain.verifier.num_sequences == 0)
 
 
+def test_drafters_none_decodes_plainly_even_with_discovery(plain, llama_pair, redis_url):
+    """Discovery on and no drafter registered: with an (empty) drafter pool every round verifies a
+    root-only tree and looks for a drafter (no runs); `--drafters none` (drafter_pool=False, what
+    `aerie up` passes when it starts no drafter) has no pool at all: plain rounds from runs. Both
+    give the target's tokens."""
+    req = GenerationRequest(PROMPT, 20, ignore_eos=True)
+    ref = hf_greedy(llama_pair[0], list(PROMPT), 20)
+    pooled = plain.add_coordinator(redis_url, discover=True)[1]
+    before = run_rounds()
+    assert via(plain, pooled, req)[0] == ref
+    assert run_rounds() == before  # root-only Verify rounds
+    none = plain.add_coordinator(redis_url, discover=True, drafter_pool=False)[1]
+    assert via(plain, none, req)[0] == ref
+    assert run_rounds() - before == 19  # rounds 1..19 from runs (16 + 3)
+    wait_until(lambda: plain.verifier.num_sequences == 0)
+
 def test_seeded_sampling_is_the_same_with_runs_on_and_off(plain):
     req = GenerationRequest(PROMPT, 30, SamplingParams(0.9, 0.95, 0, 7, logprobs=1), ignore_eos=True)
     on = remote_run(plain, req)
