@@ -20,6 +20,11 @@ Learning:
   * contention from measured wall time (`observe_cost`): the seconds the round waited for the ahead
     draft after the verifier answered, plus the verify slowdown against rounds without overlap, as a
     fraction of the ahead draft's own time; `busy` (a drafter pool's load, 0..1) raises it.
+    Both sides stay measured (`measured` sequences, i.e. greedy ones that report seconds): the first
+    tree round runs without an ahead draft (the verify baseline: a policy that drafted ahead from the
+    start never saw how much its drafts slow the verify), and every `explore_every`-th choice is the
+    other one once (an ahead draft where the policy says no, unless the drafter is busy; none where
+    it says yes). Count-based, so a seed still replays.
 Estimates are Beta-mean counts with a prior and an exponential forgetting factor, so a sequence
 whose text changes character adapts. It does not time anything itself: the engine passes seconds in,
 and tests pass a synthetic cost model.
@@ -41,6 +46,8 @@ class AheadPolicy:
     enabled: bool = True  # False: never draft ahead (the --no-overlap switch)
     learn_cost: bool = True  # False: keep `contention` as given (tests; a known deployment)
     branches: int = 1  # likely bonuses per attach point with a fresh-sized subtree (ahead_tree.py; 0: one tree)
+    explore_every: int = 16  # learn_cost: every this many measured choices, the other choice once (0: never)
+    _choices: int = 0  # measured choices so far
     _hits: list[float] = field(default_factory=list)  # [max_depth] discounted hits per depth
     _trials: list[float] = field(default_factory=list)  # [max_depth] discounted trials
     _in_tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [hits, trials]
@@ -64,18 +71,20 @@ class AheadPolicy:
         return (self._hits[depth - 1] + w * self.prior_hit) / (self._trials[depth - 1] + w)
 
     def choose(self, draft_s: float, step_s: float, path_len: int, busy: float = 0.0,
-               chained: bool = False) -> int | None:
+               chained: bool = False, measured: bool = False) -> int | None:
         """The guess depth to draft ahead at, or None (do not draft ahead). draft_s: the predicted
         seconds of the next tree's draft; step_s: one one-row head step; path_len: tokens on the
         tree's top path (a guess cannot be longer); busy: the drafter's load (0 idle .. 1 saturated).
         chained: the ahead tree also holds the top path past the guess with bonuses at each of its
         nodes (services/spec/ahead_tree.py), so a guess of j hits at any accept length >= j:
         P(hit at j) = min(1, sum of the prefix rates at j..path_len) x in-tree, and the ahead draft
-        costs one more level and a one-row step per chain token."""
+        costs one more level and a one-row step per chain token.
+        measured: the caller reports this round's seconds (observe_cost / observe_alone), so the
+        choice explores (module doc); sampling sequences pass False (nominal seconds, no exploring)."""
         if not self.enabled or path_len < 1 or draft_s <= 0:
             return None
         contention = max(self.contention, min(max(busy, 0.0), 1.0))
-        best, best_gain = None, 0.0
+        best, best_gain = 1, float("-inf")  # the best depth, paying or not
         top = min(self.max_depth, path_len)
         for j in range(1, top + 1):
             if chained:
@@ -87,7 +96,14 @@ class AheadPolicy:
             gain = p_hit * draft_s - contention * cost
             if gain > best_gain:
                 best, best_gain = j, gain
-        return best
+        pays = best_gain > 0
+        if measured and self.learn_cost:
+            self._choices += 1
+            if pays and self._verify_alone is None:
+                return None  # the verify baseline first
+            if self.explore_every and self._choices % self.explore_every == 0 and (pays or busy < 0.5):
+                pays = not pays  # the other choice once: both costs stay measured
+        return best if pays else None
 
     def observe_verdict(self, prefix_hits: list[bool]) -> None:
         """prefix_hits[j-1]: did the top path's first j tokens prefix the committed tokens

@@ -66,6 +66,37 @@ def test_policy_learns_contention_from_seconds():
     assert p.choose(0.010, 0.001, 3) is None
 
 
+def _simulate(p: AheadPolicy, verify_alone: float, verify_ahead: float, rounds: int = 96) -> list[bool]:
+    """Synthetic rounds (no timing): a 5 ms draft whose guesses hit; a round with an ahead draft
+    (10 ms, waited for 0.3 ms) verifies in `verify_ahead` s, one without in `verify_alone` s.
+    -> per round, whether the policy drafted ahead."""
+    out = []
+    for _ in range(rounds):
+        j = p.choose(0.005, 0.0005, 3, chained=True, measured=True)
+        p.observe_verdict([True, True, False])
+        if j is None:
+            p.observe_alone(verify_alone)
+        else:
+            p.observe_ahead(True)
+            p.observe_cost(ahead_s=0.010, wait_s=0.0003, verify_s=verify_ahead)
+        out.append(j is not None)
+    return out
+
+
+def test_policy_measures_the_verify_alone_and_turns_off_when_ahead_drafts_slow_it():
+    """In process the ahead draft hardly waits (0.3 ms) but doubles the verify (10 -> 20 ms: the
+    threads share the interpreter lock). A policy that drafted ahead from the first round never saw
+    the verify alone and kept drafting ahead (0.71x measured); it now runs its first tree round
+    alone and explores, so it learns the slowdown and stops. Where the verify is not slowed it keeps
+    drafting ahead but for the exploring rounds."""
+    slowed = _simulate(AheadPolicy(), verify_alone=0.010, verify_ahead=0.020)
+    assert not slowed[0]  # the baseline round
+    assert sum(slowed[32:]) <= 64 // 16 + 1  # afterwards only the exploring rounds draft ahead
+    free = _simulate(AheadPolicy(), verify_alone=0.010, verify_ahead=0.010)
+    assert not free[0] and sum(free[32:]) >= 64 - 64 // 16 - 1  # every round but the exploring ones
+    # sampling sequences (measured=False) neither wait for a baseline nor explore: a seed replays
+    assert AheadPolicy(contention=0.0).choose(0.005, 0.0005, 3, chained=True) is not None
+
 def _ahead_tree_around_ts():
     """An ahead tree rooted at guessed token 3 whose child 0 carries test_sampling's tree, plus a
     sibling: rerooting at 0 must give that tree exactly."""
