@@ -444,7 +444,8 @@ class Engine:
         # a merged retrieved chain can make the tree deeper than the head's trees: the drafter takes a
         # guess of at most depth + 2 tokens and a chain of at most depth + 1 (its KV's ahead rows)
         assert self.drafter is not None  # a policy needs a drafter (__init__)
-        path = top_guess(draft.tree, min(draft.tree.max_depth, self.drafter.tree.depth + 2))
+        limit = self.drafter.tree.depth + 2  # the longest guess a drafter takes
+        path = top_guess(draft.tree, min(draft.tree.max_depth, limit))
         # sampling: nominal seconds, so that a seed replays the same trees whatever the timing
         draft_s = self._draft_est if not seq.sort_paths else 1.0
         step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
@@ -454,7 +455,6 @@ class Engine:
                               measured=not seq.sort_paths)
         if depth is None:
             return None
-        limit = self.drafter.tree.depth + 2  # the longest guess a drafter takes
         guess = self.guesser(draft.tree, depth, seq.produced)[:limit] if self.guesser else path[:depth]
         if not guess:
             return None
