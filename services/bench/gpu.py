@@ -10,7 +10,11 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
   plain           ms/token of plain decoding through the engine: the pre-issue path (contiguous
                   KV, SDPA), the paged static-shape path eagerly, and replayed from CUDA graphs
   rounds          EAGLE rounds of fixed trees (60/5/10, 16/3/4, 8/7/1) through the engine with a
-                  random head of the matching shape: ms per round (draft + verify) in plain tokens
+                  random head of the matching shape: ms per round (draft + verify) in plain tokens;
+                  60/5/10 and the chain again with an EAGLE-2 head restricted to a 32k draft
+                  vocabulary and an EAGLE-3 head over its own 32k one (the published heads' size)
+                  and each round's bandwidth floor (the target once, the head's layer and projection
+                  1 + depth times) in plain floors
   batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
   hf              transformers' eager generate on the same shape: ms/token
 Random weights accept nothing, so rounds here measure cost, never speed-up. Every timing is a median
@@ -39,11 +43,19 @@ SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
                          max_position_embeddings=8192, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    # tiny: 8 layers, so that EAGLE-3's three tap layers (2, N/2, N-3) are distinct
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=1024,
                  tie_word_embeddings=False),
 }
 TREES = {"60/5/10": (10, 5, 60), "16/3/4": (4, 3, 16), "chain 8/7/1": (1, 7, 8)}  # name: (top_k, depth, tokens)
+HEAD_TREES = ("60/5/10", "chain 8/7/1")  # also run with a reduced draft vocabulary
+DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' draft vocabulary (Llama-3.1-8B: 32000 of 128256)
+
+
+def draft_vocab_for(vocab_size: int) -> int:
+    """The reduced draft vocabulary of the bench's heads: DRAFT_VOCAB, or a quarter of a smaller vocabulary."""
+    return min(DRAFT_VOCAB, max(1, vocab_size // 4))
 
 
 @dataclass
@@ -81,17 +93,27 @@ def random_target(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
-def random_head(target, seed: int = 1):
-    """An EAGLE-2 head of the target's shape (one decoder layer) with random weights."""
+def random_head(target, seed: int = 1, kind: str = "eagle", draft_vocab: int | None = None):
+    """A head of the target's shape (one decoder layer) with random weights: EAGLE-2 ("eagle": the
+    target's lm_head; `draft_vocab` restricts it to that many rows, as --draft-vocab does) or EAGLE-3
+    ("eagle3": its own lm_head over `draft_vocab` rows, fed the target's three taps)."""
     from services.model.eagle_head import HeadConfig, build_head
 
     c = target.config
-    cfg = HeadConfig("eagle", c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps,
-                     c.vocab_size, rope_theta=c.rope_theta)
+    cfg = HeadConfig(kind, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,  # type: ignore[arg-type]
+                     c.rms_norm_eps, c.vocab_size, rope_theta=c.rope_theta,
+                     draft_vocab_size=draft_vocab if kind == "eagle3" else None)
     with torch.device("meta"):
         head = build_head(cfg, target.lm_head)
     head = head.to_empty(device=target.device).to(target.dtype)  # the target's lm_head is held by reference
     _fill(head, seed)
+    if kind == "eagle3" and getattr(head, "d2t", None) is not None:
+        head.d2t.zero_()  # draft id i is target id i (buffers come uninitialised from to_empty)
+        head.t2d.zero_()
+        head.t2d[:draft_vocab] = True
+    if kind == "eagle" and draft_vocab is not None:
+        counts = torch.randint(0, 1 << 20, (c.vocab_size,), generator=torch.Generator().manual_seed(seed))
+        head.restrict_vocab(counts, draft_vocab)
     return head.eval().requires_grad_(False)
 
 
@@ -186,6 +208,23 @@ def weight_bytes(target) -> int:
         seen.add(id(p))
         total += p.numel() * p.element_size()
     return total
+
+
+def head_bytes(head) -> tuple[int, int]:
+    """(layer, projection): bytes one head step reads in its decoder layer (fc, attention, MLP; not
+    the embedding table) and in its vocabulary projection (the target's lm_head, or the reduced one)."""
+    proj = head._projection()[0]
+    skip = {id(proj)} | {id(p) for n, p in head.named_parameters() if "embed_tokens" in n}
+    layer = sum(p.numel() * p.element_size() for p in head.parameters() if id(p) not in skip)
+    return layer, proj.numel() * proj.element_size()
+
+
+def round_floor_bytes(target_bytes: int, head, depth: int) -> int:
+    """Bytes a batch-1 EAGLE round of `depth` levels must read at least: the target once (the verify)
+    and, for the draft, the head's layer and its projection 1 + depth times each (the extension of the
+    committed rows and `depth` levels; the first level's scores and each level's children)."""
+    layer, proj = head_bytes(head)
+    return target_bytes + (1 + depth) * (layer + proj)
 
 
 def count_kernels(fn, device: str) -> int:
@@ -302,21 +341,41 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
     if kernel_runner is not None and dev.startswith("cuda"):
         res["kernels_uniform_decode"] = _uniform_kernels(kernel_runner, prompt)
 
-    # EAGLE rounds of fixed trees
-    head = random_head(target)
-    rounds = {}
-    for tname, (k, d, n) in TREES.items():
-        tree = TreeParams(k, d, n)
-        eng = Engine(Verifier(None, "hidden", runner=runner_objs[best_label]), Drafter(head, tree),
-                     c.max_context, c.vocab_size)
+    # EAGLE rounds of fixed trees: an EAGLE-2 head over the target's whole vocabulary, then (the large
+    # trees) heads that read a reduced draft vocabulary, as the published EAGLE-3 heads do
+    def round_row(head, kind: str, tname: str) -> dict:
+        k, d, n = TREES[tname]
+        eng = Engine(Verifier(None, "taps" if kind == "eagle3" else "hidden", runner=runner_objs[best_label]),
+                     Drafter(head, TreeParams(k, d, n)), c.max_context, c.vocab_size)
         decode_ms(eng, prompt, 4)
         ms, nr = _round_ms(eng, prompt, max(8, cfg.tokens // 2))
-        rounds[tname] = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
-                         "plain_tokens": ms["round"] / best, "rounds": nr,
-                         "draft_graphs": getattr(eng.drafter.graphs, "captures", 0)}
-        log(f"round {tname}: {ms['round']:.2f} ms (draft {ms['draft']:.2f} + verify {ms['verify']:.2f}) = "
-            f"{ms['round'] / best:.2f} plain tokens")
+        floor = round_floor_bytes(wb, head, d) / bw * 1e3  # the round's bandwidth floor, ms
+        return {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
+                "plain_tokens": ms["round"] / best, "rounds": nr,
+                "floor_ms": floor, "floor_plain_floors": floor / res["floor_ms"],
+                "draft_graphs": getattr(eng.drafter.graphs, "captures", 0)}
+
+    def log_round(name: str, r: dict) -> None:
+        log(f"round {name}: {r['round_ms']:.2f} ms (draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) = "
+            f"{r['plain_tokens']:.2f} plain tokens; its bandwidth floor {r['floor_plain_floors']:.2f} plain floors")
+
+    rounds = {}
+    head = random_head(target)
+    for tname in TREES:
+        rounds[tname] = round_row(head, "eagle", tname)
+        log_round(tname, rounds[tname])
     res["rounds"] = rounds
+    dv = draft_vocab_for(c.vocab_size)
+    res["draft_vocab"] = dv
+    heads = {}
+    for kind, label in (("eagle", "EAGLE-2"), ("eagle3", "EAGLE-3")):
+        head = random_head(target, kind=kind, draft_vocab=dv)
+        for tname in HEAD_TREES:
+            name = f"{tname} {label} vocab {dv}"
+            heads[name] = round_row(head, kind, tname)
+            log_round(name, heads[name])
+        del head
+    res["rounds_draft_vocab"] = heads
 
     # batched decode
     batched = {}
@@ -439,9 +498,10 @@ def table(res: dict) -> str:
             ("kernels per static-shape decode step", f(res.get("kernels_uniform_decode")))]
     rows += [(f"plain decoding, {k} (ms/token)", f(v)) for k, v in plain.items()]
     rows += [("plain / floor", f(res.get("plain_vs_floor")))]
-    for name, r in res["rounds"].items():
-        rows.append((f"round {name}: ms (draft + verify) = plain tokens",
-                     f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}) = {r['plain_tokens']:.2f}"))
+    for name, r in {**res["rounds"], **res.get("rounds_draft_vocab", {})}.items():
+        rows.append((f"round {name}: ms (draft + verify) = plain tokens [floor: plain floors]",
+                     f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}) = {r['plain_tokens']:.2f} "
+                     f"[{f(r.get('floor_plain_floors'))}]"))
     for n, b in res["batched"].items():
         rows.append((f"batched decode N={n}: ms/step, tok/s, x N=1", f"{b['step_ms']:.2f}, {b['tokens_per_s']:.0f}, "
                                                                    f"{b['vs_n1']:.2f}x"))

@@ -20,12 +20,45 @@ def test_shape_bench_runs_every_part_and_writes_json(tmp_path):
     assert res["shape"] == "tiny" and res["device"] == "cpu" and res["dtype"] == "fp32"
     assert set(res["rounds"]) == {"60/5/10", "16/3/4", "chain 8/7/1"}
     assert all(r["round_ms"] > 0 and r["rounds"] >= 1 for r in res["rounds"].values())
+    assert res["draft_vocab"] == 64  # a quarter of the tiny vocabulary (32000 on the Llama shapes)
+    assert set(res["rounds_draft_vocab"]) == {f"{t} {h} vocab 64" for t in ("60/5/10", "chain 8/7/1")
+                                              for h in ("EAGLE-2", "EAGLE-3")}
+    assert all(r["round_ms"] > 0 and r["rounds"] >= 1 for r in res["rounds_draft_vocab"].values())
     assert set(res["batched"]) == {"1", "2"} and res["batched"]["1"]["vs_n1"] == 1.0
     assert res["plain_ms"]["paged_eager"] > 0 and res["weight_gb"] > 0
     assert "plain decoding, paged_eager (ms/token)" in proc.stdout  # the table
+    assert "round 60/5/10 EAGLE-3 vocab 64" in proc.stdout
 
 
 def test_shape_bench_refuses_an_unknown_shape():
     proc = subprocess.run([sys.executable, "-m", "aerie_cli", "bench", "--shape", "gpt-5", "--device", "cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--shape must be one of llama-3.1-8b" in proc.stderr
+
+
+def test_round_floor_counts_the_target_once_and_the_head_per_level():
+    """The round's bandwidth floor on the Llama-3.1-8B shape (meta tensors: shapes only): the
+    target's 15.0 GB once, the head's layer (0.50 GB) and the full 128k-row projection (1.05 GB)
+    1 + depth times -- 1.62 plain floors for depth 5, 1.31 with a 32k draft vocabulary."""
+    import torch
+
+    from services.bench import gpu
+    from services.model.config import ModelConfig
+    from services.model.eagle_head import HeadConfig, build_head
+    from services.model.target import TargetModel
+
+    cfg = ModelConfig.from_hf_dict(gpu.hf_config("llama-3.1-8b").to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    with torch.device("meta"):
+        target = TargetModel(cfg).to(torch.bfloat16)
+        c = target.config
+        args = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps, c.vocab_size)
+        eagle2 = build_head(HeadConfig("eagle", *args), target.lm_head).to(torch.bfloat16)
+        eagle3 = build_head(HeadConfig("eagle3", *args, draft_vocab_size=32000)).to(torch.bfloat16)
+    wb = gpu.weight_bytes(target)
+    assert round(wb / 1e9, 2) == 15.01
+    layer, proj = gpu.head_bytes(eagle2)
+    assert (round(layer / 1e9, 3), round(proj / 1e9, 3)) == (0.503, 1.051)
+    assert round(gpu.round_floor_bytes(wb, eagle2, 5) / wb, 2) == 1.62
+    assert round(gpu.round_floor_bytes(wb, eagle2, 7) / wb, 2) == 1.83
+    assert gpu.head_bytes(eagle3)[1] == 32000 * 4096 * 2
+    assert round(gpu.round_floor_bytes(wb, eagle3, 5) / wb, 2) == 1.34
