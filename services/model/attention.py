@@ -12,6 +12,13 @@ Backends:
   expanded the KV heads repeated to the query heads, then SDPA restricted to the flash and
            memory-efficient kernels (they refuse grouped heads with dense inputs). The CUDA path for
            long query blocks (prefill chunks), where the grouped scores [nKV, G*T, S] would be large.
+  paged    a Triton kernel reading each sequence's keys in place from the paged arena through its
+           row table (services/model/paged_attention.py): no gather copy, and a sequence's own
+           length (a device value) bounds its key loop. Only the static-shape forward
+           (`forward_uniform`, which has the row table) runs it; every other call (`attend`) runs
+           `grouped`. Never chosen by default (on CUDA `grouped` stays until the GPU benchmark has
+           measured both); needs `triton` (`paged_attention_fn` says so when it is missing) and, on
+           the CPU, Triton's interpreter (TRITON_INTERPRET=1, tests only).
 
 Why not SDPA's default on CUDA: from torch 2.11 it picks cuDNN on Hopper, whose execution plans are
 cached by exact shape (KV length included), so a KV that grows by one row per token builds a new plan
@@ -19,7 +26,7 @@ every call (~2 ms of CPU each; the GPU issue's profile). Nothing here builds per
 nothing reads a device value on the host (no synchronisation): positions, lengths and masks are
 tensors.
 
-`AERIE_ATTENTION=sdpa|grouped|expanded` forces one backend for every call (measurements, tests).
+`AERIE_ATTENTION=sdpa|grouped|expanded|paged` forces one backend for every call (measurements, tests).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 
 from services.model import fused
 
-BACKENDS = ("sdpa", "grouped", "expanded")
+BACKENDS = ("sdpa", "grouped", "expanded", "paged")
 ENV = "AERIE_ATTENTION"
 GROUPED_MAX_ROWS = 64  # CUDA: query blocks up to this many rows use `grouped`, longer ones `expanded`
 
@@ -48,6 +55,19 @@ def backend_for(device: torch.device, rows: int) -> str:
     return "grouped" if rows <= GROUPED_MAX_ROWS else "expanded"
 
 
+def paged_attention_fn(device: torch.device, rows: int):
+    """services.model.paged_attention.paged_attention when the backend for this block is `paged`,
+    else None (the caller gathers and runs `attend_gathered`). Raises when triton is missing."""
+    if backend_for(device, rows) != "paged":
+        return None
+    try:
+        from services.model.paged_attention import paged_attention
+    except ImportError as e:
+        raise RuntimeError(f"{ENV}=paged needs the triton package (the paged attention kernel is a Triton "
+                           f"kernel; on CUDA, torch's own triton): {e}") from e
+    return paged_attention
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            causal: bool) -> torch.Tensor:
     """q [H, T, hd]; k, v [nKV, S, hd]; mask [T, S] bool (True = may attend) or None with `causal`
@@ -62,6 +82,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return out[0]
     if backend == "expanded":
         return _expanded(q, k, v, mask, causal)
+    # `grouped`, and `paged` outside the static-shape forward (no row table here)
     if mask is None:
         mask = (torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if causal
                 else torch.ones(t, s, dtype=torch.bool, device=q.device))

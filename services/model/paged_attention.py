@@ -41,6 +41,8 @@ import triton.language as tl
 BLOCK_N = 64  # key slots per loop iteration
 MAX_BLOCK_M = 64  # query rows (of one KV head) per program
 MAX_SPLITS = 32
+# Triton decides when a kernel is decorated (this module's import) whether it runs interpreted
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @triton.jit
@@ -163,9 +165,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_table
     assert h % nkv == 0 and k.shape[2] == hd and v.shape == k.shape, (q.shape, k.shape, v.shape)
     assert row_table.shape[0] == b and prefix.shape == (b,) and tree.shape == (b, t, t), (
         row_table.shape, prefix.shape, tree.shape)
-    if q.device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        raise RuntimeError("paged attention on a non-CUDA device runs only in Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use AERIE_ATTENTION=grouped")
+    if q.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError("AERIE_ATTENTION=paged on a non-CUDA device runs only in Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before aerie starts (slow: for tests), or use another backend")
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     row_table, prefix, tree = row_table.contiguous(), prefix.contiguous(), tree.contiguous()
