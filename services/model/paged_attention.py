@@ -131,7 +131,7 @@ def _merge_kernel(Part, Lse, Out, SPLITS: tl.constexpr, HD: tl.constexpr,
     tl.store(Out + row * HD + offs_d, o.to(Out.dtype.element_ty), mask=offs_d < HD)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
