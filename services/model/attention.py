@@ -15,10 +15,12 @@ Backends:
   paged    a Triton kernel reading each sequence's keys in place from the paged arena through its
            row table (services/model/paged_attention.py): no gather copy, and a sequence's own
            length (a device value) bounds its key loop. Only the static-shape forward
-           (`forward_uniform`, which has the row table) runs it; every other call (`attend`) runs
-           `grouped`. Never chosen by default (on CUDA `grouped` stays until the GPU benchmark has
-           measured both); needs `triton` (`paged_attention_fn` says so when it is missing) and, on
-           the CPU, Triton's interpreter (TRITON_INTERPRET=1, tests only).
+           (`forward_uniform`, which has the row table) runs it; every other call (`attend`: the
+           per-entry forward of long prefill chunks, the draft head) runs the backend it would run
+           without the variable (`default_backend`). Never chosen by default: on CUDA `grouped`
+           stays until the GPU benchmark has measured both. Needs `triton` (`paged_attention_fn`
+           says so when it is missing) and, on the CPU, Triton's interpreter (TRITON_INTERPRET=1,
+           tests only).
 
 Why not SDPA's default on CUDA: from torch 2.11 it picks cuDNN on Hopper, whose execution plans are
 cached by exact shape (KV length included), so a KV that grows by one row per token builds a new plan
@@ -26,7 +28,8 @@ every call (~2 ms of CPU each; the GPU issue's profile). Nothing here builds per
 nothing reads a device value on the host (no synchronisation): positions, lengths and masks are
 tensors.
 
-`AERIE_ATTENTION=sdpa|grouped|expanded|paged` forces one backend for every call (measurements, tests).
+`AERIE_ATTENTION=sdpa|grouped|expanded|paged` forces one backend for every call it can serve
+(measurements, tests).
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ def backend_for(device: torch.device, rows: int) -> str:
         if forced not in BACKENDS:
             raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}; got {forced!r}")
         return forced
+    return default_backend(device, rows)
+
+
+def default_backend(device: torch.device, rows: int) -> str:
+    """The backend without AERIE_ATTENTION: SDPA on the CPU; on CUDA `grouped` up to
+    GROUPED_MAX_ROWS query rows, else `expanded`."""
     if device.type != "cuda":
         return "sdpa"
     return "grouped" if rows <= GROUPED_MAX_ROWS else "expanded"
@@ -75,6 +84,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     h, t, hd = q.shape
     nkv, s = k.shape[0], k.shape[1]
     backend = backend_for(q.device, t)
+    if backend == "paged":  # it needs the row table, which only the static-shape forward has
+        backend = default_backend(q.device, t)
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if mask is None
                                              else mask[None, None], is_causal=causal and mask is None,
@@ -82,7 +93,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return out[0]
     if backend == "expanded":
         return _expanded(q, k, v, mask, causal)
-    # `grouped`, and `paged` outside the static-shape forward (no row table here)
     if mask is None:
         mask = (torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if causal
                 else torch.ones(t, s, dtype=torch.bool, device=q.device))

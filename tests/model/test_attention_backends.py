@@ -1,7 +1,7 @@
 """The attention backends (services/model/attention.py) compute one function: `grouped` and
 `expanded`, the CUDA paths, run here on the CPU against SDPA, for causal, tree-masked and
-maskless-decode calls with grouped heads (`paged`, which only the static-shape forward runs, is
-`grouped` here; its kernel is tested in test_paged_attention.py)."""
+maskless-decode calls with grouped heads (`paged`, which only the static-shape forward runs, is the
+device's default here: SDPA on the CPU; its kernel is tested in test_paged_attention.py)."""
 
 import sys
 
