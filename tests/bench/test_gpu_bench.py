@@ -53,6 +53,7 @@ def test_shape_bench_measures_the_paged_kernel_next_to_the_default(tmp_path):
 def test_a_failing_paged_measurement_is_reported_not_raised(monkeypatch):
     """The paged section's failure is its result (status + traceback); off skips."""
     pytest.importorskip("triton")
+
     def broken(target, rows):
         raise RuntimeError("no arena today")
 
