@@ -14,7 +14,8 @@ must see at least itself. Query head h reads KV head h // G (G = H / nKV).
 
 How (flash-decoding): one program per (sequence, KV head, block of query rows, key split). The G*T
 query rows of one KV head (row m = t*G + g) form one block, so each key block is loaded once for
-all of them; the keys come through `row_table` (no gather copy). The number of slots a sequence
+all of them, up to MAX_BLOCK_M rows (a 64-row tree with G = 4 is 4 blocks, each reading the keys,
+the later ones mostly from L2); the keys come through `row_table` (no gather copy). The number of slots a sequence
 needs, min(prefix + T, S), is read from `prefix` inside the kernel, which loops over those blocks
 only: a short sequence padded to S slots costs its own length. Scores and the online softmax are
 fp32; fp32 inputs use IEEE dot products (no TF32). When B * nKV programs would leave the GPU's SMs
