@@ -190,7 +190,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_table
                          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          *strides, s, NKV=nkv, T=t, G=g, HD=hd, SPLITS=n_splits,
                          IEEE=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_D=bd,
-                         num_warps=4)
+                         num_warps=4, num_stages=2)  # 2 stages: fp32 q + K/V tiles stay under 228 KB of smem
     if n_splits > 1:
         _merge_kernel[(b * t * h,)](part, lse, out, SPLITS=n_splits, HD=hd,
                                     BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=bd, num_warps=1)
