@@ -42,6 +42,9 @@ def register(sub) -> None:
     gpu.add_argument("--no-hf", action="store_true", help="--shape: skip transformers' generate")
     gpu.add_argument("--no-legacy", action="store_true",
                      help="--shape: skip the pre-paged path (contiguous KV, SDPA's own kernel)")
+    gpu.add_argument("--paged-attention", default="auto", choices=("auto", "on", "off"),
+                     help="--shape: measure AERIE_ATTENTION=paged (the Triton kernel) next to the default: auto = on "
+                          "CUDA when triton imports; on = also elsewhere (the CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -289,7 +292,7 @@ def _shape_bench(args: argparse.Namespace) -> int:
         raise InvalidRequest("--batches, --prompt-tokens and --max-new-tokens must be >= 1")
     cfg = GpuBenchConfig(args.shape, dev, args.dtype or ("bf16" if dev.startswith("cuda") else "fp32"),
                          args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
-                         legacy=not args.no_legacy)
+                         legacy=not args.no_legacy, paged=args.paged_attention)
     res = run_gpu_bench(cfg)
     print(table(res))
     if args.json_out:

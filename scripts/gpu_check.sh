@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else gpu_check_out/)
 # 1. the GPU tests (pytest -m gpu: graphs == eager bit for bit, fp32 CUDA == CPU == transformers, the
 #    EAGLE reference fixture on CUDA, bf16 plain == transformers bf16, batched == alone, no host sync);
-# 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's.
+# 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's, each
+#    also measuring the paged attention kernel (AERIE_ATTENTION=paged) next to the default backend.
 # Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. Uses the python that has torch
 # with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
 set -uo pipefail

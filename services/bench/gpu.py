@@ -17,6 +17,11 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
                   1 + depth times) in plain floors
   batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
   hf              transformers' eager generate on the same shape: ms/token
+  paged_attention the same plain decoding (graphs), rounds and batched decode again with
+                  AERIE_ATTENTION=paged (the Triton kernel reading the paged KV in place), next to
+                  the default `grouped` numbers above: on CUDA when triton imports (`paged`:
+                  "auto"); "on" also tries it elsewhere (the CPU needs TRITON_INTERPRET=1). Measured
+                  last, and a failure is recorded in the JSON and the table, not raised.
 Random weights accept nothing, so rounds here measure cost, never speed-up. Every timing is a median
 of repeats after a warm-up, GPU work timed to its completion (synchronised).
 """
@@ -28,6 +33,7 @@ import functools
 import os
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +75,14 @@ class GpuBenchConfig:
     repeats: int = 20
     hf: bool = True
     legacy: bool = True  # also the pre-issue path (contiguous KV, SDPA's own kernel choice)
+    paged: str = "auto"  # AERIE_ATTENTION=paged measured too: auto (CUDA with triton), on, off
+
+    def __post_init__(self) -> None:
+        if self.paged not in PAGED_MODES:
+            raise ValueError(f"paged must be one of {', '.join(PAGED_MODES)}; got {self.paged!r}")
+
+
+PAGED_MODES = ("auto", "on", "off")
 
 
 def hf_config(shape: str):
@@ -261,13 +275,10 @@ def decode_ms(engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, int]
 
 
 def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
-    from services.engine.drafter import Drafter
     from services.engine.engine import Engine
     from services.engine.verifier import Verifier
     from services.model.kv_pool import KVPool
     from services.model.runner import ModelRunner
-    from services.spec.sampling import SamplingParams
-    from services.spec.tree import TreeParams
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
     dev = cfg.device
@@ -343,59 +354,20 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
 
     # EAGLE rounds of fixed trees: an EAGLE-2 head over the target's whole vocabulary, then (the large
     # trees) heads that read a reduced draft vocabulary, as the published EAGLE-3 heads do
-    def round_row(head, kind: str, tname: str) -> dict:
-        k, d, n = TREES[tname]
-        eng = Engine(Verifier(None, "taps" if kind == "eagle3" else "hidden", runner=runner_objs[best_label]),
-                     Drafter(head, TreeParams(k, d, n)), c.max_context, c.vocab_size)
-        decode_ms(eng, prompt, 4)
-        ms, nr = _round_ms(eng, prompt, max(8, cfg.tokens // 2))
-        floor = round_floor_bytes(wb, head, d) / bw * 1e3  # the round's bandwidth floor, ms
-        return {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
-                "plain_tokens": ms["round"] / best, "rounds": nr,
-                "floor_ms": floor, "floor_plain_floors": floor / res["floor_ms"],
-                "draft_graphs": getattr(eng.drafter.graphs, "captures", 0)}
-
-    def log_round(name: str, r: dict) -> None:
-        log(f"round {name}: {r['round_ms']:.2f} ms (draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) = "
-            f"{r['plain_tokens']:.2f} plain tokens; its bandwidth floor {r['floor_plain_floors']:.2f} plain floors")
-
-    rounds = {}
     head = random_head(target)
-    for tname in TREES:
-        rounds[tname] = round_row(head, "eagle", tname)
-        log_round(tname, rounds[tname])
-    res["rounds"] = rounds
+    floor = functools.partial(_round_floor_ms, wb, bw, res["floor_ms"])
+    res["rounds"] = _rounds(runner_objs[best_label], head, prompt, cfg, best, log, floor=floor)
     dv = draft_vocab_for(c.vocab_size)
     res["draft_vocab"] = dv
-    heads = {}
+    res["rounds_draft_vocab"] = {}
     for kind, label in (("eagle", "EAGLE-2"), ("eagle3", "EAGLE-3")):
-        head = random_head(target, kind=kind, draft_vocab=dv)
-        for tname in HEAD_TREES:
-            name = f"{tname} {label} vocab {dv}"
-            heads[name] = round_row(head, kind, tname)
-            log_round(name, heads[name])
-        del head
-    res["rounds_draft_vocab"] = heads
+        res["rounds_draft_vocab"] |= _rounds(runner_objs[best_label], random_head(target, kind=kind, draft_vocab=dv),
+                                             prompt, cfg, best, log, trees=HEAD_TREES, suffix=f" {label} vocab {dv}",
+                                             floor=floor)
 
     # batched decode
-    batched = {}
     runner = runner_objs[best_label]
-    for n in cfg.batches:
-        v = Verifier(None, "hidden", runner=runner)
-        ids = [f"b{n}-{i}" for i in range(n)]
-        last = {}
-        for i, s in enumerate(ids):
-            last[s] = v.prefill(s, torch.tensor(_prompt(c.vocab_size, cfg.prompt, i + 1)), SamplingParams(),
-                                cfg.prompt + cfg.repeats + 16).first_token
-        step_s = timed(functools.partial(_decode_step, v, ids, last, [1]), dev, cfg.repeats // 2, warmup=2)
-        for s in ids:
-            v.release(s)
-        batched[n] = {"step_ms": step_s * 1e3, "tokens_per_s": n / step_s}
-        log(f"batched decode N={n}: {step_s * 1e3:.2f} ms/step, {n / step_s:.0f} tok/s")
-    base = batched[cfg.batches[0]]["tokens_per_s"]
-    for n in cfg.batches:
-        batched[n]["vs_n1"] = batched[n]["tokens_per_s"] / base
-    res["batched"] = {str(k): v for k, v in batched.items()}
+    res["batched"] = _batched(runner, cfg, log)
     if isinstance(runner.uniform, object) and getattr(runner, "uniform", None) is not None:
         res["graph_captures"] = runner.uniform.captures
         res["graph_capture_s"] = round(runner.uniform.capture_s, 2)
@@ -406,7 +378,107 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print) -> dict:
         res["hf_ms"] = _hf_ms(cfg, dev, dtype, target, prompt)
         log(f"transformers eager generate: {res['hf_ms']:.2f} ms/token")
         res["vs_hf"] = res["hf_ms"] / best
+
+    res["paged_attention"] = _paged_attention(cfg, target, head, prompt, rows, log)
     return res
+
+
+def _round_floor_ms(target_bytes: int, bandwidth: float, plain_floor_ms: float, head, depth: int) -> dict:
+    """A round's bandwidth floor (round_floor_bytes) in ms and in plain floors."""
+    ms = round_floor_bytes(target_bytes, head, depth) / bandwidth * 1e3
+    return {"floor_ms": ms, "floor_plain_floors": ms / plain_floor_ms}
+
+
+def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, trees=tuple(TREES), suffix: str = "",
+            floor=None) -> dict:
+    """EAGLE rounds of each fixed tree in `trees` (TREES names) through `runner` with `head` (its kind
+    picks the verifier's features): ms per round (draft + verify) and in plain tokens of `plain_ms`;
+    `floor(head, depth)` adds the round's bandwidth floor. Keys: tree name + `suffix`."""
+    from services.engine.drafter import Drafter
+    from services.engine.engine import Engine
+    from services.engine.verifier import Verifier
+    from services.spec.tree import TreeParams
+
+    c = runner.target.config
+    rounds = {}
+    for tname in trees:
+        k, d, n = TREES[tname]
+        eng = Engine(Verifier(None, head.feature_kind, runner=runner), Drafter(head, TreeParams(k, d, n)),
+                     c.max_context, c.vocab_size)
+        decode_ms(eng, prompt, 4)
+        ms, nr = _round_ms(eng, prompt, max(8, cfg.tokens // 2))
+        r = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
+             "plain_tokens": ms["round"] / plain_ms, "rounds": nr,
+             "draft_graphs": getattr(eng.drafter.graphs, "captures", 0), **(floor(head, d) if floor else {})}
+        rounds[tname + suffix] = r
+        log(f"round {tname + suffix}: {ms['round']:.2f} ms (draft {ms['draft']:.2f} + verify {ms['verify']:.2f}) = "
+            f"{ms['round'] / plain_ms:.2f} plain tokens"
+            + (f"; its bandwidth floor {r['floor_plain_floors']:.2f} plain floors" if floor else ""))
+    return rounds
+
+
+def _batched(runner, cfg: GpuBenchConfig, log) -> dict:
+    """One decode step of N = cfg.batches sequences through `runner`: {str(N): step_ms, tokens_per_s,
+    vs_n1 (tokens/s over the first N's)}."""
+    from services.engine.verifier import Verifier
+    from services.spec.sampling import SamplingParams
+
+    c = runner.target.config
+    batched = {}
+    for n in cfg.batches:
+        v = Verifier(None, "hidden", runner=runner)
+        ids = [f"b{n}-{i}" for i in range(n)]
+        last = {}
+        for i, s in enumerate(ids):
+            last[s] = v.prefill(s, torch.tensor(_prompt(c.vocab_size, cfg.prompt, i + 1)), SamplingParams(),
+                                cfg.prompt + cfg.repeats + 16).first_token
+        step_s = timed(functools.partial(_decode_step, v, ids, last, [1]), cfg.device, cfg.repeats // 2, warmup=2)
+        for s in ids:
+            v.release(s)
+        batched[n] = {"step_ms": step_s * 1e3, "tokens_per_s": n / step_s}
+        log(f"batched decode N={n}: {step_s * 1e3:.2f} ms/step, {n / step_s:.0f} tok/s")
+    base = batched[cfg.batches[0]]["tokens_per_s"]
+    for n in cfg.batches:
+        batched[n]["vs_n1"] = batched[n]["tokens_per_s"] / base
+    return {str(k): v for k, v in batched.items()}
+
+
+def _paged_attention(cfg: GpuBenchConfig, target, head, prompt, rows: int, log) -> dict:
+    """Plain decoding, rounds and batched decode with AERIE_ATTENTION=paged on a fresh paged runner
+    (graphs on CUDA): {"status": "ok" | "skipped: why" | "failed: error", "plain_ms", "rounds",
+    "batched"}. Never raises (but KeyboardInterrupt): a failure is the result."""
+    from services.engine.engine import Engine
+    from services.engine.verifier import Verifier
+    from services.model.runner import ModelRunner
+
+    cuda = cfg.device.startswith("cuda")
+    if cfg.paged == "off":
+        return {"status": "skipped: --paged-attention off"}
+    if cfg.paged == "auto" and not cuda:
+        return {"status": "skipped: not a CUDA device (--paged-attention on tries it)"}
+    out: dict = {"status": "failed: unfinished"}
+    try:
+        with attention_backend("paged"):
+            import services.model.paged_attention  # noqa: F401  (ImportError: no triton)
+
+            runner = ModelRunner(target, _paged(target, rows), graphs=cuda)
+            c = target.config
+            eng = Engine(Verifier(None, "hidden", runner=runner), None, c.max_context, c.vocab_size)
+            decode_ms(eng, prompt, 4)  # warm-up (graph capture, kernel compilation)
+            plain = decode_ms(eng, prompt, cfg.tokens)[0]
+            out["plain_ms"] = plain
+            log(f"plain decoding (paged attention): {plain:.2f} ms/token")
+            out["rounds"] = _rounds(runner, head, prompt, cfg, plain, log)
+            out["batched"] = _batched(runner, cfg, log)
+            out["status"] = "ok"
+    except ImportError as e:
+        out["status"] = f"skipped: triton does not import ({e})"
+    except Exception as e:  # the other measurements stand; the failure is reported
+        out["status"] = f"failed: {type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()[-4000:]
+        log(out["traceback"])
+    log(f"paged attention: {out['status']}")
+    return out
 
 
 def _decode_step(verifier, ids: list[str], last: dict[str, int], round_index: list[int]) -> None:
@@ -508,5 +580,19 @@ def table(res: dict) -> str:
     rows += [("CUDA graphs captured (s)", f"{res.get('graph_captures', '-')} ({res.get('graph_capture_s', '-')})"),
              ("transformers eager generate (ms/token)", f(res.get("hf_ms"))),
              ("speed-up over transformers", f(res.get("vs_hf")))]
+    paged = res.get("paged_attention", {})
+    rows += [("AERIE_ATTENTION=paged (Triton kernel)", paged.get("status", "-"))]
+    if "plain_ms" in paged:
+        base_ms = plain.get("graphs", plain.get("paged_eager"))
+        rows += [("  plain decoding (ms/token): paged vs default", f"{paged['plain_ms']:.2f} vs {f(base_ms)}")]
+    for name, r in paged.get("rounds", {}).items():
+        base = res["rounds"][name]
+        rows.append((f"  round {name}: ms (draft + verify), verify vs default",
+                     f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}), verify "
+                     f"{r['verify_ms']:.2f} vs {base['verify_ms']:.2f}"))
+    for n, b in paged.get("batched", {}).items():
+        base = res["batched"][n]
+        rows.append((f"  batched decode N={n}: ms/step, x N=1 (default)",
+                     f"{b['step_ms']:.2f}, {b['vs_n1']:.2f}x ({base['step_ms']:.2f}, {base['vs_n1']:.2f}x)"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

@@ -12,6 +12,15 @@ Backends:
   expanded the KV heads repeated to the query heads, then SDPA restricted to the flash and
            memory-efficient kernels (they refuse grouped heads with dense inputs). The CUDA path for
            long query blocks (prefill chunks), where the grouped scores [nKV, G*T, S] would be large.
+  paged    a Triton kernel reading each sequence's keys in place from the paged arena through its
+           row table (services/model/paged_attention.py): no gather copy, and a sequence's own
+           length (a device value) bounds its key loop. Only the static-shape forward
+           (`forward_uniform`, which has the row table) runs it; every other call (`attend`: the
+           per-entry forward of long prefill chunks, the draft head) runs the backend it would run
+           without the variable (`default_backend`). Never chosen by default: on CUDA `grouped`
+           stays until the GPU benchmark has measured both. Needs `triton` (`paged_attention_fn`
+           says so when it is missing) and, on the CPU, Triton's interpreter (TRITON_INTERPRET=1,
+           tests only).
 
 Why not SDPA's default on CUDA: from torch 2.11 it picks cuDNN on Hopper, whose execution plans are
 cached by exact shape (KV length included), so a KV that grows by one row per token builds a new plan
@@ -19,7 +28,8 @@ every call (~2 ms of CPU each; the GPU issue's profile). Nothing here builds per
 nothing reads a device value on the host (no synchronisation): positions, lengths and masks are
 tensors.
 
-`AERIE_ATTENTION=sdpa|grouped|expanded` forces one backend for every call (measurements, tests).
+`AERIE_ATTENTION=sdpa|grouped|expanded|paged` forces one backend for every call it can serve
+(measurements, tests).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch.nn.functional as F
 
 from services.model import fused
 
-BACKENDS = ("sdpa", "grouped", "expanded")
+BACKENDS = ("sdpa", "grouped", "expanded", "paged")
 ENV = "AERIE_ATTENTION"
 GROUPED_MAX_ROWS = 64  # CUDA: query blocks up to this many rows use `grouped`, longer ones `expanded`
 
@@ -43,9 +53,28 @@ def backend_for(device: torch.device, rows: int) -> str:
         if forced not in BACKENDS:
             raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}; got {forced!r}")
         return forced
+    return default_backend(device, rows)
+
+
+def default_backend(device: torch.device, rows: int) -> str:
+    """The backend without AERIE_ATTENTION: SDPA on the CPU; on CUDA `grouped` up to
+    GROUPED_MAX_ROWS query rows, else `expanded`."""
     if device.type != "cuda":
         return "sdpa"
     return "grouped" if rows <= GROUPED_MAX_ROWS else "expanded"
+
+
+def paged_attention_fn(device: torch.device, rows: int):
+    """services.model.paged_attention.paged_attention when the backend for this block is `paged`,
+    else None (the caller gathers and runs `attend_gathered`). Raises when triton is missing."""
+    if backend_for(device, rows) != "paged":
+        return None
+    try:
+        from services.model.paged_attention import paged_attention
+    except ImportError as e:
+        raise RuntimeError(f"{ENV}=paged needs the triton package (the paged attention kernel is a Triton "
+                           f"kernel; on CUDA, torch's own triton): {e}") from e
+    return paged_attention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -55,6 +84,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     h, t, hd = q.shape
     nkv, s = k.shape[0], k.shape[1]
     backend = backend_for(q.device, t)
+    if backend == "paged":  # it needs the row table, which only the static-shape forward has
+        backend = default_backend(q.device, t)
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if mask is None
                                              else mask[None, None], is_causal=causal and mask is None,

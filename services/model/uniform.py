@@ -20,6 +20,11 @@ Python control flow depends only on (B, T, S). With `graphs=True` (CUDA) each sh
 once, on first use, into a graph sharing one memory pool; replays give the eager forward's bits.
 A replay's logits are views of the graph's own buffers, valid until the next `execute` (the
 verifier reads them at once); its hidden states and taps are copies (features outlive the step).
+
+Attention, per layer: the S key slots of every sequence are gathered from the arena into
+[nKV, B, S, hd] and `attend_gathered` runs over them with the mask `key_mask` builds (the default);
+with AERIE_ATTENTION=paged a Triton kernel (services/model/paged_attention.py) reads them in place
+through the row table instead, looping over each sequence's own prefix + T slots only.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 import torch
 
 from services.model import fused
-from services.model.attention import attend_gathered
+from services.model.attention import attend_gathered, paged_attention_fn
 from services.model.paged_kv import TRASH_ROW, PagedKVPool
 from services.model.step import Step, StepOutput
 
@@ -102,7 +107,9 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
     x = target.model.embed_tokens(ids)  # [B*T, H]
     cos_t, sin_t = target.rotary.tables(0, x.dtype, x.device)  # precomputed (UniformRunner)
     cos, sin = cos_t[positions], sin_t[positions]
-    mask = key_mask(prefix, tree.view(b, t, t).bool(), s)  # [B, T, S]
+    paged = paged_attention_fn(x.device, t)  # AERIE_ATTENTION=paged: keys read in place, no gather
+    if paged is None:
+        mask = key_mask(prefix, tree.view(b, t, t).bool(), s)  # [B, T, S]
     taps: list[torch.Tensor] = []
     tap_layers = target.config.eagle3_tap_layers if shape.taps else ()
     layers = target.model.layers
@@ -116,12 +123,16 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
         ka.index_copy_(1, write_rows, k.transpose(0, 1))
         va.index_copy_(1, write_rows, v.transpose(0, 1))
         g, hd = attn.num_kv_heads, attn.head_dim
-        keys = ka.index_select(1, row_table).view(g, b, s, hd)  # [g, B, S, hd], contiguous
-        vals = va.index_select(1, row_table).view(g, b, s, hd)
-        out = attend_gathered(q.view(b, t, attn.num_heads, hd).transpose(1, 2), keys, vals, mask)  # [B, h, T, hd]
+        if paged is not None:
+            out = paged(q.view(b, t, attn.num_heads, hd), ka, va, row_table.view(b, s), prefix,
+                        tree.view(b, t, t), hd ** -0.5)  # [B, T, h, hd]
+        else:
+            keys = ka.index_select(1, row_table).view(g, b, s, hd)  # [g, B, S, hd], contiguous
+            vals = va.index_select(1, row_table).view(g, b, s, hd)
+            out = attend_gathered(q.view(b, t, attn.num_heads, hd).transpose(1, 2), keys, vals,
+                                  mask).transpose(1, 2)  # [B, T, h, hd]
         post = layer.post_attention_layernorm
-        x, h = fused.add_rms_norm(x, attn.o_proj(out.transpose(1, 2).reshape(b * t, attn.num_heads * hd)),
-                                  post.weight, post.eps)
+        x, h = fused.add_rms_norm(x, attn.o_proj(out.reshape(b * t, attn.num_heads * hd)), post.weight, post.eps)
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else target.model.norm
         x, h = fused.add_rms_norm(x, layer.mlp(h), norm.weight, norm.eps)
     hidden = h  # the final norm of the last residual

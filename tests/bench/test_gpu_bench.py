@@ -2,9 +2,15 @@
 CPU with the tiny shape: it runs every part and writes the JSON the docs read (no speed asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from services.bench import gpu
+from services.bench.gpu import TREES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +34,44 @@ def test_shape_bench_runs_every_part_and_writes_json(tmp_path):
     assert res["plain_ms"]["paged_eager"] > 0 and res["weight_gb"] > 0
     assert "plain decoding, paged_eager (ms/token)" in proc.stdout  # the table
     assert "round 60/5/10 EAGLE-3 vocab 64" in proc.stdout
+    assert res["paged_attention"] == {"status": "skipped: not a CUDA device (--paged-attention on tries it)"}
+
+
+def test_shape_bench_measures_the_paged_kernel_next_to_the_default(tmp_path):
+    """--paged-attention on, in Triton's interpreter on the CPU: plain decoding, the three rounds
+    and batched decode again with AERIE_ATTENTION=paged, in the JSON and the table."""
+    pytest.importorskip("triton")
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "aerie_cli", "bench", "--shape", "tiny", "--device", "cpu",
+                           "--max-new-tokens", "2", "--batches", "1,2", "--prompt-tokens", "8", "--no-hf",
+                           "--no-legacy", "--paged-attention", "on", "--json-out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr
+    paged = json.loads(out.read_text())["paged_attention"]
+    assert paged["status"] == "ok" and paged["plain_ms"] > 0
+    assert set(paged["rounds"]) == set(TREES) and all(r["verify_ms"] > 0 for r in paged["rounds"].values())
+    assert set(paged["batched"]) == {"1", "2"} and paged["batched"]["1"]["vs_n1"] == 1.0
+    assert "AERIE_ATTENTION=paged (Triton kernel)" in proc.stdout and "plain decoding (ms/token): paged vs default" \
+        in proc.stdout
+
+
+def test_a_failing_paged_measurement_is_reported_not_raised(monkeypatch):
+    """The paged section's failure is its result (status + traceback); off skips."""
+    pytest.importorskip("triton")
+
+    def broken(target, rows):
+        raise RuntimeError("no arena today")
+
+    monkeypatch.setattr(gpu, "_paged", broken)
+    cfg = gpu.GpuBenchConfig("tiny", "cpu", "fp32", paged="on")
+    lines: list[str] = []
+    out = gpu._paged_attention(cfg, None, None, (1, 2), 64, lines.append)
+    assert out["status"] == "failed: RuntimeError: no arena today" and "no arena today" in out["traceback"]
+    assert lines[-1] == "paged attention: failed: RuntimeError: no arena today"
+    assert gpu._paged_attention(gpu.GpuBenchConfig(paged="off"), None, None, (), 0, print)["status"].startswith(
+        "skipped: --paged-attention off")
+    with pytest.raises(ValueError, match="paged must be one of auto, on, off; got 'yes'"):
+        gpu.GpuBenchConfig(paged="yes")
 
 
 def test_shape_bench_refuses_an_unknown_shape():

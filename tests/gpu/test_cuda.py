@@ -168,8 +168,72 @@ def test_batched_equals_alone_on_cuda(llama_pair):
             last[i] = got[i]
 
 
-def test_static_forward_and_replay_never_synchronise(llama_pair):
+def _kernel_inputs(t, g):
+    """Llama-3.1-8B's attention shape (32 query heads, 8 KV heads, hd 128): 3 sequences with
+    prefixes 0, 300, 700 over S = 768 slots scattered in a 4096-row arena, random trees (diagonal on)."""
+    b, h, nkv, hd, s, rows = 3, 32, 8, 128, 768, 4096
+    q = torch.randn(b, t, h, hd, generator=g, device="cuda")
+    k, v = (torch.randn(nkv, rows, hd, generator=g, device="cuda") for _ in range(2))
+    table = torch.randperm(rows, generator=g, device="cuda")[:b * s].view(b, s)
+    prefix = torch.tensor([0, 300, 700], device="cuda")
+    tree = ((torch.rand(b, t, t, generator=g, device="cuda") < 0.5).tril(-1)
+            | torch.eye(t, dtype=torch.bool, device="cuda")).long()
+    return q, k, v, table, prefix, tree
+
+
+@pytest.mark.parametrize("t", [1, 16, 64])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_paged_kernel_equals_gathered_attention_on_cuda(t, splits):
+    """The Triton kernel (AERIE_ATTENTION=paged) against `grouped`'s gather + attend_gathered. fp32:
+    equal to 1e-4. bf16: both compared with the fp32 answer; the kernel's error is at most twice
+    grouped's (it keeps the scores in fp32, grouped rounds them to bf16 first)."""
+    from services.model.attention import attend_gathered
+    from services.model.paged_attention import paged_attention
+    from services.model.uniform import key_mask
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    q, k, v, table, prefix, tree = _kernel_inputs(t, g)
+    b, s, nkv, hd = table.shape[0], table.shape[1], k.shape[0], k.shape[2]
+    mask = key_mask(prefix, tree.bool(), s)
+
+    def grouped(q, k, v):
+        keys = k.index_select(1, table.flatten()).view(nkv, b, s, hd)
+        vals = v.index_select(1, table.flatten()).view(nkv, b, s, hd)
+        return attend_gathered(q.transpose(1, 2), keys, vals, mask).transpose(1, 2)
+
+    exact = grouped(q, k, v)
+    got = paged_attention(q, k, v, table, prefix, tree, hd ** -0.5, splits=splits)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
+    err_paged = (paged_attention(q16, k16, v16, table, prefix, tree, hd ** -0.5, splits=splits).float()
+                 - exact).abs().max().item()
+    err_grouped = (grouped(q16, k16, v16).float() - exact).abs().max().item()
+    assert err_paged <= 2 * err_grouped + 1e-3, (err_paged, err_grouped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_backend_equals_grouped_and_replays_bit_for_bit(llama_pair, dtype, deterministic, monkeypatch):
+    """The static-shape forward with AERIE_ATTENTION=paged: eagerly, the logits of `grouped` (fp32
+    to 1e-4; bf16 to 5e-2); replayed from CUDA graphs, the eager paged run's bits."""
+    _, target, _ = llama_pair
+    t = on_cuda(target, dtype=dtype)
+    monkeypatch.setenv("AERIE_ATTENTION", "grouped")
+    grouped = _steps(ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=False))
+    monkeypatch.setenv("AERIE_ATTENTION", "paged")
+    eager = _steps(ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=False))
+    replayed = _steps(ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=True))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for k, ((lg, _), (le, he), (lr, hr)) in enumerate(zip(grouped, eager, replayed, strict=True)):
+        torch.testing.assert_close(le.float(), lg.float(), rtol=tol, atol=tol, msg=lambda m, k=k: f"step {k}: {m}")
+        assert torch.equal(le, lr) and torch.equal(he, hr), (
+            f"step {k}: paged graph vs eager max |diff| logits {(le - lr).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("backend", ["default", "paged"])
+def test_static_forward_and_replay_never_synchronise(llama_pair, backend, monkeypatch):
     """torch's sync debug mode raises on any host synchronisation inside the forward and the replay."""
+    if backend == "paged":
+        monkeypatch.setenv("AERIE_ATTENTION", "paged")
     _, target, _ = llama_pair
     t = on_cuda(target)
     pool = PagedKVPool.for_model(t, 1024)

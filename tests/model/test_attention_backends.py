@@ -1,14 +1,17 @@
 """The attention backends (services/model/attention.py) compute one function: `grouped` and
 `expanded`, the CUDA paths, run here on the CPU against SDPA, for causal, tree-masked and
-maskless-decode calls with grouped heads."""
+maskless-decode calls with grouped heads (`paged`, which only the static-shape forward runs, is the
+device's default here: SDPA on the CPU; its kernel is tested in test_paged_attention.py)."""
+
+import sys
 
 import pytest
 import torch
 
-from services.model.attention import attend
+from services.model.attention import attend, paged_attention_fn
 
 
-@pytest.mark.parametrize("backend", ["grouped", "expanded"])
+@pytest.mark.parametrize("backend", ["grouped", "expanded", "paged"])
 @pytest.mark.parametrize("case", ["decode", "causal-prefill", "tree-mask"])
 def test_backend_equals_sdpa(monkeypatch, backend, case):
     g = torch.Generator().manual_seed(len(case))
@@ -35,5 +38,15 @@ def test_backend_equals_sdpa(monkeypatch, backend, case):
 
 def test_unknown_backend_is_refused(monkeypatch):
     monkeypatch.setenv("AERIE_ATTENTION", "cudnn")
-    with pytest.raises(ValueError, match="AERIE_ATTENTION must be one of sdpa, grouped, expanded; got 'cudnn'"):
+    with pytest.raises(ValueError, match="AERIE_ATTENTION must be one of sdpa, grouped, expanded, paged; got 'cudnn'"):
         attend(torch.zeros(2, 1, 4), torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), None, False)
+
+
+def test_paged_without_triton_names_the_variable_and_the_package(monkeypatch):
+    monkeypatch.delitem(sys.modules, "services.model.paged_attention", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.delenv("AERIE_ATTENTION", raising=False)
+    assert paged_attention_fn(torch.device("cpu"), 1) is None  # not selected: nothing imported
+    monkeypatch.setenv("AERIE_ATTENTION", "paged")
+    with pytest.raises(RuntimeError, match="AERIE_ATTENTION=paged needs the triton package"):
+        paged_attention_fn(torch.device("cpu"), 1)
