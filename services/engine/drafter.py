@@ -10,7 +10,8 @@ On CUDA the draft KV of every sequence lives in one paged arena (services/model/
 single sequence's draft with a fixed shape is replayed from a CUDA graph (services/engine/draft_graphs.py;
 AERIE_CUDA_GRAPHS=0: the same static code eagerly): the extension of up to 16 newly committed rows
 and the expansion in one graph, or (more rows) the eager extension and then the expansion's graph;
-batches of several sequences, dynamic depth and draft_ahead run the eager code over the same pages. On the CPU: contiguous caches, eager, as before.
+batches of several sequences, dynamic depth and draft_ahead run the eager code over the same pages.
+On the CPU: contiguous caches, eager, as before.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ class Drafter:
             last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
             keys = graphs.keys_for(cache, params)  # after the extension: the rows the expansion reads
             # (None: the extension took the sequence past the graphs' largest key count: eagerly, then)
-            cand = graphs.expand(cache, last, params, keys) if keys is not None else expand(self.head, cache, last, params)
+            cand = (graphs.expand(cache, last, params, keys) if keys is not None
+                    else expand(self.head, cache, last, params))
         self._last[call.seq_id] = last
         return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
 
