@@ -168,7 +168,7 @@ class Drafter:
         return results  # type: ignore[return-value]
 
     def _static(self, seq_id: str, params: TreeParams) -> bool:
-        """The graph-replayed expansion applies: CUDA, a paged cache, a fixed shape (no dynamic depth)."""
+        """The graph-replayed draft applies: CUDA, a paged cache, a fixed shape (no dynamic depth)."""
         cache = self._caches[seq_id]
         return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
                 and params.stop_logprob == float("-inf") and self.graphs.keys_for(cache, params) is not None)
