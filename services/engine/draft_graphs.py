@@ -1,13 +1,22 @@
-"""The EAGLE-2 expansion of one sequence replayed from a CUDA graph (or run eagerly).
+"""One sequence's EAGLE draft replayed from a CUDA graph (or run eagerly): the head's extension of the
+newly committed rows and the EAGLE-2 expansion from the last of them.
 
-    graphs = DraftGraphs(head, pool, graphs=True)      # pool: the drafter's PagedKVPool
-    cand = graphs.expand(cache, last [H], params)       # Candidates on the CPU (one device-to-host copy)
+    graphs = DraftGraphs(head, pool, graphs=True)       # pool: the drafter's PagedKVPool
+    width = graphs.width_for(n)                          # W in EXTEND_WIDTHS, or None (n > 16)
+    keys = graphs.keys_for(cache, params, width)         # S key slots, or None (past max_keys)
+    cand, last = graphs.draft(cache, features [n, F], tokens [n], params, width, keys)
+    cand = graphs.expand(cache, last [H], params, keys)  # rows already extended (eagerly): expansion only
 
-One graph per (top_k, depth, S key slots), captured on first use into one memory pool; inputs are the
-sequence's key rows [S], its committed length [1] and the head output of its last row [H], copied
-into the graph's static buffers before each replay. The expansion is `services/spec/tree_static.py`;
-`rerank` (host, a few hundred candidates) follows in the drafter. A shape with dynamic depth, or a
-batch of several sequences, runs the eager `expand_many` instead.
+One graph per (W, top_k, depth, S key slots) (W = 0: the expansion alone), captured on first use into
+one memory pool. Inputs travel in one int64 buffer (one host-to-device copy: the sequence's key rows
+[S], the arena rows the extension writes [W], its committed length [1], the new row count [1], the
+tokens [W]) and one feature buffer [W, F] (a device copy); the candidates come back in one packed
+device-to-host copy. `last` [H] (the head output of the last committed row, which the drafter keeps
+for draft_ahead) stays on the device: it is cloned from the graph's output buffer (a device copy,
+no host round trip: draft_ahead feeds it to the head on the device). `draft` advances the cache's
+length by n; the static code is `services/spec/tree_static.py`; `rerank` (host, a few hundred
+candidates) follows in the drafter. A shape with dynamic depth, or a batch of several sequences,
+runs the eager `extend_many` + `expand_many` instead.
 """
 
 from __future__ import annotations
@@ -21,19 +30,21 @@ import torch
 
 from services.model.eagle_head import DraftHead
 from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
-from services.model.uniform import capture_graph, key_bucket
+from services.model.uniform import bucket, capture_graph, key_bucket
 from services.spec.tree import Candidates, TreeParams
-from services.spec.tree_static import expand_static
+from services.spec.tree_static import draft_static, expand_static
 
 log = logging.getLogger(__name__)
+
+EXTEND_WIDTHS = (1, 2, 4, 8, 16)  # W: newly committed rows a draft graph extends by (padded up)
 
 
 @dataclass
 class _DraftGraph:
     graph: torch.cuda.CUDAGraph
-    key_rows: torch.Tensor  # [S] long
-    stable: torch.Tensor  # [1] long
-    last: torch.Tensor  # [H]
+    inputs: torch.Tensor  # [S + 2W + 2] long: key_rows [S], write_rows [W], stable, count, tokens [W]
+    features: torch.Tensor  # [W, F] (W = 0: unused)
+    last: torch.Tensor  # [H]: the input of an expansion alone; the extension's output otherwise
     packed: torch.Tensor  # [2 * C + P] float64: scores, tokens, parents (one copy to the host)
     sizes: tuple[int, int, int]
 
@@ -43,54 +54,117 @@ class DraftGraphs:
         self.head, self.pool, self.graphs_on = head, pool, graphs
         self.max_keys = max_keys
         head.rotary.tables(max_keys, head.dtype, head.device)  # a graph holds the tables' address
-        self._graphs: dict[tuple[int, int, int], _DraftGraph] = {}
+        self._graphs: dict[tuple[int, int, int, int], _DraftGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures, self.capture_s = 0, 0.0
-        self.expansions = 0  # expansions served (graph or eager)
+        self.expansions = 0  # expansions served (graph or eager static code)
+        self.extensions = 0  # of them, with the extension in the same graph (`draft`)
 
-    def keys_for(self, cache: PagedCache, params: TreeParams) -> int | None:
-        s = key_bucket(cache.length + params.draft_rows)
+    @staticmethod
+    def width_for(n: int) -> int | None:
+        """The width bucket of n newly committed rows, or None (wider: the eager extension)."""
+        return bucket(n, EXTEND_WIDTHS)
+
+    def keys_for(self, cache: PagedCache, params: TreeParams, width: int = 0) -> int | None:
+        """Key slots for the committed rows, `width` new ones and the tree's rows (None: too many)."""
+        s = key_bucket(cache.length + width + params.draft_rows)
         return s if s <= self.max_keys else None
 
+    def draft(self, cache: PagedCache, features: torch.Tensor, tokens: torch.Tensor, params: TreeParams,
+              width: int, keys: int) -> tuple[Candidates, torch.Tensor]:
+        """Extend `cache` by the n = len(tokens) <= width committed rows (features [n, F], tokens [n],
+        as `tree.extend`) and expand `params` from the last of them -> (candidates on the host,
+        last [H] on the device). WARNING: mutates `cache` (n more rows)."""
+        n = int(tokens.shape[0])
+        assert 1 <= n <= width and keys >= cache.length + width + params.draft_rows, (n, width, keys)
+        cache.reserve(n)  # the drafter reserved the slot's rows at start: this only checks them
+        host = self._inputs(cache, keys, width, n, tokens)
+        k, d = params.top_k, params.depth
+        self.expansions += 1
+        self.extensions += 1
+        if not self.graphs_on:
+            dev = self.head.device
+            key_rows, write_rows, stable, count, toks = host.to(dev).split((keys, width, 1, 1, width))
+            feats = torch.zeros(width, features.shape[1], dtype=self.head.dtype, device=dev)
+            feats[:n] = features
+            cand, last = draft_static(self.head, self.pool, key_rows, write_rows, stable, count, feats, toks, k, d)
+            cache.advance(n)
+            return Candidates(cand.scores.cpu(), cand.tokens.cpu(), cand.parents.cpu()), last
+        g = self._graphs.get((width, k, d, keys)) or self._capture(width, k, d, keys)
+        g.inputs.copy_(host, non_blocking=True)
+        g.features[:n].copy_(features)
+        if n < width:
+            g.features[n:].zero_()  # padded rows: finite inputs (their outputs are dropped)
+        g.graph.replay()
+        last = g.last.clone()  # the next replay of this graph overwrites its output buffer
+        cache.advance(n)
+        return self._unpack(g), last
+
     def expand(self, cache: PagedCache, last: torch.Tensor, params: TreeParams, keys: int) -> Candidates:
-        """The candidates of `params`' expansion from `last` [H] (head output of the last committed row)."""
-        rows = np.full(keys, TRASH_ROW, np.int64)
-        m = min(keys, cache.capacity)
-        rows[:m] = cache.rows_host[:m]
-        key_rows = torch.from_numpy(rows)
-        stable = torch.tensor([cache.length], device="cpu")
+        """The candidates of `params`' expansion from `last` [H] (head output of the last committed
+        row; the rows were extended before, eagerly)."""
+        host = self._inputs(cache, keys, 0, 0, None)
         k, d = params.top_k, params.depth
         self.expansions += 1
         if not self.graphs_on:
             dev = self.head.device
-            cand = expand_static(self.head, self.pool, key_rows.to(dev), stable.to(dev), last, k, d)
+            key_rows, stable, _ = host.to(dev).split((keys, 1, 1))
+            cand = expand_static(self.head, self.pool, key_rows, stable, last, k, d)
             return Candidates(cand.scores.cpu(), cand.tokens.cpu(), cand.parents.cpu())
-        g = self._graphs.get((k, d, keys)) or self._capture(k, d, keys)
-        g.key_rows.copy_(key_rows, non_blocking=True)
-        g.stable.copy_(stable, non_blocking=True)
+        g = self._graphs.get((0, k, d, keys)) or self._capture(0, k, d, keys)
+        g.inputs.copy_(host, non_blocking=True)
         g.last.copy_(last)
         g.graph.replay()
+        return self._unpack(g)
+
+    def _inputs(self, cache: PagedCache, keys: int, width: int, n: int, tokens: torch.Tensor | None
+                ) -> torch.Tensor:
+        """The int64 input buffer (host): key_rows [S], write_rows [W], stable, count, tokens [W].
+        Example: rows_host [40..47, 8..15] (pages 5, 1 of size 8), length 7, n 2, W 4, S 256 ->
+        key_rows [40..47, 8..15, 0 x 240], write_rows [47, 8, 0, 0], stable 7, count 2."""
+        p = cache.length
+        key_rows = np.full(keys, TRASH_ROW, np.int64)
+        m = min(keys, cache.capacity)
+        key_rows[:m] = cache.rows_host[:m]
+        write_rows = np.full(width, TRASH_ROW, np.int64)
+        write_rows[:n] = cache.rows_host[p:p + n]
+        toks = np.zeros(width, np.int64)
+        if tokens is not None:
+            toks[:n] = tokens.cpu().numpy()
+        return torch.from_numpy(np.concatenate([key_rows, write_rows, np.array([p, n], np.int64), toks]))
+
+    @staticmethod
+    def _unpack(g: _DraftGraph) -> Candidates:
         packed = g.packed.cpu()  # the one host copy of the round's draft
-        c, _, p = g.sizes
+        c, _, _ = g.sizes
         return Candidates(scores=packed[:c].float(), tokens=packed[c:2 * c].long(), parents=packed[2 * c:].long())
 
-    def _capture(self, k: int, d: int, keys: int) -> _DraftGraph:
+    def _capture(self, width: int, k: int, d: int, keys: int) -> _DraftGraph:
         t0 = time.perf_counter()
-        dev = self.head.device
-        key_rows = torch.full((keys,), TRASH_ROW, dtype=torch.long, device=dev)  # warm-up: the trash page
-        stable = torch.zeros(1, dtype=torch.long, device=dev)
-        last = torch.zeros(self.head.config.hidden_size, dtype=self.head.dtype, device=dev)
+        head, dev = self.head, self.head.device
+        # warm-up input: every write to the trash page, no committed row, one new row (count >= 1)
+        idle = torch.full((keys + 2 * width + 2,), TRASH_ROW, dtype=torch.long)
+        idle[keys + width:] = 0
+        idle[keys + width + 1] = 1 if width else 0
+        inputs = idle.to(dev)
+        key_rows, write_rows, stable, count, tokens = inputs.split((keys, width, 1, 1, width))
+        features = torch.zeros(width, head.config.feature_size, dtype=head.dtype, device=dev)
+        last_in = torch.zeros(head.config.hidden_size, dtype=head.dtype, device=dev)
 
-        def run() -> torch.Tensor:
-            cand = expand_static(self.head, self.pool, key_rows, stable, last, k, d)
-            return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()])
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            if width:
+                cand, last = draft_static(head, self.pool, key_rows, write_rows, stable, count, features, tokens, k, d)
+            else:
+                cand, last = expand_static(head, self.pool, key_rows, stable, last_in, k, d), last_in
+            return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()]), last
 
-        graph, packed = capture_graph(run, dev, self._mempool)
+        graph, (packed, last_out) = capture_graph(run, dev, self._mempool)
         c = k + d * k * k
-        g = _DraftGraph(graph, key_rows, stable, last, packed, (c, c, 1 + d * k))
-        self._graphs[(k, d, keys)] = g
+        g = _DraftGraph(graph, inputs, features, last_out, packed, (c, c, 1 + d * k))
+        self._graphs[(width, k, d, keys)] = g
         dt = time.perf_counter() - t0
         self.captures += 1
         self.capture_s += dt
-        log.info("captured the draft expansion top_k=%d depth=%d over %d keys in %.2f s", k, d, keys, dt)
+        what = f"extension of {width} row(s) + expansion" if width else "expansion"
+        log.info("captured the draft %s top_k=%d depth=%d over %d keys in %.2f s", what, k, d, keys, dt)
         return g

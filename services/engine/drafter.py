@@ -7,9 +7,11 @@ The in-process implementation of the drafter role; the drafter service wraps thi
 It does not know the target model, sampling or stop rules.
 
 On CUDA the draft KV of every sequence lives in one paged arena (services/model/paged_kv.py), and a
-single sequence's expansion with a fixed shape is replayed from a CUDA graph
-(services/engine/draft_graphs.py; AERIE_CUDA_GRAPHS=0: the same static code eagerly); extension and
-everything else run the eager code over the same pages. On the CPU: contiguous caches, eager, as before.
+single sequence's draft with a fixed shape is replayed from a CUDA graph (services/engine/draft_graphs.py;
+AERIE_CUDA_GRAPHS=0: the same static code eagerly): the extension of up to 16 newly committed rows
+and the expansion in one graph, or (more rows) the eager extension and then the expansion's graph;
+batches of several sequences, dynamic depth and draft_ahead run the eager code over the same pages.
+On the CPU: contiguous caches, eager, as before.
 """
 
 from __future__ import annotations
@@ -166,20 +168,29 @@ class Drafter:
         return results  # type: ignore[return-value]
 
     def _static(self, seq_id: str, params: TreeParams) -> bool:
-        """The graph-replayed expansion applies: CUDA, a paged cache, a fixed shape (no dynamic depth)."""
+        """The graph-replayed draft applies: CUDA, a paged cache, a fixed shape (no dynamic depth)."""
         cache = self._caches[seq_id]
         return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
                 and params.stop_logprob == float("-inf") and self.graphs.keys_for(cache, params) is not None)
 
     def _draft_static(self, call: DraftCall, params: TreeParams) -> DraftTree:
+        """One sequence's draft from the static code (a CUDA graph, or eagerly with graphs off): the
+        extension and the expansion in one graph when the n new rows fit a width bucket (<= 16) and
+        the key slots, else the eager extension and then the expansion's graph (or eager code)."""
         dev = self.head.device
         cache, graphs = self._caches[call.seq_id], self.graphs
         assert graphs is not None and isinstance(cache, PagedCache), "checked by _static"
-        last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
+        width = graphs.width_for(int(call.tokens.shape[0]))
+        keys = graphs.keys_for(cache, params, width) if width is not None else None
+        if width is not None and keys is not None:
+            cand, last = graphs.draft(cache, call.features, call.tokens, params, width, keys)
+        else:
+            last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
+            keys = graphs.keys_for(cache, params)  # after the extension: the rows the expansion reads
+            # (None: the extension took the sequence past the graphs' largest key count: eagerly, then)
+            cand = (graphs.expand(cache, last, params, keys) if keys is not None
+                    else expand(self.head, cache, last, params))
         self._last[call.seq_id] = last
-        keys = graphs.keys_for(cache, params)  # after the extension: the rows the expansion reads
-        # (None: the extension took the sequence past the graphs' largest key count: eagerly, then)
-        cand = graphs.expand(cache, last, params, keys) if keys is not None else expand(self.head, cache, last, params)
         return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],

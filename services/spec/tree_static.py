@@ -1,16 +1,24 @@
-"""The EAGLE-2 expansion with static shapes, for one sequence over a paged draft KV: capturable in a
-CUDA graph (services/engine/draft_graphs.py replays it; the CPU runs it eagerly in tests).
+"""The EAGLE-2 draft with static shapes, for one sequence over a paged draft KV: capturable in a CUDA
+graph (services/engine/draft_graphs.py replays it; the CPU runs it eagerly in tests).
 
+    last = extend_static(head, pool, key_rows [S], write_rows [W], stable [1], count [1],
+                         features [W, F], tokens [W])                                   -> [H]
     cand = expand_static(head, pool, key_rows [S], stable [1], last [H], top_k, depth)   -> Candidates
+    cand, last = draft_static(...)        # both: the extension, then the expansion from its last row
 
-The same steps as `tree.expand_many` for a fixed shape (no dynamic depth): K first-level children of
-`last`, then `depth` head steps over the K frontier nodes, each keeping the global best K of their
+`extend_static` is `tree.extend` for n <= W newly committed rows padded to a width W: one head step
+whose padded rows write their K/V to the pool's trash page and see only their own key slot; the
+mask, the positions and the pick of row n - 1 are computed on the device from `stable` and `count`.
+
+`expand_static` is `tree.expand_many` for a fixed shape (no dynamic depth): K first-level children
+of `last`, then `depth` head steps over the K frontier nodes, each keeping the global best K of their
 K x K children; candidates in the reference's flat order (`rerank` then keeps the best N - 1 on the
 host). What changes is only how the draft KV is addressed: level i writes its K rows at logical rows
 stable + i*K .. stable + i*K + K - 1 (arena rows `key_rows[...]`, gathered on the device) and
 attends over all S key slots with a mask built on the device from `stable`, so nothing depends on a
 value read back to the host. The tree rows stay in the arena past the committed length and are
 overwritten by the next extension (the eager path truncates them; the effect is the same).
+Lengths are the caller's: these functions write arena rows and never touch a PagedCache.
 """
 
 from __future__ import annotations
@@ -81,3 +89,46 @@ def expand_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, st
     return Candidates(scores=torch.cat([x.reshape(-1) for x in scores_list]),
                       tokens=torch.cat([x.reshape(-1) for x in tokens_list]),
                       parents=torch.cat(parents_list))
+
+
+@torch.no_grad()
+def extend_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, write_rows: torch.Tensor,
+                  stable: torch.Tensor, count: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor
+                  ) -> torch.Tensor:
+    """`tree.extend` with static shapes: the n = count <= W newly committed rows, padded to W.
+
+    key_rows [S] arena rows of the sequence's logical rows 0..S-1 (S >= stable + W: every padded
+    row has a key slot of its own); write_rows [W] the arena rows of logical rows stable..stable+n-1,
+    then TRASH_ROW for the W - n padded rows; stable [1] the committed draft rows before them;
+    count [1] n (>= 1); features [W, F] and tokens [W] (padded rows: anything finite, e.g. zeros).
+    Returns the head output of row n - 1 [H], picked on the device.
+
+    Real row j sits at position stable + j and sees the committed rows and the new rows 0..j (the
+    causal triangle); padded row j sees only its own key slot stable + j (whose arena row it does not
+    write: it reads a stale finite row; its output is dropped). Nothing is read back to the host, and
+    the cache's length is the caller's to advance by n.
+    Example: stable 7, count 2, W 4 -> positions [7, 8, 7, 7]; row 1 sees slots 0..8; rows 2, 3
+    see slots 9 and 10 only."""
+    w, s = int(tokens.shape[0]), int(key_rows.shape[0])
+    device = tokens.device
+    j = torch.arange(w, device=device)
+    real = j < count  # [W]
+    positions = stable + torch.where(real, j, 0)  # padded rows: a valid position (their output is dropped)
+    causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(w, dtype=torch.bool, device=device)
+    tree = torch.where(real[:, None], causal, eye)  # [W, W]
+    mask = key_mask(stable, tree[None], s)[0]  # [W, S]
+    cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
+    out = head._layer(features.to(head.dtype), head.embed_tokens(tokens), cos_t[positions], sin_t[positions],
+                      StaticKV(pool, write_rows, key_rows), mask)  # [W, H]
+    return out.index_select(0, count - 1)[0]
+
+
+@torch.no_grad()
+def draft_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, write_rows: torch.Tensor,
+                 stable: torch.Tensor, count: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor,
+                 top_k: int, depth: int) -> tuple[Candidates, torch.Tensor]:
+    """`extend_static`, then `expand_static` from its last row over stable + count committed rows
+    (summed on the device) -> (candidates, last [H]). key_rows [S] with S >= stable + W + depth*top_k."""
+    last = extend_static(head, pool, key_rows, write_rows, stable, count, features, tokens)
+    return expand_static(head, pool, key_rows, stable + count, last, top_k, depth), last

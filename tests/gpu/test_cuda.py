@@ -143,6 +143,43 @@ def test_draft_graph_replay_equals_static_eager(llama_pair):
     assert trees[0] == trees[1]
 
 
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_draft_graph_with_extension_equals_static_eager_and_eager(pair, request):
+    """The extension of n <= 16 committed rows + the expansion replayed from CUDA graphs (one per
+    width W) == the same static code run eagerly on CUDA == the eager extend + expand, round after
+    round (n = 8, 1, 3, 16, 5, 2, 1, 12 over scattered pages): candidates, last rows, draft K/V.
+    Then the static draft runs under torch's sync-debug mode: no host synchronisation."""
+    from services.engine.draft_graphs import DraftGraphs
+    from services.spec.tree_static import draft_static
+    from tests.spec.test_extend_static import ROUNDS, assert_same_draft, eager_rounds, static_rounds
+
+    _, target, head = request.getfixturevalue(pair)
+    _, h = on_cuda(target, head)
+    shape = SHAPES["60/5/10"]
+    graphed, pool_g, cache_g, dg = static_rounds(h, shape, graphs=True)
+    static, pool_s, cache_s, _ = static_rounds(h, shape, graphs=False)
+    eager, flat = eager_rounds(h, shape)
+    assert dg.captures == len({DraftGraphs.width_for(n) for n in ROUNDS})  # one key bucket: a graph per W
+    assert_same_draft(graphed, static, atol=1e-6)
+    assert_same_draft(graphed, eager, atol=1e-4)
+    rows = torch.from_numpy(cache_g.rows_host[:cache_g.length]).cuda()
+    torch.testing.assert_close(pool_g.k[:, :, rows], pool_s.k[:, :, rows], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pool_g.v[:, :, rows], flat.v[:, :, :flat.length], atol=1e-4, rtol=1e-4)
+    w, s = 4, 256
+    key_rows = torch.from_numpy(cache_s.rows_host[:s]).cuda()
+    write_rows = torch.zeros(w, dtype=torch.long, device="cuda")  # the trash page
+    stable = torch.tensor([cache_s.length], device="cuda")
+    count = torch.tensor([3], device="cuda")
+    feats = torch.zeros(w, h.config.feature_size, device="cuda")
+    toks = torch.zeros(w, dtype=torch.long, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        draft_static(h, pool_s, key_rows, write_rows, stable, count, feats, toks, 10, 5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_bf16_plain_equals_transformers_bf16(llama_pair):
     hf, target, _ = llama_pair
     hf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)

@@ -1,5 +1,5 @@
-"""The static-shape expansion (services/spec/tree_static.py) over a paged draft KV, run eagerly on
-the CPU through the drafter: the trees of the eager expansion, round after round, and the EAGLE
+"""The static-shape draft (services/spec/tree_static.py: the extension of up to 16 rows and the
+expansion) over a paged draft KV, run eagerly on the CPU through the drafter: the trees of the eager expansion, round after round, and the EAGLE
 reference's trees and acceptance (the CUDA graph replaying it is checked in tests/gpu)."""
 
 import pytest
@@ -61,6 +61,7 @@ def test_static_expansion_gives_the_eager_trees(pair, shape, request):
             prompt = torch.randint(0, VOCAB, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
             generate(engine, prompt, 40)
     assert static.graphs.expansions == len(trees["static"]) > 5  # every tree came from expand_static
+    assert 0 < static.graphs.extensions <= static.graphs.expansions  # n <= 16: extend_static too
     assert len(trees["eager"]) == len(trees["static"])
     for a, b in zip(trees["eager"], trees["static"]):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()

@@ -1,0 +1,166 @@
+"""The static extension (services/spec/tree_static.py `extend_static`, in one graph with the expansion
+through `DraftGraphs.draft`), run eagerly on the CPU: round after round, the candidates, the last row's
+head output and the draft K/V of `extend` + `expand` on a contiguous cache, over scattered pages,
+padded rows writing only to the trash page. The CUDA graph replaying it is checked in tests/gpu."""
+
+import copy
+
+import pytest
+import torch
+
+from services.engine.draft_graphs import EXTEND_WIDTHS, DraftGraphs
+from services.model.eagle_head import HeadConfig, build_head
+from services.model.linear import Linear
+from services.model.paged_kv import PagedKVPool
+from services.spec.tree import TreeParams, expand, extend
+from services.spec.tree_static import draft_static
+from tests.helpers import VOCAB
+from tests.spec.test_tree_static import static_drafter
+
+ROUNDS = (8, 1, 3, 16, 5, 2, 1, 12)  # newly committed rows per round: padded to W = 8, 1, 4, 16, 8, 2, 1, 16
+PAGE = 4
+
+
+def head_of(name, request):
+    """EAGLE-2 (full vocabulary), EAGLE-3 (its 96-token draft vocabulary) or EAGLE-2 restricted to a
+    32-token draft vocabulary of shuffled ids (a non-trivial d2t)."""
+    if name == "reduced":
+        head = copy.deepcopy(request.getfixturevalue("llama_pair")[2])
+        head.restrict_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)), 32)
+        return head
+    return request.getfixturevalue(name)[2]
+
+
+def scattered_pool(head, rows: int = 256):
+    """A paged pool whose sequence slot's pages are not contiguous: (pool, its cache), the cache
+    holding `rows` rows on pages around two other slots' pages."""
+    c = head.config
+    pool = PagedKVPool(1, c.num_kv_heads, c.head_dim, 4096, head.dtype, head.device, page_size=PAGE)
+    pool.allocate(6)  # pages 1-2
+    slot = pool.allocate(9)  # pages 3-5
+    pool.allocate(3)  # page 6
+    pool.grow(slot, rows - 9)  # then pages 7...
+    return pool, pool.paged(slot)
+
+
+def round_inputs(head, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for n in ROUNDS:
+        feats = torch.randn(n, head.config.feature_size, generator=g).to(head.device)
+        yield feats, torch.randint(0, head.config.vocab_size, (n,), generator=g).to(head.device)
+
+
+def static_rounds(head, params: TreeParams, graphs: bool, seed: int = 0):
+    """Every round through DraftGraphs.draft over a scattered paged cache -> (outputs, pool, cache):
+    outputs[i] = (candidates, last [H], arena rows the round changed (bool [rows]))."""
+    pool, cache = scattered_pool(head)
+    dg = DraftGraphs(head, pool, graphs=graphs, max_keys=2048)
+    outs = []
+    for feats, toks in round_inputs(head, seed):
+        before = pool.k.clone()
+        w = dg.width_for(len(toks))
+        cand, last = dg.draft(cache, feats, toks, params, w, dg.keys_for(cache, params, w))
+        outs.append((cand, last, (pool.k != before).any(-1).any(1).any(0).cpu()))
+    assert dg.extensions == dg.expansions == len(ROUNDS)
+    return outs, pool, cache, dg
+
+
+def eager_rounds(head, params: TreeParams, seed: int = 0):
+    """The same rounds through `extend` + `expand` on a contiguous cache -> (outputs, cache)."""
+    cache = head.new_cache(256)
+    outs = []
+    for feats, toks in round_inputs(head, seed):
+        last = extend(head, cache, feats, toks)
+        outs.append((expand(head, cache, last, params), last))
+    return outs, cache
+
+
+def assert_same_draft(a, b, atol: float = 1e-5) -> None:
+    """Candidates and last rows of two runs: tokens and parents exactly, scores and `last` to fp32
+    rounding (the GEMMs run over padded shapes)."""
+    for k, ((ca, la, *_), (cb, lb, *_)) in enumerate(zip(a, b, strict=True)):
+        assert ca.tokens.tolist() == cb.tokens.tolist() and ca.parents.tolist() == cb.parents.tolist(), k
+        torch.testing.assert_close(ca.scores.cpu(), cb.scores.cpu(), atol=atol, rtol=1e-5)
+        torch.testing.assert_close(la.cpu(), lb.cpu(), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [TreeParams(4, 3, 16), TreeParams(10, 5, 60)], ids=["16/3/4", "60/5/10"])
+@pytest.mark.parametrize("name", ["llama_pair", "eagle3_pair", "reduced"])
+def test_static_extension_gives_extend_and_expand(name, shape, request):
+    head = head_of(name, request)
+    static, pool, cache, _ = static_rounds(head, shape, graphs=False)
+    eager, flat = eager_rounds(head, shape)
+    assert_same_draft(static, eager)
+    assert cache.length == flat.length == sum(ROUNDS)
+    rows = torch.from_numpy(cache.rows_host[:cache.length])
+    assert not torch.equal(rows, torch.arange(rows[0], rows[0] + len(rows)))  # scattered pages
+    torch.testing.assert_close(pool.k[:, :, rows], flat.k[:, :, :flat.length], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.v[:, :, rows], flat.v[:, :, :flat.length], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_rows_write_only_the_trash_page(llama_pair):
+    """Each round changes only its own new rows, its tree rows and (padded rounds only) the trash page."""
+    head = llama_pair[2]
+    shape = TreeParams(4, 3, 16)
+    static, _, cache, _ = static_rounds(head, shape, graphs=False)
+    stable = 0
+    for n, (_, _, changed) in zip(ROUNDS, static, strict=True):
+        own = cache.rows_host[stable:stable + n + shape.draft_rows].tolist()
+        touched = set(changed.nonzero().flatten().tolist())
+        assert touched - set(own) <= set(range(PAGE)), n  # page 0 is the trash page
+        assert set(own) <= touched
+        w = DraftGraphs.width_for(n)
+        assert bool(changed[:PAGE].any()) == (w > n), (n, w)  # padding went to the trash page, and only it
+        stable += n
+
+
+def test_width_buckets():
+    assert [DraftGraphs.width_for(n) for n in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
+    assert EXTEND_WIDTHS[-1] == 16
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_drafter_keeps_the_static_last_row_for_draft_ahead(pair, request):
+    """Through the drafter: trees of `draft` rounds (n <= 16: the combined static draft; 20: the eager
+    extension, then the static expansion), then `draft_ahead` from the kept last row, == the eager
+    drafter's."""
+    from services.engine.drafter import Drafter
+
+    head = request.getfixturevalue(pair)[2]
+    tree = TreeParams(4, 3, 16)
+    g = torch.Generator().manual_seed(1)
+    rounds = [20, 3, 1, 6]
+    calls = [(torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, head.config.feature_size, generator=g))
+             for n in rounds]
+    out = {}
+    for name, d in (("eager", Drafter(head, tree)), ("static", static_drafter(head, tree))):
+        d.start("s", 128, sampling=False)
+        trees = [d.draft("s", toks, feats) for toks, feats in calls]
+        trees.append(d.draft_ahead("s", torch.zeros(0, dtype=torch.long),
+                                   torch.zeros(0, head.config.feature_size), [5, 9]))
+        out[name] = (trees, d._last["s"])
+        if name == "static":
+            assert (d.graphs.expansions, d.graphs.extensions) == (4, 3)
+    for a, b in zip(out["eager"][0], out["static"][0], strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    torch.testing.assert_close(out["eager"][1], out["static"][1], atol=1e-5, rtol=1e-5)
+
+
+def test_static_draft_reads_no_device_value_on_the_host():
+    """On the meta device a tensor has no values (`.item()`, `int(t)` raise): the extension and the
+    expansion run through, so a graph of them never synchronises with the GPU."""
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the detector works
+        int(torch.zeros(3, device="meta").max())
+    for kind in ("eagle", "eagle3"):
+        cfg = HeadConfig(kind, 32, 64, 4, 2, 1e-6, VOCAB, draft_vocab_size=48 if kind == "eagle3" else None)
+        with torch.device("meta"):
+            head = build_head(cfg, Linear(32, VOCAB, bias=False) if kind == "eagle" else None)
+        pool = PagedKVPool(1, 2, 8, 512, device="meta", page_size=8)
+        s, w = 256, 4
+        key_rows, write_rows = torch.zeros(s, dtype=torch.long, device="meta"), torch.zeros(w, dtype=torch.long,
+                                                                                             device="meta")
+        stable, count = torch.zeros(1, dtype=torch.long, device="meta"), torch.ones(1, dtype=torch.long, device="meta")
+        feats = torch.zeros(w, cfg.feature_size, device="meta")
+        toks = torch.zeros(w, dtype=torch.long, device="meta")
+        cand, last = draft_static(head, pool, key_rows, write_rows, stable, count, feats, toks, 4, 3)
+        assert cand.tokens.shape == (4 + 3 * 16,) and cand.parents.shape == (1 + 3 * 4,) and last.shape == (32,)
