@@ -16,6 +16,7 @@ On the CPU: contiguous caches, eager, as before.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from services.spec.tree import DraftTree, TreeParams, expand, expand_many, exten
 
 if TYPE_CHECKING:
     from services.engine.roles import FeatureKind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,8 @@ class Drafter:
         self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
         self.pool: PagedKVPool | None = None
         self.graphs = None
+        # the extension inside the draft graph (DraftGraphs.draft); off after it failed once on a device
+        self.extend_in_graph = True
         if head.device.type == "cuda":
             from services.engine.draft_graphs import DraftGraphs
             from services.model.runner import graphs_default
@@ -182,9 +187,16 @@ class Drafter:
         assert graphs is not None and isinstance(cache, PagedCache), "checked by _static"
         width = graphs.width_for(int(call.tokens.shape[0]))
         keys = graphs.keys_for(cache, params, width) if width is not None else None
-        if width is not None and keys is not None:
-            cand, last = graphs.draft(cache, call.features, call.tokens, params, width, keys)
-        else:
+        cand = None
+        if width is not None and keys is not None and self.extend_in_graph:
+            length = cache.length
+            try:
+                cand, last = graphs.draft(cache, call.features, call.tokens, params, width, keys)
+            except RuntimeError:  # a device error in the combined graph: keep serving on the older path
+                log.exception("the draft graph with the extension failed; this drafter extends eagerly from now on")
+                self.extend_in_graph = False
+                cache.truncate(length)  # the eager extension below writes the same rows again
+        if cand is None:
             last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
             keys = graphs.keys_for(cache, params)  # after the extension: the rows the expansion reads
             # (None: the extension took the sequence past the graphs' largest key count: eagerly, then)

@@ -164,3 +164,35 @@ def test_static_draft_reads_no_device_value_on_the_host():
         toks = torch.zeros(w, dtype=torch.long, device="meta")
         cand, last = draft_static(head, pool, key_rows, write_rows, stable, count, feats, toks, 4, 3)
         assert cand.tokens.shape == (4 + 3 * 16,) and cand.parents.shape == (1 + 3 * 4,) and last.shape == (32,)
+
+
+@pytest.mark.parametrize("pair", ["llama_pair"])
+def test_a_failing_combined_graph_falls_back_to_the_eager_extension(pair, request, monkeypatch, caplog):
+    """A device error in the combined draft (its graph's capture or replay, after it wrote rows) is
+    logged once; the drafter rolls the cache back, drafts this round with the eager extension and the
+    expansion's static code, and never tries the combined graph again: the trees stay the eager ones."""
+    from services.engine.drafter import Drafter
+
+    head = request.getfixturevalue(pair)[2]
+    tree = TreeParams(4, 3, 16)
+    g = torch.Generator().manual_seed(2)
+    calls = [(torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, head.config.feature_size, generator=g))
+             for n in (5, 2, 3)]
+    eager, static = Drafter(head, tree), static_drafter(head, tree)
+    real_draft, tries = static.graphs.draft, []
+
+    def broken(cache, *args):
+        tries.append(cache.length)
+        real_draft(cache, *args)  # writes and advances the cache, then the device fails
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(static.graphs, "draft", broken)
+    for d in (eager, static):
+        d.start("s", 128, sampling=False)
+    with caplog.at_level("ERROR", logger="services.engine.drafter"):
+        for toks, feats in calls:
+            a, b = eager.draft("s", toks, feats), static.draft("s", toks, feats)
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    assert tries == [0] and not static.extend_in_graph
+    assert static._caches["s"].length == eager._caches["s"].length == 10
+    assert sum("extends eagerly from now on" in r.getMessage() for r in caplog.records) == 1
