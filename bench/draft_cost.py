@@ -5,7 +5,8 @@
 
 For each dev prompt the target's greedy answer (--max-new-tokens) is decoded once; then, teacher-
 forced, each head configuration predicts every answer token from the target's features of the two
-tokens before it (one draft step, as the first level of a chain): `agree` = share of answer tokens
+tokens before it (the head's own kind of features: the hidden state, or EAGLE-3's three taps; one
+draft step, as the first level of a chain): `agree` = share of answer tokens
 the head's top-1 equals (the acceptance of a 1-token draft). `step_ms` = median time of one draft
 step (head forward on one row after the longest sequence's draft KV + log-softmax + top-8), interleaved over
 configurations in one process; `D` = the target's plain decode step in the same rounds.
@@ -46,12 +47,13 @@ def main() -> None:
         out = [t for s in local.engine.generate(GenerationRequest(pr.ids, args.max_new_tokens, ignore_eos=True))
                for t in s.tokens]
         seqs.append((torch.tensor(pr.ids + tuple(out)), len(pr.ids)))
-    feats = []
-    for ids, plen in seqs:
-        o = target(ids, target.new_cache(len(ids)))
-        feats.append(o.hidden)
     configs = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.configs.split(",")]
     heads = {c: load_head(args.head, target, draft_vocab=c[0], draft_dtype=c[1]) for c in configs}
+    taps = next(iter(heads.values())).feature_kind == "taps"  # EAGLE-3: the three taps, else the hidden state
+    feats = []
+    for ids, plen in seqs:
+        o = target(ids, target.new_cache(len(ids)), want_taps=taps)
+        feats.append(o.taps if taps else o.hidden)
     result = {}
     for c, head in heads.items():
         hit = tot = 0

@@ -38,6 +38,25 @@ def coordinator_address(lines: list[str]) -> str:
     return next(m.group(1) for line in lines if (m := re.match(r"^coordinator\s+(\S+) \(pid", line)))
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` on `cpus` (sched_setaffinity moves one thread; new threads inherit)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+
+
+def pin_pipeline(up_pid: int, lines: list[str], verify_cpus: set[int], other_cpus: set[int]) -> None:
+    """The processes `aerie up` printed ("NAME ADDRESS (pid N...)"): verifiers on `verify_cpus`, the
+    others and `aerie up` itself on `other_cpus`."""
+    pin_process(up_pid, other_cpus)
+    for line in lines:
+        m = re.match(r"^(\S+)\s.*\(pid (\d+)", line)
+        if m:
+            pin_process(int(m.group(2)), verify_cpus if m.group(1).startswith("verifier") else other_cpus)
+
+
 def summary(runs: list) -> dict:
     rounds = sum(r.rounds for r in runs)
     tokens = sum(len(r.tokens) for r in runs)
@@ -73,6 +92,10 @@ def main() -> None:
                         "named serial-baseline, in the same interleaved run (an A/B of a flag)")
     p.add_argument("--in-process-ahead", default="",
                    help="comma list of overlap modes (on,always) to run the in-process engine with too")
+    p.add_argument("--pin", action="store_true",
+                   help="a core per role: each pipeline's verifier on CPU 0, its other processes (aerie up, "
+                        "coordinator, drafter, gateway, Redis) on the other CPUs; this process on CPU 0 while "
+                        "the in-process engine runs and on the others while it waits for a pipeline")
     p.add_argument("--out", default=None, help="JSON here")
     args = p.parse_args()
     load_start = os.getloadavg()
@@ -109,6 +132,11 @@ def main() -> None:
         for m in modes:
             ups[f"overlap-{m}"] = start_up([*argv, "--overlap", m], env, lines[f"overlap-{m}"])
         sessions = {name: RemoteSession(coordinator_address(lines[name]), None, "", None) for name in ups}
+        cpus = sorted(os.sched_getaffinity(0))
+        verify_cpus, other_cpus = set(cpus[:1]), set(cpus[1:]) or set(cpus)
+        if args.pin:
+            for name, up in ups.items():
+                pin_pipeline(up.pid, lines[name], verify_cpus, other_cpus)
         from services.spec.tree import TreeParams
 
         local = build_local_engine(args.target, args.draft, args.dtype,
@@ -127,12 +155,19 @@ def main() -> None:
 
         def pipeline(name, prompt, n=args.max_new_tokens):
             req = GenerationRequest(prompt.ids, n)
+            if args.pin:
+                pin_process(os.getpid(), other_cpus)
             return run_steps(lambda: RemoteEngine(sessions[name]).generate(req))
+
+        def in_process(engine, prompt, n=args.max_new_tokens):
+            if args.pin:
+                pin_process(os.getpid(), verify_cpus)
+            return run_engine(engine, prompt, n)
 
         for name in ups:  # warm-up: first-call allocations in every process
             pipeline(name, prompts[0], 8)
         for engine in engines.values():
-            run_engine(engine, prompts[0], 4)
+            in_process(engine, prompts[0], 4)
         runs: dict[str, list] = {name: [] for name in [*names, *engines]}
         t0 = time.perf_counter()
         for rep in range(args.repeats):
@@ -141,7 +176,7 @@ def main() -> None:
                 for name in names[k:] + names[:k]:
                     runs[name].append(pipeline(name, prompt))
                 for name, engine in engines.items():
-                    runs[name].append(run_engine(engine, prompt, args.max_new_tokens))
+                    runs[name].append(in_process(engine, prompt))
             print(f"pass {rep + 1}/{args.repeats}: {time.perf_counter() - t0:.0f}s", flush=True)
         for s in sessions.values():
             s.close()
@@ -170,6 +205,7 @@ def main() -> None:
                         "categories": args.categories, "per_category": args.per_category, "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
+                        "pinned": args.pin,
                         "modes": modes, "up_args": args.up_args, "baseline_up_args": args.baseline_up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
                         "load_average": os.getloadavg()}
     print(json.dumps(report, indent=1))
