@@ -293,9 +293,11 @@ def _shape_bench(args: argparse.Namespace) -> int:
     cfg = GpuBenchConfig(args.shape, dev, args.dtype or ("bf16" if dev.startswith("cuda") else "fp32"),
                          args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
                          legacy=not args.no_legacy, paged=args.paged_attention)
-    res = run_gpu_bench(cfg)
+    def write(res: dict) -> None:  # after each group of measurements: a run cut short keeps what it measured
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(res, f, indent=2)
+
+    res = run_gpu_bench(cfg, checkpoint=write)
     print(table(res))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(res, f, indent=2)
     return 0

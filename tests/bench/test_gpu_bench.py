@@ -26,6 +26,7 @@ def test_shape_bench_runs_every_part_and_writes_json(tmp_path):
     assert res["shape"] == "tiny" and res["device"] == "cpu" and res["dtype"] == "fp32"
     assert set(res["rounds"]) == {"60/5/10", "16/3/4", "chain 8/7/1"}
     assert all(r["round_ms"] > 0 and r["rounds"] >= 1 for r in res["rounds"].values())
+    assert res["complete"] is True
     assert res["draft_vocab"] == 64  # a quarter of the tiny vocabulary (32000 on the Llama shapes)
     assert set(res["rounds_draft_vocab"]) == {f"{t} {h} vocab 64" for t in ("60/5/10", "chain 8/7/1")
                                               for h in ("EAGLE-2", "EAGLE-3")}
@@ -106,3 +107,22 @@ def test_round_floor_counts_the_target_once_and_the_head_per_level():
     assert round(gpu.round_floor_bytes(wb, eagle2, 7) / wb, 2) == 1.83
     assert gpu.head_bytes(eagle3)[1] == 32000 * 4096 * 2
     assert round(gpu.round_floor_bytes(wb, eagle3, 5) / wb, 2) == 1.34
+
+
+def test_a_run_cut_short_keeps_what_it_measured(monkeypatch):
+    """Each group of measurements is checkpointed (the CLI writes the JSON each time): a failure after
+    the rounds leaves the plain decoding and the rounds in the last checkpoint, without `complete`."""
+    import copy
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt  # what a timeout's signal looks like to the bench: not caught
+
+    monkeypatch.setattr(gpu, "_batched", cut)
+    saved: list[dict] = []
+    cfg = gpu.GpuBenchConfig("tiny", "cpu", "fp32", prompt=16, tokens=4, batches=(1,), hf=False, legacy=False,
+                             paged="off")
+    with pytest.raises(KeyboardInterrupt):
+        gpu.run_gpu_bench(cfg, log=lambda line: None, checkpoint=lambda res: saved.append(copy.deepcopy(res)))
+    assert len(saved) == 2 and "complete" not in saved[-1]
+    assert saved[0]["plain_ms"]["paged_eager"] > 0 and "rounds" not in saved[0]
+    assert set(saved[-1]["rounds"]) == set(gpu.TREES)
