@@ -14,7 +14,8 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
                   60/5/10 and the chain again with an EAGLE-2 head restricted to a 32k draft
                   vocabulary and an EAGLE-3 head over its own 32k one (the published heads' size)
                   and each round's bandwidth floor (the target once, the head's layer and projection
-                  1 + depth times) in plain floors
+                  1 + depth times) in plain floors; for 60/5/10, where its draft's time goes
+                  (extension, expansion, host re-rank: `draft_parts`, timed in separate rounds)
   batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
   hf              transformers' eager generate on the same shape: ms/token
   paged_attention the same plain decoding (graphs), rounds and batched decode again with
@@ -425,6 +426,8 @@ def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, tre
         r = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
              "plain_tokens": ms["round"] / plain_ms, "rounds": nr,
              "draft_graphs": getattr(eng.drafter.graphs, "captures", 0), **(floor(head, d) if floor else {})}
+        if tname == "60/5/10" and not suffix:  # where the draft's time goes (timed apart: syncs added)
+            r["draft_parts_ms"] = _draft_parts_ms(eng, prompt, max(8, cfg.tokens // 4), cfg.device)
         rounds[tname + suffix] = r
         log(f"round {tname + suffix}: {ms['round']:.2f} ms (draft {ms['draft']:.2f} + verify {ms['verify']:.2f}) = "
             f"{ms['round'] / plain_ms:.2f} plain tokens"
@@ -546,6 +549,68 @@ def _round_ms(engine, prompt, tokens) -> tuple[dict[str, float], int]:
     return {"round": med(walls) * 1e3, "draft": med(draft) * 1e3, "verify": med(verify) * 1e3}, len(walls)
 
 
+DRAFT_PARTS = {  # what the drafter calls (services/engine/drafter.py) -> the name of that part of a draft
+    "graphs.draft": "draft graph: extension + expansion",
+    "graphs.expand": "expansion graph (extension eager)",
+    "extend_many": "extension, eager",
+    "expand_many": "expansion, eager",
+    "expand": "expansion, eager",
+    "rerank": "re-rank and tree (host)",
+}
+
+
+@contextlib.contextmanager
+def draft_parts(drafter, device: str):
+    """Time each part of `drafter`'s drafts (DRAFT_PARTS), each call synchronised on both sides (so
+    the timings add up; measure the round itself without this): yields {part: [seconds per call]}."""
+    import services.engine.drafter as drafter_module
+
+    times: dict[str, list[float]] = {}
+    patched: list[tuple[object, str, object]] = []
+
+    def wrap(owner, attr: str, part: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed_call(*args, **kwargs):
+            sync(device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync(device)
+                times.setdefault(part, []).append(time.perf_counter() - t0)
+
+        patched.append((owner, attr, fn))
+        setattr(owner, attr, timed_call)
+
+    for name, part in DRAFT_PARTS.items():
+        owner, attr = (drafter.graphs, name.split(".")[1]) if name.startswith("graphs.") else (drafter_module, name)
+        if owner is not None:
+            wrap(owner, attr, part)
+    try:
+        yield times
+    finally:
+        for owner, attr, fn in reversed(patched):
+            if owner is drafter.graphs:
+                delattr(owner, attr)  # the instance attribute: the class's method again
+            else:
+                setattr(owner, attr, fn)
+
+
+def _draft_parts_ms(engine, prompt, tokens: int, device: str) -> dict[str, float]:
+    """Median ms per round of each part of the draft (draft_parts) over a generation of `tokens`,
+    and `draft` = the whole draft as the engine saw it in the same rounds."""
+    from services.engine.engine import GenerationRequest
+
+    with draft_parts(engine.drafter, device) as times:
+        drafts = [out.stats.draft_s for out in engine.generate(GenerationRequest(prompt, tokens, ignore_eos=True))
+                  if out.stats.round_index > 0]
+    rounds = max(1, len(drafts))
+    res = {part: sum(ts) / rounds * 1e3 for part, ts in times.items()}  # mean per round (parts may skip rounds)
+    res["draft (all of it, synchronised)"] = statistics.mean(drafts) * 1e3 if drafts else 0.0
+    return res
+
+
 def _hf_ms(cfg: GpuBenchConfig, dev: str, dtype: torch.dtype, target, prompt) -> float:
     from transformers import LlamaForCausalLM
 
@@ -591,6 +656,8 @@ def table(res: dict) -> str:
         rows.append((f"round {name}: ms (draft + verify) = plain tokens [floor: plain floors]",
                      f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}) = {r['plain_tokens']:.2f} "
                      f"[{f(r.get('floor_plain_floors'))}]"))
+        for part, ms in r.get("draft_parts_ms", {}).items():
+            rows.append((f"  its draft: {part} (ms a round)", f(ms)))
     for n, b in res["batched"].items():
         rows.append((f"batched decode N={n}: ms/step, tok/s, x N=1", f"{b['step_ms']:.2f}, {b['tokens_per_s']:.0f}, "
                                                                    f"{b['vs_n1']:.2f}x"))

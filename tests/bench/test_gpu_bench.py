@@ -27,6 +27,12 @@ def test_shape_bench_runs_every_part_and_writes_json(tmp_path):
     assert set(res["rounds"]) == {"60/5/10", "16/3/4", "chain 8/7/1"}
     assert all(r["round_ms"] > 0 and r["rounds"] >= 1 for r in res["rounds"].values())
     assert res["complete"] is True
+    parts = res["rounds"]["60/5/10"]["draft_parts_ms"]  # the CPU's drafter: eager extension and expansion
+    assert set(parts) == {"extension, eager", "expansion, eager", "re-rank and tree (host)",
+                          "draft (all of it, synchronised)"}
+    assert all(ms > 0 for ms in parts.values())
+    assert sum(ms for p, ms in parts.items() if p != "draft (all of it, synchronised)") \
+        <= parts["draft (all of it, synchronised)"]
     assert res["draft_vocab"] == 64  # a quarter of the tiny vocabulary (32000 on the Llama shapes)
     assert set(res["rounds_draft_vocab"]) == {f"{t} {h} vocab 64" for t in ("60/5/10", "chain 8/7/1")
                                               for h in ("EAGLE-2", "EAGLE-3")}
@@ -126,3 +132,24 @@ def test_a_run_cut_short_keeps_what_it_measured(monkeypatch):
     assert len(saved) == 2 and "complete" not in saved[-1]
     assert saved[0]["plain_ms"]["paged_eager"] > 0 and "rounds" not in saved[0]
     assert set(saved[-1]["rounds"]) == set(gpu.TREES)
+
+
+def test_draft_parts_time_the_static_draft_and_restore_the_drafter(llama_pair):
+    """On a drafter whose drafts run the static code (what the CUDA graphs replay; here eagerly), the
+    parts are the draft graph and the host re-rank; afterwards nothing is left wrapped."""
+    import torch
+
+    import services.engine.drafter as drafter_module
+    from services.spec.tree import TreeParams
+    from tests.spec.test_tree_static import static_drafter
+
+    head = llama_pair[2]
+    d = static_drafter(head, TreeParams(4, 3, 16))
+    d.start("s", 64, sampling=False)
+    rerank, graphs_draft = drafter_module.rerank, type(d.graphs).draft
+    with gpu.draft_parts(d, "cpu") as times:
+        for n in (3, 1, 2):
+            d.draft("s", torch.arange(n) + 5, torch.randn(n, head.config.feature_size))
+    assert {p: len(ts) for p, ts in times.items()} == {"draft graph: extension + expansion": 3,
+                                                       "re-rank and tree (host)": 3}
+    assert drafter_module.rerank is rerank and "draft" not in vars(d.graphs) and type(d.graphs).draft is graphs_draft
