@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -112,8 +113,10 @@ def generate_batch(model, hooks: FeatureHooks, prompts: list[list[int]], max_new
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    # transformers >= 5.x names the argument `cache` (`past_key_values` is deprecated, to go in 5.40)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **{cache_arg: cache})
     hid = hooks.hidden.to("cpu", feat_dtype)  # [B, width, H]
     tap = hooks.taps_cat().to("cpu", feat_dtype)
     feats_h = [[hid[i, width - len(p):]] for i, p in enumerate(prompts)]
@@ -141,7 +144,7 @@ def generate_batch(model, hooks: FeatureHooks, prompts: list[list[int]], max_new
         mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long, device=dev)], dim=1)
         last_pos = last_pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         hid = hooks.hidden.to("cpu", feat_dtype)  # [b_alive, 1, H]
         tap = hooks.taps_cat().to("cpu", feat_dtype)
         for row, i in enumerate(alive):
