@@ -65,7 +65,7 @@ from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, 
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.kv_pool import KVPool
-from services.model.runner import ModelRunner, pool_for
+from services.model.runner import ModelRunner, pool_for, warm_up_at_start
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.config import ConfigError
@@ -168,6 +168,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             budget = kv_budget_rows(config, KVPool.for_model(target).bytes_per_row, str(target.device))
             runner = ModelRunner(target, pool_for(target, budget))
         self.runner = runner if runner is not None else ModelRunner(target)
+        warm_up_at_start(self.runner, config.max_sequences)  # CUDA: graphs before the first request
         pool = getattr(self.runner, "pool", None)  # a local runner's pool (a TP group: not applied)
         if pool is not None:
             pool.max_rows = kv_budget_rows(config, pool.bytes_per_row, str(target.device))

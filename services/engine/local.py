@@ -18,6 +18,7 @@ from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.head_checkpoint import load_head
 from services.model.loading import find_default_gguf, load_target
+from services.model.runner import warm_up_at_start
 from services.spec.budget import AUTO_LARGEST, build_budget
 from services.spec.cost import CostModel
 from services.spec.tree import TreeParams
@@ -142,6 +143,7 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
             costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)
     verifier = Verifier(model, feature_kind)
+    warm_up_at_start(verifier.runner, verifier.max_sequences)  # CUDA: graphs before the first request
     eos = model.config.eos_token_ids
     tok = loaded.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:

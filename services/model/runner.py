@@ -22,6 +22,7 @@ slots and the per-entry forward, as before.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -31,9 +32,36 @@ from services.model.kv_pool import KVPool
 from services.model.paged_kv import PagedKVPool
 from services.model.step import Step, StepOutput
 from services.model.target import TargetModel
-from services.model.uniform import UniformRunner
+from services.model.uniform import WIDTH_BUCKETS, UniformRunner, WarmUp
+
+log = logging.getLogger(__name__)
 
 GRAPHS_ENV = "AERIE_CUDA_GRAPHS"
+
+
+WARM_UP_ENV = "AERIE_GRAPH_WARMUP"
+
+
+def warm_up_default(device: torch.device) -> bool:
+    """Start-up warm-up of the static shapes (ModelRunner.warm_up): on CUDA unless AERIE_GRAPH_WARMUP=0."""
+    return device.type == "cuda" and os.environ.get(WARM_UP_ENV, "1") not in ("0", "false", "no", "off")
+
+
+def warm_up_at_start(runner, max_sequences: int) -> WarmUp | None:
+    """`runner.warm_up` on CUDA (warm_up_default), logged with its time and memory; a runner without
+    it (a tensor-parallel proxy) is left alone, and a failure is logged, not raised: shapes then
+    capture on first use, as without the warm-up."""
+    warm = getattr(runner, "warm_up", None)
+    if warm is None or not warm_up_default(runner.device):
+        return None
+    try:
+        done = warm(max_sequences)
+    except Exception:  # noqa: BLE001 (serving goes on: the shapes are prepared on first use instead)
+        log.exception("the start-up warm-up of the static shapes failed; they are captured on first use")
+        return None
+    if done is not None:
+        log.info("%s (%s=0 skips this)", done.describe(), WARM_UP_ENV)
+    return done
 
 
 def graphs_default(device: torch.device) -> bool:
@@ -63,6 +91,20 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    def warm_up(self, max_sequences: int) -> WarmUp | None:
+        """Before the first request (a paged pool only; None otherwise): the static shapes of plain
+        decodes of 1, 2, 4 and 8 sequences (up to `max_sequences`) and of one sequence's trees of 2-64
+        rows, with and without EAGLE-3 taps, each captured as a CUDA graph (or run once eagerly with
+        graphs off): the fused stages compile and the graphs exist before a request waits for them.
+        Every write goes to the trash page."""
+        if self.uniform is None:
+            return None
+        taps = (False, True)
+        decode = self.uniform.warm_up(tuple(b for b in (1, 2, 4, 8) if b <= max(1, max_sequences)), (1,), taps)
+        trees = self.uniform.warm_up((1,), WIDTH_BUCKETS[1:], taps)
+        return WarmUp(decode.shapes + trees.shapes, decode.seconds + trees.seconds,
+                      decode.memory_bytes + trees.memory_bytes, decode.graphs)
 
     def allocate(self, rows: int) -> int:
         """A KV slot of `rows` rows (length 0); CapacityExceeded when the pool's budget is full."""

@@ -167,6 +167,7 @@ class UniformRunner:
         self._mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.capture_s = 0.0  # total capture time so far
         self.captures = 0
+        self._warm: set[UniformShape] = set()  # shapes run eagerly by warm_up (graphs off)
 
     def shape_for(self, step: Step) -> UniformShape | None:
         """The padded shape of `step`, or None when an entry is wider than `max_width` or the batch
@@ -240,6 +241,33 @@ class UniformRunner:
             taps = out.taps.index_select(0, idx) if out.taps is not None else None
         return StepOutput(logits=logits, hidden=hidden, taps=taps if step.want_taps else None, offsets=tuple(offsets))
 
+    def warm_up(self, batches: tuple[int, ...], widths: tuple[int, ...], taps: tuple[bool, ...] = (False,),
+                keys: int = MIN_KEYS) -> WarmUp:
+        """Prepare the shapes (B, T, `keys`, taps) for every B in `batches` and T in `widths` (bucketed,
+        capped at max_batch / max_width) before any request: with graphs, capture each one not yet
+        captured; without, run each once eagerly (first-call work: the fused stages' compilation on
+        CUDA). Padding rows only: every write goes to the trash page. -> what it took (the caller
+        logs it at start-up)."""
+        device = self.target.device
+        t0 = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        shapes = sorted({UniformShape(bb, ww, keys, tp)
+                         for b in batches if (bb := bucket(b, BATCH_BUCKETS)) is not None and bb <= self.max_batch
+                         for w in widths if (ww := bucket(w, WIDTH_BUCKETS)) is not None and ww <= self.max_width
+                         for tp in taps}, key=lambda sh: (sh.batch, sh.width, sh.keys, sh.taps))
+        done = 0
+        for shape in shapes:
+            if shape in self._graphs or shape in self._warm:
+                continue
+            if self.graphs_on:
+                self._capture(shape)
+            else:
+                forward_uniform(self.target, self.pool, shape, self._idle(shape).to(device))
+                self._warm.add(shape)
+            done += 1
+        grown = (torch.cuda.memory_reserved(device) - reserved) if device.type == "cuda" else 0
+        return WarmUp(done, time.perf_counter() - t0, grown, self.graphs_on)
+
     def _capture(self, shape: UniformShape) -> _Graph:
         t0 = time.perf_counter()
         device = self.target.device
@@ -264,6 +292,20 @@ class UniformRunner:
                  np.full(b * s, TRASH_ROW, np.int64), np.zeros(b, np.int64),
                  np.broadcast_to(np.eye(t, dtype=np.int64), (b, t, t)).reshape(-1)]
         return torch.from_numpy(np.concatenate(parts))
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    """What `UniformRunner.warm_up` did."""
+    shapes: int  # shapes captured (graphs) or run once (eagerly)
+    seconds: float
+    memory_bytes: int  # CUDA memory the caching allocator reserved meanwhile (graphs' pool included)
+    graphs: bool
+
+    def describe(self) -> str:
+        what = "CUDA graphs captured" if self.graphs else "static-shape forwards run (CUDA graphs off)"
+        return (f"{self.shapes} {what} at start-up in {self.seconds:.1f} s, {self.memory_bytes / 2**20:.0f} MiB; "
+                f"other shapes on first use")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from services.engine.verifier import DecodeCall, Verifier
 from services.model.paged_kv import PagedKVPool
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry
-from services.model.uniform import UniformRunner, forward_uniform
+from services.model.uniform import UniformRunner, UniformShape, forward_uniform
 from services.spec.sampling import SamplingParams
 from services.spec.tree import TreeParams
 from tests.helpers import VOCAB, hf_greedy
@@ -178,6 +178,22 @@ def test_draft_graph_with_extension_equals_static_eager_and_eager(pair, request)
         draft_static(h, pool_s, key_rows, write_rows, stable, count, feats, toks, 10, 5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_start_up_warm_up_captures_the_graphs_requests_then_replay(llama_pair, deterministic):
+    """ModelRunner.warm_up on CUDA captures the decode (1, 2, 4, 8 sequences) and tree (2-64 rows)
+    graphs, with and without taps, before any request (20 graphs, memory reported); the steps that
+    follow replay them (no capture of a warmed shape) and give a cold runner's bits."""
+    _, target, _ = llama_pair
+    t = on_cuda(target)
+    warm = ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=True)
+    done = warm.warm_up(max_sequences=8)
+    assert (done.shapes, done.graphs, warm.uniform.captures) == (20, True, 20) and done.memory_bytes > 0
+    # _steps' decodes of 3 sequences and its 3-row tree run warmed shapes (4 x 1 and 1 x 4 rows)
+    assert {UniformShape(4, 1, 256, False), UniformShape(1, 4, 256, False)} <= set(warm.uniform._graphs)
+    runs = [_steps(warm), _steps(ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=True))]
+    for (l0, h0), (l1, h1) in zip(*runs, strict=True):
+        assert torch.equal(l0, l1) and torch.equal(h0, h1)
 
 
 def test_bf16_plain_equals_transformers_bf16(llama_pair):

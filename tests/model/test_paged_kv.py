@@ -178,3 +178,54 @@ def test_prefill_chunks_longer_than_the_widest_shape_run_per_entry(llama_pair):
     plain = Engine(Verifier(None, "hidden", runner=paged_runner(target)), None, 512, VOCAB)
     reference = Engine(Verifier(target, "hidden"), None, 512, VOCAB)
     assert generate(plain, prompt, 16) == generate(reference, prompt, 16)
+
+
+def test_start_up_warm_up_runs_every_shape_once_and_writes_only_the_trash_page(llama_pair):
+    """ModelRunner.warm_up (eager here: graphs are CUDA-only) prepares the decode shapes of 1, 2, 4, 8
+    sequences and one sequence's trees of 2-64 rows, with and without taps, touching no arena row
+    outside the trash page; a second warm-up has nothing left to do; serving afterwards gives the
+    tokens of a runner that never warmed up."""
+    _, target, _ = llama_pair
+    runner, cold = paged_runner(target), paged_runner(target)
+    pool = runner.pool
+    slot = pool.allocate(64)
+    pool.cache(slot).advance(7)  # a sequence already holding rows: the warm-up must not touch them
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    done = runner.warm_up(max_sequences=64)
+    assert (done.shapes, done.graphs, done.memory_bytes) == (4 * 2 + 6 * 2, False, 0)
+    assert "20 static-shape forwards run (CUDA graphs off) at start-up" in done.describe()
+    trash = set(range(TRASH_ROW, TRASH_ROW + pool.page_size))
+    for now, before in ((pool.k, before_k), (pool.v, before_v)):
+        changed = set((now != before).any(dim=(0, 1, 3)).nonzero().flatten().tolist())
+        assert changed and changed <= trash
+    assert pool.cache(slot).length == 7
+    assert runner.warm_up(max_sequences=64).shapes == 0
+    assert paged_runner(target).warm_up(max_sequences=2).shapes == 2 * 2 + 6 * 2  # decodes of 1 and 2 only
+    pool.release(slot)
+    prompt = prompts(5, 1)[0]
+    outs = [generate(Engine(Verifier(None, "hidden", runner=r), None, 512, VOCAB), prompt, 12)[0]
+            for r in (runner, cold)]
+    assert outs[0] == outs[1]
+
+
+def test_warm_up_at_start_is_cuda_only_and_never_fails_the_start(llama_pair, monkeypatch, caplog):
+    """warm_up_at_start: nothing on the CPU; on a device that warms up, a failure is logged and serving
+    goes on (shapes then prepare on first use), a success is logged with its time and memory."""
+    import services.model.runner as runner_module
+
+    _, target, _ = llama_pair
+    runner = paged_runner(target)
+    assert runner_module.warm_up_at_start(runner, 8) is None and runner.uniform._warm == set()
+    default = runner_module.warm_up_default
+    assert default(torch.device("cuda")) and not default(torch.device("cpu"))
+    monkeypatch.setattr(runner_module, "warm_up_default", lambda device: True)
+    with caplog.at_level("INFO", logger="services.model.runner"):
+        done = runner_module.warm_up_at_start(runner, 8)
+        assert done is not None and done.shapes == 20
+        monkeypatch.setattr(runner, "warm_up", lambda n: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        assert runner_module.warm_up_at_start(runner, 8) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("20 static-shape forwards run" in m and "AERIE_GRAPH_WARMUP=0 skips this" in m for m in messages)
+    assert any("start-up warm-up of the static shapes failed" in m for m in messages)
+    monkeypatch.setenv("AERIE_GRAPH_WARMUP", "0")
+    assert not default(torch.device("cuda"))
