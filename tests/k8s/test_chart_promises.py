@@ -68,6 +68,7 @@ NOT_SET_BY_CHART = {
     "AERIE_PROGRESS": "progress bars on stderr; off in a pod's log unless set through extraEnv",
     "AERIE_ATTENTION": "forces one attention backend (measurements, tests); the code picks per call",
     "AERIE_CUDA_GRAPHS": "CUDA graphs on GPU, on by default; extraEnv AERIE_CUDA_GRAPHS=0 runs eagerly",
+    "AERIE_GRAPH_WARMUP": "CUDA graphs of common shapes captured at start, on by default; extraEnv AERIE_GRAPH_WARMUP=0 skips",
     "AERIE_FUSE": "compiled fused stages on GPU, on by default; extraEnv AERIE_FUSE=0 keeps them eager",
     "AERIE_OFFLINE": "the chart sets HF_HUB_OFFLINE=1 instead (the same switch, huggingface_hub's name)",
     # vLLM's serving limits (docs/cli.md): not values yet; extraEnv sets them
