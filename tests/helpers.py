@@ -179,3 +179,35 @@ def oracle(ref: list[int], hit: bool):
                 return out  # accepted drafts + the bonus
             node = nxt
     return guess
+
+
+def gathered_attention(q, k, v, row_table, prefix, tree):
+    """What the paged attention kernel must give, the default way: every sequence's key slots gathered
+    from the arena (`row_table` [B, S]), then `attend_gathered` with `key_mask`.
+    q [B, T, H, hd]; k, v [nKV, rows, hd]; prefix [B]; tree [B, T, T] -> [B, T, H, hd]."""
+    from services.model.attention import attend_gathered
+    from services.model.uniform import key_mask
+
+    b, s = row_table.shape
+    nkv, hd = k.shape[0], k.shape[2]
+    keys = k.index_select(1, row_table.flatten()).view(nkv, b, s, hd)
+    vals = v.index_select(1, row_table.flatten()).view(nkv, b, s, hd)
+    mask = key_mask(prefix, tree.bool(), s)
+    return attend_gathered(q.transpose(1, 2), keys, vals, mask).transpose(1, 2)
+
+
+def require_triton():
+    """The triton module for the paged attention kernel's tests. The `test` extra installs it on Linux,
+    so there it missing is a broken setup (fail, naming the install); other platforms have no triton
+    wheels (skip, saying so)."""
+    import sys
+
+    import pytest
+
+    try:
+        import triton
+    except ImportError as e:
+        if sys.platform.startswith("linux"):
+            pytest.fail(f"triton is missing ({e}): the test extra installs it: pip install -e '.[test]'", pytrace=False)
+        pytest.skip(f"triton has no wheels for {sys.platform}", allow_module_level=True)
+    return triton

@@ -240,19 +240,15 @@ def test_paged_kernel_equals_gathered_attention_on_cuda(t, splits):
     """The Triton kernel (AERIE_ATTENTION=paged) against `grouped`'s gather + attend_gathered. fp32:
     equal to 1e-4. bf16: both compared with the fp32 answer; the kernel's error is at most twice
     grouped's (it keeps the scores in fp32, grouped rounds them to bf16 first)."""
-    from services.model.attention import attend_gathered
     from services.model.paged_attention import paged_attention
-    from services.model.uniform import key_mask
+    from tests.helpers import gathered_attention
 
     g = torch.Generator(device="cuda").manual_seed(t)
     q, k, v, table, prefix, tree = _kernel_inputs(t, g)
-    b, s, nkv, hd = table.shape[0], table.shape[1], k.shape[0], k.shape[2]
-    mask = key_mask(prefix, tree.bool(), s)
+    hd = k.shape[2]
 
     def grouped(q, k, v):
-        keys = k.index_select(1, table.flatten()).view(nkv, b, s, hd)
-        vals = v.index_select(1, table.flatten()).view(nkv, b, s, hd)
-        return attend_gathered(q.transpose(1, 2), keys, vals, mask).transpose(1, 2)
+        return gathered_attention(q, k, v, table, prefix, tree)
 
     exact = grouped(q, k, v)
     got = paged_attention(q, k, v, table, prefix, tree, hd ** -0.5, splits=splits)

@@ -4,9 +4,11 @@ scattered arena rows, with and without split-KV, slots past a sequence's need ne
 static-shape forward and the engine give the default path's logits and tokens with it.
 
 Triton reads TRITON_INTERPRET when it is imported (its own library functions are decorated then),
-so this module sets it first and is skipped where that cannot hold: triton missing (the `test`
-extra installs it), triton already imported without it, or a CUDA machine (the interpreter would
-take over every Triton kernel of the process; tests/gpu/test_cuda.py runs the compiled kernel)."""
+so this module sets it first and is skipped where that cannot hold: triton already imported without
+it (only when something imports triton before pytest collects this file: the README's test command
+does not), or a CUDA machine (the interpreter would take over every Triton kernel of the process;
+tests/gpu/test_cuda.py runs the compiled kernel). Triton missing fails on Linux (the `test` extra
+installs it) and skips elsewhere (no wheels): tests/helpers.py `require_triton`."""
 
 import importlib
 import os
@@ -21,21 +23,22 @@ if torch.cuda.is_available():
 if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from tests.helpers import require_triton  # noqa: E402
+
+require_triton()
 
 import services.model.paged_attention as kernel  # noqa: E402
 from services.engine.drafter import Drafter  # noqa: E402
 from services.engine.engine import Engine, GenerationRequest  # noqa: E402
 from services.engine.verifier import Verifier  # noqa: E402
-from services.model.attention import attend_gathered  # noqa: E402
 from services.model.config import ModelConfig  # noqa: E402
 from services.model.paged_kv import PagedKVPool  # noqa: E402
 from services.model.runner import ModelRunner  # noqa: E402
 from services.model.step import Step, StepEntry  # noqa: E402
 from services.model.target import TargetModel  # noqa: E402
-from services.model.uniform import UniformRunner, key_mask  # noqa: E402
+from services.model.uniform import UniformRunner  # noqa: E402
 from services.spec.tree import TreeParams  # noqa: E402
-from tests.helpers import VOCAB, seeded_pair  # noqa: E402
+from tests.helpers import VOCAB, gathered_attention, seeded_pair  # noqa: E402
 
 if not kernel.INTERPRETED:  # imported earlier in this process, before the variable was set
     kernel = importlib.reload(kernel)
@@ -62,10 +65,7 @@ def test_kernel_equals_gathered_attention(t, heads, splits):
     table = torch.randperm(rows, generator=g)[:b * s].view(b, s)
     prefix = torch.tensor([0, 37, 150])
     tree = torch.stack([random_tree(t, g) for _ in range(b)])
-    mask = key_mask(prefix, tree.bool(), s)
-    keys = k.index_select(1, table.flatten()).view(nkv, b, s, hd)
-    vals = v.index_select(1, table.flatten()).view(nkv, b, s, hd)
-    expected = attend_gathered(q.transpose(1, 2), keys, vals, mask).transpose(1, 2)  # [B, T, H, hd]
+    expected = gathered_attention(q, k, v, table, prefix, tree)  # [B, T, H, hd]
     unread = torch.cat([table[j, int(prefix[j]) + t:] for j in range(b)])
     k[:, unread], v[:, unread] = float("nan"), float("nan")
     got = kernel.paged_attention(q, k, v, table, prefix, tree.bool() if t == 4 else tree, hd ** -0.5,
@@ -86,12 +86,9 @@ def test_kernel_in_half_precision(splits):
     table = torch.randperm(rows, generator=g)[:b * s].view(b, s)
     prefix = torch.tensor([90, 3])
     tree = torch.stack([random_tree(t, g) for _ in range(b)])
-    mask = key_mask(prefix, tree.bool(), s)
 
     def gathered(q, k, v):
-        keys = k.index_select(1, table.flatten()).view(nkv, b, s, hd)
-        vals = v.index_select(1, table.flatten()).view(nkv, b, s, hd)
-        return attend_gathered(q.transpose(1, 2), keys, vals, mask).transpose(1, 2)
+        return gathered_attention(q, k, v, table, prefix, tree)
 
     exact = gathered(q, k, v)
     half = [x.half() for x in (q, k, v)]
