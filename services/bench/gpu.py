@@ -18,11 +18,15 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
                   (extension, expansion, host re-rank: `draft_parts`, timed in separate rounds)
   batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
   hf              transformers' eager generate on the same shape: ms/token
+  device_split    plain decoding and each round profiled (services/bench/device_time.py): the
+                  device's busy and idle ms a round, its kernels by kind (CUDA only)
   paged_attention the same plain decoding (graphs), rounds and batched decode again with
-                  AERIE_ATTENTION=paged (the Triton kernel reading the paged KV in place), next to
-                  the default `grouped` numbers above: on CUDA when triton imports (`paged`:
-                  "auto"); "on" also tries it elsewhere (the CPU needs TRITON_INTERPRET=1). Measured
-                  last, and a failure is recorded in the JSON and the table, not raised.
+  grouped_attention AERIE_ATTENTION forced to `paged` (the Triton kernel reading the paged KV in
+                  place, trees too) and to `grouped` (keys gathered, decode too), next to the
+                  default's per-shape choice above (paged for decode, grouped for trees, on CUDA):
+                  on CUDA when triton imports (`paged`: "auto"); "on" also tries it elsewhere (the
+                  CPU needs TRITON_INTERPRET=1). Measured last, and a failure is recorded in the
+                  JSON and the table, not raised.
 Random weights accept nothing, so rounds here measure cost, never speed-up. Every timing is a median
 of repeats after a warm-up, GPU work timed to its completion (synchronised).
 """
@@ -38,6 +42,8 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+
+from services.bench.device_time import device_split
 
 SHAPES: dict[str, dict] = {
     # name: Hugging Face config fields (LlamaConfig names)
@@ -353,6 +359,9 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -
     res["plain_ms"] = plain
     best = plain[best_label]
     res["plain_vs_floor"] = best / res["floor_ms"] if bw == bw else None
+    if best_label in runner_objs:
+        eng = Engine(Verifier(None, "hidden", runner=runner_objs[best_label]), None, c.max_context, c.vocab_size)
+        res["plain_device_split"] = device_split(eng, prompt, 8, dev)
     kernel_runner = runner_objs.get("paged_eager")
     if kernel_runner is not None and dev.startswith("cuda"):
         res["kernels_uniform_decode"] = _uniform_kernels(kernel_runner, prompt)
@@ -394,6 +403,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -
     checkpoint(res)
 
     res["paged_attention"] = _paged_attention(cfg, target, head, prompt, rows, log)
+    checkpoint(res)
+    res["grouped_attention"] = _forced_backend(cfg, "grouped", target, head, prompt, rows, log)
     res["complete"] = True
     checkpoint(res)
     return res
@@ -426,6 +437,8 @@ def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, tre
         r = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
              "plain_tokens": ms["round"] / plain_ms, "rounds": nr,
              "draft_graphs": getattr(eng.drafter.graphs, "captures", 0), **(floor(head, d) if floor else {})}
+        if not suffix:  # the device's busy and idle time a round, kernels by kind (profiled rounds)
+            r["device_split"] = device_split(eng, prompt, 8, cfg.device)
         if tname == "60/5/10" and not suffix:  # where the draft's time goes (timed apart: syncs added)
             r["draft_parts_ms"] = _draft_parts_ms(eng, prompt, max(8, cfg.tokens // 4), cfg.device)
         rounds[tname + suffix] = r
@@ -462,9 +475,16 @@ def _batched(runner, cfg: GpuBenchConfig, log) -> dict:
 
 
 def _paged_attention(cfg: GpuBenchConfig, target, head, prompt, rows: int, log) -> dict:
-    """Plain decoding, rounds and batched decode with AERIE_ATTENTION=paged on a fresh paged runner
-    (graphs on CUDA): {"status": "ok" | "skipped: why" | "failed: error", "plain_ms", "rounds",
-    "batched"}. Never raises (but KeyboardInterrupt): a failure is the result."""
+    """The measurements with AERIE_ATTENTION=paged (the Triton kernel for every static-shape block,
+    trees too); see _forced_backend."""
+    return _forced_backend(cfg, "paged", target, head, prompt, rows, log)
+
+
+def _forced_backend(cfg: GpuBenchConfig, backend: str, target, head, prompt, rows: int, log) -> dict:
+    """Plain decoding, rounds and batched decode with AERIE_ATTENTION=`backend` on a fresh paged runner
+    (graphs on CUDA), to set beside the default's per-shape choice (services/model/attention.py):
+    {"status": "ok" | "skipped: why" | "failed: error", "plain_ms", "rounds", "batched"}. Never raises
+    (but KeyboardInterrupt): a failure is the result."""
     from services.engine.engine import Engine
     from services.engine.verifier import Verifier
     from services.model.runner import ModelRunner
@@ -476,8 +496,9 @@ def _paged_attention(cfg: GpuBenchConfig, target, head, prompt, rows: int, log) 
         return {"status": "skipped: not a CUDA device (--paged-attention on tries it)"}
     out: dict = {"status": "failed: unfinished"}
     try:
-        with attention_backend("paged"):
-            import services.model.paged_attention  # noqa: F401  (ImportError: no triton)
+        with attention_backend(backend):
+            if backend == "paged":
+                import services.model.paged_attention  # noqa: F401  (ImportError: no triton)
 
             runner = ModelRunner(target, _paged(target, rows), graphs=cuda)
             c = target.config
@@ -485,7 +506,7 @@ def _paged_attention(cfg: GpuBenchConfig, target, head, prompt, rows: int, log) 
             decode_ms(eng, prompt, 4)  # warm-up (graph capture, kernel compilation)
             plain = decode_ms(eng, prompt, cfg.tokens)[0]
             out["plain_ms"] = plain
-            log(f"plain decoding (paged attention): {plain:.2f} ms/token")
+            log(f"plain decoding ({backend} attention): {plain:.2f} ms/token")
             out["rounds"] = _rounds(runner, head, prompt, cfg, plain, log)
             out["batched"] = _batched(runner, cfg, log)
             out["status"] = "ok"
@@ -495,7 +516,7 @@ def _paged_attention(cfg: GpuBenchConfig, target, head, prompt, rows: int, log) 
         out["status"] = f"failed: {type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()[-4000:]
         log(out["traceback"])
-    log(f"paged attention: {out['status']}")
+    log(f"{backend} attention: {out['status']}")
     return out
 
 
@@ -651,12 +672,14 @@ def table(res: dict) -> str:
             ("kernels per static-shape decode step", f(res.get("kernels_uniform_decode")))]
     rows += [(f"plain decoding, {k} (ms/token)", f(v)) for k, v in plain.items()]
     rows += [("plain / floor", f(res.get("plain_vs_floor")))]
+    rows += _split_rows(res.get("plain_device_split"))
     if res.get("rounds_draft_vocab_error"):
         rows.append(("rounds with a reduced draft vocabulary", f"failed: {res['rounds_draft_vocab_error']}"))
     for name, r in {**res["rounds"], **res.get("rounds_draft_vocab", {})}.items():
         rows.append((f"round {name}: ms (draft + verify) = plain tokens [floor: plain floors]",
                      f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}) = {r['plain_tokens']:.2f} "
                      f"[{f(r.get('floor_plain_floors'))}]"))
+        rows += _split_rows(r.get("device_split"))
         for part, ms in r.get("draft_parts_ms", {}).items():
             rows.append((f"  its draft: {part} (ms a draft)", f(ms)))
     for n, b in res["batched"].items():
@@ -665,19 +688,37 @@ def table(res: dict) -> str:
     rows += [("CUDA graphs captured (s)", f"{res.get('graph_captures', '-')} ({res.get('graph_capture_s', '-')})"),
              ("transformers eager generate (ms/token)", f(res.get("hf_ms"))),
              ("speed-up over transformers", f(res.get("vs_hf")))]
-    paged = res.get("paged_attention", {})
-    rows += [("AERIE_ATTENTION=paged (Triton kernel)", paged.get("status", "-"))]
-    if "plain_ms" in paged:
+    for backend, what in (("paged", "Triton kernel"), ("grouped", "gathered keys")):
+        rows += _forced_rows(res, backend, what)
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+
+
+def _forced_rows(res: dict, backend: str, what: str) -> list[tuple[str, str]]:
+    """The table's rows of one forced backend's section, each beside the default's value."""
+    plain = res["plain_ms"]
+    sec = res.get(f"{backend}_attention", {})
+    rows = [(f"AERIE_ATTENTION={backend} ({what})", sec.get("status", "-"))]
+    if "plain_ms" in sec:
         base_ms = plain.get("graphs", plain.get("paged_eager"))
-        rows += [("  plain decoding (ms/token): paged vs default", f"{paged['plain_ms']:.2f} vs {f(base_ms)}")]
-    for name, r in paged.get("rounds", {}).items():
+        rows += [(f"  plain decoding (ms/token): {backend} vs default", f"{sec['plain_ms']:.2f} vs {base_ms:.2f}")]
+    for name, r in sec.get("rounds", {}).items():
         base = res["rounds"][name]
         rows.append((f"  round {name}: ms (draft + verify), verify vs default",
                      f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}), verify "
                      f"{r['verify_ms']:.2f} vs {base['verify_ms']:.2f}"))
-    for n, b in paged.get("batched", {}).items():
+    for n, b in sec.get("batched", {}).items():
         base = res["batched"][n]
         rows.append((f"  batched decode N={n}: ms/step, x N=1 (default)",
                      f"{b['step_ms']:.2f}, {b['vs_n1']:.2f}x ({base['step_ms']:.2f}, {base['vs_n1']:.2f}x)"))
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+    return rows
+
+
+def _split_rows(split: dict | None) -> list[tuple[str, str]]:
+    """A profiled round's device time (services/bench/device_time.py) as two table rows."""
+    if not split:
+        return []
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in split["by_kind_ms"].items())
+    return [("  a round on the device: busy / wall ms (idle), kernels",
+             f"{split['busy_ms']:.2f} / {split['wall_ms']:.2f} ({split['idle_ms']:.2f}), {split['kernels']:.0f}"),
+            ("  its kernels by kind (ms a round)", kinds)]

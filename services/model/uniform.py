@@ -86,6 +86,16 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, mempool) -> tuple
     return graph, output
 
 
+def graph_pool_bytes(mempool) -> int:
+    """CUDA memory the caching allocator holds in the graphs' private pool `mempool` (0 without one).
+    Not memory_reserved: each capture empties the allocator's cache first (torch.cuda.graph), so the
+    device-wide figure can shrink while graphs are captured."""
+    if mempool is None:
+        return 0
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == tuple(mempool))
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -250,7 +260,7 @@ class UniformRunner:
         logs it at start-up)."""
         device = self.target.device
         t0 = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        held = graph_pool_bytes(self._mempool)
         shapes = sorted({UniformShape(bb, ww, keys, tp)
                          for b in batches if (bb := bucket(b, BATCH_BUCKETS)) is not None and bb <= self.max_batch
                          for w in widths if (ww := bucket(w, WIDTH_BUCKETS)) is not None and ww <= self.max_width
@@ -265,8 +275,7 @@ class UniformRunner:
                 forward_uniform(self.target, self.pool, shape, self._idle(shape).to(device))
                 self._warm.add(shape)
             done += 1
-        grown = (torch.cuda.memory_reserved(device) - reserved) if device.type == "cuda" else 0
-        return WarmUp(done, time.perf_counter() - t0, grown, self.graphs_on)
+        return WarmUp(done, time.perf_counter() - t0, graph_pool_bytes(self._mempool) - held, self.graphs_on)
 
     def _capture(self, shape: UniformShape) -> _Graph:
         t0 = time.perf_counter()
@@ -299,7 +308,7 @@ class WarmUp:
     """What `UniformRunner.warm_up` did."""
     shapes: int  # shapes captured (graphs) or run once (eagerly)
     seconds: float
-    memory_bytes: int  # CUDA memory the caching allocator reserved meanwhile (graphs' pool included)
+    memory_bytes: int  # growth of the graphs' private CUDA memory pool (graph_pool_bytes); 0 eagerly
     graphs: bool
 
     def describe(self) -> str:

@@ -4,6 +4,7 @@ maskless-decode calls with grouped heads (`paged`, which only the static-shape f
 device's default here: SDPA on the CPU; its kernel is tested in test_paged_attention.py)."""
 
 import sys
+import types
 
 import pytest
 import torch
@@ -50,3 +51,25 @@ def test_paged_without_triton_names_the_variable_and_the_package(monkeypatch):
     monkeypatch.setenv("AERIE_ATTENTION", "paged")
     with pytest.raises(RuntimeError, match="AERIE_ATTENTION=paged needs the triton package"):
         paged_attention_fn(torch.device("cpu"), 1)
+
+
+def test_paged_is_the_cuda_default_for_decode_blocks_only(monkeypatch):
+    """Without AERIE_ATTENTION, CUDA static-shape blocks of one row a sequence run the paged kernel
+    (measured faster there; trees keep `grouped`), never the CPU; triton missing -> `grouped`, no error.
+    The kernel module is stood in for so triton is not imported here (its CPU tests must set the
+    interpreter flag before the first import)."""
+    kernel = types.ModuleType("services.model.paged_attention")
+    kernel.paged_attention = lambda *a: None
+    monkeypatch.setitem(sys.modules, "services.model.paged_attention", kernel)
+    monkeypatch.delenv("AERIE_ATTENTION", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert paged_attention_fn(cuda, 1) is kernel.paged_attention
+    assert [paged_attention_fn(cuda, t) for t in (2, 8, 64)] == [None] * 3
+    assert paged_attention_fn(cpu, 1) is None
+    monkeypatch.setenv("AERIE_ATTENTION", "grouped")
+    assert paged_attention_fn(cuda, 1) is None
+    monkeypatch.setenv("AERIE_ATTENTION", "paged")
+    assert paged_attention_fn(cuda, 64) is kernel.paged_attention
+    monkeypatch.delenv("AERIE_ATTENTION")
+    monkeypatch.setitem(sys.modules, "services.model.paged_attention", None)  # no triton: import fails
+    assert paged_attention_fn(cuda, 1) is None
