@@ -8,7 +8,10 @@ Profiles `rounds` rounds of `engine.generate` after its first two (prefill, one 
 torch.profiler's device activities only (kernels replayed from CUDA graphs included), so the host's
 own work shows as `idle_ms`: the device waiting for the host (launches, host re-rank, the per-round
 copy of the verdict). `busy_ms` is the union of the kernels' and copies' intervals; `by_kind_ms` sums
-their durations by the kind their name says (KINDS). Per round means. CUDA only (None elsewhere).
+their durations by the kind their name says (KINDS); `top_kernels` the kernels with the most time.
+`host` (host_split, a second pass with host activities): the CUDA runtime calls a round makes
+(launches, copies, synchronisations) and its host ops with the most self time. Per round means.
+CUDA only (None elsewhere).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ KINDS = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk
          ("attention", ("attention", "attn", "attend", "_merge_kernel", "softmax", "flash", "fmha")),
          ("fused", ("triton",)),
          ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")))
+
+
+TOP = 15  # names listed in top_kernels / top_host_ops / runtime_calls
+NAME_CHARS = 90
 
 
 def kind_of(name: str) -> str:
@@ -50,6 +57,16 @@ def device_split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> d
     """Per-round wall, device-busy and idle ms and kernel ms by kind over `rounds` profiled rounds."""
     if not device.startswith("cuda"):
         return None
+    return split(engine, prompt, rounds, device)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> dict:
+    """device_split on any device (off CUDA there are no kernels: busy 0, the host pass only)."""
     from torch.profiler import ProfilerActivity, profile
 
     from services.engine.engine import GenerationRequest
@@ -57,8 +74,8 @@ def device_split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> d
     gen = engine.generate(GenerationRequest(prompt, rounds + 4, ignore_eos=True))
     next(gen)  # the prefill and its first token
     next(gen)  # one round before the profiled ones
-    torch.cuda.synchronize(device)
-    prof = profile(activities=[ProfilerActivity.CUDA])
+    _sync(device)
+    prof = profile(activities=[ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU])
     prof.start()
     t0 = time.perf_counter()
     done = 0
@@ -66,7 +83,7 @@ def device_split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> d
         done += 1
         if done == rounds:
             break
-    torch.cuda.synchronize(device)
+    _sync(device)
     wall = time.perf_counter() - t0
     prof.stop()
     gen.close()
@@ -82,4 +99,49 @@ def device_split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> d
     per = max(done, 1)
     return {"rounds": done, "wall_ms": wall * 1e3 / per, "busy_ms": busy / per,
             "idle_ms": max(0.0, wall * 1e3 - busy) / per, "kernels": n / per,
-            "by_kind_ms": {k: v / per for k, v in by_kind.items()}}
+            "by_kind_ms": {k: v / per for k, v in by_kind.items()},
+            "top_kernels": _top(prof, torch.autograd.DeviceType.CUDA, per),
+            "host": host_split(engine, prompt, rounds, device)}
+
+
+def _top(prof, device_type, per: int, n: int = TOP) -> list[dict]:
+    """The `n` names with the most time (self time on the host) a round: name (cut), calls, ms."""
+    time_of, calls = {}, {}
+    for e in prof.events():
+        if e.device_type != device_type:
+            continue
+        us = e.time_range.elapsed_us() if device_type == torch.autograd.DeviceType.CUDA else e.self_cpu_time_total
+        time_of[e.name] = time_of.get(e.name, 0.0) + us
+        calls[e.name] = calls.get(e.name, 0) + 1
+    best = sorted(time_of, key=lambda k: -time_of[k])[:n]
+    return [{"name": k[:NAME_CHARS], "calls": calls[k] / per, "ms": time_of[k] / 1e3 / per} for k in best]
+
+
+def host_split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> dict:
+    """A second profiled pass, host activities too: per round, the CUDA runtime calls the host makes
+    (kernel and graph launches, copies, synchronisations) and the host ops with the most self time.
+    The profiler's own cost inflates these; they say what the host does, not how fast."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.engine.engine import GenerationRequest
+
+    gen = engine.generate(GenerationRequest(prompt, rounds + 4, ignore_eos=True))
+    next(gen)
+    next(gen)
+    _sync(device)
+    done = 0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        for _ in gen:
+            done += 1
+            if done == rounds:
+                break
+        _sync(device)
+    gen.close()
+    per = max(done, 1)
+    runtime: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            runtime[e.name] = runtime.get(e.name, 0) + 1 / per
+    return {"runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:TOP]),
+            "top_host_ops": _top(prof, torch.autograd.DeviceType.CPU, per)}

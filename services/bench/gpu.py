@@ -92,6 +92,9 @@ class GpuBenchConfig:
 PAGED_MODES = ("auto", "on", "off")
 
 
+PLAIN_RUN = 16  # plain steps per run in the `*_run` plain decoding (services/engine/local.py LOCAL_PLAIN_RUN)
+
+
 def hf_config(shape: str):
     from transformers import LlamaConfig
 
@@ -356,12 +359,20 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -
             plain["legacy_sdpa"] = decode_ms(eng, prompt, max(8, cfg.tokens // 4))[0]
             log(f"plain decoding (legacy: contiguous KV, SDPA): {plain['legacy_sdpa']:.2f} ms/token")
     best_label = "graphs" if "graphs" in plain else "paged_eager"
+    # the same runner in plain runs: each step queued before the previous token is read (what the
+    # local engine does on a GPU, services/engine/plain_run.py)
+    run_eng = Engine(Verifier(None, "hidden", runner=runner_objs[best_label]), None, c.max_context, c.vocab_size,
+                     plain_run=PLAIN_RUN)
+    decode_ms(run_eng, prompt, 4)
+    plain[f"{best_label}_run"] = decode_ms(run_eng, prompt, cfg.tokens)[0]
+    log(f"plain decoding ({best_label}, runs of {PLAIN_RUN}): {plain[f'{best_label}_run']:.2f} ms/token")
     res["plain_ms"] = plain
-    best = plain[best_label]
+    best = min(plain[best_label], plain[f"{best_label}_run"])
     res["plain_vs_floor"] = best / res["floor_ms"] if bw == bw else None
     if best_label in runner_objs:
         eng = Engine(Verifier(None, "hidden", runner=runner_objs[best_label]), None, c.max_context, c.vocab_size)
         res["plain_device_split"] = device_split(eng, prompt, 8, dev)
+        res["plain_run_device_split"] = device_split(run_eng, prompt, 8, dev)
     kernel_runner = runner_objs.get("paged_eager")
     if kernel_runner is not None and dev.startswith("cuda"):
         res["kernels_uniform_decode"] = _uniform_kernels(kernel_runner, prompt)
@@ -673,6 +684,7 @@ def table(res: dict) -> str:
     rows += [(f"plain decoding, {k} (ms/token)", f(v)) for k, v in plain.items()]
     rows += [("plain / floor", f(res.get("plain_vs_floor")))]
     rows += _split_rows(res.get("plain_device_split"))
+    rows += _split_rows(res.get("plain_run_device_split"), "  in plain runs: ")
     if res.get("rounds_draft_vocab_error"):
         rows.append(("rounds with a reduced draft vocabulary", f"failed: {res['rounds_draft_vocab_error']}"))
     for name, r in {**res["rounds"], **res.get("rounds_draft_vocab", {})}.items():
@@ -714,11 +726,13 @@ def _forced_rows(res: dict, backend: str, what: str) -> list[tuple[str, str]]:
     return rows
 
 
-def _split_rows(split: dict | None) -> list[tuple[str, str]]:
+def _split_rows(split: dict | None, prefix: str = "  ") -> list[tuple[str, str]]:
     """A profiled round's device time (services/bench/device_time.py) as two table rows."""
     if not split:
         return []
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in split["by_kind_ms"].items())
-    return [("  a round on the device: busy / wall ms (idle), kernels",
+    calls = ", ".join(f"{k} {v:.0f}" for k, v in list(split.get("host", {}).get("runtime_calls", {}).items())[:6])
+    return [(f"{prefix}a round on the device: busy / wall ms (idle), kernels",
              f"{split['busy_ms']:.2f} / {split['wall_ms']:.2f} ({split['idle_ms']:.2f}), {split['kernels']:.0f}"),
-            ("  its kernels by kind (ms a round)", kinds)]
+            (f"{prefix}its kernels by kind (ms a round)", kinds),
+            (f"{prefix}its CUDA runtime calls (a round)", calls or "-")]

@@ -27,8 +27,10 @@ The budget changes the tree, never the acceptance rule: output stays the target'
 load board (continuous batching) sizes each sequence's tree for the whole batch: the sequences
 sharing the verifier's forwards post their plans there, keyed by sequence id.
 
-Plain runs (`plain_run` N > 0, a verifier role with `decode_run`: the coordinator's gRPC verifier; in
-process there is no round trip to hide): a plain round (no drafter) or a detached round that finds no
+Plain runs (`plain_run` N > 0, a verifier role with `decode_run`: the coordinator's gRPC verifier,
+where they hide the round trip, and the local Verifier on a GPU, where each step is queued on the
+device before the previous token is read so the device does not wait for the host's per-token work,
+services/engine/plain_run.py): a plain round (no drafter) or a detached round that finds no
 run open starts one, a DecodeRun of h steps, h = min(N, tokens max_new_tokens still allows, and for
 detached rounds the rounds before the budget's next probe: Budget.detached_rounds); the following
 rounds take their tokens from it, each still its own round (RoundOutput, RoundStats with

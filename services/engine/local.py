@@ -3,6 +3,7 @@ target + head + drafter + verifier. Does not parse arguments or format prompts."
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from services.spec.tree import TreeParams
 # NOT lossless on the default model: docs/design.md "Cheaper rounds").
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 DRAFT_DTYPES = ("fp32", "bf16", "int8")  # the default: services.device.default_draft_dtype
+PLAIN_RUN_ENV = "AERIE_PLAIN_RUN"  # plain rounds per run on a GPU (0 = one step a round), as the coordinator's
+LOCAL_PLAIN_RUN = 16
 # The trained head for the default model, shipped in the repository (issue: default model).
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
 
@@ -148,5 +151,9 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     tok = loaded.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         eos = tuple(sorted(set(eos) | {int(tok.eos_token_id)}))
-    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos, budget, retrieval)
+    # on a GPU, plain rounds run in runs whose next step is queued before the previous token is read
+    # (services/engine/plain_run.py); on the CPU a queued step is computed at once, so nothing overlaps
+    plain_run = int(os.environ.get(PLAIN_RUN_ENV, LOCAL_PLAIN_RUN)) if gpu else 0
+    engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos, budget, retrieval,
+                    plain_run=plain_run)
     return LocalEngine(engine, tok, target_path, draft_path, loaded.path)

@@ -5,6 +5,7 @@ verification and plain decode, one target forward for a whole batch of calls.
     v.prefill(seq_id, prompt [L], sampling, capacity)  -> PrefillResult      (batch 1)
     v.verify(seq_id, tree, round_index)                -> VerifyResult
     v.decode(seq_id, token, round_index, keep_features=False) -> int
+    v.decode_run(seq_id, token, round_index, steps, keep_features=False) -> a run of plain steps
     v.run([PrefillCall | VerifyCall | DecodeCall, ...]) -> [result | AerieError, ...]  (one forward)
 
 The in-process implementation of the verifier role; the verifier service wraps this class unchanged.
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from services.engine.kv_growth import SlotGrowth
+from services.engine.plain_run import LocalPlainRun, StepwiseRun
 from services.errors import AerieError, CapacityExceeded, InvalidRequest, SequenceNotFound
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
@@ -136,9 +138,12 @@ class VerifyCall:
 @dataclass(frozen=True, slots=True)
 class DecodeCall:
     seq_id: str
-    token: int  # the last committed token (commit it, return the next)
+    token: int | torch.Tensor  # the last committed token (commit it, return the next); a [1] device
+    #                            tensor (a plain run's previous argmax) with on_device
     round_index: int
     keep_features: bool = False  # keep this row's features for the next Verify (a detached drafter)
+    on_device: bool = False  # greedy only: the next token comes back as a [1] device tensor, not read
+    #                          on the host (services/engine/plain_run.py)
 
     @property
     def rows(self) -> int:
@@ -213,6 +218,35 @@ class Verifier:
         """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one.
         `keep_features`: keep the row's features for the next Verify (see the module doc)."""
         return self._one(DecodeCall(seq_id, token, round_index, keep_features))
+
+    def decode_run(self, seq_id: str, token: int, round_index: int, steps: int,
+                   keep_features: bool = False) -> LocalPlainRun | StepwiseRun:
+        """`steps` plain steps from round `round_index` (the engine's PlainRun): each step queued on
+        the device before the previous token is read, for a greedy sequence without a repetition
+        penalty or logprobs on a local ModelRunner; else one Decode per token (services/engine/plain_run.py)."""
+        s = self._get(seq_id).sampling
+        ahead = (s.greedy and s.repetition_penalty == 1.0 and s.logprobs is None
+                 and isinstance(self.runner, ModelRunner))
+        return (LocalPlainRun if ahead else StepwiseRun)(self, seq_id, token, round_index, steps, keep_features)
+
+    def decode_on_device(self, seq_id: str, token: int | torch.Tensor, round_index: int,
+                         keep_features: bool = False) -> torch.Tensor:
+        """A greedy Decode whose next token stays on the device ([1] long, nothing read on the host);
+        `token` may be such a tensor (the previous step's)."""
+        if not self._get(seq_id).sampling.greedy:
+            raise InvalidRequest(f"sequence {seq_id!r} samples: its next token cannot stay on the device")
+        return self._one(DecodeCall(seq_id, token, round_index, keep_features, on_device=True))
+
+    def undo_decode(self, seq_id: str, keep_features: bool) -> None:
+        """Drop `seq_id`'s latest decoded row (a plain run's step queued past its last token read) and
+        the features that step kept; nothing when the sequence has gone."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        seq.length -= 1
+        self.runner.keep(seq.slot, seq.length, [])
+        if keep_features and seq.feature_kind != "none" and seq.kept:  # ("none" keeps nothing)
+            seq.kept.pop()
 
     def _one(self, call: Call):
         out = self.run([call])[0]
@@ -289,6 +323,8 @@ class Verifier:
         if isinstance(call, VerifyCall):
             tree = call.tree
             return StepEntry(seq.slot, tree.tokens, seq.length + tree.depths, tree.mask)  # moved by the runner
+        if isinstance(call.token, torch.Tensor):  # on the device already: the runner copies it there
+            return StepEntry(seq.slot, call.token.view(1), logits="last")
         return StepEntry(seq.slot, torch.tensor([call.token], device="cpu"), logits="last")  # the runner moves it
 
     def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int]
@@ -310,7 +346,8 @@ class Verifier:
             # decodes and prefills read only their last row's token: one device-to-host copy for all
             # of them (a tree's acceptance makes its own, its round's one copy)
             ends = torch.tensor(sizes, device="cpu").cumsum(0).sub_(1)
-            wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)]
+            wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)
+                     and not (isinstance(calls[j], DecodeCall) and calls[j].on_device)]
             if wants:
                 picked = flat.index_select(0, ends[wants].to(flat.device)).tolist()
                 last = {greedy[n]: tok for n, tok in zip(wants, picked, strict=True)}
@@ -350,6 +387,9 @@ class Verifier:
                 seq.length += 1
                 if call.keep_features and features.shape[0]:
                     seq.kept.append(features.clone())  # one row: not a view holding the batch's hidden
+                if call.on_device:  # greedy (decode_run checked): the argmax stays on the device
+                    results.append(argmax[j][-1:])
+                    continue
                 token = last[j] if j in last else next_token(logits[j][-1], seq.sampling, gen)
                 self._keep_logprobs(call.seq_id, out.logits[j][-1:], [token])
                 results.append(token)

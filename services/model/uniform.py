@@ -194,7 +194,8 @@ class UniformRunner:
         return UniformShape(batch, width, keys, step.want_taps)
 
     def fill(self, step: Step, shape: UniformShape) -> torch.Tensor:
-        """The int64 input buffer of `step` padded to `shape` (host, numpy-built)."""
+        """The int64 input buffer of `step` padded to `shape` (host, numpy-built). Input ids already
+        on the model's device are left 0 here (`execute` copies them on the device: no host read)."""
         b, t, s = shape.batch, shape.width, shape.keys
         ids = np.zeros((b, t), np.int64)
         pos = np.zeros((b, t), np.int64)
@@ -206,7 +207,8 @@ class UniformRunner:
             cache = self.pool.paged(e.slot)
             rows = cache.rows_host
             n, p = e.rows, cache.length
-            ids[j, :n] = e.input_ids.cpu().numpy()
+            if e.input_ids.device != self.target.device:
+                ids[j, :n] = e.input_ids.cpu().numpy()
             pos[j, :n] = e.positions.cpu().numpy() if e.positions is not None else np.arange(p, p + n)
             write[j, :n] = rows[p:p + n]
             m = min(s, rows.shape[0])
@@ -223,13 +225,16 @@ class UniformRunner:
         for e, cache in zip(step.entries, caches, strict=True):
             cache.reserve(e.rows)
         host = self.fill(step, shape)
-        if self.graphs_on:
-            graph = self._graphs.get(shape) or self._capture(shape)
-            graph.inputs.copy_(host, non_blocking=True)
+        graph = (self._graphs.get(shape) or self._capture(shape)) if self.graphs_on else None
+        inputs = graph.inputs.copy_(host, non_blocking=True) if graph is not None else host.to(self.target.device)
+        for j, e in enumerate(step.entries):  # ids on the device (a plain run's previous argmax): copied there
+            if e.input_ids.device == self.target.device:
+                inputs[j * shape.width:j * shape.width + e.rows].copy_(e.input_ids)
+        if graph is not None:
             graph.graph.replay()
             out = graph.output
         else:
-            out = forward_uniform(self.target, self.pool, shape, host.to(self.target.device))
+            out = forward_uniform(self.target, self.pool, shape, inputs)
         for e, cache in zip(step.entries, caches, strict=True):
             cache.advance(e.rows)
         return self._unpad(step, shape, out)

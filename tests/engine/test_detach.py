@@ -109,6 +109,26 @@ def test_detached_rounds_give_the_attached_tokens(pair, costs, request) -> None:
             assert d.rows <= len(PROMPT) + len(got) - 1
 
 
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_detached_rounds_in_plain_runs_give_the_attached_tokens(pair, request) -> None:
+    """The in-process plain runs (services/engine/plain_run.py: each step queued before the previous
+    token is read, features kept per step) inside detached stretches: the attached engine's tokens
+    and trees, greedy and sampled (step by step), with runs really used."""
+    _, target, head = request.getfixturevalue(pair)
+    kind = head.feature_kind
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=5)):
+        req = GenerationRequest(PROMPT, 40, sampling, ignore_eos=True)
+        attached = Engine(Verifier(target, kind), Drafter(head, LARGEST), 512, VOCAB,
+                          budget=budget(PLAIN_WINS, False, 6))
+        v = CountingVerifier(target, kind)
+        runs = Engine(v, Drafter(head, LARGEST), 512, VOCAB, budget=budget(PLAIN_WINS, True, 6), plain_run=4)
+        want, want_stats = run(attached, req)
+        got, stats = run(runs, req)
+        assert got == want and [s.tree_size for s in stats] == [s.tree_size for s in want_stats], sampling
+        assert v.calls["decode_keep"] == sum(s.detached for s in stats) > 0
+        assert sum(s.run for s in stats) > 0, "no round read its token from a run"
+
+
 def test_kept_features_are_the_attached_rounds_features(llama_pair) -> None:
     """Decode(keep_features) x3 then a Verify returns the same feature rows, in order, as four
     root-only Verify rounds; a Decode without it keeps nothing."""
