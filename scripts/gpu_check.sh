@@ -5,7 +5,8 @@
 #    EAGLE reference fixture on CUDA, bf16 plain == transformers bf16, batched == alone, no host sync);
 # 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's, each
 #    also measuring the paged attention kernel (AERIE_ATTENTION=paged) next to the default backend.
-# Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. Uses the python that has torch
+# Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. GPU_BENCH_ARGS adds bench flags
+# (e.g. --no-legacy); GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT / GPU_BENCH_TOKENS / GPU_CHECK_SHAPES tune it. Uses the python that has torch
 # with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,8 @@ bench_rc=0
 limit=${GPU_BENCH_TIMEOUT:-270}
 for shape in $SHAPES; do
   timeout "$limit" "$PY" -m aerie_cli bench --shape "$shape" --device cuda \
-    --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --json-out "$OUT_DIR/bench-$shape.json" 2>&1 | tee "$OUT_DIR/bench-$shape.txt"
+    --max-new-tokens "${GPU_BENCH_TOKENS:-64}" ${GPU_BENCH_ARGS:-} --json-out "$OUT_DIR/bench-$shape.json" 2>&1 \
+    | tee "$OUT_DIR/bench-$shape.txt"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc
   limit=${GPU_BENCH_TIMEOUT:-120}
 done

@@ -398,7 +398,8 @@ class Verifier:
             # greedy: the tree joins the argmax on the model's device; one host copy of the accepted path
             acc = (accept_greedy_argmax(tree, argmax[j]) if j in argmax
                    else accept(tree, logits[j], seq.sampling, gen))
-            self._keep_logprobs(call.seq_id, out.logits[j][acc.nodes.to(out.logits[j].device)], acc.new_tokens)
+            if seq.sampling.logprobs is not None:  # (the gather only when asked: a [m+1, V] copy)
+                self._keep_logprobs(call.seq_id, out.logits[j][acc.nodes.to(out.logits[j].device)], acc.new_tokens)
             if seq.seen is not None:
                 seq.seen.add(acc.tokens)  # the root and the accepted tokens are committed now
             self.runner.keep(seq.slot, seq.length, seq.length + acc.nodes.cpu())

@@ -246,8 +246,8 @@ class UniformRunner:
             offsets.append(offsets[-1] + e.rows)
         logits = tuple(out.logits[j * t:j * t + e.rows] if e.logits == "all"
                        else out.logits[j * t + e.rows - 1:j * t + e.rows] for j, e in enumerate(step.entries))
-        if all(e.rows == t for e in step.entries):  # copies: callers keep features past the next step
-            hidden = out.hidden[:offsets[-1]].clone()
+        if all(e.rows == t for e in step.entries) or len(step.entries) == 1:  # copies: callers keep
+            hidden = out.hidden[:offsets[-1]].clone()  # features past the next step
             taps = out.taps[:offsets[-1]].clone() if out.taps is not None else None
         else:
             rows = [np.arange(j * t, j * t + e.rows) for j, e in enumerate(step.entries)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.spec.sampling import SamplingParams, sample, target_probs, uniform
@@ -61,23 +62,22 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
 
 def accept_greedy_argmax(tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
     """argmax [N]: the target's argmax at every tree node (a batch computes it once for the rows of
-    all its trees, then splits it); equal to argmax(logits[paths]) and much cheaper. Everything
-    runs on the argmax's device (the tree is moved there when it is not); the result comes back to
-    the host in ONE copy: m, the chosen path's index, its nodes, tokens and argmax row."""
-    tree = tree.to(argmax.device)
-    cand = _path_tokens(tree)  # [P, W]
-    pred = argmax[tree.paths]  # [P, W]; pads read the last node, never compared with a real token
-    match = (cand[:, 1:] == pred[:, :-1]).int()
-    per_path = torch.cumprod(match, dim=1).sum(dim=1)  # [P]
-    best = torch.argmax(per_path)[None]  # [1] the first longest path (path 0 when nothing is accepted)
-    # index_select, not [best]: indexing with a 0-d device tensor reads it on the host (a sync)
-    width = tree.paths.shape[1]
-    rows = [t.index_select(0, best).reshape(-1) for t in (per_path, tree.paths, cand, pred)]
-    host = torch.cat([rows[0], best, *rows[1:]]).tolist()  # the one sync: m, best, nodes, tokens, argmax
-    m, best_i = host[0], host[1]
-    nodes = torch.tensor(host[2:3 + m], dtype=torch.long, device="cpu")
-    tokens = torch.tensor(host[2 + width:3 + width + m], dtype=torch.long, device="cpu")
-    return Acceptance(path=best_i, accepted=m, nodes=nodes, tokens=tokens, bonus=host[2 + 2 * width + m])
+    all its trees, then splits it); equal to argmax(logits[paths]) and much cheaper. The argmax comes
+    to the host in ONE copy (N ints) and the walk runs there, in numpy, on the tree's host lists (a
+    tree the drafter built on the host moves nowhere; a few hundred array entries cost less on the
+    host than the device's kernel launches and the tree's copies to it): the first longest path
+    whose every token equals the argmax after its prefix."""
+    am = np.asarray(argmax.tolist(), dtype=np.int64)  # the one sync: the target's argmax at every node
+    paths = tree.paths.cpu().numpy()  # [P, W], -1 padded (the host tree's own arrays: no copy)
+    tokens = np.append(tree.tokens.cpu().numpy(), -1)  # index -1 reads the appended -1
+    cand = tokens[paths]  # [P, W]
+    pred = am[paths]  # pads read the last node, never compared with a real token (cand is -1 there)
+    per_path = np.cumprod(cand[:, 1:] == pred[:, :-1], axis=1).sum(axis=1)  # [P]
+    best = int(np.argmax(per_path))  # the first longest path (path 0 when nothing is accepted)
+    m = int(per_path[best])
+    nodes = paths[best, :m + 1]
+    return Acceptance(path=best, accepted=m, nodes=torch.from_numpy(nodes.copy()),
+                      tokens=torch.from_numpy(cand[best, :m + 1].copy()), bonus=int(am[nodes[-1]]))
 
 
 def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,

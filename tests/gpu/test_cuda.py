@@ -278,11 +278,11 @@ def test_paged_backend_equals_grouped_and_replays_bit_for_bit(llama_pair, dtype,
             f"step {k}: paged graph vs eager max |diff| logits {(le - lr).abs().max().item():.3g}")
 
 
-@pytest.mark.parametrize("backend", ["default", "paged"])
+@pytest.mark.parametrize("backend", ["default", "grouped", "paged"])
 def test_static_forward_and_replay_never_synchronise(llama_pair, backend, monkeypatch):
     """torch's sync debug mode raises on any host synchronisation inside the forward and the replay."""
-    if backend == "paged":
-        monkeypatch.setenv("AERIE_ATTENTION", "paged")
+    if backend != "default":
+        monkeypatch.setenv("AERIE_ATTENTION", backend)
     _, target, _ = llama_pair
     t = on_cuda(target)
     pool = PagedKVPool.for_model(t, 1024)
@@ -306,3 +306,33 @@ def test_static_forward_and_replay_never_synchronise(llama_pair, backend, monkey
             int(inputs.max())
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_plain_runs_give_the_same_tokens_and_queue_steps_without_a_host_read(llama_pair):
+    """In-process plain runs from CUDA graphs (services/engine/plain_run.py): the tokens of one decode
+    a round and of transformers (fp32), a stop inside a run too; queuing a step from the previous
+    step's device argmax makes no host synchronisation (torch's sync debug mode)."""
+    hf, target, _ = llama_pair
+    t = on_cuda(target)
+
+    def verifier():
+        return Verifier(None, "hidden", runner=ModelRunner(t, PagedKVPool.for_model(t, 2048), graphs=True))
+
+    p = prompts(7, 1)[0]
+    want = hf_greedy(hf, p, 20)
+    runs = Engine(verifier(), None, t.config.max_context, VOCAB, plain_run=8)
+    single = Engine(verifier(), None, t.config.max_context, VOCAB)
+    assert generate(runs, p, 20)[0] == generate(single, p, 20)[0] == want
+    stop = want[10]
+    assert generate(runs, p, 20, stop_token_ids=(stop,))[0] == want[:want.index(stop) + 1]
+    v = verifier()
+    first = v.prefill("s", torch.tensor(p), SamplingParams(), 64).first_token
+    tok = v.decode_on_device("s", first, 1)  # captures the decode graph (a capture synchronises)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for r in range(2, 5):
+            tok = v.decode_on_device("s", tok, r)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(tok) == want[4] and v.length("s") == len(p) + 4
