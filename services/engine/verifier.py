@@ -151,7 +151,11 @@ class DecodeCall:
 
 
 Call = PrefillCall | PrefillMoreCall | VerifyCall | DecodeCall
-Result = PrefillResult | VerifyResult | int
+Result = PrefillResult | VerifyResult | int | torch.Tensor  # a Tensor: DecodeCall.on_device's [1] token
+
+
+def _on_device(call: Call) -> bool:
+    return isinstance(call, DecodeCall) and call.on_device
 
 
 @dataclass
@@ -346,8 +350,8 @@ class Verifier:
             # decodes and prefills read only their last row's token: one device-to-host copy for all
             # of them (a tree's acceptance makes its own, its round's one copy)
             ends = torch.tensor(sizes, device="cpu").cumsum(0).sub_(1)
-            wants = [n for n, j in enumerate(greedy) if not isinstance(calls[j], VerifyCall)
-                     and not (isinstance(calls[j], DecodeCall) and calls[j].on_device)]
+            wants = [n for n, j in enumerate(greedy)
+                     if not isinstance(calls[j], VerifyCall) and not _on_device(calls[j])]
             if wants:
                 picked = flat.index_select(0, ends[wants].to(flat.device)).tolist()
                 last = {greedy[n]: tok for n, tok in zip(wants, picked, strict=True)}
@@ -440,7 +444,7 @@ class Verifier:
         if isinstance(call, (PrefillCall, PrefillMoreCall)):
             seen.add(call.prompt)
         elif isinstance(call, DecodeCall):
-            seen.add([call.token])
+            seen.add([int(call.token)])  # (a penalised sequence never decodes on the device: decode_run)
         return seen
 
     def _penalized(self, call: Call, logits: torch.Tensor, seen: SeenTokens | None) -> torch.Tensor:

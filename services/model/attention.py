@@ -37,12 +37,17 @@ tensors.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from services.model import fused
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("sdpa", "grouped", "expanded", "paged")
 ENV = "AERIE_ATTENTION"
@@ -68,11 +73,12 @@ def default_backend(device: torch.device, rows: int) -> str:
     return "grouped" if rows <= GROUPED_MAX_ROWS else "expanded"
 
 
-def paged_attention_fn(device: torch.device, rows: int):
+def paged_attention_fn(device: torch.device, rows: int, heads: DecodeHeads | None = None):
     """services.model.paged_attention.paged_attention when the static-shape forward of `rows` rows a
     sequence runs the `paged` backend, else None (the caller gathers and runs `attend_gathered`).
-    Without AERIE_ATTENTION: on CUDA for up to PAGED_MAX_ROWS rows when triton imports (else None);
-    forced (AERIE_ATTENTION=paged) it raises when triton is missing."""
+    Without AERIE_ATTENTION: on CUDA for up to PAGED_MAX_ROWS rows when triton imports and the
+    kernel runs for `heads` on this device (`paged_runs`: checked once; else None); forced
+    (AERIE_ATTENTION=paged) it raises when triton is missing."""
     if os.environ.get(ENV):
         if backend_for(device, rows) != "paged":
             return None
@@ -88,7 +94,46 @@ def paged_attention_fn(device: torch.device, rows: int):
         from services.model.paged_attention import paged_attention
     except ImportError:  # no triton: the gathered `grouped` path, as before the kernel
         return None
+    if heads is not None and not _paged_runs_here(device, heads):
+        return None
     return paged_attention
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeHeads:
+    """What the paged kernel's build depends on for a model's decode steps."""
+    dtype: torch.dtype
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+
+
+def paged_runs(kernel, device: torch.device, h: DecodeHeads) -> bool:
+    """Whether `kernel` (paged_attention) builds and runs for one decode step of `h` on `device`: a
+    GPU whose Triton cannot build it (too little shared memory for the head size, an unsupported
+    architecture) keeps the gathered `grouped` path by default, with one warning, instead of failing
+    every request."""
+    try:
+        q = torch.zeros(1, 1, h.heads, h.head_dim, dtype=h.dtype, device=device)
+        kv = torch.zeros(h.kv_heads, 16, h.head_dim, dtype=h.dtype, device=device)
+        index = torch.zeros(1, 16, dtype=torch.long, device=device)
+        kernel(q, kv, kv, index, index[:, 0], torch.ones(1, 1, 1, dtype=torch.long, device=device), 1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 (serving goes on with `grouped`)
+        log.warning("the paged attention kernel does not run here (%s, %s): decode steps keep the gathered "
+                    "`grouped` attention (%s=grouped silences this)", device, h, ENV, exc_info=True)
+        return False
+
+
+@functools.cache
+def _paged_runs_here(device: torch.device, h: DecodeHeads) -> bool:
+    if torch.cuda.is_current_stream_capturing():  # never the first call: a capture's warm-up runs first
+        return True
+    from services.model.paged_attention import paged_attention
+
+    return paged_runs(paged_attention, device, h)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from services.model import fused
-from services.model.attention import attend_gathered, paged_attention_fn
+from services.model.attention import DecodeHeads, attend_gathered, paged_attention_fn
 from services.model.paged_kv import TRASH_ROW, PagedKVPool
 from services.model.step import Step, StepOutput
 
@@ -117,7 +117,9 @@ def forward_uniform(target, pool: PagedKVPool, shape: UniformShape, inputs: torc
     x = target.model.embed_tokens(ids)  # [B*T, H]
     cos_t, sin_t = target.rotary.tables(0, x.dtype, x.device)  # precomputed (UniformRunner)
     cos, sin = cos_t[positions], sin_t[positions]
-    paged = paged_attention_fn(x.device, t)  # AERIE_ATTENTION=paged: keys read in place, no gather
+    attn0 = target.model.layers[0].self_attn
+    heads = DecodeHeads(x.dtype, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim)
+    paged = paged_attention_fn(x.device, t, heads)  # the paged kernel: keys read in place, no gather
     if paged is None:
         mask = key_mask(prefix, tree.view(b, t, t).bool(), s)  # [B, T, S]
     taps: list[torch.Tensor] = []

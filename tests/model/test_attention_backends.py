@@ -73,3 +73,38 @@ def test_paged_is_the_cuda_default_for_decode_blocks_only(monkeypatch):
     monkeypatch.delenv("AERIE_ATTENTION")
     monkeypatch.setitem(sys.modules, "services.model.paged_attention", None)  # no triton: import fails
     assert paged_attention_fn(cuda, 1) is None
+
+
+def test_a_kernel_that_does_not_run_here_keeps_the_gathered_path(monkeypatch, caplog):
+    """The default checks once per (device, heads) that the kernel builds and runs (a GPU whose Triton
+    cannot build it keeps `grouped`, logged, instead of failing every request); forcing skips the check."""
+    from services.model import attention
+
+    heads = attention.DecodeHeads(torch.float32, 4, 2, 8)
+    seen = []
+
+    def works(q, k, v, table, prefix, tree, scale):
+        seen.append((q.shape, k.shape, table.shape, prefix.shape, tree.shape))
+        return q
+
+    def broken(*args):
+        raise RuntimeError("out of resource: shared memory, Required: 327680")
+
+    assert attention.paged_runs(works, torch.device("cpu"), heads)
+    assert seen == [((1, 1, 4, 8), (2, 16, 8), (1, 16), (1,), (1, 1, 1))]
+    with caplog.at_level("WARNING", logger="services.model.attention"):
+        assert not attention.paged_runs(broken, torch.device("cpu"), heads)
+    assert "decode steps keep the gathered `grouped` attention" in caplog.text
+    assert "Required: 327680" in caplog.text  # the cause, with its traceback
+
+    kernel = types.ModuleType("services.model.paged_attention")
+    kernel.paged_attention = works
+    monkeypatch.setitem(sys.modules, "services.model.paged_attention", kernel)
+    monkeypatch.delenv("AERIE_ATTENTION", raising=False)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h: False)
+    assert paged_attention_fn(torch.device("cuda"), 1, heads) is None
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h: True)
+    assert paged_attention_fn(torch.device("cuda"), 1, heads) is works
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h: False)
+    monkeypatch.setenv("AERIE_ATTENTION", "paged")
+    assert paged_attention_fn(torch.device("cuda"), 1, heads) is works  # forced: no check
