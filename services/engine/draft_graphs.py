@@ -15,8 +15,9 @@ device-to-host copy. `last` [H] (the head output of the last committed row, whic
 for draft_ahead) stays on the device: it is cloned from the graph's output buffer (a device copy,
 no host round trip: draft_ahead feeds it to the head on the device). `draft` advances the cache's
 length by n; the static code is `services/spec/tree_static.py`; `rerank` (host, a few hundred
-candidates) follows in the drafter. A shape with dynamic depth, or a batch of several sequences,
-runs the eager `extend_many` + `expand_many` instead.
+candidates) follows in the drafter (with dynamic depth it drops the candidates below the stop: the
+graph expands every branch to the full depth). A batch of several sequences runs the eager
+`extend_many` + `expand_many` instead.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ The in-process implementation of the drafter role; the drafter service wraps thi
 It does not know the target model, sampling or stop rules.
 
 On CUDA the draft KV of every sequence lives in one paged arena (services/model/paged_kv.py), and a
-single sequence's draft with a fixed shape is replayed from a CUDA graph (services/engine/draft_graphs.py;
+single sequence's draft is replayed from a CUDA graph per (top_k, depth) (services/engine/draft_graphs.py;
 AERIE_CUDA_GRAPHS=0: the same static code eagerly): the extension of up to 16 newly committed rows
 and the expansion in one graph, or (more rows) the eager extension and then the expansion's graph;
-batches of several sequences, dynamic depth and draft_ahead run the eager code over the same pages.
+a tree with dynamic depth expands every branch there and `rerank` applies the stop (`_static`);
+batches of several sequences and draft_ahead run the eager code over the same pages.
 On the CPU: contiguous caches, eager, as before.
 """
 
@@ -173,10 +174,13 @@ class Drafter:
         return results  # type: ignore[return-value]
 
     def _static(self, seq_id: str, params: TreeParams) -> bool:
-        """The graph-replayed draft applies: CUDA, a paged cache, a fixed shape (no dynamic depth)."""
+        """The graph-replayed draft applies: CUDA, a paged cache, a tree of depth > 0 within the
+        graphs' keys. Dynamic depth too (the budget's trees): the graph expands every branch to the
+        full depth and `rerank` drops what falls below the stop, which is the tree the eager beam
+        gives (services/spec/tree.py, "Dynamic depth"), at the cost of the pruned branches' rows."""
         cache = self._caches[seq_id]
         return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
-                and params.stop_logprob == float("-inf") and self.graphs.keys_for(cache, params) is not None)
+                and self.graphs.keys_for(cache, params) is not None)
 
     def _draft_static(self, call: DraftCall, params: TreeParams) -> DraftTree:
         """One sequence's draft from the static code (a CUDA graph, or eagerly with graphs off): the

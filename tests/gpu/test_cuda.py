@@ -21,7 +21,9 @@ from tests.helpers import VOCAB, hf_greedy
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on one)")]
 
-SHAPES = {"60/5/10": TreeParams(10, 5, 60), "16/3/4": TreeParams(4, 3, 16), "chain 8/7/1": TreeParams(1, 7, 8)}
+SHAPES = {"60/5/10": TreeParams(10, 5, 60), "16/3/4": TreeParams(4, 3, 16), "chain 8/7/1": TreeParams(1, 7, 8),
+          # dynamic depth (the budget's trees): the draft graph expands every branch, rerank applies the stop
+          "60/5/10 stop -3": TreeParams(10, 5, 60, stop_logprob=-3.0)}
 
 
 def on_cuda(target, head=None, dtype=torch.float32):

@@ -103,3 +103,59 @@ def test_an_extension_past_the_graphs_keys_expands_eagerly(llama_pair):
     assert len(trees["eager"]) == len(trees["static"]) > 1
     for a, b in zip(trees["eager"], trees["static"], strict=True):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_dynamic_depth_through_the_static_draft_gives_the_eager_beam_s_trees(pair, request):
+    """A tree with dynamic depth (the budget's trees) through the static draft (every branch expanded
+    to the full depth, the stop applied by `rerank`) == the eager beam that stops pruned branches:
+    the same tokens, parents, masks and paths, round after round, for stops that prune nothing, some
+    branches and all but one node; and the static path really served them."""
+    head = request.getfixturevalue(pair)[2]
+    g = torch.Generator().manual_seed(11)
+    calls = [(torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, head.config.feature_size, generator=g))
+             for n in (7, 3, 1, 5, 2, 4)]
+    sizes = []
+    for shape in ("60/5/10", "16/3/4", "chain 8/7/1"):
+        for stop in (-0.5, -2.0, -4.0, -8.0, -30.0):
+            tree = TreeParams(SHAPES[shape].top_k, SHAPES[shape].depth, SHAPES[shape].size, stop_logprob=stop)
+            eager, static = Drafter(head, tree), static_drafter(head, tree)
+            for d in (eager, static):
+                d.start("s", 256, sampling=False)
+            for toks, feats in calls:
+                a, b = eager.draft("s", toks, feats), static.draft("s", toks, feats)
+                label = f"{shape} stop {stop}"
+                assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), label
+                assert torch.equal(a.mask, b.mask) and torch.equal(a.paths, b.paths), label
+                sizes.append(a.size)
+            assert static.graphs.expansions == len(calls)
+    assert min(sizes) == 2 and max(sizes) == SHAPES["60/5/10"].size  # all but one pruned .. nothing pruned
+    assert len(set(sizes)) > 5
+
+
+def test_the_adaptive_budget_s_trees_run_the_static_draft(llama_pair):
+    """Through the engine with the adaptive budget (dynamic depth on): the static drafter grows the
+    eager drafter's trees and the tokens of plain greedy decoding."""
+    from services.spec.acceptance import prior_stats
+    from services.spec.budget import Budget
+    from services.spec.cost import CostCurve, CostModel
+
+    _, target, head = llama_pair
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    costs = CostModel(CostCurve(rows, tuple(1 + 0.02 * (r - 1) for r in rows)), CostCurve((1, 16), (0.05, 0.06)),
+                      CostCurve((1, 16), (0.05, 0.07)))
+    largest = SHAPES["60/5/10"]
+    trees, tokens = {}, {}
+    for name, drafter in (("eager", Drafter(head, largest)), ("static", static_drafter(head, largest))):
+        record_trees(drafter, trees.setdefault(name, []))
+        budget = Budget(costs, prior_stats({"top1_agreement": 0.6}), largest=largest)
+        assert budget.stop_depth
+        engine = Engine(Verifier(target, head.feature_kind), drafter, 512, VOCAB, budget=budget)
+        tokens[name] = generate(engine, [5, 17, 99, 3, 42], 40)[0]
+        if name == "static":  # (a one-token probe, depth 0, is the head's first level alone: eager)
+            assert 3 < drafter.graphs.expansions <= len(trees["static"])
+    plain = Engine(Verifier(target, "none"), None, 512, VOCAB)
+    assert tokens["eager"] == tokens["static"] == generate(plain, [5, 17, 99, 3, 42], 40)[0]
+    assert [t.size for t in trees["eager"]] == [t.size for t in trees["static"]]
+    for a, b in zip(trees["eager"], trees["static"], strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
