@@ -38,6 +38,7 @@ from services.spec.tree_static import draft_static, expand_static
 log = logging.getLogger(__name__)
 
 EXTEND_WIDTHS = (1, 2, 4, 8, 16)  # W: newly committed rows a draft graph extends by (padded up)
+MAX_DRAFT_GRAPHS = 256  # graphs kept per drafter; shapes beyond run the static code eagerly
 
 
 @dataclass
@@ -51,9 +52,11 @@ class _DraftGraph:
 
 
 class DraftGraphs:
-    def __init__(self, head: DraftHead, pool: PagedKVPool, graphs: bool, max_keys: int = 1 << 16) -> None:
+    def __init__(self, head: DraftHead, pool: PagedKVPool, graphs: bool, max_keys: int = 1 << 16,
+                 max_graphs: int = MAX_DRAFT_GRAPHS) -> None:
         self.head, self.pool, self.graphs_on = head, pool, graphs
-        self.max_keys = max_keys
+        self.max_keys, self.max_graphs = max_keys, max_graphs
+        self._capped = False
         head.rotary.tables(max_keys, head.dtype, head.device)  # a graph holds the tables' address
         self._graphs: dict[tuple[int, int, int, int], _DraftGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if graphs else None
@@ -83,7 +86,8 @@ class DraftGraphs:
         k, d = params.top_k, params.depth
         self.expansions += 1
         self.extensions += 1
-        if not self.graphs_on:
+        g = self._graph(width, k, d, keys)
+        if g is None:  # graphs off (or the cap reached): the same static code, eagerly
             dev = self.head.device
             key_rows, write_rows, stable, count, toks = host.to(dev).split((keys, width, 1, 1, width))
             feats = torch.zeros(width, features.shape[1], dtype=self.head.dtype, device=dev)
@@ -91,7 +95,6 @@ class DraftGraphs:
             cand, last = draft_static(self.head, self.pool, key_rows, write_rows, stable, count, feats, toks, k, d)
             cache.advance(n)
             return Candidates(cand.scores.cpu(), cand.tokens.cpu(), cand.parents.cpu()), last
-        g = self._graphs.get((width, k, d, keys)) or self._capture(width, k, d, keys)
         g.inputs.copy_(host, non_blocking=True)
         g.features[:n].copy_(features)
         if n < width:
@@ -107,16 +110,32 @@ class DraftGraphs:
         host = self._inputs(cache, keys, 0, 0, None)
         k, d = params.top_k, params.depth
         self.expansions += 1
-        if not self.graphs_on:
+        g = self._graph(0, k, d, keys)
+        if g is None:
             dev = self.head.device
             key_rows, stable, _ = host.to(dev).split((keys, 1, 1))
             cand = expand_static(self.head, self.pool, key_rows, stable, last, k, d)
             return Candidates(cand.scores.cpu(), cand.tokens.cpu(), cand.parents.cpu())
-        g = self._graphs.get((0, k, d, keys)) or self._capture(0, k, d, keys)
         g.inputs.copy_(host, non_blocking=True)
         g.last.copy_(last)
         g.graph.replay()
         return self._unpack(g)
+
+    def _graph(self, width: int, k: int, d: int, keys: int) -> _DraftGraph | None:
+        """The graph of this shape (captured now on first use), or None: graphs off, or `max_graphs`
+        captured already (the adaptive budget's shapes times the width and key buckets could
+        otherwise capture without end): then the static code runs eagerly, logged once."""
+        if not self.graphs_on:
+            return None
+        g = self._graphs.get((width, k, d, keys))
+        if g is not None:
+            return g
+        if len(self._graphs) >= self.max_graphs:
+            if not self._capped:
+                self._capped = True
+                log.warning("%d draft graphs captured: further draft shapes run eagerly", self.max_graphs)
+            return None
+        return self._capture(width, k, d, keys)
 
     def _inputs(self, cache: PagedCache, keys: int, width: int, n: int, tokens: torch.Tensor | None
                 ) -> torch.Tensor:

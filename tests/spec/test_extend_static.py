@@ -196,3 +196,29 @@ def test_a_failing_combined_graph_falls_back_to_the_eager_extension(pair, reques
     assert tries == [0] and not static.extend_in_graph
     assert static._caches["s"].length == eager._caches["s"].length == 10
     assert sum("extends eagerly from now on" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_draft_graphs_stop_capturing_at_their_cap(llama_pair, monkeypatch, caplog):
+    """Past `max_graphs` captured shapes (the adaptive budget's (top_k, depth) times the width and key
+    buckets), new shapes run the static code eagerly, with one warning; captured ones still replay.
+    (Capture itself needs CUDA: it is stood in for here.)"""
+    head = llama_pair[2]
+    pool, _ = scattered_pool(head)
+    dg = DraftGraphs(head, pool, graphs=False, max_keys=2048, max_graphs=2)
+    dg.graphs_on = True
+    captured = []
+
+    def capture(width, k, d, keys):
+        captured.append((width, k, d, keys))
+        dg._graphs[(width, k, d, keys)] = g = object()
+        return g
+
+    monkeypatch.setattr(dg, "_capture", capture)
+    a = dg._graph(4, 10, 5, 256)
+    b = dg._graph(0, 4, 3, 256)
+    with caplog.at_level("WARNING", logger="services.engine.draft_graphs"):
+        assert dg._graph(8, 10, 5, 256) is None and dg._graph(1, 1, 7, 512) is None
+    assert dg._graph(4, 10, 5, 256) is a and dg._graph(0, 4, 3, 256) is b
+    assert captured == [(4, 10, 5, 256), (0, 4, 3, 256)]
+    assert sum("2 draft graphs captured: further draft shapes run eagerly" in r.getMessage()
+               for r in caplog.records) == 1
