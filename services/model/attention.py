@@ -53,6 +53,7 @@ BACKENDS = ("sdpa", "grouped", "expanded", "paged")
 ENV = "AERIE_ATTENTION"
 GROUPED_MAX_ROWS = 64  # CUDA: query blocks up to this many rows use `grouped`, longer ones `expanded`
 PAGED_MAX_ROWS = 1  # CUDA: static-shape blocks of up to this many rows a sequence use `paged` (triton there)
+PROBE_SLOTS = 1024  # key slots of the one decode step `paged_runs` tries
 
 
 def backend_for(device: torch.device, rows: int) -> str:
@@ -113,10 +114,10 @@ def paged_runs(kernel, device: torch.device, h: DecodeHeads) -> bool:
     GPU whose Triton cannot build it (too little shared memory for the head size, an unsupported
     architecture) keeps the gathered `grouped` path by default, with one warning, instead of failing
     every request."""
-    try:
+    try:  # 1024 key slots: on a GPU the key range is split across programs, so the merge kernel builds too
         q = torch.zeros(1, 1, h.heads, h.head_dim, dtype=h.dtype, device=device)
-        kv = torch.zeros(h.kv_heads, 16, h.head_dim, dtype=h.dtype, device=device)
-        index = torch.zeros(1, 16, dtype=torch.long, device=device)
+        kv = torch.zeros(h.kv_heads, PROBE_SLOTS, h.head_dim, dtype=h.dtype, device=device)
+        index = torch.zeros(1, PROBE_SLOTS, dtype=torch.long, device=device)
         kernel(q, kv, kv, index, index[:, 0], torch.ones(1, 1, 1, dtype=torch.long, device=device), 1.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

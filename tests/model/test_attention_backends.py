@@ -91,7 +91,7 @@ def test_a_kernel_that_does_not_run_here_keeps_the_gathered_path(monkeypatch, ca
         raise RuntimeError("out of resource: shared memory, Required: 327680")
 
     assert attention.paged_runs(works, torch.device("cpu"), heads)
-    assert seen == [((1, 1, 4, 8), (2, 16, 8), (1, 16), (1,), (1, 1, 1))]
+    assert seen == [((1, 1, 4, 8), (2, 1024, 8), (1, 1024), (1,), (1, 1, 1))]
     with caplog.at_level("WARNING", logger="services.model.attention"):
         assert not attention.paged_runs(broken, torch.device("cpu"), heads)
     assert "decode steps keep the gathered `grouped` attention" in caplog.text
