@@ -178,3 +178,12 @@ def test_engine_greedy_tokens_paged_equal_default(monkeypatch):
         runs[backend] = (_generate(plain, prompt, 12), _generate(eagle, prompt, 16))
     assert runs["paged"] == runs["default"]
     assert max(runs["default"][1][1]) > 1  # a tree was accepted: tree rows went through the kernel
+
+
+def test_the_default_s_one_time_check_runs_the_real_kernel():
+    """`paged_runs` (the CUDA default's check before first use) calls the kernel with arguments it
+    accepts: in the interpreter it runs (fp32 and fp16, GQA and MHA heads)."""
+    from services.model.attention import DecodeHeads, paged_runs
+
+    for h in (DecodeHeads(torch.float32, 8, 2, 16), DecodeHeads(torch.float16, 4, 4, 32)):
+        assert paged_runs(kernel.paged_attention, torch.device("cpu"), h), h
