@@ -11,6 +11,7 @@ import grpc
 from services.engine.drafter import Drafter
 from services.device import default_dtype, resolve_device
 from services.engine.local import build_local_engine, resolve_draft
+from services.model.runner import warm_up_at_start
 from services.errors import CheckpointError
 from services.rpc import server as rpc_server
 from services.rpc.stubs import drafter_grpc
@@ -30,10 +31,11 @@ def load_servicer(config: DrafterConfig) -> DrafterServicer:
         raise CheckpointError("the drafter needs an EAGLE head: pass --draft DIR (AERIE_DRAFT)")
     device = resolve_device(config.device)
     local = build_local_engine(config.target, config.draft, config.dtype or default_dtype(device), config.tree,
-                               config.draft_vocab, config.draft_dtype, device=device)
+                               config.draft_vocab, config.draft_dtype, device=device, warm_up=False)
     assert local.engine.drafter is not None
     head = local.engine.drafter.head
     drafter = Drafter(head, config.tree or AUTO_LARGEST, config.max_sequences, config.ahead_branches)
+    warm_up_at_start(drafter, config.max_sequences)  # CUDA: the draft graphs before the first request
     report = load_report(local.draft_path) or {}
     top1 = float(report.get("top1_agreement") or 0.0) if isinstance(report.get("top1_agreement"), (int, float)) else 0.0
     # the head's t_draft curves for the coordinator's budget (measured by build_local_engine, cached)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch
 
 from services.model.eagle_head import DraftHead
 from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
-from services.model.uniform import bucket, capture_graph, key_bucket
+from services.model.uniform import MIN_KEYS, WarmUp, bucket, capture_graph, graph_pool_bytes, key_bucket
 from services.spec.tree import Candidates, TreeParams
 from services.spec.tree_static import draft_static, expand_static
 
@@ -57,6 +58,7 @@ class DraftGraphs:
         self.head, self.pool, self.graphs_on = head, pool, graphs
         self.max_keys, self.max_graphs = max_keys, max_graphs
         self._capped = False
+        self._warm: set[tuple[int, int, int, int]] = set()  # shapes run eagerly by warm_up (graphs off)
         head.rotary.tables(max_keys, head.dtype, head.device)  # a graph holds the tables' address
         self._graphs: dict[tuple[int, int, int, int], _DraftGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if graphs else None
@@ -159,10 +161,32 @@ class DraftGraphs:
         c, _, _ = g.sizes
         return Candidates(scores=packed[:c].float(), tokens=packed[c:2 * c].long(), parents=packed[2 * c:].long())
 
-    def _capture(self, width: int, k: int, d: int, keys: int) -> _DraftGraph:
+    def warm_up(self, params: TreeParams, keys: int = MIN_KEYS) -> WarmUp:
+        """Before any request: the shapes of `params` (the drafter's own tree) at every extension width
+        and the expansion alone, over the first key bucket, each captured (or, graphs off, run once
+        eagerly: the head's fused stages compile). Every write goes to the trash page."""
         t0 = time.perf_counter()
+        held = graph_pool_bytes(self._mempool)
+        done = 0
+        for width in (0, *EXTEND_WIDTHS):
+            shape = (width, params.top_k, params.depth, keys)
+            if shape in self._graphs or shape in self._warm:
+                continue
+            if self.graphs_on:
+                if self._graph(*shape) is None:  # the cap
+                    break
+            else:
+                self._idle_run(*shape)[0]()
+                self._warm.add(shape)
+            done += 1
+        return WarmUp(done, time.perf_counter() - t0, graph_pool_bytes(self._mempool) - held, self.graphs_on)
+
+    def _idle_run(self, width: int, k: int, d: int, keys: int
+                  ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """The static draft of this shape over idle inputs (every write to the trash page, no committed
+        row, one new row) -> (a function running it -> (packed candidates, last), its int64 input
+        buffer, its feature buffer [W, F])."""
         head, dev = self.head, self.head.device
-        # warm-up input: every write to the trash page, no committed row, one new row (count >= 1)
         idle = torch.full((keys + 2 * width + 2,), TRASH_ROW, dtype=torch.long)
         idle[keys + width:] = 0
         idle[keys + width + 1] = 1 if width else 0
@@ -178,6 +202,12 @@ class DraftGraphs:
                 cand, last = expand_static(head, self.pool, key_rows, stable, last_in, k, d), last_in
             return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()]), last
 
+        return run, inputs, features
+
+    def _capture(self, width: int, k: int, d: int, keys: int) -> _DraftGraph:
+        t0 = time.perf_counter()
+        dev = self.head.device
+        run, inputs, features = self._idle_run(width, k, d, keys)
         graph, (packed, last_out) = capture_graph(run, dev, self._mempool)
         c = k + d * k * k
         g = _DraftGraph(graph, inputs, features, last_out, packed, (c, c, 1 + d * k))

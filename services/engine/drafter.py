@@ -27,6 +27,7 @@ from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudg
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVRows
 from services.model.paged_kv import PagedCache, PagedKVPool
+from services.model.uniform import WarmUp
 from services.spec.ahead_tree import ahead_rows, expand_branches
 from services.spec.tree import DraftTree, TreeParams, expand, expand_many, extend_many, rerank
 
@@ -86,6 +87,19 @@ class Drafter:
     @property
     def feature_kind(self) -> FeatureKind:
         return self.head.feature_kind
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+    def warm_up(self, max_sequences: int = 0) -> WarmUp | None:
+        """Before the first request (CUDA only: None elsewhere): the draft graphs of the drafter's own
+        tree (`DraftGraphs.warm_up`: every extension width and the expansion alone, the first key
+        bucket). The adaptive budget's other shapes are captured when first asked for.
+        (`max_sequences`: the start-up hook's signature, services/model/runner.py warm_up_at_start.)"""
+        if self.graphs is None or self.tree.depth < 1:
+            return None
+        return self.graphs.warm_up(self.tree)
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
         """Reserve a draft KV for up to `max_rows` committed rows plus one tree expansion."""

@@ -104,12 +104,14 @@ def checkpoint_shape_id(path: str | Path) -> str:
 def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32",
                        tree: TreeParams | None = None, draft_vocab: int | None = None,
                        draft_dtype: str | None = None, *, recalibrate: bool = False,
-                       device: str = "cpu") -> LocalEngine:
+                       device: str = "cpu", warm_up: bool = True) -> LocalEngine:
     """`draft`: a head directory, `none`, `auto`, `sam`, `eagle+sam` (see DraftSpec). `tree` None =
     the auto budget (cost model calibrated on this device, cached); a TreeParams = that fixed shape.
     draft_vocab: None = the head's default (load_head), 0 = full, K = the K most frequent tokens;
     draft_dtype: fp32 | bf16 | int8, None = services.device.default_draft_dtype (int8 on the CPU, bf16 on a GPU).
-    device: "cpu", "cuda" or "cuda:N" (validated by services.device); every model lives there."""
+    device: "cpu", "cuda" or "cuda:N" (validated by services.device); every model lives there.
+    warm_up: capture the verifier's and the drafter's CUDA graphs before returning (CUDA only;
+    False for a caller that uses neither, e.g. the drafter service, which warms its own drafter)."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
     if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
@@ -146,7 +148,10 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
             costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)
     verifier = Verifier(model, feature_kind)
-    warm_up_at_start(verifier.runner, verifier.max_sequences)  # CUDA: graphs before the first request
+    if warm_up:  # CUDA: graphs before the first request
+        warm_up_at_start(verifier.runner, verifier.max_sequences)
+        if drafter is not None:
+            warm_up_at_start(drafter, drafter.max_sequences)
     eos = model.config.eos_token_ids
     tok = loaded.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:

@@ -338,3 +338,17 @@ def test_plain_runs_give_the_same_tokens_and_queue_steps_without_a_host_read(lla
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(tok) == want[4] and v.length("s") == len(p) + 4
+
+
+def test_drafter_warm_up_captures_its_tree_s_graphs_before_requests(llama_pair):
+    """Drafter.warm_up on CUDA: the drafter's tree at the expansion alone and every extension width
+    (6 graphs, first key bucket); a short generation afterwards replays them without a capture and
+    gives the tokens of a cold drafter."""
+    _, target, head = llama_pair
+    t, h = on_cuda(target, head)
+    warm, cold = Drafter(h, SHAPES["16/3/4"]), Drafter(h, SHAPES["16/3/4"])
+    done = warm.warm_up()
+    assert (done.shapes, done.graphs, warm.graphs.captures) == (6, True, 6)
+    p = prompts(9, 1)[0]
+    out = [generate(Engine(Verifier(t, h.feature_kind), d, 512, VOCAB), p, 24) for d in (warm, cold)]
+    assert out[0] == out[1] and warm.graphs.captures == 6 and warm.graphs.expansions > 3

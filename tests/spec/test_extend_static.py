@@ -222,3 +222,33 @@ def test_draft_graphs_stop_capturing_at_their_cap(llama_pair, monkeypatch, caplo
     assert captured == [(4, 10, 5, 256), (0, 4, 3, 256)]
     assert sum("2 draft graphs captured: further draft shapes run eagerly" in r.getMessage()
                for r in caplog.records) == 1
+
+
+def test_start_up_warm_up_runs_each_width_once_and_writes_only_the_trash_page(llama_pair):
+    """DraftGraphs.warm_up (graphs off here: each shape run once eagerly, as a capture's warm-up does):
+    the drafter's tree at W = 0 (the expansion alone) and every extension width, only the trash page
+    written, nothing twice; later rounds draft as without it. The drafter runs it only where it has
+    graphs (CUDA): on the CPU `Drafter.warm_up` and the start-up hook do nothing."""
+    from services.engine.drafter import Drafter
+    from services.model.runner import warm_up_at_start
+
+    head = llama_pair[2]
+    shape = TreeParams(4, 3, 16)
+    pool, cache = scattered_pool(head)
+    dg = DraftGraphs(head, pool, graphs=False, max_keys=2048)
+    before = (pool.k.clone(), pool.v.clone())
+    done = dg.warm_up(shape)
+    assert (done.shapes, done.graphs, done.memory_bytes) == (1 + len(EXTEND_WIDTHS), False, 0)
+    for arena, old in zip((pool.k, pool.v), before, strict=True):
+        changed = (arena != old).any(-1).any(1).any(0).nonzero().flatten().tolist()
+        assert changed and set(changed) <= set(range(PAGE))  # the trash page only
+    assert dg.warm_up(shape).shapes == 0 and dg.warm_up(TreeParams(2, 2, 6)).shapes == 1 + len(EXTEND_WIDTHS)
+    warmed = []
+    for feats, toks in round_inputs(head, 0):  # the warmed drafter's rounds == a cold one's
+        w = dg.width_for(len(toks))
+        warmed.append(dg.draft(cache, feats, toks, shape, w, dg.keys_for(cache, shape, w)))
+    assert_same_draft(warmed, static_rounds(head, shape, graphs=False)[0], atol=0)
+    drafter = Drafter(head, shape)
+    assert drafter.graphs is None and drafter.warm_up() is None and warm_up_at_start(drafter, 8) is None
+    static = static_drafter(head, shape)
+    assert static.warm_up().shapes == 1 + len(EXTEND_WIDTHS)
