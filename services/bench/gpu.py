@@ -16,6 +16,7 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
                   and each round's bandwidth floor (the target once, the head's layer and projection
                   1 + depth times) in plain floors; for 60/5/10, where its draft's time goes
                   (extension, expansion, host re-rank: `draft_parts`, timed in separate rounds)
+  first_token     ms from a request to its first token (the prompt's prefill), plain engine
   batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
   hf              transformers' eager generate on the same shape: ms/token
   device_split    plain decoding and each round profiled (services/bench/device_time.py): the
@@ -284,6 +285,21 @@ def decode_ms(engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, int]
     return (time.perf_counter() - t_first) * 1e3 / max(rounds, 1), rounds
 
 
+def first_token_ms(engine, prompt: tuple[int, ...], repeats: int = 3) -> float:
+    """Median ms from the request to its first token (the prompt's prefill and the first sample),
+    after one warm-up request."""
+    from services.engine.engine import GenerationRequest
+
+    walls = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        gen = engine.generate(GenerationRequest(prompt, 2, ignore_eos=True))
+        next(gen)
+        walls.append(time.perf_counter() - t0)
+        gen.close()
+    return statistics.median(walls[1:]) * 1e3
+
+
 def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -> dict:
     """Every measurement of the module doc on `cfg`'s device -> the result dict (`table` prints it).
     `checkpoint(res)` is called after each group of measurements with the results so far (the CLI
@@ -371,6 +387,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -
     res["plain_vs_floor"] = best / res["floor_ms"] if bw == bw else None
     if best_label in runner_objs:
         eng = Engine(Verifier(None, "hidden", runner=runner_objs[best_label]), None, c.max_context, c.vocab_size)
+        res["first_token_ms"] = first_token_ms(eng, prompt)
+        log(f"time to first token ({cfg.prompt}-token prompt): {res['first_token_ms']:.2f} ms")
         res["plain_device_split"] = device_split(eng, prompt, 8, dev)
         res["plain_run_device_split"] = device_split(run_eng, prompt, 8, dev)
     kernel_runner = runner_objs.get("paged_eager")
@@ -682,7 +700,8 @@ def table(res: dict) -> str:
             ("kernels per eager forward, SDPA own kernel, unfused", f(res.get("kernels_forward_sdpa"))),
             ("kernels per static-shape decode step", f(res.get("kernels_uniform_decode")))]
     rows += [(f"plain decoding, {k} (ms/token)", f(v)) for k, v in plain.items()]
-    rows += [("plain / floor", f(res.get("plain_vs_floor")))]
+    rows += [("plain / floor", f(res.get("plain_vs_floor"))),
+             ("time to first token, the prompt's prefill (ms)", f(res.get("first_token_ms")))]
     rows += _split_rows(res.get("plain_device_split"))
     rows += _split_rows(res.get("plain_run_device_split"), "  in plain runs: ")
     if res.get("rounds_draft_vocab_error"):

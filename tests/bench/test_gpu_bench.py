@@ -39,6 +39,8 @@ def test_shape_bench_runs_every_part_and_writes_json(tmp_path):
     assert all(r["round_ms"] > 0 and r["rounds"] >= 1 for r in res["rounds_draft_vocab"].values())
     assert set(res["batched"]) == {"1", "2"} and res["batched"]["1"]["vs_n1"] == 1.0
     assert res["plain_ms"]["paged_eager"] > 0 and res["weight_gb"] > 0
+    assert res["plain_ms"]["paged_eager_run"] > 0 and res["first_token_ms"] > 0
+    assert "time to first token, the prompt's prefill (ms)" in proc.stdout
     assert "plain decoding, paged_eager (ms/token)" in proc.stdout  # the table
     assert "round 60/5/10 EAGLE-3 vocab 64" in proc.stdout
     assert res["paged_attention"] == {"status": "skipped: not a CUDA device (--paged-attention on tries it)"}
