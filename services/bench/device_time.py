@@ -65,17 +65,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> dict:
-    """device_split on any device (off CUDA there are no kernels: busy 0, the host pass only)."""
+def _profiled(engine, prompt: tuple[int, ...], rounds: int, device: str, host: bool):
+    """`rounds` rounds of `engine.generate` after its first two (prefill, one warm round) under
+    torch.profiler (device activities; host ones too with `host`, and off CUDA) -> (profile, rounds
+    done, their wall seconds). The generator is closed: its sequence is released."""
     from torch.profiler import ProfilerActivity, profile
 
     from services.engine.engine import GenerationRequest
 
+    cuda = device.startswith("cuda")
+    activities = ([ProfilerActivity.CPU] if host or not cuda else []) + ([ProfilerActivity.CUDA] if cuda else [])
     gen = engine.generate(GenerationRequest(prompt, rounds + 4, ignore_eos=True))
     next(gen)  # the prefill and its first token
     next(gen)  # one round before the profiled ones
     _sync(device)
-    prof = profile(activities=[ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU])
+    prof = profile(activities=activities)
     prof.start()
     t0 = time.perf_counter()
     done = 0
@@ -87,6 +91,12 @@ def split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> dict:
     wall = time.perf_counter() - t0
     prof.stop()
     gen.close()
+    return prof, done, wall
+
+
+def split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> dict:
+    """device_split on any device (off CUDA there are no kernels: busy 0, the host pass only)."""
+    prof, done, wall = _profiled(engine, prompt, rounds, device, host=False)
     intervals, by_kind, n = [], {kind: 0.0 for kind, _ in KINDS} | {"other": 0.0}, 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -121,23 +131,7 @@ def host_split(engine, prompt: tuple[int, ...], rounds: int, device: str) -> dic
     """A second profiled pass, host activities too: per round, the CUDA runtime calls the host makes
     (kernel and graph launches, copies, synchronisations) and the host ops with the most self time.
     The profiler's own cost inflates these; they say what the host does, not how fast."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from services.engine.engine import GenerationRequest
-
-    gen = engine.generate(GenerationRequest(prompt, rounds + 4, ignore_eos=True))
-    next(gen)
-    next(gen)
-    _sync(device)
-    done = 0
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=activities) as prof:
-        for _ in gen:
-            done += 1
-            if done == rounds:
-                break
-        _sync(device)
-    gen.close()
+    prof, done, _ = _profiled(engine, prompt, rounds, device, host=True)
     per = max(done, 1)
     runtime: dict[str, float] = {}
     for e in prof.events():

@@ -37,7 +37,6 @@ tensors.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -80,22 +79,20 @@ def paged_attention_fn(device: torch.device, rows: int, heads: DecodeHeads | Non
     Without AERIE_ATTENTION: on CUDA for up to PAGED_MAX_ROWS rows when triton imports and the
     kernel runs for `heads` on this device (`paged_runs`: checked once; else None); forced
     (AERIE_ATTENTION=paged) it raises when triton is missing."""
-    if os.environ.get(ENV):
+    forced = bool(os.environ.get(ENV))
+    if forced:
         if backend_for(device, rows) != "paged":
             return None
-        try:
-            from services.model.paged_attention import paged_attention
-        except ImportError as e:
-            raise RuntimeError(f"{ENV}=paged needs the triton package (the paged attention kernel is a Triton "
-                               f"kernel; on CUDA, torch's own triton): {e}") from e
-        return paged_attention
-    if device.type != "cuda" or rows > PAGED_MAX_ROWS:
+    elif device.type != "cuda" or rows > PAGED_MAX_ROWS:
         return None
     try:
         from services.model.paged_attention import paged_attention
-    except ImportError:  # no triton: the gathered `grouped` path, as before the kernel
-        return None
-    if heads is not None and not _paged_runs_here(device, heads):
+    except ImportError as e:
+        if forced:
+            raise RuntimeError(f"{ENV}=paged needs the triton package (the paged attention kernel is a Triton "
+                               f"kernel; on CUDA, torch's own triton): {e}") from e
+        return None  # no triton: the gathered `grouped` path, as before the kernel
+    if not forced and heads is not None and not _paged_runs_here(device, heads, paged_attention):
         return None
     return paged_attention
 
@@ -128,13 +125,18 @@ def paged_runs(kernel, device: torch.device, h: DecodeHeads) -> bool:
         return False
 
 
-@functools.cache
-def _paged_runs_here(device: torch.device, h: DecodeHeads) -> bool:
-    if torch.cuda.is_current_stream_capturing():  # never the first call: a capture's warm-up runs first
-        return True
-    from services.model.paged_attention import paged_attention
+_PAGED_RUNS: dict[tuple[torch.device, DecodeHeads], bool] = {}  # paged_runs' answers, per device and heads
 
-    return paged_runs(paged_attention, device, h)
+
+def _paged_runs_here(device: torch.device, h: DecodeHeads, kernel) -> bool:
+    """paged_runs, once per (device, heads). During a capture nothing can be tried: the answer so far,
+    else yes (never the first call: a capture's warm-up runs first) and not remembered."""
+    key = (device, h)
+    if key not in _PAGED_RUNS:
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        _PAGED_RUNS[key] = paged_runs(kernel, device, h)
+    return _PAGED_RUNS[key]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

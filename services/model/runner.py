@@ -42,9 +42,13 @@ GRAPHS_ENV = "AERIE_CUDA_GRAPHS"
 WARM_UP_ENV = "AERIE_GRAPH_WARMUP"
 
 
+def _on_cuda_unless_off(device: torch.device, env: str) -> bool:
+    return device.type == "cuda" and os.environ.get(env, "1") not in ("0", "false", "no", "off")
+
+
 def warm_up_default(device: torch.device) -> bool:
     """Start-up warm-up of the static shapes (ModelRunner.warm_up): on CUDA unless AERIE_GRAPH_WARMUP=0."""
-    return device.type == "cuda" and os.environ.get(WARM_UP_ENV, "1") not in ("0", "false", "no", "off")
+    return _on_cuda_unless_off(device, WARM_UP_ENV)
 
 
 def warm_up_at_start(runner, max_sequences: int) -> WarmUp | None:
@@ -66,7 +70,7 @@ def warm_up_at_start(runner, max_sequences: int) -> WarmUp | None:
 
 def graphs_default(device: torch.device) -> bool:
     """CUDA graphs: on by default on CUDA (AERIE_CUDA_GRAPHS=0 turns them off), never on the CPU."""
-    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") not in ("0", "false", "no", "off")
+    return _on_cuda_unless_off(device, GRAPHS_ENV)
 
 
 def pool_for(target: TargetModel, max_rows: int | None = None, paged: bool | None = None) -> KVPool:

@@ -101,10 +101,29 @@ def test_a_kernel_that_does_not_run_here_keeps_the_gathered_path(monkeypatch, ca
     kernel.paged_attention = works
     monkeypatch.setitem(sys.modules, "services.model.paged_attention", kernel)
     monkeypatch.delenv("AERIE_ATTENTION", raising=False)
-    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h: False)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel: False)
     assert paged_attention_fn(torch.device("cuda"), 1, heads) is None
-    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h: True)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel: True)
     assert paged_attention_fn(torch.device("cuda"), 1, heads) is works
-    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h: False)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel: False)
     monkeypatch.setenv("AERIE_ATTENTION", "paged")
     assert paged_attention_fn(torch.device("cuda"), 1, heads) is works  # forced: no check
+
+
+def test_the_check_is_remembered_per_device_and_heads_but_never_during_a_capture(monkeypatch):
+    from services.model import attention
+
+    monkeypatch.setattr(attention, "_PAGED_RUNS", {})
+    calls = []
+
+    def kernel(q, *args):
+        calls.append(q.shape)
+        return q
+
+    cpu = torch.device("cpu")
+    h = attention.DecodeHeads(torch.float32, 4, 2, 8)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert attention._paged_runs_here(cpu, h, kernel) and calls == [] and attention._PAGED_RUNS == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert attention._paged_runs_here(cpu, h, kernel) and attention._paged_runs_here(cpu, h, kernel)
+    assert len(calls) == 1 and attention._PAGED_RUNS == {(cpu, h): True}
