@@ -6,7 +6,8 @@
 # 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's, each
 #    also measuring the paged attention kernel (AERIE_ATTENTION=paged) next to the default backend.
 # Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. GPU_BENCH_ARGS adds bench flags
-# (e.g. --no-legacy); GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT / GPU_BENCH_TOKENS / GPU_CHECK_SHAPES tune it. Uses the python that has torch
+# (e.g. --no-legacy); GPU_TEST_FILTER (a pytest -k expression) picks tests; GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT /
+# GPU_BENCH_TOKENS / GPU_CHECK_SHAPES tune it. Uses the python that has torch
 # with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT_DIR/env.txt"
 # time limits fit a 15-minute device lease with its start: tests 4 min, the first shape 4.5, the others 2;
 # the benchmark writes its JSON after each group of measurements, so a shape cut short keeps what it measured
-timeout "${GPU_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs 2>&1 \
+timeout "${GPU_TEST_TIMEOUT:-240}" "$PY" -m pytest -v -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs \
+  ${GPU_TEST_FILTER:+-k "$GPU_TEST_FILTER"} 2>&1 \
   | tee "$OUT_DIR/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
 bench_rc=0

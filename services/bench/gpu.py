@@ -459,22 +459,45 @@ def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, tre
     rounds = {}
     for tname in trees:
         k, d, n = TREES[tname]
-        eng = Engine(Verifier(None, head.feature_kind, runner=runner), Drafter(head, TreeParams(k, d, n)),
-                     c.max_context, c.vocab_size)
+
+        def engine(**flags) -> Engine:
+            return Engine(Verifier(None, head.feature_kind, runner=runner), Drafter(head, TreeParams(k, d, n)),
+                          c.max_context, c.vocab_size, **flags)
+
+        eng = engine()
         decode_ms(eng, prompt, 4)
         ms, nr = _round_ms(eng, prompt, max(8, cfg.tokens // 2))
         r = {"round_ms": ms["round"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
              "plain_tokens": ms["round"] / plain_ms, "rounds": nr,
              "draft_graphs": getattr(eng.drafter.graphs, "captures", 0), **(floor(head, d) if floor else {})}
+        r["device_trees"], r["verdict_drafts"] = eng.device_trees, eng.verdict_drafts
         if not suffix:  # the device's busy and idle time a round, kernels by kind (profiled rounds)
             r["device_split"] = device_split(eng, prompt, 8, cfg.device)
-        if tname == "60/5/10" and not suffix:  # where the draft's time goes (timed apart: syncs added)
-            r["draft_parts_ms"] = _draft_parts_ms(eng, prompt, max(8, cfg.tokens // 4), cfg.device)
+        if not suffix:  # the same rounds without each step of the on-device round, in this run
+            r["without"] = {}
+            for label, flags in WITHOUT.items():
+                if not eng.device_trees or (label == "verdict drafts" and not eng.verdict_drafts):
+                    continue
+                other = engine(**flags)
+                decode_ms(other, prompt, 4)
+                oms, _ = _round_ms(other, prompt, max(8, cfg.tokens // 2))
+                r["without"][label] = {"round_ms": oms["round"], "draft_ms": oms["draft"],
+                                       "verify_ms": oms["verify"], "plain_tokens": oms["round"] / plain_ms}
+                log(f"round {tname} without {label}: {oms['round']:.2f} ms (draft {oms['draft']:.2f} + verify "
+                    f"{oms['verify']:.2f}) = {oms['round'] / plain_ms:.2f} plain tokens")
+        if tname == "60/5/10" and not suffix:  # where the draft's time goes (timed apart: syncs added; host trees)
+            r["draft_parts_ms"] = _draft_parts_ms(engine(device_trees=False), prompt, max(8, cfg.tokens // 4),
+                                                  cfg.device)
         rounds[tname + suffix] = r
         log(f"round {tname + suffix}: {ms['round']:.2f} ms (draft {ms['draft']:.2f} + verify {ms['verify']:.2f}) = "
             f"{ms['round'] / plain_ms:.2f} plain tokens"
             + (f"; its bandwidth floor {r['floor_plain_floors']:.2f} plain floors" if floor else ""))
     return rounds
+
+
+# the rounds measured again with a part of the on-device round turned off (Engine flags): drafts queued
+# from the verdict (the tree still on the device), and trees on the device at all (read back before the verify)
+WITHOUT = {"verdict drafts": {"verdict_drafts": False}, "device trees": {"device_trees": False}}
 
 
 def _batched(runner, cfg: GpuBenchConfig, log) -> dict:
@@ -710,6 +733,9 @@ def table(res: dict) -> str:
         rows.append((f"round {name}: ms (draft + verify) = plain tokens [floor: plain floors]",
                      f"{r['round_ms']:.2f} ({r['draft_ms']:.2f} + {r['verify_ms']:.2f}) = {r['plain_tokens']:.2f} "
                      f"[{f(r.get('floor_plain_floors'))}]"))
+        for label, h in r.get("without", {}).items():
+            rows.append((f"  without {label}: ms (draft + verify) = plain tokens",
+                         f"{h['round_ms']:.2f} ({h['draft_ms']:.2f} + {h['verify_ms']:.2f}) = {h['plain_tokens']:.2f}"))
         rows += _split_rows(r.get("device_split"))
         for part, ms in r.get("draft_parts_ms", {}).items():
             rows.append((f"  its draft: {part} (ms a draft)", f(ms)))

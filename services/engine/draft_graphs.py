@@ -6,6 +6,7 @@ newly committed rows and the EAGLE-2 expansion from the last of them.
     keys = graphs.keys_for(cache, params, width)         # S key slots, or None (past max_keys)
     cand, last = graphs.draft(cache, features [n, F], tokens [n], params, width, keys)
     cand = graphs.expand(cache, last [H], params, keys)  # rows already extended (eagerly): expansion only
+    pending, last = graphs.draft(..., on_device=True)    # PendingCandidates: on the device, host copy queued
 
 One graph per (W, top_k, depth, S key slots) (W = 0: the expansion alone), captured on first use into
 one memory pool. Inputs travel in one int64 buffer (one host-to-device copy: the sequence's key rows
@@ -16,8 +17,10 @@ for draft_ahead) stays on the device: it is cloned from the graph's output buffe
 no host round trip: draft_ahead feeds it to the head on the device). `draft` advances the cache's
 length by n; the static code is `services/spec/tree_static.py`; `rerank` (host, a few hundred
 candidates) follows in the drafter (with dynamic depth it drops the candidates below the stop: the
-graph expands every branch to the full depth). A batch of several sequences runs the eager
-`extend_many` + `expand_many` instead.
+graph expands every branch to the full depth). With `on_device` the candidates stay on the device
+(PendingCandidates: their host copy is queued into pinned memory, waited for only when the host asks)
+so that the drafter can re-rank them there and the verify be queued behind the draft without a sync.
+A batch of several sequences runs the eager `extend_many` + `expand_many` instead.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from services.model.eagle_head import DraftHead
 from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
+from services.model.transfer import mark, staged, to_host_queued
 from services.model.uniform import MIN_KEYS, WarmUp, bucket, capture_graph, graph_pool_bytes, key_bucket
 from services.spec.tree import Candidates, TreeParams
 from services.spec.tree_static import draft_static, expand_static
@@ -40,6 +44,39 @@ log = logging.getLogger(__name__)
 
 EXTEND_WIDTHS = (1, 2, 4, 8, 16)  # W: newly committed rows a draft graph extends by (padded up)
 MAX_DRAFT_GRAPHS = 256  # graphs kept per drafter; shapes beyond run the static code eagerly
+
+
+@dataclass
+class PendingCandidates:
+    """A draft's candidates on the device, and their copy to the host in flight: `host()` waits for
+    that copy (not for anything queued after it) and unpacks it."""
+
+    device: Candidates  # on the device (views of the packed buffer, converted: queued before any later replay)
+    packed: torch.Tensor  # [2C + P] float64 on the host (pinned on CUDA): filled by the queued copy
+    done: torch.cuda.Event | None  # recorded after the copy (None: a CPU copy, done already)
+    candidates: int  # C
+
+    def host(self) -> Candidates:
+        if self.done is not None:
+            self.done.synchronize()
+        return _split(self.packed, self.candidates)
+
+
+def _split(packed: torch.Tensor, c: int) -> Candidates:
+    """The packed candidates [2C + P] float64 -> Candidates (scores fp32, tokens and parents int64)."""
+    return Candidates(scores=packed[:c].float(), tokens=packed[c:2 * c].long(), parents=packed[2 * c:].long())
+
+
+def _pending(packed: torch.Tensor, c: int) -> PendingCandidates:
+    """The candidates of a device buffer `packed` [2C + P] (a graph's output, or the eager static code's)
+    left on the device, with their host copy queued behind everything queued so far."""
+    host = to_host_queued(packed)
+    return PendingCandidates(_split(packed, c), host, mark(packed.device), c)
+
+
+def _packed(cand: Candidates) -> torch.Tensor:
+    """Candidates -> one float64 buffer [2C + P] (one copy to the host; token ids < 2^53 are exact)."""
+    return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()])
 
 
 @dataclass
@@ -77,10 +114,10 @@ class DraftGraphs:
         return s if s <= self.max_keys else None
 
     def draft(self, cache: PagedCache, features: torch.Tensor, tokens: torch.Tensor, params: TreeParams,
-              width: int, keys: int) -> tuple[Candidates, torch.Tensor]:
+              width: int, keys: int, on_device: bool = False) -> tuple[Candidates | PendingCandidates, torch.Tensor]:
         """Extend `cache` by the n = len(tokens) <= width committed rows (features [n, F], tokens [n],
-        as `tree.extend`) and expand `params` from the last of them -> (candidates on the host,
-        last [H] on the device). WARNING: mutates `cache` (n more rows)."""
+        as `tree.extend`) and expand `params` from the last of them -> (candidates on the host, or
+        with `on_device` PendingCandidates; last [H] on the device). WARNING: mutates `cache` (n more rows)."""
         n = int(tokens.shape[0])
         assert 1 <= n <= width and keys >= cache.length + width + params.draft_rows, (n, width, keys)
         cache.reserve(n)  # the drafter reserved the slot's rows at start: this only checks them
@@ -96,19 +133,46 @@ class DraftGraphs:
             feats[:n] = features
             cand, last = draft_static(self.head, self.pool, key_rows, write_rows, stable, count, feats, toks, k, d)
             cache.advance(n)
-            return Candidates(cand.scores.cpu(), cand.tokens.cpu(), cand.parents.cpu()), last
-        g.inputs.copy_(host, non_blocking=True)
+            return self._out(_packed(cand), int(cand.scores.shape[0]), on_device), last
+        g.inputs.copy_(staged(host, g.inputs.device), non_blocking=True)
         g.features[:n].copy_(features)
         if n < width:
             g.features[n:].zero_()  # padded rows: finite inputs (their outputs are dropped)
         g.graph.replay()
         last = g.last.clone()  # the next replay of this graph overwrites its output buffer
         cache.advance(n)
-        return self._unpack(g), last
+        return self._out(g.packed, g.sizes[0], on_device), last
 
-    def expand(self, cache: PagedCache, last: torch.Tensor, params: TreeParams, keys: int) -> Candidates:
+    def draft_counted(self, cache: PagedCache, features: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
+                      params: TreeParams, width: int, keys: int) -> tuple[PendingCandidates, torch.Tensor]:
+        """`draft` of rows whose number is still on the device: features [W, F], tokens [W] and count [1]
+        (n <= W real rows; a verdict's NextRows) -> (PendingCandidates, last [H]). Nothing is read back:
+        the write rows past n go to the trash page on the device. The cache's length is NOT advanced:
+        the caller advances it by n once the host knows n (the rows written are the logical rows
+        length .. length + n - 1, as `draft`'s)."""
+        assert keys >= cache.length + width + params.draft_rows and width <= cache.capacity - cache.length
+        host = self._inputs(cache, keys, width, width, None)  # every row's arena row; masked below
+        k, d = params.top_k, params.depth
+        self.expansions += 1
+        self.extensions += 1
+        g = self._graph(width, k, d, keys)
+        dev = self.head.device
+        inputs = g.inputs.copy_(staged(host, dev), non_blocking=True) if g is not None else host.to(dev)
+        key_rows, write_rows, stable, n, toks = inputs.split((keys, width, 1, 1, width))
+        write_rows.copy_(torch.where(torch.arange(width, device=dev) < count, write_rows, TRASH_ROW))
+        n.copy_(count)
+        toks.copy_(tokens)
+        if g is None:
+            cand, last = draft_static(self.head, self.pool, key_rows, write_rows, stable, n, features, toks, k, d)
+            return _pending(_packed(cand), int(cand.scores.shape[0])), last
+        g.features.copy_(features)
+        g.graph.replay()
+        return _pending(g.packed, g.sizes[0]), g.last.clone()
+
+    def expand(self, cache: PagedCache, last: torch.Tensor, params: TreeParams, keys: int,
+               on_device: bool = False) -> Candidates | PendingCandidates:
         """The candidates of `params`' expansion from `last` [H] (head output of the last committed
-        row; the rows were extended before, eagerly)."""
+        row; the rows were extended before, eagerly): on the host, or PendingCandidates (`on_device`)."""
         host = self._inputs(cache, keys, 0, 0, None)
         k, d = params.top_k, params.depth
         self.expansions += 1
@@ -117,11 +181,11 @@ class DraftGraphs:
             dev = self.head.device
             key_rows, stable, _ = host.to(dev).split((keys, 1, 1))
             cand = expand_static(self.head, self.pool, key_rows, stable, last, k, d)
-            return Candidates(cand.scores.cpu(), cand.tokens.cpu(), cand.parents.cpu())
-        g.inputs.copy_(host, non_blocking=True)
+            return self._out(_packed(cand), int(cand.scores.shape[0]), on_device)
+        g.inputs.copy_(staged(host, g.inputs.device), non_blocking=True)
         g.last.copy_(last)
         g.graph.replay()
-        return self._unpack(g)
+        return self._out(g.packed, g.sizes[0], on_device)
 
     def _graph(self, width: int, k: int, d: int, keys: int) -> _DraftGraph | None:
         """The graph of this shape (captured now on first use), or None: graphs off, or `max_graphs`
@@ -156,10 +220,10 @@ class DraftGraphs:
         return torch.from_numpy(np.concatenate([key_rows, write_rows, np.array([p, n], np.int64), toks]))
 
     @staticmethod
-    def _unpack(g: _DraftGraph) -> Candidates:
-        packed = g.packed.cpu()  # the one host copy of the round's draft
-        c, _, _ = g.sizes
-        return Candidates(scores=packed[:c].float(), tokens=packed[c:2 * c].long(), parents=packed[2 * c:].long())
+    def _out(packed: torch.Tensor, c: int, on_device: bool) -> Candidates | PendingCandidates:
+        """The candidates in `packed` (device) [2C + P]: copied to the host now (the round's one copy of
+        its draft), or left on the device with that copy queued (`on_device`)."""
+        return _pending(packed, c) if on_device else _split(packed.cpu(), c)
 
     def warm_up(self, params: TreeParams, keys: int = MIN_KEYS) -> WarmUp:
         """Before any request: the shapes of `params` (the drafter's own tree) at every extension width
@@ -200,7 +264,7 @@ class DraftGraphs:
                 cand, last = draft_static(head, self.pool, key_rows, write_rows, stable, count, features, tokens, k, d)
             else:
                 cand, last = expand_static(head, self.pool, key_rows, stable, last_in, k, d), last_in
-            return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()]), last
+            return _packed(cand), last
 
         return run, inputs, features
 

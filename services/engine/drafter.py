@@ -23,18 +23,40 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.draft_graphs import PendingCandidates
 from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVRows
 from services.model.paged_kv import PagedCache, PagedKVPool
+from services.model.transfer import mark, to_host_queued
 from services.model.uniform import WarmUp
 from services.spec.ahead_tree import ahead_rows, expand_branches
-from services.spec.tree import DraftTree, TreeParams, expand, expand_many, extend_many, rerank
+from services.spec.tree import DraftTree, TreeOnDevice, TreeParams, expand, expand_many, extend_many, rerank
+from services.spec.tree_static import rerank_static
+from services.spec.verify import NextRows
 
 if TYPE_CHECKING:
     from services.engine.roles import FeatureKind
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictDraft:
+    """A tree drafted from a verdict still on the device (Drafter.draft_from_verdict), and that verdict's
+    rows on their way to the host."""
+
+    tree: TreeOnDevice
+    rows: torch.Tensor  # [1 + W] host: count, then the W row tokens (valid after `copied`)
+    copied: torch.cuda.Event | None  # recorded after the rows' copy, before the draft (None: CPU)
+
+    def matches(self, tokens: list[int]) -> bool:
+        """Whether the rows the draft KV took are `tokens` (the round's accepted tokens + bonus, as the
+        host read the verdict). Waits for the rows' copy only (not for the draft queued after it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        n = int(self.rows[0])
+        return n == len(tokens) and self.rows[1:1 + n].tolist() == tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +155,12 @@ class Drafter:
             raise InvalidRequest(
                 f"top_k={params.top_k} (--tree-top-k) exceeds the draft vocabulary ({self.head.config.draft_vocab})")
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether `draft_on_device` can leave a tree on the device (the static draft: a
+        paged draft KV, CUDA or a test's CPU arena)."""
+        return self.graphs is not None
+
     def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
               params: TreeParams | None = None) -> DraftTree:
         """tokens [n] newly committed tokens shifted by one (last = root); features [n, F];
@@ -140,12 +168,24 @@ class Drafter:
         out = self.draft_many([DraftCall(seq_id, tokens, features, params)])[0]
         if isinstance(out, BaseException):
             raise out
+        assert isinstance(out, DraftTree)  # (on the host: draft_many without on_device)
         return out
 
-    def draft_many(self, calls: list[DraftCall]) -> list[DraftTree | AerieError]:
+    def draft_on_device(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
+                        params: TreeParams | None = None) -> DraftTree | TreeOnDevice:
+        """`draft`, re-ranked on the device where the static draft runs: a TreeOnDevice (nothing read
+        back; the caller queues the verify behind it; in process only); elsewhere the host tree."""
+        out = self.draft_many([DraftCall(seq_id, tokens, features, params)], on_device=True)[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def draft_many(self, calls: list[DraftCall], on_device: bool = False
+                   ) -> list[DraftTree | TreeOnDevice | AerieError]:
         """Grow the trees of many sequences with one head step per level (tree.grow_trees), in
-        order; an invalid call's error takes its place and the others draft without it."""
-        results: list[DraftTree | AerieError | None] = [None] * len(calls)
+        order; an invalid call's error takes its place and the others draft without it. `on_device`:
+        a single sequence's static draft leaves its tree on the device (`draft`)."""
+        results: list[DraftTree | TreeOnDevice | AerieError | None] = [None] * len(calls)
         valid: list[int] = []
         shapes: list[TreeParams] = []
         seen: set[str] = set()
@@ -175,7 +215,7 @@ class Drafter:
             shapes.append(params)
         if len(valid) == 1 and self._static(calls[valid[0]].seq_id, shapes[0]):
             call = calls[valid[0]]
-            results[valid[0]] = self._draft_static(call, shapes[0])
+            results[valid[0]] = self._draft_static(call, shapes[0], on_device)
         elif valid:
             dev = self.head.device
             caches = [self._caches[calls[i].seq_id] for i in valid]
@@ -196,10 +236,11 @@ class Drafter:
         return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
                 and self.graphs.keys_for(cache, params) is not None)
 
-    def _draft_static(self, call: DraftCall, params: TreeParams) -> DraftTree:
+    def _draft_static(self, call: DraftCall, params: TreeParams, on_device: bool = False) -> DraftTree | TreeOnDevice:
         """One sequence's draft from the static code (a CUDA graph, or eagerly with graphs off): the
         extension and the expansion in one graph when the n new rows fit a width bucket (<= 16) and
-        the key slots, else the eager extension and then the expansion's graph (or eager code)."""
+        the key slots, else the eager extension and then the expansion's graph (or eager code).
+        `on_device`: re-ranked on the device (a TreeOnDevice) unless the eager beam drafted it."""
         dev = self.head.device
         cache, graphs = self._caches[call.seq_id], self.graphs
         assert graphs is not None and isinstance(cache, PagedCache), "checked by _static"
@@ -209,7 +250,7 @@ class Drafter:
         if width is not None and keys is not None and self.extend_in_graph:
             length = cache.length
             try:
-                cand, last = graphs.draft(cache, call.features, call.tokens, params, width, keys)
+                cand, last = graphs.draft(cache, call.features, call.tokens, params, width, keys, on_device)
             except RuntimeError:  # a device error in the combined graph: keep serving on the older path
                 log.exception("the draft graph with the extension failed; this drafter extends eagerly from now on")
                 self.extend_in_graph = False
@@ -218,10 +259,54 @@ class Drafter:
             last = extend_many(self.head, [cache], [call.features.to(dev)], [call.tokens.to(dev)])[0]
             keys = graphs.keys_for(cache, params)  # after the extension: the rows the expansion reads
             # (None: the extension took the sequence past the graphs' largest key count: eagerly, then)
-            cand = (graphs.expand(cache, last, params, keys) if keys is not None
+            cand = (graphs.expand(cache, last, params, keys, on_device) if keys is not None
                     else expand(self.head, cache, last, params))
         self._last[call.seq_id] = last
-        return rerank(cand, int(call.tokens[-1]), params, self._sort_paths[call.seq_id])
+        root, sort_paths = int(call.tokens[-1]), self._sort_paths[call.seq_id]
+        if isinstance(cand, PendingCandidates):
+            pending = cand
+            return TreeOnDevice(rerank_static(pending.device, root, params),
+                                lambda: rerank(pending.host(), root, params, sort_paths))
+        return rerank(cand, root, params, sort_paths)
+
+    def next_width(self, params: TreeParams) -> int | None:
+        """The extension width of a draft queued from a verdict (`draft_from_verdict`): the rows of the
+        longest accept of a `params` tree (depth + 2), in a width bucket; None past the largest."""
+        return self.graphs.width_for(params.depth + 2) if self.graphs is not None else None
+
+    def draft_from_verdict(self, seq_id: str, rows: NextRows, features: torch.Tensor, params: TreeParams
+                           ) -> VerdictDraft | None:
+        """The next tree queued from a greedy verdict still on the device (rows: its NextRows of width
+        `next_width(params)`; features [W, F] the target features of their nodes), re-ranked on the
+        device: nothing is read back. The draft KV takes the rows (logical rows length .. length + n - 1)
+        but its length moves only with `commit(seq_id, n)`, once the host has the verdict; a verdict the
+        host reads differently is dropped by not committing it (the next draft writes those rows again).
+        None where the static draft or its rows do not fit (then draft as usual after the verdict)."""
+        cache = self._cache(seq_id)
+        width = self.next_width(params)
+        if width is None or not self.extend_in_graph or not self._static(seq_id, params):
+            return None
+        assert self.graphs is not None and isinstance(cache, PagedCache)  # (_static)
+        keys = self.graphs.keys_for(cache, params, width)
+        if (keys is None or cache.length + width + params.draft_rows > self._rows[seq_id]
+                or cache.length + width > cache.capacity):
+            return None
+        verdict = to_host_queued(torch.cat([rows.count, rows.tokens]))  # before the draft's candidates
+        copied = mark(rows.tokens.device)
+        pending, last = self.graphs.draft_counted(cache, features, rows.tokens, rows.count, params, width, keys)
+        self._last[seq_id] = last
+        root = rows.tokens[rows.count - 1]  # [1] the bonus: the tree's root, on the device
+        sort_paths = self._sort_paths[seq_id]
+
+        def host() -> DraftTree:
+            cand = pending.host()  # (the verdict's copy was queued before it: here too)
+            return rerank(cand, int(verdict[int(verdict[0])]), params, sort_paths)
+
+        return VerdictDraft(TreeOnDevice(rerank_static(pending.device, root, params), host), verdict, copied)
+
+    def commit(self, seq_id: str, n: int) -> None:
+        """The host's verdict matched the rows a `draft_from_verdict` extended the draft KV by: keep n."""
+        self._cache(seq_id).advance(n)
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
                     params: TreeParams | None = None, round_index: int = 0, branches: int | None = None,

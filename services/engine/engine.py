@@ -56,11 +56,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -73,7 +74,13 @@ from services.spec.logprobs import TokenLogprobs
 from services.spec.overlap import AheadPolicy
 from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
-from services.spec.tree import DraftTree, TreeParams, merge_chain, root_tree
+from services.spec.tree import DraftTree, TreeOnDevice, TreeParams, host_tree, merge_chain, root_tree
+from services.spec.verify import next_rows_on_device
+
+if TYPE_CHECKING:
+    from services.engine.drafter import VerdictDraft
+
+log = logging.getLogger(__name__)
 
 _seq_counter = itertools.count()
 
@@ -168,10 +175,10 @@ class PlainRun(Protocol):
 @dataclass
 class _Draft:
     """The tree in flight and what `observe` needs about it."""
-    tree: DraftTree
+    tree: DraftTree | TreeOnDevice  # on the device: the head's tree as it is (no chain; Engine.device_trees)
     plan: RoundPlan
     chain_nodes: list[int]
-    eagle_size: int  # nodes 0..eagle_size-1 came from the draft head (or the root alone)
+    eagle_size: int | None  # nodes 0..eagle_size-1 came from the draft head (or the root alone); None: all
     draft_s: float
     detached: bool = False  # a plain step through Decode(keep_features): no tree is verified
     ahead_hit: bool = False  # the tree was drafted ahead (its draft_s is 0: nothing waited for it)
@@ -192,11 +199,15 @@ class Engine:
     def __init__(self, verifier: VerifierRole, drafter: DrafterRole | None, max_context: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
                  retrieval: bool = False, ahead: AheadPolicy | None = None, guesser: Guesser | None = None,
-                 plain_run: int = 0) -> None:
+                 plain_run: int = 0, device_trees: bool | None = None, verdict_drafts: bool | None = None) -> None:
         """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains;
         `ahead`: draft the next tree ahead while one is verified (module doc), guessing with
         `guesser` (None: the top path); `plain_run`: plain rounds per run at most (module doc; 0 = one
-        decode call per plain round; used only with a verifier role that has `decode_run`)."""
+        decode call per plain round; used only with a verifier role that has `decode_run`);
+        `device_trees`: trees stay on the device between draft and verify (module doc; None: wherever
+        the drafter and the verifier can: one device, in process; False: never); `verdict_drafts`:
+        with device trees and a fixed tree, each greedy round's next draft is queued from its verdict
+        on the device (module doc; None: wherever device trees are; False: never)."""
         if plain_run < 0:
             raise InvalidRequest(f"plain_run must be >= 0; got {plain_run}")
         self.verifier = verifier
@@ -214,6 +225,10 @@ class Engine:
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._open_ahead: dict[str, _Ahead] = {}  # seq_id -> its ahead draft in flight
         self.plain_run = plain_run if hasattr(verifier, "decode_run") and not retrieval else 0
+        can = (drafter is not None and getattr(drafter, "drafts_on_device", False)
+               and getattr(verifier, "takes_device_trees", lambda device: False)(getattr(drafter, "device", None)))
+        self.device_trees = bool(can) if device_trees is None else bool(device_trees and can)
+        self._verdicts: dict[str, tuple[VerdictDraft, float]] = {}  # seq_id -> the draft queued from its verdict
         self._open_runs: dict[str, PlainRun] = {}  # seq_id -> its run of plain rounds in flight
         self._draft_est = 0.0  # EWMA seconds of a head draft (the policy's draft_s)
         budget = budget or fixed_budget(drafter, retrieval)
@@ -225,6 +240,9 @@ class Engine:
         # relearn it from the prior, drafting at a loss meanwhile); sampling sequences start from
         # the prior, so that a seed replays the same trees whatever ran before
         self.realized = self.budget.prior.realized
+        fixed = self.budget.fixed is not None and self.budget.eagle and not retrieval and ahead is None
+        self.verdict_drafts = (self.device_trees and fixed and hasattr(drafter, "draft_from_verdict")
+                               and verdict_drafts is not False)
         largest = self.budget.fixed or self.budget.largest
         if drafter is not None and self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
@@ -281,6 +299,7 @@ class Engine:
             yield from self._run(req, seq_id, prompt, capacity, stop_ids, round_base)
         finally:
             self._close_run(seq_id)  # a stop or cancel inside a run: the verifier stops it
+            self._verdicts.pop(seq_id, None)  # a draft queued from the last verdict: not needed
             self._settle(self._open_ahead.pop(seq_id, None))  # never release under a running ahead draft
             if self.budget.load is not None:
                 self.budget.load.leave(seq_id)
@@ -341,7 +360,9 @@ class Engine:
     def _new_sequence(self, req: GenerationRequest, root: int) -> _SequenceState:
         seq = _SequenceState(self.budget.new_stats(), SuffixIndex() if self.retrieval else None,
                              sort_paths=not req.sampling.greedy, root=root, max_new_tokens=req.max_new_tokens,
-                             policy=copy.deepcopy(self.ahead) if self.ahead is not None else None)
+                             policy=copy.deepcopy(self.ahead) if self.ahead is not None else None,
+                             verdict_drafts=(req.sampling.greedy and req.sampling.repetition_penalty == 1.0
+                                             and req.sampling.logprobs is None))
         if req.sampling.greedy:  # where the latest greedy sequence left `realized` (see __init__)
             board = self.budget.load
             seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
@@ -401,18 +422,23 @@ class Engine:
         ahead = self._launch_ahead(seq_id, seq, draft, round_index)
         t0 = time.perf_counter()
         tree = draft.tree
+        hook = self._verdict_hook(seq_id, seq, draft)
         try:
-            res = self.verifier.verify(seq_id, tree, round_index)
+            # (a TreeOnDevice only reaches a verifier that takes it: device_trees; so does a hook)
+            res = (self.verifier.verify(seq_id, tree, round_index, on_forward=hook)  # type: ignore[call-arg,arg-type]
+                   if hook is not None else self.verifier.verify(seq_id, tree, round_index))  # type: ignore[arg-type]
         finally:
             verify_s = time.perf_counter() - t0
             self._settle(ahead)
         self._open_ahead.pop(seq_id, None)
         wait_s = time.perf_counter() - t0 - verify_s
+        tree = host_tree(tree)  # (the verifier waited for it already)
         seq.ahead = ahead
         self.budget.observe_verify(draft.plan, verify_s)
         tokens = res.acceptance.new_tokens
         accepted = res.acceptance.nodes.tolist()
-        observe(seq.stats, tree, accepted, draft.chain_nodes, draft.eagle_size)
+        eagle_size = tree.size if draft.eagle_size is None else draft.eagle_size
+        observe(seq.stats, tree, accepted, draft.chain_nodes, eagle_size)
         observe_realized(seq.stats, draft.plan, len(tokens))
         if not seq.sort_paths:
             self.realized = seq.stats.realized
@@ -422,7 +448,7 @@ class Engine:
                            tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
                            draft.plan.tokens, draft.plan.seconds,
                            chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
-                           eagle_nodes=draft.eagle_size - 1, ahead=ahead is not None,
+                           eagle_nodes=eagle_size - 1, ahead=ahead is not None,
                            ahead_s=ahead.ahead_s if ahead else 0.0, ahead_wait_s=wait_s if ahead else 0.0,
                            ahead_hit=draft.ahead_hit, saved_s=draft.saved_s)
         policy = seq.policy
@@ -447,7 +473,8 @@ class Engine:
         # guess of at most depth + 2 tokens and a chain of at most depth + 1 (its KV's ahead rows)
         assert self.drafter is not None  # a policy needs a drafter (__init__)
         limit = self.drafter.tree.depth + 2  # the longest guess a drafter takes
-        path = top_guess(draft.tree, min(draft.tree.max_depth, limit))
+        tree = host_tree(draft.tree)  # (a sequence with a policy never leaves its tree on the device)
+        path = top_guess(tree, min(tree.max_depth, limit))
         # sampling: nominal seconds, so that a seed replays the same trees whatever the timing
         draft_s = self._draft_est if not seq.sort_paths else 1.0
         step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
@@ -457,10 +484,10 @@ class Engine:
                               measured=not seq.sort_paths)
         if depth is None:
             return None
-        guess = self.guesser(draft.tree, depth, seq.produced)[:limit] if self.guesser else path[:depth]
+        guess = self.guesser(tree, depth, seq.produced)[:limit] if self.guesser else path[:depth]
         if not guess:
             return None
-        chain, exclude = _chain(draft.tree, guess, path)
+        chain, exclude = _chain(tree, guess, path)
         tokens = torch.cat(seq.pending_tokens) if seq.pending_tokens else torch.zeros(0, dtype=torch.long)
         features = torch.cat(seq.pending_features) if seq.pending_features else torch.zeros(0)
         seq.pending_tokens.clear()
@@ -479,6 +506,35 @@ class Engine:
         self._open_ahead[seq_id] = ahead
         return ahead
 
+    def _verdict_hook(self, seq_id: str, seq: _SequenceState, draft: _Draft
+                      ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """With verdict drafts, the verifier's on_forward for this round: it queues the next draft from
+        the verdict on the device (next_rows_on_device -> Drafter.draft_from_verdict) behind the
+        verify's forward; `_next_draft` keeps it when the host reads the same verdict. None where this
+        round cannot: a sampling or penalised sequence, rows the draft KV has not taken, a host tree."""
+        tree, params = draft.tree, draft.plan.tree
+        if (not self.verdict_drafts or not seq.verdict_drafts or seq.pending_tokens or params is None
+                or not isinstance(tree, TreeOnDevice)):
+            return None
+        drafter = self.drafter
+
+        def hook(argmax: torch.Tensor, features: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            try:
+                width = drafter.next_width(params)  # type: ignore[union-attr]
+                if width is None:
+                    return
+                rows = next_rows_on_device(tree.static, argmax, width)
+                queued = drafter.draft_from_verdict(seq_id, rows, features[rows.nodes], params)  # type: ignore[union-attr]
+            except Exception:  # an optimisation only: the round goes on, and drafts after its verdict
+                log.exception("queuing the next draft from the verdict failed; this engine drafts after verdicts now")
+                self.verdict_drafts = False
+                return
+            if queued is not None:
+                self._verdicts[seq_id] = (queued, time.perf_counter() - t0)
+
+        return hook
+
     @staticmethod
     def _settle(ahead: _Ahead | None) -> None:
         """Wait for an ahead draft to finish (its errors are raised: the drafter's KV may be gone)."""
@@ -490,6 +546,14 @@ class Engine:
         detached: those come with the next Verify) and extend the suffix index; then the next round
         is planned and drafted."""
         assert seq.draft is not None
+        queued = self._verdicts.pop(seq_id, None)
+        if queued is not None:
+            plan = self._plan(seq_id, seq, 0)
+            verdict, draft_s = queued
+            if plan.tree == seq.draft.plan.tree and verdict.matches(done.tokens):
+                self.drafter.commit(seq_id, len(done.tokens))  # type: ignore[union-attr]
+                return _Draft(verdict.tree, plan, [], None, draft_s)
+            # (else the rows it wrote are written again by the draft below: the KV length never moved)
         if self.drafter:
             seq.pending_tokens.append(torch.tensor(done.tokens))
             if not seq.draft.detached:
@@ -527,13 +591,21 @@ class Engine:
             # root alone, whose answer brings them; the tree waits for the next round's plan
             plan = RoundPlan(None, 0, 1.0, 0.0)
         use = ahead is not None and plan.tree is not None
+        chain = chain[: plan.chain]
         if ahead is not None and plan.tree is not None:
             assert int(ahead.tokens[0]) == root, (int(ahead.tokens[0]), root)  # rerooted at the bonus
             tree = trim(ahead, plan.tree, seq.sort_paths)  # the round's shape (an ahead tree may be larger)
+        elif plan.tree is not None:
+            # on the device when nothing changes it before the verify (no chain, no ahead draft's guess)
+            on_device = self.device_trees and not chain and seq.policy is None
+            head = self._head_tree(seq_id, seq, plan.tree, on_device)
+            if isinstance(head, TreeOnDevice):
+                return _Draft(head, plan, [], None, time.perf_counter() - t0)
+            tree = head
         else:
-            tree = self._head_tree(seq_id, seq, plan.tree) if plan.tree is not None else root_tree(root)
+            tree = root_tree(root)
         eagle_size = tree.size
-        tree, chain_nodes = merge_chain(tree, chain[: plan.chain], seq.sort_paths)
+        tree, chain_nodes = merge_chain(tree, chain, seq.sort_paths)
         return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0,
                       ahead_hit=use, saved_s=saved_s if use else 0.0)
 
@@ -547,15 +619,18 @@ class Engine:
         return self.budget.plan(seq.stats, chain, commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
                                 pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
 
-    def _head_tree(self, seq_id: str, seq: _SequenceState, params: TreeParams) -> DraftTree:
-        """The draft head's tree of shape `params`, its KV first extended with every pending row."""
+    def _head_tree(self, seq_id: str, seq: _SequenceState, params: TreeParams, on_device: bool = False
+                   ) -> DraftTree | TreeOnDevice:
+        """The draft head's tree of shape `params`, its KV first extended with every pending row
+        (`on_device`: left on the device where the drafter can, Drafter.draft)."""
         tokens = torch.cat(seq.pending_tokens)  # [P] committed tokens the draft KV has not seen
         features = torch.cat(seq.pending_features)  # [P, F] their target features
         seq.pending_tokens.clear()
         seq.pending_features.clear()
         assert self.drafter is not None  # a plan with a head tree: the engine has a drafter
         t0 = time.perf_counter()
-        tree = self.drafter.draft(seq_id, tokens, features, params)
+        tree = (self.drafter.draft_on_device(seq_id, tokens, features, params)  # type: ignore[attr-defined]
+                if on_device else self.drafter.draft(seq_id, tokens, features, params))
         draft_s = time.perf_counter() - t0
         self.budget.observe_draft(params, int(tokens.shape[0]), draft_s)
         self._draft_est = draft_s if self._draft_est == 0.0 else 0.8 * self._draft_est + 0.2 * draft_s
@@ -602,3 +677,4 @@ class _SequenceState:
     draft: _Draft | None = None  # the planned next round (None: plain decoding, no speculation)
     ahead: _Ahead | None = None  # the ahead draft of the round just verified (until _next_draft)
     policy: AheadPolicy | None = None  # this sequence's copy of the engine's policy (None: no overlap)
+    verdict_drafts: bool = False  # greedy, no penalty: its next draft may be queued from the verdict

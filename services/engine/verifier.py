@@ -59,10 +59,11 @@ from services.errors import AerieError, CapacityExceeded, InvalidRequest, Sequen
 from services.model.runner import ModelRunner
 from services.model.step import Step, StepEntry, StepOutput
 from services.model.target import TargetModel
+from services.model.transfer import mark, to_device_queued, to_host_queued
 from services.spec.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from services.spec.penalty import SeenTokens
 from services.spec.sampling import SamplingParams, next_token, round_generator
-from services.spec.tree import DraftTree
+from services.spec.tree import DraftTree, TreeOnDevice, host_tree
 from services.spec.verify import Acceptance, accept, accept_greedy_argmax
 
 if TYPE_CHECKING:
@@ -127,8 +128,12 @@ class PrefillMoreCall:
 @dataclass(frozen=True, slots=True)
 class VerifyCall:
     seq_id: str
-    tree: DraftTree
+    tree: DraftTree | TreeOnDevice  # on the device: the in-process engine's (services/spec/tree.py)
     round_index: int
+    # in process, a greedy sequence without a penalty: called with the target's argmax [N] and features
+    # [N, F] at the tree's nodes, on the device, once its forward is queued and before anything is read
+    # back (the engine queues the next draft from them; the argmax's host copy is queued before it)
+    on_forward: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def rows(self) -> int:
@@ -214,9 +219,18 @@ class Verifier:
         the features this sequence's results carry (None: the verifier's own)."""
         return self._one(PrefillCall(seq_id, prompt, sampling, capacity, feature_kind))
 
-    def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
-        """Run the tree in one forward, accept, keep the accepted path's KV."""
-        return self._one(VerifyCall(seq_id, tree, round_index))
+    def verify(self, seq_id: str, tree: DraftTree | TreeOnDevice, round_index: int,
+               on_forward: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> VerifyResult:
+        """Run the tree in one forward, accept, keep the accepted path's KV. A TreeOnDevice (on this
+        verifier's device: `takes_device_trees`) is queued as it is; its host tree is waited for after.
+        `on_forward` (in process): see VerifyCall."""
+        return self._one(VerifyCall(seq_id, tree, round_index, on_forward))
+
+    def takes_device_trees(self, device: torch.device) -> bool:
+        """Whether a TreeOnDevice on `device` can be verified without a host read before the forward:
+        a ModelRunner with the static-shape forward (a paged pool) on that device."""
+        runner = self.runner
+        return isinstance(runner, ModelRunner) and runner.uniform is not None and runner.device == device
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         """Plain autoregressive step (the no-draft baseline): commit `token`, return the next one.
@@ -291,7 +305,15 @@ class Verifier:
                 for slot in new_slots.values():
                     self.runner.release(slot)
                 raise
-            for j, result in enumerate(self._finish([calls[i] for i in index], out, new_slots, index)):
+            argmax: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # entry -> host argmax, its event
+            for j, i in enumerate(index):
+                hook = getattr(calls[i], "on_forward", None)
+                s = self._sampling(calls[i])
+                if hook is not None and s.greedy and s.repetition_penalty == 1.0:  # before anything is read back
+                    am = out.logits[j].argmax(-1)
+                    argmax[j] = (to_host_queued(am), mark(am.device))  # (queued before the hook's kernels)
+                    hook(am, self._features(out, j, self._kind(calls[i])))
+            for j, result in enumerate(self._finish([calls[i] for i in index], out, new_slots, index, argmax)):
                 results[index[j]] = result
         return results  # type: ignore[return-value]
 
@@ -331,15 +353,21 @@ class Verifier:
             return StepEntry(seq.slot, call.token.view(1), logits="last")
         return StepEntry(seq.slot, torch.tensor([call.token], device="cpu"), logits="last")  # the runner moves it
 
-    def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int]
-                ) -> list[Result]:
+    def _finish(self, calls: list[Call], out: StepOutput, new_slots: dict[int, int], index: list[int],
+                queued: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] | None = None) -> list[Result]:
+        """`queued`: entries whose argmax's host copy is on its way already (an on_forward hook's)."""
+        queued = queued or {}
         # the rows acceptance reads: the target's logits, penalised per row for a repetition penalty
         seen = {j: self._seen(c, out.logits[j]) for j, c in enumerate(calls)
                 if self._sampling(c).repetition_penalty != 1.0}
         logits = [self._penalized(c, out.logits[j], seen.get(j)) for j, c in enumerate(calls)]
         # greedy: one argmax over every greedy entry's rows
-        greedy = [j for j, c in enumerate(calls) if self._sampling(c).greedy]
+        greedy = [j for j, c in enumerate(calls) if self._sampling(c).greedy and j not in queued]
         argmax: dict[int, torch.Tensor] = {}
+        for j, (host, copied) in queued.items():
+            if copied is not None:
+                copied.synchronize()  # (not the kernels queued after it)
+            argmax[j] = host
         last: dict[int, int] = {}  # each greedy entry's last-row argmax, on the host
         if greedy:
             rows = [logits[j] for j in greedy]
@@ -398,17 +426,19 @@ class Verifier:
                 self._keep_logprobs(call.seq_id, out.logits[j][-1:], [token])
                 results.append(token)
                 continue
-            tree = call.tree
-            # greedy: the tree joins the argmax on the model's device; one host copy of the accepted path
+            tree = host_tree(call.tree)  # (a TreeOnDevice's: its forward is queued already)
+            # greedy: one host copy of the argmax, the walk on the host tree; rows past a TreeOnDevice's
+            # host tree (dynamic depth's padding) are never read
             acc = (accept_greedy_argmax(tree, argmax[j]) if j in argmax
-                   else accept(tree, logits[j], seq.sampling, gen))
+                   else accept(tree, logits[j][:tree.size], seq.sampling, gen))
             if seq.sampling.logprobs is not None:  # (the gather only when asked: a [m+1, V] copy)
                 self._keep_logprobs(call.seq_id, out.logits[j][acc.nodes.to(out.logits[j].device)], acc.new_tokens)
             if seq.seen is not None:
                 seq.seen.add(acc.tokens)  # the root and the accepted tokens are committed now
             self.runner.keep(seq.slot, seq.length, seq.length + acc.nodes.cpu())
             seq.length += int(acc.nodes.numel())
-            features = features[acc.nodes] if features.shape[0] else features
+            if features.shape[0]:  # (the index copied in stream order: a queued next draft is not waited for)
+                features = features.index_select(0, to_device_queued(acc.nodes, features.device))
             if seq.kept:
                 features = torch.cat([*seq.kept, features])
                 seq.kept.clear()

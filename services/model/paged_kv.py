@@ -28,6 +28,7 @@ import torch
 
 from services.model.kv_cache import RowSpan
 from services.model.kv_pool import KVPool
+from services.model.transfer import to_device_queued
 
 TRASH_ROW = 0  # the first row of the trash page
 
@@ -68,7 +69,7 @@ class PagedCache(RowSpan):
         length = start + n (KVCache.keep). One gather and one scatter on the device."""
         n = int(slots.numel())
         assert start + n <= self.length, (start, n, self.length)
-        src = self.rows[slots.to(self.rows.device)]
+        src = to_device_queued(torch.from_numpy(self.rows_host[slots.cpu().numpy()]), self.rows.device)  # arena rows
         dst = self.rows[start:start + n]
         for arena in (self.pool.k, self.pool.v):
             arena[:, :, dst] = arena[:, :, src]  # the gather copies first: overlapping ranges are safe

@@ -42,6 +42,7 @@ from services.model import fused
 from services.model.attention import DecodeHeads, attend_gathered, paged_attention_fn
 from services.model.paged_kv import TRASH_ROW, PagedKVPool
 from services.model.step import Step, StepOutput
+from services.model.transfer import staged
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,9 @@ class UniformRunner:
         return UniformShape(batch, width, keys, step.want_taps)
 
     def fill(self, step: Step, shape: UniformShape) -> torch.Tensor:
-        """The int64 input buffer of `step` padded to `shape` (host, numpy-built). Input ids already
-        on the model's device are left 0 here (`execute` copies them on the device: no host read)."""
+        """The int64 input buffer of `step` padded to `shape` (host, numpy-built). Input ids, positions
+        and tree masks already on the model's device are left 0 / the identity here (`execute` copies
+        them on the device: no host read)."""
         b, t, s = shape.batch, shape.width, shape.keys
         ids = np.zeros((b, t), np.int64)
         pos = np.zeros((b, t), np.int64)
@@ -209,15 +211,21 @@ class UniformRunner:
             cache = self.pool.paged(e.slot)
             rows = cache.rows_host
             n, p = e.rows, cache.length
-            if e.input_ids.device != self.target.device:
+            here = self.target.device
+            if e.input_ids.device != here:
                 ids[j, :n] = e.input_ids.cpu().numpy()
-            pos[j, :n] = e.positions.cpu().numpy() if e.positions is not None else np.arange(p, p + n)
+            if e.positions is None:
+                pos[j, :n] = np.arange(p, p + n)
+            elif e.positions.device != here:
+                pos[j, :n] = e.positions.cpu().numpy()
             write[j, :n] = rows[p:p + n]
             m = min(s, rows.shape[0])
             table[j, :m] = rows[:m]
             prefix[j] = p
-            tree[j, :n, :n] = (e.tree_mask.cpu().numpy() if e.tree_mask is not None
-                               else np.tril(np.ones((n, n), np.int64)))
+            if e.tree_mask is None:
+                tree[j, :n, :n] = np.tril(np.ones((n, n), np.int64))
+            elif e.tree_mask.device != here:
+                tree[j, :n, :n] = e.tree_mask.cpu().numpy()
         return torch.from_numpy(np.concatenate([a.reshape(-1) for a in (ids, pos, write, table, prefix, tree)]))
 
     def execute(self, step: Step, shape: UniformShape) -> StepOutput:
@@ -228,10 +236,9 @@ class UniformRunner:
             cache.reserve(e.rows)
         host = self.fill(step, shape)
         graph = (self._graphs.get(shape) or self._capture(shape)) if self.graphs_on else None
-        inputs = graph.inputs.copy_(host, non_blocking=True) if graph is not None else host.to(self.target.device)
-        for j, e in enumerate(step.entries):  # ids on the device (a plain run's previous argmax): copied there
-            if e.input_ids.device == self.target.device:
-                inputs[j * shape.width:j * shape.width + e.rows].copy_(e.input_ids)
+        dev = self.target.device
+        inputs = graph.inputs.copy_(staged(host, dev), non_blocking=True) if graph is not None else host.to(dev)
+        self._copy_on_device(step, shape, inputs)
         if graph is not None:
             graph.graph.replay()
             out = graph.output
@@ -240,6 +247,20 @@ class UniformRunner:
         for e, cache in zip(step.entries, caches, strict=True):
             cache.advance(e.rows)
         return self._unpad(step, shape, out)
+
+    def _copy_on_device(self, step: Step, shape: UniformShape, inputs: torch.Tensor) -> None:
+        """Copy what `fill` left out (inputs already on the device: a plain run's previous argmax, a
+        TreeOnDevice's tokens, positions and mask) into the device input buffer, on the device."""
+        b, t, here = shape.batch, shape.width, self.target.device
+        tree_at = sum(shape.sizes()[:5])  # after ids, positions, write_rows, row_table, prefix
+        for j, e in enumerate(step.entries):
+            n = e.rows
+            if e.input_ids.device == here:
+                inputs[j * t:j * t + n].copy_(e.input_ids)
+            if e.positions is not None and e.positions.device == here:
+                inputs[b * t + j * t:b * t + j * t + n].copy_(e.positions)
+            if e.tree_mask is not None and e.tree_mask.device == here:
+                inputs[tree_at + j * t * t:tree_at + (j + 1) * t * t].view(t, t)[:n, :n].copy_(e.tree_mask)
 
     def _unpad(self, step: Step, shape: UniformShape, out: UniformOutput) -> StepOutput:
         t = shape.width

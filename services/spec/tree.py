@@ -40,6 +40,7 @@ It does not talk to the target or decide acceptance (`verify.py`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
@@ -135,6 +136,59 @@ class DraftTree:
         return DraftTree(tokens=self.tokens.to(device), parents=self.parents.to(device),
                          depths=self.depths.to(device), mask=self.mask.to(device), paths=self.paths.to(device),
                          scores=self.scores.to(device))
+
+
+@dataclass(frozen=True, slots=True)
+class StaticTree:
+    """A draft tree of a fixed node count N on the device (tree_static.rerank_static): `rerank`'s tree
+    for its `real` nodes (the first 1 + m), padded past them (dynamic depth: children of the root,
+    never accepted)."""
+
+    tokens: torch.Tensor  # [N] int64; node 0 is the root
+    parents: torch.Tensor  # [N] int64; the root's is 0 (itself)
+    depths: torch.Tensor  # [N] int64
+    mask: torch.Tensor  # [N, N] bool ancestors-or-self
+    real: torch.Tensor  # [N] bool: a node of the host tree (the first 1 + m)
+
+
+@dataclass(eq=False)
+class TreeOnDevice:
+    """A draft tree whose structure is still on the drafter's device: what the verifier's forward
+    reads, so the verify can be queued behind the draft before the host has the candidates; `host()`
+    is the same tree on the host (it waits for the candidates' copy and runs `rerank` there, once).
+    The first `host().size` nodes are the host tree's, node for node; with dynamic depth the rest pad
+    the tree and are never accepted. In-process only (one device)."""
+
+    static: StaticTree
+    resolve: Callable[[], DraftTree]  # the host tree (called once, by `host`)
+    _host: DraftTree | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.static.tokens
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return self.static.depths
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.static.mask
+
+    @property
+    def size(self) -> int:
+        """The rows the verifier's forward runs (>= the host tree's size)."""
+        return int(self.static.tokens.shape[0])
+
+    def host(self) -> DraftTree:
+        if self._host is None:
+            self._host = self.resolve()
+        return self._host
+
+
+def host_tree(tree: DraftTree | TreeOnDevice) -> DraftTree:
+    """The tree on the host (a TreeOnDevice's `host()`; a DraftTree is one already)."""
+    return tree.host() if isinstance(tree, TreeOnDevice) else tree
 
 
 def extend(head: DraftHead, cache: KVRows, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

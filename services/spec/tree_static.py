@@ -5,6 +5,7 @@ graph (services/engine/draft_graphs.py replays it; the CPU runs it eagerly in te
                          features [W, F], tokens [W])                                   -> [H]
     cand = expand_static(head, pool, key_rows [S], stable [1], last [H], top_k, depth)   -> Candidates
     cand, last = draft_static(...)        # both: the extension, then the expansion from its last row
+    tree = rerank_static(cand, root, params)  # StaticTree: rerank's tree on the device
 
 `extend_static` is `tree.extend` for n <= W newly committed rows padded to a width W: one head step
 whose padded rows write their K/V to the pool's trash page and see only their own key slot; the
@@ -19,6 +20,13 @@ attends over all S key slots with a mask built on the device from `stable`, so n
 value read back to the host. The tree rows stay in the arena past the committed length and are
 overwritten by the next extension (the eager path truncates them; the effect is the same).
 Lengths are the caller's: these functions write arena rows and never touch a PagedCache.
+
+`rerank_static` is `tree.rerank` on the device with a fixed node count N = 1 + min(size - 1, C): what
+the verifier's forward needs (tokens, depths, ancestor mask), queued without reading anything back, so
+the verify can be queued behind the draft before the host has seen the candidates. With dynamic depth
+the stop's count stays on the device: the first 1 + m nodes are rerank's (m = the candidates at or
+above the stop, at least one), the rest pad the tree (children of the root, never accepted: the
+host's tree, which acceptance walks, has only the first 1 + m).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 from services.model.eagle_head import DraftHead
 from services.model.paged_kv import PagedKVPool
 from services.model.uniform import key_mask
-from services.spec.tree import Candidates
+from services.spec.tree import Candidates, StaticTree, TreeParams
 
 
 class StaticKV:
@@ -132,3 +140,39 @@ def draft_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, wri
     (summed on the device) -> (candidates, last [H]). key_rows [S] with S >= stable + W + depth*top_k."""
     last = extend_static(head, pool, key_rows, write_rows, stable, count, features, tokens)
     return expand_static(head, pool, key_rows, stable + count, last, top_k, depth), last
+
+
+@torch.no_grad()
+def rerank_static(cand: Candidates, root: int | torch.Tensor, params: TreeParams) -> StaticTree:
+    """`rerank` on the candidates' device with static shapes -> a StaticTree of N = 1 + min(size - 1, C)
+    nodes for C candidates (module doc: with dynamic depth, nodes past the stop's count pad the tree).
+    No value is read back to the host (`root`, an int or a [1] device tensor, is put in on the device).
+    Example (eagle.md, K=2, D=2, size 6, root 16): tokens [16, 18, 0, 24, 16, 24], parents
+    [0, 0, 0, 1, 1, 2], depths [0, 1, 1, 2, 2, 2], mask rows 100000/110000/101000/110100/110010/101001
+    (as `rerank`, whose root's parent is -1)."""
+    scores, k = cand.scores, params.top_k
+    c = int(scores.shape[0])
+    m = min(params.size - 1, c)
+    device = scores.device
+    best = torch.sort(scores, descending=True, stable=True).indices[:m]  # [M] (rerank's choice, its tie rule)
+    if params.stop_logprob > float("-inf"):  # dynamic depth: the first `kept` of them, the rest padding
+        kept = (scores >= params.stop_logprob).sum().clamp(1, m)
+        best = torch.where(torch.arange(m, device=device) < kept, best, c)  # c: after every real index
+    idx = torch.sort(best).values  # [M] ascending flat indices (parents precede children), padding last
+    real = idx < c
+    at = idx.clamp(max=c - 1)
+    parent_flat1 = cand.parents[at // k]  # 1 + flat index of the parent, 0 = the root
+    parent_node = torch.searchsorted(idx, parent_flat1 - 1) + 1
+    parent_node = torch.where((parent_flat1 == 0) | ~real, 0, parent_node)  # [M]; padding hangs from the root
+    n = m + 1
+    one = torch.ones(1, dtype=torch.bool, device=device)
+    up = torch.cat([torch.zeros(1, dtype=torch.long, device=device), parent_node])  # [N]: the root's is itself
+    first = (root.reshape(1).long() if isinstance(root, torch.Tensor)
+             else torch.empty(1, dtype=torch.long, device=device).fill_(root))
+    tokens = torch.cat([first, cand.tokens[at]])
+    mask = torch.eye(n, dtype=torch.bool, device=device)
+    cur = up
+    for _ in range(params.depth + 1):  # a node is at most depth + 1 levels below the root
+        mask.scatter_(1, cur[:, None], True)
+        cur = up[cur]
+    return StaticTree(tokens, up, mask.sum(1) - 1, mask, torch.cat([one, real]))

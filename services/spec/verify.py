@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from services.spec.sampling import SamplingParams, sample, target_probs, uniform
-from services.spec.tree import DraftTree
+from services.spec.tree import DraftTree, StaticTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +78,40 @@ def accept_greedy_argmax(tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
     nodes = paths[best, :m + 1]
     return Acceptance(path=best, accepted=m, nodes=torch.from_numpy(nodes.copy()),
                       tokens=torch.from_numpy(cand[best, :m + 1].copy()), bonus=int(am[nodes[-1]]))
+
+
+@dataclass(frozen=True, slots=True)
+class NextRows:
+    """A greedy verdict still on the device, as the rows it commits: what the next draft extends by."""
+
+    tokens: torch.Tensor  # [W] the m accepted draft tokens, then the bonus, then 0 (padding)
+    nodes: torch.Tensor  # [W] the tree node whose feature each row takes: the root, the accepted nodes, then repeats
+    count: torch.Tensor  # [1] m + 1: the real rows
+
+
+def next_rows_on_device(tree: StaticTree, argmax: torch.Tensor, width: int) -> NextRows:
+    """Greedy acceptance on the device, nothing read back: `accept_greedy_argmax`'s path as the rows the
+    round commits (argmax [N] the target's at every node; `width` W >= the longest accept, max depth + 1).
+    A node is consistent when it and each of its ancestors below the root carries the argmax of its
+    parent; sibling tokens are distinct (the top-k of one distribution), so the consistent nodes form one
+    chain from the root, whose deepest node ends the path the host walk accepts.
+    Example: tokens [7, 5, 9, 3], parents [0, 0, 0, 1], argmax [5, 3, 1, 8], W 4 -> the path 0, 1, 3:
+    tokens [5, 3, 8, 0], nodes [0, 1, 3, 3], count [3]."""
+    n = int(tree.tokens.shape[0])
+    device = argmax.device
+    ar = torch.arange(n, device=device)
+    ok = (tree.tokens == argmax[tree.parents]) | (ar == 0)
+    consistent = tree.real & ~(tree.mask & ~ok[None, :]).any(1)
+    # [1] the last accepted node (1-dim indices throughout: indexing with a 0-dim tensor reads it back)
+    deepest = torch.where(consistent, tree.depths, -1).argmax().view(1)
+    m = tree.depths.index_select(0, deepest)  # [1]
+    order = torch.sort(torch.where(tree.mask.index_select(0, deepest)[0], ar, n)).values  # [N] the path, then n
+    if n < width + 1:
+        order = torch.cat([order, torch.full((width + 1 - n,), n, dtype=order.dtype, device=device)])
+    order = order[:width + 1].clamp(max=n - 1)
+    j = torch.arange(width, device=device)
+    tokens = torch.where(j < m, tree.tokens[order[1:]], torch.where(j == m, argmax.index_select(0, deepest), 0))
+    return NextRows(tokens, order[:width], m + 1)
 
 
 def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,

@@ -28,6 +28,8 @@ def test_shape_bench_runs_every_part_and_writes_json(tmp_path):
     assert set(res["rounds"]) == {"60/5/10", "16/3/4", "chain 8/7/1"}
     assert all(r["round_ms"] > 0 and r["rounds"] >= 1 for r in res["rounds"].values())
     assert res["complete"] is True
+    # the CPU's eager drafter: trees on the host (no host_trees measurement beside them)
+    assert all(r["device_trees"] is False and r["without"] == {} for r in res["rounds"].values())
     parts = res["rounds"]["60/5/10"]["draft_parts_ms"]  # the CPU's drafter: eager extension and expansion
     assert set(parts) == {"extension, eager", "expansion, eager", "re-rank and tree (host)", gpu.DRAFT_CALL}
     assert all(ms > 0 for ms in parts.values())
@@ -156,3 +158,27 @@ def test_draft_parts_time_the_static_draft_and_restore_the_drafter(llama_pair):
                                                        "re-rank and tree (host)": 3}
     assert drafter_module.rerank is rerank and "draft" not in vars(d.graphs) and type(d.graphs).draft is graphs_draft
     assert "draft_many" not in vars(d)
+
+
+def test_rounds_measure_each_on_device_step_turned_off(llama_pair, monkeypatch):
+    """Where the engine keeps the round on the device (a static drafter and a paged verifier: the GPU's
+    case, here eagerly on the CPU), each fixed tree's round is also measured without verdict drafts and
+    without device trees, in the same run, and shown in the table beside it."""
+    import services.engine.drafter as drafter_module
+    from services.model.paged_kv import PagedKVPool
+    from services.model.runner import ModelRunner
+    from tests.spec.test_tree_static import static_drafter
+
+    _, target, head = llama_pair
+    monkeypatch.setattr(drafter_module, "Drafter", lambda h, tree: static_drafter(h, tree))
+    monkeypatch.setattr(gpu, "device_split", lambda *a, **k: None)
+    runner = ModelRunner(target, PagedKVPool.for_model(target, 2048), graphs=False)
+    cfg = gpu.GpuBenchConfig("tiny", "cpu", "fp32", prompt=16, tokens=16, batches=(1,), hf=False, legacy=False)
+    rounds = gpu._rounds(runner, head, tuple(range(1, 17)), cfg, 1.0, log=lambda line: None, trees=("16/3/4",))
+    r = rounds["16/3/4"]
+    assert r["device_trees"] is True and r["verdict_drafts"] is True and set(r["without"]) == set(gpu.WITHOUT)
+    assert all(w["round_ms"] > 0 and w["plain_tokens"] > 0 for w in r["without"].values())
+    res = {"rounds": rounds, "plain_ms": {}, "batched": {}, "device": "cpu", "shape": "tiny", "dtype": "fp32",
+           "prompt": 16, "weight_gb": 0.0, "copy_tb_s": 0.0, "floor_ms": 0.0, "forward_ms": 0.0, "kernels_forward": 0}
+    assert "without verdict drafts: ms (draft + verify)" in gpu.table(res)
+    assert "without device trees: ms (draft + verify)" in gpu.table(res)

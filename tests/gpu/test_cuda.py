@@ -135,7 +135,7 @@ def test_draft_graph_replay_equals_static_eager(llama_pair):
     for graphs in (False, True):
         d = Drafter(h, SHAPES["60/5/10"])
         d.graphs = DraftGraphs(h, d.pool, graphs=graphs)
-        engine = Engine(Verifier(t, h.feature_kind), d, 512, VOCAB)
+        engine = Engine(Verifier(t, h.feature_kind), d, 512, VOCAB, device_trees=False)  # (host trees: draft_many)
         seen = []
         original = d.draft_many
         d.draft_many = lambda calls, original=original, seen=seen: seen.extend(original(calls)) or seen[-len(calls):]
@@ -352,3 +352,85 @@ def test_drafter_warm_up_captures_its_tree_s_graphs_before_requests(llama_pair):
     p = prompts(9, 1)[0]
     out = [generate(Engine(Verifier(t, h.feature_kind), d, 512, VOCAB), p, 24) for d in (warm, cold)]
     assert out[0] == out[1] and warm.graphs.captures == 6 and warm.graphs.expansions > 3
+
+
+def test_device_trees_queue_the_verify_behind_the_draft_without_a_host_read(llama_pair):
+    """On CUDA the in-process engine leaves each tree on the device between draft and verify
+    (Engine.device_trees, on by default there): fp32 tokens == host trees == transformers. A round's
+    draft (replayed, re-ranked on the device) and its verify forward are queued without a host
+    synchronisation (torch's sync debug mode); acceptance then reads the argmax and the host tree."""
+    hf, target, head = llama_pair
+    t, h = on_cuda(target, head)
+    p = prompts(13, 1)[0]
+
+    def engine(on):
+        return Engine(Verifier(t, h.feature_kind), Drafter(h, SHAPES["60/5/10"]), 512, VOCAB, device_trees=on)
+
+    default = engine(None)
+    assert default.device_trees
+    assert generate(default, p, 30)[0] == generate(engine(False), p, 30)[0] == hf_greedy(hf, p, 30)
+    v, d = Verifier(t, h.feature_kind), Drafter(h, SHAPES["60/5/10"])
+    d.warm_up()  # the draft graphs of every extension width
+    pre = v.prefill("s", torch.tensor(p), SamplingParams(), 256)
+    d.start("s", 256, sampling=False)
+    res = v.verify("s", d.draft_on_device("s", torch.tensor(p[1:] + [pre.first_token]), pre.features), 1)
+    out = [pre.first_token, *res.acceptance.new_tokens]
+    execute = v.runner.execute
+
+    def strict(step):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    v.runner.execute = strict
+    for r in (2, 3):  # widths and key slots of round 1: no capture
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tree = d.draft_on_device("s", torch.tensor(res.acceptance.new_tokens), res.features)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        res = v.verify("s", tree, r)
+        out += res.acceptance.new_tokens
+    assert out == hf_greedy(hf, p, len(out))
+
+
+def test_verdict_drafts_queue_the_next_draft_without_a_host_read(llama_pair, monkeypatch):
+    """A fixed tree on CUDA: each greedy round's next draft is queued from the verdict on the device
+    (Engine.verdict_drafts, on by default there) with no host synchronisation (the hook runs under
+    torch's sync debug mode: a sync raises, and the engine would turn verdict drafts off); every
+    round's draft after the first is committed from its verdict; fp32 tokens == transformers."""
+    hf, target, head = llama_pair
+    t, h = on_cuda(target, head)
+    p = prompts(17, 1)[0]
+    d = Drafter(h, SHAPES["60/5/10"])
+    d.warm_up()
+    e = Engine(Verifier(t, h.feature_kind), d, 512, VOCAB)
+    assert e.device_trees and e.verdict_drafts
+    want = hf_greedy(hf, p, 30)
+    assert generate(e, p, 30)[0] == want  # (captures the verify graphs)
+    commits = []
+    commit = d.commit
+    monkeypatch.setattr(d, "commit", lambda seq_id, n: (commits.append(n), commit(seq_id, n))[1])
+    verdict_hook = Engine._verdict_hook
+
+    def strict(self, seq_id, seq, draft):
+        hook = verdict_hook(self, seq_id, seq, draft)
+        if hook is None:
+            return None
+
+        def run(logits, features):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                hook(logits, features)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return run
+
+    monkeypatch.setattr(Engine, "_verdict_hook", strict)
+    tokens, accepts = generate(e, p, 30)
+    assert tokens == want and e.verdict_drafts
+    assert len(commits) == len(accepts) - 2 > 3 and commits == accepts[1:-1]
