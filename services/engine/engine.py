@@ -41,6 +41,22 @@ inside a run (only a load change can: h ends before the probe) waits for the run
 (EOS, stop ids, max_new_tokens) or a cancel closes the run. With retrieval no runs: its chains
 depend on every new token.
 
+Trees on the device (`device_trees`; on where the drafter drafts statically and the verifier runs
+the static-shape forward on the same device: in process on a GPU): the drafter re-ranks the
+candidates on the device (services/spec/tree_static.py rerank_static) and returns a TreeOnDevice,
+whose tokens, depths and mask the verifier's forward reads there, so the verify is queued behind the
+draft without the host reading the candidates first; the host tree (`TreeOnDevice.host()`, the same
+nodes) is read while the verify runs, for acceptance and the statistics. A round with a retrieved
+chain or an ahead draft builds its tree on the host as before.
+Verdict drafts (`verdict_drafts`; with device trees and a fixed tree, for a greedy sequence without a
+penalty or logprobs): the verifier calls back once the verify's forward is queued, and the next draft
+is queued from the verdict still on the device (next_rows_on_device: the accepted rows and the
+bonus; Drafter.draft_from_verdict), behind the verify and before the host reads anything; the host
+then reads the verdict (its copy was queued before the draft) and keeps the queued draft when its
+rows are the verdict's (Drafter.commit), else drafts again after it. The device then runs verify,
+draft, verify, ... while the host does each round's bookkeeping. The adaptive budget plans each round
+from the verdict before it, so it keeps drafting after the verdict.
+
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
 the policy picks j, or not to draft ahead at all). If the verdict hits the guess, the next round

@@ -30,8 +30,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 DRAFT_DTYPES = ("fp32", "bf16", "int8")  # the default: services.device.default_draft_dtype
 PLAIN_RUN_ENV = "AERIE_PLAIN_RUN"  # plain rounds per run on a GPU (0 = one step a round), as the coordinator's
 LOCAL_PLAIN_RUN = 16
+# 0: every EAGLE round reads its tree and verdict back on the host (Engine device_trees / verdict_drafts
+# off); default on where the in-process engine can keep the round on the device (a GPU): docs/gpu.md
+DEVICE_ROUND_ENV = "AERIE_DEVICE_ROUND"
 # The trained head for the default model, shipped in the repository (issue: default model).
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
+
+
+def device_round() -> bool | None:
+    """Engine's device_trees from AERIE_DEVICE_ROUND: "0" -> False (off), else None (wherever possible)."""
+    value = os.environ.get(DEVICE_ROUND_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise CheckpointError(f"{DEVICE_ROUND_ENV} must be 0 or 1; got {value!r}")
+    return False if value == "0" else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,5 +171,5 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     # (services/engine/plain_run.py); on the CPU a queued step is computed at once, so nothing overlaps
     plain_run = int(os.environ.get(PLAIN_RUN_ENV, LOCAL_PLAIN_RUN)) if gpu else 0
     engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos, budget, retrieval,
-                    plain_run=plain_run)
+                    plain_run=plain_run, device_trees=device_round())
     return LocalEngine(engine, tok, target_path, draft_path, loaded.path)

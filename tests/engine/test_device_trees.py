@@ -297,3 +297,23 @@ def test_verdict_drafts_need_a_fixed_tree(llama_pair):
     engine = Engine(paged_verifier(target, "hidden"), static_drafter(head, SHAPES["60/5/10"]), 512, VOCAB,
                     budget=budget)
     assert engine.device_trees and not engine.verdict_drafts
+
+
+def test_aerie_device_round_turns_the_round_on_the_device_off(monkeypatch, llama_pair):
+    """AERIE_DEVICE_ROUND=0 (the in-process engine's switch, services/engine/local.py): device_trees
+    False, so no verdict drafts either; unset or 1: wherever possible; anything else is refused."""
+    from services.engine.local import device_round
+    from services.errors import CheckpointError
+
+    _, target, head = llama_pair
+    for value, want in (("0", False), ("1", True), (None, True)):
+        if value is None:
+            monkeypatch.delenv("AERIE_DEVICE_ROUND", raising=False)
+        else:
+            monkeypatch.setenv("AERIE_DEVICE_ROUND", value)
+        engine = Engine(paged_verifier(target, "hidden"), static_drafter(head, SHAPES["16/3/4"]), 512, VOCAB,
+                        device_trees=device_round())
+        assert engine.device_trees is want and engine.verdict_drafts is want
+    monkeypatch.setenv("AERIE_DEVICE_ROUND", "yes")
+    with pytest.raises(CheckpointError, match="AERIE_DEVICE_ROUND must be 0 or 1; got 'yes'"):
+        device_round()
