@@ -563,13 +563,15 @@ class Engine:
         is planned and drafted."""
         assert seq.draft is not None
         queued = self._verdicts.pop(seq_id, None)
-        if queued is not None:
+        plan = None
+        if queued is not None:  # a draft queued from this verdict (no retrieval, no ahead: __init__)
             plan = self._plan(seq_id, seq, 0)
             verdict, draft_s = queued
             if plan.tree == seq.draft.plan.tree and verdict.matches(done.tokens):
                 self.drafter.commit(seq_id, len(done.tokens))  # type: ignore[union-attr]
                 return _Draft(verdict.tree, plan, [], None, draft_s)
-            # (else the rows it wrote are written again by the draft below: the KV length never moved)
+            # else the draft below writes those rows again (the draft KV's length never moved), planned
+            # as just now (a plan counts idle rounds: once a round)
         if self.drafter:
             seq.pending_tokens.append(torch.tensor(done.tokens))
             if not seq.draft.detached:
@@ -579,7 +581,7 @@ class Engine:
             seq.index.extend(done.tokens)
         ahead, seq.ahead = seq.ahead, None
         if ahead is None or ahead.tree is None:
-            return self._draft(seq_id, seq, seq.root)
+            return self._draft(seq_id, seq, seq.root, plan=plan)
         hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
         bet = ahead.guess + ahead.chain  # the guess, then the chain: the bonus hangs from one of them
         if (seq.policy is not None and len(ahead.guess) < len(done.tokens) <= len(bet) + 1
@@ -588,13 +590,14 @@ class Engine:
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
     def _draft(self, seq_id: str, seq: _SequenceState, root: int, ahead: DraftTree | None = None,
-               saved_s: float = 0.0) -> _Draft:
-        """Plan the next round and build its tree: EAGLE (extending the draft KV with every pending
-        row; or `ahead`, the tree drafted ahead whose guess hit, leaving the pending rows for the
-        next draft), the retrieved chain, both, or the root alone."""
+               saved_s: float = 0.0, plan: RoundPlan | None = None) -> _Draft:
+        """Plan the next round (unless `plan` is the plan made for it already: no retrieval) and build
+        its tree: EAGLE (extending the draft KV with every pending row; or `ahead`, the tree drafted
+        ahead whose guess hit, leaving the pending rows for the next draft), the retrieved chain,
+        both, or the root alone."""
         t0 = time.perf_counter()
         chain = seq.index.propose(self.budget.chain_limit) if seq.index is not None else []
-        plan = self._plan(seq_id, seq, len(chain))
+        plan = plan if plan is not None else self._plan(seq_id, seq, len(chain))
         was_detached = seq.detached
         seq.detached = (self.budget.detach and self.drafter is not None and not plan.drafts
                         and not self.budget.probes_next(seq.stats))
