@@ -317,3 +317,26 @@ def test_aerie_device_round_turns_the_round_on_the_device_off(monkeypatch, llama
     monkeypatch.setenv("AERIE_DEVICE_ROUND", "yes")
     with pytest.raises(CheckpointError, match="AERIE_DEVICE_ROUND must be 0 or 1; got 'yes'"):
         device_round()
+
+
+def test_the_device_re_rank_and_walk_read_no_value_on_the_host():
+    """On the meta device a tensor has no values (indexing with a 0-dim tensor, `.item()`, `int(t)`
+    raise): rerank_static and next_rows_on_device run through, with and without a stop, so on a GPU
+    they never wait for the device (the first GPU version indexed with 0-dim tensors: three waits)."""
+    from services.spec.verify import next_rows_on_device
+
+    with pytest.raises(RuntimeError):  # the detector works
+        torch.zeros(5, device="meta")[torch.zeros((), dtype=torch.long, device="meta")]
+    k, d = 4, 3
+    c = k + d * k * k
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device="meta")
+
+    cand = Candidates(meta(c), meta(c, dtype=torch.long), meta(1 + d * k, dtype=torch.long))
+    for stop in (float("-inf"), -2.0):
+        for root in (5, meta(1, dtype=torch.long)):
+            st = rerank_static(cand, root, TreeParams(k, d, 16, stop_logprob=stop))
+            assert st.tokens.shape == st.real.shape == (16,) and st.mask.shape == (16, 16)
+            rows = next_rows_on_device(st, meta(16, dtype=torch.long), 8)
+            assert rows.tokens.shape == rows.nodes.shape == (8,) and rows.count.shape == (1,)
