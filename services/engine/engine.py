@@ -527,10 +527,11 @@ class Engine:
         """With verdict drafts, the verifier's on_forward for this round: it queues the next draft from
         the verdict on the device (next_rows_on_device -> Drafter.draft_from_verdict) behind the
         verify's forward; `_next_draft` keeps it when the host reads the same verdict. None where this
-        round cannot: a sampling or penalised sequence, rows the draft KV has not taken, a host tree."""
+        round cannot: a sampling or penalised sequence, rows the draft KV has not taken, a host tree;
+        and the request's last round (one token left: nothing would verify that draft)."""
         tree, params = draft.tree, draft.plan.tree
         if (not self.verdict_drafts or not seq.verdict_drafts or seq.pending_tokens or params is None
-                or not isinstance(tree, TreeOnDevice)):
+                or not isinstance(tree, TreeOnDevice) or seq.max_new_tokens - seq.produced <= 1):
             return None
         drafter = self.drafter
 

@@ -340,3 +340,20 @@ def test_the_device_re_rank_and_walk_read_no_value_on_the_host():
             assert st.tokens.shape == st.real.shape == (16,) and st.mask.shape == (16, 16)
             rows = next_rows_on_device(st, meta(16, dtype=torch.long), 8)
             assert rows.tokens.shape == rows.nodes.shape == (8,) and rows.count.shape == (1,)
+
+
+def test_the_last_round_queues_no_draft(llama_pair):
+    """A round with one token left ends the request whatever it accepts: no draft is queued from its
+    verdict (max_new_tokens 2: the prefill's token, then one round)."""
+    _, target, head = llama_pair
+    for n, queued in ((2, 0), (12, None)):
+        drafter = static_drafter(head, SHAPES["16/3/4"])
+        used = counting(drafter)
+        engine = Engine(paged_verifier(target, "hidden"), drafter, 512, VOCAB)
+        tokens, stats = run(engine, [7, 8, 9], n)
+        assert len(tokens) == n
+        before = [sum(s[0] for s in stats[:r]) for r in range(1, len(stats))]  # tokens before each round
+        if queued is not None:
+            assert used["verdict"] == queued and before == [1]
+        else:  # every round with more than one token left
+            assert used["verdict"] == sum(n - b > 1 for b in before) >= len(before) - 1 > 2
