@@ -112,8 +112,6 @@ def test_the_paged_kernel_for_trees_keeps_fp32_tokens_exact(llama_pair, monkeypa
     """AERIE_ATTENTION=paged (the Triton kernel for trees too, not only decode steps: the candidate
     default, measured faster for trees on the H200): EAGLE in fp32 on CUDA through every tree shape
     == the CPU == transformers' greedy, and the EAGLE reference fixture's rounds replay."""
-    from tests.spec import test_reference_golden as ref
-
     monkeypatch.setenv("AERIE_ATTENTION", "paged")
     hf, target, head = llama_pair
     t, h = on_cuda(target, head)
@@ -124,22 +122,15 @@ def test_the_paged_kernel_for_trees_keeps_fp32_tokens_exact(llama_pair, monkeypa
             expected = generate(cpu, prompt, 40)
             assert generate(gpu, prompt, 40) == expected, (shape, prompt)
             assert expected[0] == hf_greedy(hf, prompt, 40)
-    rt, rh = on_cuda(*ref.build_greedy_models())
-    g = ref.GOLDEN["greedy"]
-    for run in g["runs"]:
-        total, depth, top_k = run["shape"]
-        engine = Engine(Verifier(rt, rh.feature_kind), Drafter(rh, TreeParams(top_k, depth, total)),
-                        rt.config.max_context, rt.config.vocab_size, ())
-        tokens, accepts = generate(engine, run["prompt"], g["case"]["max_new_tokens"], ignore_eos=True)
-        assert accepts[1:] == run["accept_lengths"][: len(accepts) - 1] and tokens == run["tokens"][: len(tokens)]
+    replay_reference_fixture()
 
 
-def test_reference_fixture_replays_on_cuda_fp32():
-    """The EAGLE reference's greedy rounds (tests/spec/golden) through the CUDA path in fp32."""
+def replay_reference_fixture() -> None:
+    """The EAGLE reference's greedy rounds (tests/spec/golden) through the CUDA path in fp32: every
+    round's accept length and the tokens, the draft from the static draft."""
     from tests.spec import test_reference_golden as ref
 
-    target, head = ref.build_greedy_models()
-    t, h = on_cuda(target, head)
+    t, h = on_cuda(*ref.build_greedy_models())
     g = ref.GOLDEN["greedy"]
     for run in g["runs"]:
         total, depth, top_k = run["shape"]
@@ -149,6 +140,11 @@ def test_reference_fixture_replays_on_cuda_fp32():
         assert accepts[1:] == run["accept_lengths"][: len(accepts) - 1]
         assert tokens == run["tokens"][: len(tokens)]
         assert engine.drafter.graphs.expansions > 0
+
+
+def test_reference_fixture_replays_on_cuda_fp32():
+    """The EAGLE reference's greedy rounds (tests/spec/golden) through the CUDA path in fp32."""
+    replay_reference_fixture()
 
 
 def test_draft_graph_replay_equals_static_eager(llama_pair):
