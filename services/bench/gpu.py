@@ -471,18 +471,20 @@ def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, tre
              "plain_tokens": ms["round"] / plain_ms, "rounds": nr,
              "draft_graphs": getattr(eng.drafter.graphs, "captures", 0), **(floor(head, d) if floor else {})}
         r["device_trees"], r["verdict_drafts"] = eng.device_trees, eng.verdict_drafts
+        r["verdict_counts"] = dict(eng.verdict_counts)  # what became of the drafts queued from verdicts
         if not suffix:  # the device's busy and idle time a round, kernels by kind (profiled rounds)
             r["device_split"] = device_split(eng, prompt, 8, cfg.device)
         if not suffix:  # the same rounds without each step of the on-device round, in this run
             r["without"] = {}
             for label, flags in WITHOUT.items():
-                if not eng.device_trees or (label == "verdict drafts" and not eng.verdict_drafts):
+                if not eng.device_trees or (label != "device trees" and not eng.verdict_drafts):
                     continue
                 other = engine(**flags)
                 decode_ms(other, prompt, 4)
                 oms, _ = _round_ms(other, prompt, max(8, cfg.tokens // 2))
                 r["without"][label] = {"round_ms": oms["round"], "draft_ms": oms["draft"],
-                                       "verify_ms": oms["verify"], "plain_tokens": oms["round"] / plain_ms}
+                                       "verify_ms": oms["verify"], "plain_tokens": oms["round"] / plain_ms,
+                                       "verdict_counts": dict(other.verdict_counts)}
                 log(f"round {tname} without {label}: {oms['round']:.2f} ms (draft {oms['draft']:.2f} + verify "
                     f"{oms['verify']:.2f}) = {oms['round'] / plain_ms:.2f} plain tokens")
         if tname == "60/5/10" and not suffix:  # where the draft's time goes (timed apart: syncs added; host trees)
@@ -495,9 +497,12 @@ def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, tre
     return rounds
 
 
-# the rounds measured again with a part of the on-device round turned off (Engine flags): drafts queued
-# from the verdict (the tree still on the device), and trees on the device at all (read back before the verify)
-WITHOUT = {"verdict drafts": {"verdict_drafts": False}, "device trees": {"device_trees": False}}
+# the rounds measured again with a part of the on-device round turned off (Engine flags): the queued
+# draft's re-rank in the verifier's hook (the host re-ranks after the verdict instead: the adaptive
+# budget's rounds), drafts queued from the verdict (the tree still on the device), and trees on the
+# device at all (read back before the verify)
+WITHOUT = {"the re-rank in the hook (the adaptive budget's rounds)": {"verdict_ranks": False},
+           "verdict drafts": {"verdict_drafts": False}, "device trees": {"device_trees": False}}
 
 
 def _batched(runner, cfg: GpuBenchConfig, log) -> dict:

@@ -46,9 +46,11 @@ class VerdictDraft:
     """A tree drafted from a verdict still on the device (Drafter.draft_from_verdict), and that verdict's
     rows on their way to the host."""
 
-    tree: TreeOnDevice
+    tree: TreeOnDevice | None  # None: not re-ranked yet (Drafter.redraft re-ranks it to the plan)
     rows: torch.Tensor  # [1 + W] host: count, then the W row tokens (valid after `copied`)
     copied: torch.cuda.Event | None  # recorded after the rows' copy, before the draft (None: CPU)
+    params: TreeParams  # the shape drafted: the verified round's own (the guess of the next plan)
+    candidates: PendingCandidates  # that expansion's candidates (a re-rank to another size or stop)
 
     def matches(self, tokens: list[int]) -> bool:
         """Whether the rows the draft KV took are `tokens` (the round's accepted tokens + bonus, as the
@@ -274,13 +276,15 @@ class Drafter:
         longest accept of a `params` tree (depth + 2), in a width bucket; None past the largest."""
         return self.graphs.width_for(params.depth + 2) if self.graphs is not None else None
 
-    def draft_from_verdict(self, seq_id: str, rows: NextRows, features: torch.Tensor, params: TreeParams
-                           ) -> VerdictDraft | None:
+    def draft_from_verdict(self, seq_id: str, rows: NextRows, features: torch.Tensor, params: TreeParams,
+                           ranked: bool = True) -> VerdictDraft | None:
         """The next tree queued from a greedy verdict still on the device (rows: its NextRows of width
         `next_width(params)`; features [W, F] the target features of their nodes), re-ranked on the
-        device: nothing is read back. The draft KV takes the rows (logical rows length .. length + n - 1)
-        but its length moves only with `commit(seq_id, n)`, once the host has the verdict; a verdict the
-        host reads differently is dropped by not committing it (the next draft writes those rows again).
+        device (`ranked` False: the candidates only, for a `redraft` once the plan is known; the
+        adaptive budget's plans change their stop every round): nothing is read back. The draft KV
+        takes the rows (logical rows length .. length + n - 1) but its length moves only with
+        `commit(seq_id, n)`, once the host has the verdict; a verdict the host reads differently is
+        dropped by not committing it (the next draft writes those rows again).
         None where the static draft or its rows do not fit (then draft as usual after the verdict)."""
         cache = self._cache(seq_id)
         width = self.next_width(params)
@@ -302,11 +306,39 @@ class Drafter:
             cand = pending.host()  # (the verdict's copy was queued before it: here too)
             return rerank(cand, int(verdict[int(verdict[0])]), params, sort_paths)
 
-        return VerdictDraft(TreeOnDevice(rerank_static(pending.device, root, params), host), verdict, copied)
+        tree = TreeOnDevice(rerank_static(pending.device, root, params), host) if ranked else None
+        return VerdictDraft(tree, verdict, copied, params, pending)
 
     def commit(self, seq_id: str, n: int) -> None:
         """The host's verdict matched the rows a `draft_from_verdict` extended the draft KV by: keep n."""
         self._cache(seq_id).advance(n)
+
+    def redraft(self, seq_id: str, verdict: VerdictDraft, params: TreeParams, root: int) -> DraftTree | TreeOnDevice:
+        """After `commit`, the tree of shape `params` where the plan made after the verdict is not the
+        shape the verdict's draft guessed (the adaptive budget's next plan): the same candidates
+        re-ranked on the device when only the size or the stop differs (same top_k and depth), else
+        an expansion alone from the committed rows (the verdict's rows stay in the draft KV: no
+        second extension); eagerly, on the host, where the static draft does not apply. `root`: the
+        bonus (the tree's root)."""
+        self.check_params(params)
+        cache, sort_paths = self._cache(seq_id), self._sort_paths[seq_id]
+        if cache.length + params.draft_rows > self._rows[seq_id]:
+            raise CapacityExceeded(f"draft KV of sequence {seq_id!r} holds {self._rows[seq_id]} rows; "
+                                   f"{cache.length} used and {params.draft_rows} tree rows requested")
+        if (params.top_k, params.depth) == (verdict.params.top_k, verdict.params.depth):
+            cand = verdict.candidates
+        else:
+            last = self._last[seq_id]
+            if not self._static(seq_id, params):
+                return rerank(expand(self.head, cache, last, params), root, params, sort_paths)
+            assert self.graphs is not None and isinstance(cache, PagedCache)  # (_static)
+            keys = self.graphs.keys_for(cache, params)
+            assert keys is not None  # (_static)
+            out = self.graphs.expand(cache, last, params, keys, on_device=True)
+            assert isinstance(out, PendingCandidates)  # (on_device)
+            cand = out
+        return TreeOnDevice(rerank_static(cand.device, root, params),
+                            lambda: rerank(cand.host(), root, params, sort_paths))
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
                     params: TreeParams | None = None, round_index: int = 0, branches: int | None = None,

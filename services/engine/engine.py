@@ -48,14 +48,19 @@ whose tokens, depths and mask the verifier's forward reads there, so the verify 
 draft without the host reading the candidates first; the host tree (`TreeOnDevice.host()`, the same
 nodes) is read while the verify runs, for acceptance and the statistics. A round with a retrieved
 chain or an ahead draft builds its tree on the host as before.
-Verdict drafts (`verdict_drafts`; with device trees and a fixed tree, for a greedy sequence without a
-penalty or logprobs): the verifier calls back once the verify's forward is queued, and the next draft
-is queued from the verdict still on the device (next_rows_on_device: the accepted rows and the
-bonus; Drafter.draft_from_verdict), behind the verify and before the host reads anything; the host
-then reads the verdict (its copy was queued before the draft) and keeps the queued draft when its
-rows are the verdict's (Drafter.commit), else drafts again after it. The device then runs verify,
-draft, verify, ... while the host does each round's bookkeeping. The adaptive budget plans each round
-from the verdict before it, so it keeps drafting after the verdict.
+Verdict drafts (`verdict_drafts`; with device trees, no retrieval and no drafting ahead, for a
+greedy sequence without a penalty or logprobs): the verifier calls back once the verify's forward is
+queued, and the next draft is queued from the verdict still on the device (next_rows_on_device: the
+accepted rows and the bonus; Drafter.draft_from_verdict), behind the verify and before the host reads
+anything, in the verified round's own shape; the host then reads the verdict (its copy was queued
+before the draft) and, when its rows are the verdict's, commits them to the draft KV
+(Drafter.commit) and plans the next round: with a fixed tree the queued tree is the plan's; the
+adaptive budget plans from the verdict (its stop moves every round), so its queued candidates are
+re-ranked to the plan's size and stop on the device once it is known, or expanded again where the
+plan's top_k or depth differ (Drafter.redraft: no second extension), or left unused for a plain
+round. A verdict the host reads otherwise drops the queued
+draft and drafts after it. The device then runs verify, draft, verify, ... while the host does each
+round's bookkeeping; `verdict_counts` counts what became of the queued drafts.
 
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
@@ -74,6 +79,7 @@ import copy
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -215,15 +221,18 @@ class Engine:
     def __init__(self, verifier: VerifierRole, drafter: DrafterRole | None, max_context: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] = (), budget: Budget | None = None,
                  retrieval: bool = False, ahead: AheadPolicy | None = None, guesser: Guesser | None = None,
-                 plain_run: int = 0, device_trees: bool | None = None, verdict_drafts: bool | None = None) -> None:
+                 plain_run: int = 0, device_trees: bool | None = None, verdict_drafts: bool | None = None,
+                 verdict_ranks: bool | None = None) -> None:
         """`budget` None: the drafter's fixed shape; `retrieval`: a suffix index proposes chains;
         `ahead`: draft the next tree ahead while one is verified (module doc), guessing with
         `guesser` (None: the top path); `plain_run`: plain rounds per run at most (module doc; 0 = one
         decode call per plain round; used only with a verifier role that has `decode_run`);
         `device_trees`: trees stay on the device between draft and verify (module doc; None: wherever
         the drafter and the verifier can: one device, in process; False: never); `verdict_drafts`:
-        with device trees and a fixed tree, each greedy round's next draft is queued from its verdict
-        on the device (module doc; None: wherever device trees are; False: never)."""
+        with device trees, each greedy round's next draft is queued from its verdict on the device
+        (module doc; None: wherever device trees are, without retrieval or drafting ahead; False: never);
+        `verdict_ranks`: the queued draft is re-ranked as it is queued (None: with a fixed tree, whose
+        plan is known then; False: by the host once it has planned, as for the adaptive budget)."""
         if plain_run < 0:
             raise InvalidRequest(f"plain_run must be >= 0; got {plain_run}")
         self.verifier = verifier
@@ -256,9 +265,14 @@ class Engine:
         # relearn it from the prior, drafting at a loss meanwhile); sampling sequences start from
         # the prior, so that a seed replays the same trees whatever ran before
         self.realized = self.budget.prior.realized
-        fixed = self.budget.fixed is not None and self.budget.eagle and not retrieval and ahead is None
-        self.verdict_drafts = (self.device_trees and fixed and hasattr(drafter, "draft_from_verdict")
+        head_only = self.budget.eagle and not retrieval and ahead is None
+        self.verdict_drafts = (self.device_trees and head_only and hasattr(drafter, "draft_from_verdict")
                                and verdict_drafts is not False)
+        # what became of the drafts queued from verdicts (module doc): "kept" (the plan's shape),
+        # "reranked" (another size or stop), "expanded" (another top_k or depth), "plain" (the plan
+        # drafts nothing: the rows stay in the draft KV), "dropped" (the host read another verdict)
+        self.verdict_counts: Counter[str] = Counter()
+        self.verdict_ranks = self.budget.fixed is not None if verdict_ranks is None else verdict_ranks
         largest = self.budget.fixed or self.budget.largest
         if drafter is not None and self.budget.eagle and not drafter.tree.covers(largest):
             raise InvalidRequest(f"the budget's largest tree (top_k={largest.top_k}, depth={largest.depth}, "
@@ -534,6 +548,7 @@ class Engine:
                 or not isinstance(tree, TreeOnDevice) or seq.max_new_tokens - seq.produced <= 1):
             return None
         drafter = self.drafter
+        ranked = self.verdict_ranks  # else the host re-ranks for the plan it makes after the verdict
 
         def hook(argmax: torch.Tensor, features: torch.Tensor) -> None:
             t0 = time.perf_counter()
@@ -542,7 +557,8 @@ class Engine:
                 if width is None:
                     return
                 rows = next_rows_on_device(tree.static, argmax, width)
-                queued = drafter.draft_from_verdict(seq_id, rows, features[rows.nodes], params)  # type: ignore[union-attr]
+                queued = drafter.draft_from_verdict(seq_id, rows, features[rows.nodes], params,  # type: ignore[union-attr]
+                                                    ranked=ranked)
             except Exception:  # an optimisation only: the round goes on, and drafts after its verdict
                 log.exception("queuing the next draft from the verdict failed; this engine drafts after verdicts now")
                 self.verdict_drafts = False
@@ -568,11 +584,11 @@ class Engine:
         if queued is not None:  # a draft queued from this verdict (no retrieval, no ahead: __init__)
             plan = self._plan(seq_id, seq, 0)
             verdict, draft_s = queued
-            if plan.tree == seq.draft.plan.tree and verdict.matches(done.tokens):
-                self.drafter.commit(seq_id, len(done.tokens))  # type: ignore[union-attr]
-                return _Draft(verdict.tree, plan, [], None, draft_s)
-            # else the draft below writes those rows again (the draft KV's length never moved), planned
-            # as just now (a plan counts idle rounds: once a round)
+            if verdict.matches(done.tokens):  # the draft KV keeps the rows, and the tree if it is the plan's
+                return self._from_verdict(seq_id, seq, verdict, len(done.tokens), plan, draft_s)
+            self.verdict_counts["dropped"] += 1
+            # the draft below writes those rows again (the draft KV's length never moved), planned as
+            # just now (a plan counts idle rounds: once a round)
         if self.drafter:
             seq.pending_tokens.append(torch.tensor(done.tokens))
             if not seq.draft.detached:
@@ -589,6 +605,27 @@ class Engine:
                 and done.tokens[:-1] == bet[: len(done.tokens) - 1]):  # on the bet + the bonus: on the tree?
             seq.policy.observe_ahead(hit is not None)
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
+
+    def _from_verdict(self, seq_id: str, seq: _SequenceState, verdict: VerdictDraft, rows: int, plan: RoundPlan,
+                      draft_s: float) -> _Draft:
+        """The next round from a draft queued from the verdict the host read too: its `rows` (the
+        round's accepted tokens + bonus) committed to the draft KV; its tree where the plan is its
+        shape, else the plan's tree from it (the adaptive budget plans after the verdict:
+        Drafter.redraft re-ranks the same candidates or expands again, without extending again), or
+        the plan's plain round (nothing pending: the KV is current)."""
+        assert self.drafter is not None  # (verdict drafts)
+        self.drafter.commit(seq_id, rows)  # type: ignore[attr-defined]
+        if plan.tree == verdict.params and verdict.tree is not None:
+            self.verdict_counts["kept"] += 1
+            return _Draft(verdict.tree, plan, [], None, draft_s)
+        if plan.tree is None:  # (a tree round just ran: not detached before, no run open)
+            self.verdict_counts["plain"] += 1
+            return self._draft(seq_id, seq, seq.root, plan=plan)
+        t0 = time.perf_counter()
+        tree = self.drafter.redraft(seq_id, verdict, plan.tree, seq.root)  # type: ignore[attr-defined]
+        same = (plan.tree.top_k, plan.tree.depth) == (verdict.params.top_k, verdict.params.depth)
+        self.verdict_counts["reranked" if same else "expanded"] += 1
+        return _Draft(tree, plan, [], None, draft_s + time.perf_counter() - t0)
 
     def _draft(self, seq_id: str, seq: _SequenceState, root: int, ahead: DraftTree | None = None,
                saved_s: float = 0.0, plan: RoundPlan | None = None) -> _Draft:

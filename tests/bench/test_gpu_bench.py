@@ -162,7 +162,8 @@ def test_draft_parts_time_the_static_draft_and_restore_the_drafter(llama_pair):
 
 def test_rounds_measure_each_on_device_step_turned_off(llama_pair, monkeypatch):
     """Where the engine keeps the round on the device (a static drafter and a paged verifier: the GPU's
-    case, here eagerly on the CPU), each fixed tree's round is also measured without verdict drafts and
+    case, here eagerly on the CPU), each fixed tree's round is also measured with the queued draft
+    re-ranked by the host after the verdict (the adaptive budget's rounds), without verdict drafts and
     without device trees, in the same run, and shown in the table beside it."""
     import services.engine.drafter as drafter_module
     from services.model.paged_kv import PagedKVPool
@@ -178,6 +179,9 @@ def test_rounds_measure_each_on_device_step_turned_off(llama_pair, monkeypatch):
     r = rounds["16/3/4"]
     assert r["device_trees"] is True and r["verdict_drafts"] is True and set(r["without"]) == set(gpu.WITHOUT)
     assert all(w["round_ms"] > 0 and w["plain_tokens"] > 0 for w in r["without"].values())
+    assert r["verdict_counts"]["kept"] > 0 and not r["verdict_counts"].get("reranked")  # the fixed tree's way
+    late = r["without"]["the re-rank in the hook (the adaptive budget's rounds)"]["verdict_counts"]
+    assert late["reranked"] > 0 and not late.get("kept")
     res = {"rounds": rounds, "plain_ms": {}, "batched": {}, "device": "cpu", "shape": "tiny", "dtype": "fp32",
            "prompt": 16, "weight_gb": 0.0, "copy_tb_s": 0.0, "floor_ms": 0.0, "forward_ms": 0.0, "kernels_forward": 0}
     assert "without verdict drafts: ms (draft + verify)" in gpu.table(res)

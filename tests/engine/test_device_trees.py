@@ -283,20 +283,82 @@ def test_sampling_and_penalised_sequences_draft_after_the_verdict(llama_pair):
         assert got == run(host, [9, 4, 77], 24, sampling=sampling)
 
 
-def test_verdict_drafts_need_a_fixed_tree(llama_pair):
-    """The adaptive budget plans each round from the verdict before it: no verdict drafts there."""
+def test_the_adaptive_budget_drafts_from_verdicts_with_the_same_rounds(llama_pair):
+    """The adaptive budget (a GPU-like cost model: a 64-row verify costs 2.3 one-row steps) plans
+    after each verdict: with verdict drafts its rounds (every round's accept length, tree size and
+    depth) and tokens equal those of trees drafted after the verdict, on the device and on the host,
+    and plain decoding's tokens; the queued drafts served rounds, and none was read otherwise."""
     from services.spec.acceptance import prior_stats
-    from services.spec.budget import Budget
+    from services.spec.budget import AUTO_LARGEST, Budget
     from services.spec.cost import CostCurve, CostModel
 
     _, target, head = llama_pair
     rows = (1, 2, 4, 8, 16, 32, 64)
     costs = CostModel(CostCurve(rows, tuple(1 + 0.02 * (r - 1) for r in rows)), CostCurve((1, 16), (0.05, 0.06)),
                       CostCurve((1, 16), (0.05, 0.07)))
-    budget = Budget(costs, prior_stats({"top1_agreement": 0.6}), largest=SHAPES["60/5/10"])
-    engine = Engine(paged_verifier(target, "hidden"), static_drafter(head, SHAPES["60/5/10"]), 512, VOCAB,
-                    budget=budget)
-    assert engine.device_trees and not engine.verdict_drafts
+    budget = Budget(costs, prior_stats({"top1_agreement": 0.6}), largest=AUTO_LARGEST)
+    prompt = [5, 17, 99, 3, 42, 8]
+    out, engines = {}, {}
+    for mode in ("verdicts", "device", "host"):
+        drafter = static_drafter(head, AUTO_LARGEST)
+        used = counting(drafter)
+        engine = engines[mode] = Engine(paged_verifier(target, "hidden"), drafter, 512, VOCAB, budget=budget,
+                                        device_trees=mode != "host", verdict_drafts=mode == "verdicts")
+        assert (engine.device_trees, engine.verdict_drafts) == (mode != "host", mode == "verdicts")
+        out[mode] = run(engine, prompt, 48)
+        if mode == "verdicts":
+            counts = engine.verdict_counts
+            assert used["verdict"] > 5 and used["commit"] == sum(counts.values()) and not counts["dropped"], counts
+            assert counts["kept"] + counts["reranked"] + counts["expanded"] > 5, counts
+    assert out["verdicts"] == out["device"] == out["host"]
+    assert out["host"][0] == run(Engine(paged_verifier(target, "none"), None, 512, VOCAB), prompt, 48)[0]
+    assert max(s[0] for s in out["host"][1]) > 2  # the budget drafted, and drafts were accepted
+
+
+def test_a_plan_of_another_shape_re_ranks_or_expands_the_verdict_s_draft(llama_pair, monkeypatch):
+    """Plans scripted through every case after a verdict draft (the same shape, another size, another
+    stop, another top_k and depth, a plain round, detached): each case is served as planned
+    (Drafter.redraft: a re-rank of the same candidates, or an expansion alone; a fixed tree's case,
+    the tree kept as queued, is test_device_trees_give_the_host_trees_tokens_and_rounds), with the
+    rounds and tokens of trees drafted after the verdict and plain decoding's tokens."""
+    from services.spec.budget import AUTO_LARGEST, RoundPlan
+
+    _, target, head = llama_pair
+    a, b = TreeParams(4, 3, 16), TreeParams(2, 4, 12)
+    script = [a, a, TreeParams(4, 3, 10), b, None, a, TreeParams(4, 3, 16, stop_logprob=-2.0), b, b, a]
+
+    def scripted(plans):
+        it = iter(plans * 10)
+
+        def plan(self, seq_id, seq, chain):
+            tree = next(it)
+            return RoundPlan(tree, 0, 2.0 if tree else 1.0, 1.0)
+        return plan
+
+    prompt = [2, 71, 14, 9, 30]
+    out = {}
+    for mode in ("verdicts", "device"):
+        monkeypatch.setattr(Engine, "_plan", scripted(script))
+        drafter = static_drafter(head, AUTO_LARGEST)
+        engine = Engine(paged_verifier(target, "hidden"), drafter, 512, VOCAB, budget=Budget_of(AUTO_LARGEST),
+                        verdict_drafts=mode == "verdicts")
+        out[mode] = run(engine, prompt, 60)
+        if mode == "verdicts":
+            counts = engine.verdict_counts
+            # (the budget is not fixed: its queued candidates wait for the plan's re-rank, never kept as they are)
+            assert all(counts[c] > 0 for c in ("reranked", "expanded", "plain")), counts
+            assert not counts["dropped"] and not counts["kept"], counts
+    monkeypatch.undo()
+    assert out["verdicts"] == out["device"]
+    assert out["device"][0] == run(Engine(paged_verifier(target, "none"), None, 512, VOCAB), prompt, 60)[0]
+    assert {s[1] for s in out["device"][1][1:]} >= {0, 10, 12, 16}  # the scripted sizes and plain rounds ran
+
+
+def Budget_of(largest: TreeParams):
+    """An adaptive budget (no fixed shape) bounded by `largest`; its plans are scripted in the test."""
+    from services.spec.budget import NOMINAL_COSTS, Budget
+
+    return Budget(NOMINAL_COSTS, largest=largest)
 
 
 def test_aerie_device_round_turns_the_round_on_the_device_off(monkeypatch, llama_pair):

@@ -456,3 +456,49 @@ def test_verdict_drafts_queue_the_next_draft_without_a_host_read(llama_pair, mon
     tokens, accepts = generate(e, p, 30)
     assert tokens == want and e.verdict_drafts
     assert len(commits) == len(accepts) - 2 > 3 and commits == accepts[1:-1]
+
+
+def test_the_adaptive_budget_drafts_from_verdicts_without_a_host_read(llama_pair, monkeypatch):
+    """The adaptive budget on CUDA (a GPU-like cost model): the next draft is queued from each verdict
+    with no host synchronisation, and the tree the plan made after the verdict asks for (a re-rank of
+    the same candidates, or an expansion alone: Drafter.redraft) is built without one either; the
+    queued drafts served rounds; fp32 tokens == transformers."""
+    from services.spec.acceptance import prior_stats
+    from services.spec.budget import AUTO_LARGEST, Budget
+    from services.spec.cost import CostCurve, CostModel
+
+    hf, target, head = llama_pair
+    t, h = on_cuda(target, head)
+    p = prompts(19, 1)[0]
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    costs = CostModel(CostCurve(rows, tuple(1 + 0.02 * (r - 1) for r in rows)), CostCurve((1, 16), (0.05, 0.06)),
+                      CostCurve((1, 16), (0.05, 0.07)))
+    d = Drafter(h, AUTO_LARGEST)
+    e = Engine(Verifier(t, h.feature_kind), d, 512, VOCAB,
+               budget=Budget(costs, prior_stats({"top1_agreement": 0.6}), largest=AUTO_LARGEST))
+    assert e.device_trees and e.verdict_drafts
+    want = hf_greedy(hf, p, 30)
+    assert generate(e, p, 30)[0] == want  # (captures the graphs of the shapes it plans)
+
+    def strict(f):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return f(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+
+    verdict_hook = Engine._verdict_hook
+
+    def strict_hook(self, *args):
+        hook = verdict_hook(self, *args)
+        return strict(hook) if hook is not None else None
+
+    monkeypatch.setattr(Engine, "_verdict_hook", strict_hook)
+    monkeypatch.setattr(d, "redraft", strict(d.redraft))
+    e.verdict_counts.clear()
+    e.realized = e.budget.prior.realized  # the first run's plans again: their graphs are captured (a capture syncs)
+    assert generate(e, p, 30)[0] == want and e.verdict_drafts
+    served = e.verdict_counts["kept"] + e.verdict_counts["reranked"] + e.verdict_counts["expanded"]
+    assert served > 3 and not e.verdict_counts["dropped"], e.verdict_counts
