@@ -2,7 +2,7 @@
 
     chain = RunChain(batcher, loop, RunStep(seq, token, round, keep), steps)
     chain.start()                      # step 1 queued in the batcher
-    item = await chain.answers.get()   # each step's DecodeResponse (or its exception), in order
+    item = await chain.next_answer()   # each step's DecodeResponse (or its exception), in order
     chain.cancel()                     # the caller went away: no further step is queued
 
 Each step is an ordinary decode call through the servicer's batcher (batched with other sequences'
@@ -10,6 +10,13 @@ calls, scheduled by the step scheduler as a Decode is). When a step's answer is 
 thread, the next step is queued before the answer is handed to the event loop: the model thread never
 waits for the stream or for the coordinator. A cancel stops the run after the step in progress (a step
 already queued still runs; its answer is kept for a retry like every step's).
+
+Queued steps (`RunStep.on_device`: a greedy sequence without a penalty or logprobs on a local runner,
+where the servicer queues runs: on a GPU): a step's token stays on the device (a `QueuedAnswer`), the
+next step is queued with it as its input before anything is read, and the token is read off the model
+thread (`QueuedAnswer.response`, which waits for its own step's copy only, not for the steps queued
+after it): the model thread launches step k + 1 while the device still computes step k, as the
+in-process runs do (services/engine/plain_run.py).
 
 `RunAnswers` keeps the answers of a sequence's recent run steps per round: after a broken run, a
 Decode or DecodeRun at any round the run computed is answered from them (no second KV row). This
@@ -24,9 +31,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from services.engine.batcher import Batcher
 from services.engine.verifier import DecodeCall
 from services.errors import CapacityExceeded, InvalidRequest
+from services.model.transfer import mark, to_host_queued
 
 MAX_RUN_STEPS = 64  # DecodeRunRequest.steps: 1..MAX_RUN_STEPS (RunAnswers keeps as many rounds)
 
@@ -38,7 +48,29 @@ def check_steps(steps: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RunStep(DecodeCall):
-    """One step of a DecodeRun: a DecodeCall whose answer is kept per round (RunAnswers)."""
+    """One step of a DecodeRun: a DecodeCall whose answer is kept per round (RunAnswers); with
+    `on_device`, a QueuedAnswer."""
+
+
+class QueuedAnswer:
+    """A queued run step's answer: `token` [1] long on the device (the next step's input), and its copy
+    to the host queued behind the step; `response()` waits for that copy (not for the steps queued
+    after it) and builds the step's response with `build(token)`, once (any thread; a replay too)."""
+
+    def __init__(self, token: torch.Tensor, build: Callable[[int], object]) -> None:
+        self.token = token
+        self._host = to_host_queued(token)
+        self._copied = mark(token.device)
+        self._build = build
+        self._response: object | None = None
+        self.started = 0.0  # perf_counter when the chain submitted the step (its latency metric)
+
+    def response(self) -> object:
+        if self._response is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._response = self._build(int(self._host[0]))
+        return self._response
 
 
 class RunAnswers:
@@ -65,12 +97,14 @@ class RunAnswers:
 
 
 class RunChain:
-    """The steps of one DecodeRun call: `answers` gets each step's response (with `.token`) or the
-    exception that ended the run, in order; nothing follows an exception."""
+    """The steps of one DecodeRun call: `answers` gets each step's response (with `.token`; or a
+    QueuedAnswer: `next_answer` reads it) or the exception that ended the run, in order; nothing
+    follows an exception."""
 
     def __init__(self, batcher: Batcher, loop: asyncio.AbstractEventLoop, first: RunStep, steps: int,
                  observe: Callable[[float], None] = lambda s: None) -> None:
-        """`observe(seconds)`: each step's wall time from queued to answered (a metric)."""
+        """`observe(seconds)`: each step's wall time from queued to answered (a metric; a queued
+        step's: to its token read)."""
         self.batcher = batcher
         self.loop = loop
         self.first = first
@@ -119,15 +153,29 @@ class RunChain:
         t0 = time.perf_counter()
 
         def done(f: Future) -> None:  # on the model thread (or here, when already done)
-            self.observe(time.perf_counter() - t0)
             error = f.exception()
+            response = f.result() if error is None else None
+            if isinstance(response, QueuedAnswer):
+                response.started = t0  # observed once its token is read (`observe_read`)
+            else:
+                self.observe(time.perf_counter() - t0)
             if error is None and k + 1 < self.steps and not self.cancelled:
-                response = f.result()
-                self._submit(RunStep(step.seq_id, int(response.token), step.round_index + 1,  # type: ignore[attr-defined]
-                                     step.keep_features), k + 1)  # before the answer goes out
-            self._deliver(error if error is not None else f.result())
+                token = response.token if isinstance(response, QueuedAnswer) else int(response.token)  # type: ignore[attr-defined]
+                self._submit(RunStep(step.seq_id, token, step.round_index + 1, step.keep_features,
+                                     on_device=step.on_device), k + 1)  # before the answer goes out
+            self._deliver(error if error is not None else response)
 
         future.add_done_callback(done)
 
     def _deliver(self, item: object) -> None:
         self.loop.call_soon_threadsafe(self.answers.put_nowait, item)
+
+    async def next_answer(self) -> object:
+        """The next step's response (a QueuedAnswer's read in a worker thread: the event loop never
+        waits for the device) or the exception that ended the run."""
+        item = await self.answers.get()
+        if isinstance(item, QueuedAnswer):
+            queued = item
+            item = await self.loop.run_in_executor(None, queued.response)
+            self.observe(time.perf_counter() - queued.started)
+        return item

@@ -11,7 +11,9 @@ Verify and Decode are idempotent per (sequence, round): the latest round's respo
 repeated call (a retry after UNAVAILABLE) returns it instead of running the round twice.
 
 DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
-the batcher, the next queued by the model thread as soon as the previous token is known. Every
+the batcher, the next queued by the model thread as soon as the previous token is known (on a GPU,
+`queue_runs`, for a greedy sequence without a penalty or logprobs: as soon as its step is queued,
+its token still on the device and read off the model thread). Every
 round of the sequence's latest run is kept, so that after a broken run stream a Decode or DecodeRun
 at any round the run computed is answered again, never run twice.
 
@@ -77,7 +79,7 @@ from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
 from verifier_svc.config import AUTO, VerifierConfig
-from verifier_svc.plain_run import RunAnswers, RunChain, RunStep, check_steps
+from verifier_svc.plain_run import QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
 
 log = logging.getLogger("aerie.verifier")
 
@@ -199,6 +201,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
         self._last: dict[str, tuple[int, object]] = {}  # sequence id -> (round, response) for replays
         self._run_answers = RunAnswers()  # sequence id -> its latest run's answers per round, for replays
+        # runs queue each step on the device before the previous token is read (verifier_svc/plain_run.py):
+        # on a GPU, where the device then computes while the model thread launches (on the CPU a step
+        # runs as it is launched: nothing would overlap)
+        self.queue_runs = is_gpu(str(target.device))
         # sequence id -> (offset, rows prefilled after it, answer) of its latest chunk, for a chunk sent again
         self._chunks: dict[str, tuple[int, int, ChunkAnswer]] = {}
         self._slices: dict[str, list[PrefillResult]] = {}  # sequence id -> its call's slices' answers so far
@@ -349,13 +355,14 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         _check_round(request.round_index)
         check_steps(request.steps)
         token = codec.token_ids([request.token], self.vocab_size, "decode")[0]
+        queued = self.queue_runs and self.verifier.queues_runs(seq_id)
         chain = RunChain(self.batcher, asyncio.get_running_loop(),
-                         RunStep(seq_id, token, request.round_index, request.keep_features), request.steps,
-                         VERIFY_SECONDS.labels(SERVICE).observe)
+                         RunStep(seq_id, token, request.round_index, request.keep_features, on_device=queued),
+                         request.steps, VERIFY_SECONDS.labels(SERVICE).observe)
         chain.start()
         try:
             for _ in range(request.steps):
-                answer = await chain.answers.get()
+                answer = await chain.next_answer()
                 if isinstance(answer, BaseException):
                     raise answer
                 yield answer
@@ -482,6 +489,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response = codec.encode_verify_result(out)
             if logprobs is not None:
                 response.logprobs.CopyFrom(logprobs)
+        elif isinstance(call, RunStep) and isinstance(out, torch.Tensor):  # a queued step: read off this thread
+            round_index = call.round_index
+            response = QueuedAnswer(out, lambda token: vpb.DecodeResponse(token=token, round_index=round_index))
         elif isinstance(call, RunStep):
             response = vpb.DecodeResponse(token=out, logprobs=logprobs, round_index=call.round_index)
         else:
@@ -559,12 +569,13 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             if isinstance(call, VerifyCall):
                 raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} was a plain step of a run here; "
                                      "a Verify cannot repeat it")
-            return ran
+            return ran if isinstance(call, RunStep) or not isinstance(ran, QueuedAnswer) else ran.response()
         last = self._last.get(seq_id)
         if last is None or round_index > last[0]:
             return None
         if round_index == last[0]:
-            return last[1]
+            answer = last[1]
+            return answer.response() if isinstance(answer, QueuedAnswer) and not isinstance(call, RunStep) else answer
         raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest round {last[0]}")
 
 

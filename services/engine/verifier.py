@@ -242,10 +242,19 @@ class Verifier:
         """`steps` plain steps from round `round_index` (the engine's PlainRun): each step queued on
         the device before the previous token is read, for a greedy sequence without a repetition
         penalty or logprobs on a local ModelRunner; else one Decode per token (services/engine/plain_run.py)."""
-        s = self._get(seq_id).sampling
-        ahead = (s.greedy and s.repetition_penalty == 1.0 and s.logprobs is None
-                 and isinstance(self.runner, ModelRunner))
-        return (LocalPlainRun if ahead else StepwiseRun)(self, seq_id, token, round_index, steps, keep_features)
+        self._get(seq_id)  # (SequenceNotFound)
+        run = LocalPlainRun if self.queues_runs(seq_id) else StepwiseRun
+        return run(self, seq_id, token, round_index, steps, keep_features)
+
+    def queues_runs(self, seq_id: str) -> bool:
+        """Whether `seq_id`'s plain steps can be queued on the device before the previous token is read
+        (DecodeCall.on_device): greedy, without a repetition penalty or logprobs, on a local ModelRunner
+        (not a tensor-parallel one). False for a sequence this verifier does not hold."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        s = seq.sampling
+        return s.greedy and s.repetition_penalty == 1.0 and s.logprobs is None and isinstance(self.runner, ModelRunner)
 
     def decode_on_device(self, seq_id: str, token: int | torch.Tensor, round_index: int,
                          keep_features: bool = False) -> torch.Tensor:

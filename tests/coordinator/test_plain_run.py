@@ -32,14 +32,34 @@ def run_rounds() -> float:
     return counted("aerie_plain_run_rounds_total")
 
 
-@pytest.fixture(scope="module")
-def plain(model_dirs, redis_url):
+@pytest.fixture(scope="module", params=["read", "queued"])
+def plain(model_dirs, redis_url, request):
     """A coordinator without drafters (runs on, the default 16), and one with runs off. (discover=False:
-    with discovery on, a coordinator keeps looking for a drafter each round: root-only Verify rounds.)"""
+    with discovery on, a coordinator keeps looking for a drafter each round: root-only Verify rounds.)
+    `queued`: the verifier queues each greedy run step before the previous token is read (the GPU's
+    default; `read`, the CPU's: each token read before the next step is queued)."""
     p = start_pipeline(model_dirs, redis_url, with_drafter=False, discover=False)
+    p.verifier.queue_runs = request.param == "queued"
     p.off = p.add_coordinator(redis_url, plain_run=0, discover=False)[1]
     yield p
     p.close()
+
+
+@pytest.fixture
+def queued_answers(monkeypatch):
+    """Counts the run steps answered with a QueuedAnswer (the token read off the model thread)."""
+    import verifier_svc.servicer as servicer_module
+    from verifier_svc.plain_run import QueuedAnswer
+
+    made = []
+
+    class Counted(QueuedAnswer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(servicer_module, "QueuedAnswer", Counted)
+    return made
 
 
 def via(p, address: str, req: GenerationRequest):
@@ -51,13 +71,14 @@ def via(p, address: str, req: GenerationRequest):
         p.addresses = addresses
 
 
-def test_greedy_plain_runs_equal_the_target_and_runs_off(plain, llama_pair):
+def test_greedy_plain_runs_equal_the_target_and_runs_off(plain, llama_pair, queued_answers):
     req = GenerationRequest(PROMPT, 40, ignore_eos=True)
     before = run_rounds()
     tokens, reason, accepts = remote_run(plain, req)
     assert tokens == hf_greedy(llama_pair[0], list(PROMPT), 40) and reason == "length"
     assert accepts == [1] * 39  # every plain round its own round (one token each)
     assert run_rounds() - before == 39  # rounds 1..39 came from runs (16 + 16 + 7)
+    assert len(queued_answers) == (39 if plain.verifier.queue_runs else 0)  # queued: every step of the runs
     off_before = run_rounds()
     assert via(plain, plain.off, req) == (tokens, reason, accepts)
     assert run_rounds() == off_before
@@ -80,10 +101,11 @@ def test_drafters_none_decodes_plainly_even_with_discovery(plain, llama_pair, re
     assert run_rounds() - before == 19  # rounds 1..19 from runs (16 + 3)
     wait_until(lambda: plain.verifier.num_sequences == 0)
 
-def test_seeded_sampling_is_the_same_with_runs_on_and_off(plain):
+def test_seeded_sampling_is_the_same_with_runs_on_and_off(plain, queued_answers):
     req = GenerationRequest(PROMPT, 30, SamplingParams(0.9, 0.95, 0, 7, logprobs=1), ignore_eos=True)
     on = remote_run(plain, req)
     assert on == via(plain, plain.off, req)
+    assert not queued_answers  # sampling (and logprobs): each token read before the next step
 
 
 @pytest.mark.parametrize("stop", ["stop_id", "max_new_tokens"])
@@ -227,21 +249,24 @@ def test_a_verifier_lost_mid_run_costs_no_token(model_dirs, redis_url, llama_pai
         p.close()
 
 
-@pytest.fixture(scope="module")
-def detaching(model_dirs, redis_url):
-    """A coordinator with a drafter and the auto budget (the random tiny head: plain rounds, detached)."""
+@pytest.fixture(scope="module", params=["read", "queued"])
+def detaching(model_dirs, redis_url, request):
+    """A coordinator with a drafter and the auto budget (the random tiny head: plain rounds, detached);
+    `queued` as for `plain` (the kept features of queued steps)."""
     p = start_pipeline(model_dirs, redis_url, tree=None)
+    p.verifier.queue_runs = request.param == "queued"
     p.off = p.add_coordinator(redis_url, plain_run=0)[1]
     yield p
     p.close()
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.95, 0, 11)], ids=["greedy", "seeded"])
-def test_detached_rounds_from_runs_equal_the_target_and_runs_off(detaching, llama_pair, sampling):
+def test_detached_rounds_from_runs_equal_the_target_and_runs_off(detaching, llama_pair, sampling, queued_answers):
     req = GenerationRequest(PROMPT, 48, sampling, ignore_eos=True)
     detached, runs = counted("aerie_detached_rounds_total"), run_rounds()
     on = remote_run(detaching, req)
     assert counted("aerie_detached_rounds_total") > detached and run_rounds() > runs
+    assert bool(queued_answers) == (detaching.verifier.queue_runs and sampling.greedy)
     if sampling.greedy:
         assert on[0] == hf_greedy(llama_pair[0], list(PROMPT), 48)
     off_runs = run_rounds()
