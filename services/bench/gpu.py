@@ -18,6 +18,8 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
                   (extension, expansion, host re-rank: `draft_parts`, timed in separate rounds)
   first_token     ms from a request to its first token (the prompt's prefill), plain engine
   batched         one decode step for N = 1, 8, 32 sequences: tokens/s and the ratio to N = 1
+  batched_drafts  one draft call for 4 and 8 sequences (16/3/4): drafted together, one after another, and
+                  in the eager batch (ms a call)
   hf              transformers' eager generate on the same shape: ms/token
   device_split    plain decoding and each round profiled (services/bench/device_time.py): the
                   device's busy and idle ms a round, its kernels by kind (CUDA only)
@@ -406,6 +408,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -
     # batched decode
     runner = runner_objs[best_label]
     res["batched"] = _batched(runner, cfg, log)
+    checkpoint(res)
+    res["batched_drafts"] = _batched_drafts(head, cfg, log)
     if isinstance(runner.uniform, object) and getattr(runner, "uniform", None) is not None:
         res["graph_captures"] = runner.uniform.captures
         res["graph_capture_s"] = round(runner.uniform.capture_s, 2)
@@ -503,6 +507,55 @@ def _rounds(runner, head, prompt, cfg: GpuBenchConfig, plain_ms: float, log, tre
 # device at all (read back before the verify)
 WITHOUT = {"the re-rank in the hook (the adaptive budget's rounds)": {"verdict_ranks": False},
            "verdict drafts": {"verdict_drafts": False}, "device trees": {"device_trees": False}}
+
+
+# sequences drafting at once (the drafter service's batches) for `_batched_drafts`, and its tree
+DRAFT_BATCHES = (4, 8)
+DRAFT_BATCH_TREE = "16/3/4"
+
+
+def _batched_drafts(head, cfg: GpuBenchConfig, log) -> dict:
+    """One draft call (`Drafter.draft_many`) for N = DRAFT_BATCHES sequences of the DRAFT_BATCH_TREE
+    shape, 2 new rows each: ms per call drafting them together (one batched static draft: a graph
+    per batch bucket on CUDA), each alone (one draft graph after another), and in the eager batch
+    (every sequence's rows in each eager head step: what several sequences ran before the batched
+    graph). {str(N): {"together_ms", "alone_ms", "eager_ms"}}."""
+    from services.engine.drafter import DraftCall, Drafter
+    from services.spec.tree import TreeParams
+
+    params = TreeParams(*TREES[DRAFT_BATCH_TREE])
+    f = head.config.feature_size
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for n in DRAFT_BATCHES:
+        times = {}
+        for way in ("together", "alone", "eager"):
+            d = Drafter(head, params, max_sequences=n)
+            if way == "eager":
+                d._batched = lambda calls, shapes: False  # type: ignore[method-assign]  (the older path)
+            ids = [f"d{i}" for i in range(n)]
+            for seq in ids:
+                d.start(seq, 512, sampling=False)
+            for seq in ids:  # a history of 16 rows each
+                d.draft(seq, torch.randint(0, head.config.vocab_size, (16,), generator=g),
+                        torch.randn(16, f, generator=g).to(head.device, head.dtype), params)
+            calls = [DraftCall(seq, torch.randint(0, head.config.vocab_size, (2,), generator=g),
+                               torch.randn(2, f, generator=g).to(head.device, head.dtype), params) for seq in ids]
+
+            def call(d=d, calls=calls, way=way):
+                if way == "alone":
+                    for c in calls:
+                        d.draft(c.seq_id, c.tokens, c.features, c.params)
+                else:
+                    d.draft_many(calls)
+
+            times[f"{way}_ms"] = timed(call, cfg.device, max(4, cfg.repeats // 4), warmup=2) * 1e3
+            for seq in ids:
+                d.release(seq)
+        out[str(n)] = times
+        log(f"drafts of {n} sequences ({DRAFT_BATCH_TREE}): together {times['together_ms']:.2f} ms, one after "
+            f"another {times['alone_ms']:.2f} ms, eager batch {times['eager_ms']:.2f} ms")
+    return out
 
 
 def _batched(runner, cfg: GpuBenchConfig, log) -> dict:
@@ -747,6 +800,9 @@ def table(res: dict) -> str:
     for n, b in res["batched"].items():
         rows.append((f"batched decode N={n}: ms/step, tok/s, x N=1", f"{b['step_ms']:.2f}, {b['tokens_per_s']:.0f}, "
                                                                    f"{b['vs_n1']:.2f}x"))
+    for n, b in res.get("batched_drafts", {}).items():
+        rows.append((f"drafts of N={n} sequences: ms together, one after another, eager batch",
+                     f"{b['together_ms']:.2f}, {b['alone_ms']:.2f}, {b['eager_ms']:.2f}"))
     rows += [("CUDA graphs captured (s)", f"{res.get('graph_captures', '-')} ({res.get('graph_capture_s', '-')})"),
              ("transformers eager generate (ms/token)", f(res.get("hf_ms"))),
              ("speed-up over transformers", f(res.get("vs_hf")))]

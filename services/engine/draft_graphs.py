@@ -20,7 +20,9 @@ candidates) follows in the drafter (with dynamic depth it drops the candidates b
 graph expands every branch to the full depth). With `on_device` the candidates stay on the device
 (PendingCandidates: their host copy is queued into pinned memory, waited for only when the host asks)
 so that the drafter can re-rank them there and the verify be queued behind the draft without a sync.
-A batch of several sequences runs the eager `extend_many` + `expand_many` instead.
+`draft_batch` drafts B sequences of one (top_k, depth) in one graph per (B bucket, W, top_k, depth,
+S) (tree_static.draft_batch: one head step a level for all of them, each sequence attending to its
+own keys only); B is padded to BATCHES with idle rows that write only to the trash page.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from services.model.paged_kv import TRASH_ROW, PagedCache, PagedKVPool
 from services.model.transfer import mark, staged, to_host_queued
 from services.model.uniform import MIN_KEYS, WarmUp, bucket, capture_graph, graph_pool_bytes, key_bucket
 from services.spec.tree import Candidates, TreeParams
-from services.spec.tree_static import draft_static, expand_static
+from services.spec.tree_static import draft_batch, draft_static, expand_static
 
 log = logging.getLogger(__name__)
 
 EXTEND_WIDTHS = (1, 2, 4, 8, 16)  # W: newly committed rows a draft graph extends by (padded up)
+BATCHES = (2, 4, 8, 16)  # B: sequences a batched draft graph drafts (padded up; more: several graphs)
 MAX_DRAFT_GRAPHS = 256  # graphs kept per drafter; shapes beyond run the static code eagerly
 
 
@@ -79,13 +82,19 @@ def _packed(cand: Candidates) -> torch.Tensor:
     return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()])
 
 
+def _packed_batch(cand: Candidates) -> torch.Tensor:
+    """A batch's candidates ([B, C], [B, C], [B, P]) -> one float64 buffer [B, 2C + P]."""
+    return torch.cat([cand.scores.double(), cand.tokens.double(), cand.parents.double()], dim=1)
+
+
 @dataclass
 class _DraftGraph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [S + 2W + 2] long: key_rows [S], write_rows [W], stable, count, tokens [W]
-    features: torch.Tensor  # [W, F] (W = 0: unused)
-    last: torch.Tensor  # [H]: the input of an expansion alone; the extension's output otherwise
-    packed: torch.Tensor  # [2 * C + P] float64: scores, tokens, parents (one copy to the host)
+    #                       ([B, S + 2W + 2] for a batch of B)
+    features: torch.Tensor  # [W, F] (W = 0: unused; [B, W, F])
+    last: torch.Tensor  # [H]: the input of an expansion alone; the extension's output otherwise ([B, H])
+    packed: torch.Tensor  # [2 * C + P] float64: scores, tokens, parents (one copy to the host; [B, 2C + P])
     sizes: tuple[int, int, int]
 
 
@@ -95,13 +104,14 @@ class DraftGraphs:
         self.head, self.pool, self.graphs_on = head, pool, graphs
         self.max_keys, self.max_graphs = max_keys, max_graphs
         self._capped = False
-        self._warm: set[tuple[int, int, int, int]] = set()  # shapes run eagerly by warm_up (graphs off)
+        self._warm: set[tuple[int, int, int, int, int]] = set()  # shapes run eagerly by warm_up (graphs off)
         head.rotary.tables(max_keys, head.dtype, head.device)  # a graph holds the tables' address
-        self._graphs: dict[tuple[int, int, int, int], _DraftGraph] = {}
+        self._graphs: dict[tuple[int, int, int, int, int], _DraftGraph] = {}  # (W, top_k, depth, S, B)
         self._mempool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures, self.capture_s = 0, 0.0
         self.expansions = 0  # expansions served (graph or eager static code)
         self.extensions = 0  # of them, with the extension in the same graph (`draft`)
+        self.batched = 0  # of them, drafted with other sequences' (`draft_batch`)
 
     @staticmethod
     def width_for(n: int) -> int | None:
@@ -169,6 +179,51 @@ class DraftGraphs:
         g.graph.replay()
         return _pending(g.packed, g.sizes[0]), g.last.clone()
 
+    def draft_batch(self, caches: list[PagedCache], features: list[torch.Tensor], tokens: list[torch.Tensor],
+                    params: TreeParams, width: int, keys: int) -> tuple[list[Candidates], list[torch.Tensor]]:
+        """`draft` for B <= BATCHES[-1] sequences of one shape at once: features[i] [n_i, F], tokens[i]
+        [n_i] (n_i <= width), every cache within `keys` -> (each one's candidates on the host, each
+        one's last [H] on the device). One graph per (B bucket, W, top_k, depth, S): the head's
+        weights are read once a level for the batch. WARNING: advances each cache by its n_i."""
+        b = len(caches)
+        size = bucket(b, BATCHES)
+        assert size is not None and b > 1, b
+        rows = []
+        for cache, toks in zip(caches, tokens, strict=True):
+            n = int(toks.shape[0])
+            assert 1 <= n <= width and keys >= cache.length + width + params.draft_rows, (n, width, keys)
+            cache.reserve(n)
+            rows.append(self._inputs(cache, keys, width, n, toks))
+        rows += [self._idle_inputs(keys, width)] * (size - b)
+        host = torch.stack(rows)  # [B, S + 2W + 2]
+        k, d = params.top_k, params.depth
+        self.expansions += b
+        self.extensions += b
+        self.batched += b
+        g = self._graph(width, k, d, keys, size)
+        dev = self.head.device
+        if g is None:  # graphs off (or the cap reached): the same static code, eagerly
+            inputs = host.to(dev)
+            feats = torch.zeros(size, width, self.head.config.feature_size, dtype=self.head.dtype, device=dev)
+        else:
+            inputs = g.inputs.copy_(staged(host, dev), non_blocking=True)
+            feats = g.features.zero_()  # padded rows: finite inputs (their outputs are dropped)
+        for i, f in enumerate(features):
+            feats[i, :f.shape[0]].copy_(f)
+        if g is None:
+            key_rows, write_rows, stable, count, toks = inputs.split((keys, width, 1, 1, width), dim=1)
+            cand, last = draft_batch(self.head, self.pool, key_rows, write_rows, stable[:, 0], count[:, 0], feats,
+                                     toks, k, d)
+            packed = _packed_batch(cand)
+        else:
+            g.graph.replay()
+            packed, last = g.packed, g.last.clone()
+        for cache, toks in zip(caches, tokens, strict=True):
+            cache.advance(int(toks.shape[0]))
+        out = packed.cpu()  # the batch's one copy of its drafts
+        c = k + d * k * k
+        return [_split(out[i], c) for i in range(b)], list(last[:b].unbind(0))
+
     def expand(self, cache: PagedCache, last: torch.Tensor, params: TreeParams, keys: int,
                on_device: bool = False) -> Candidates | PendingCandidates:
         """The candidates of `params`' expansion from `last` [H] (head output of the last committed
@@ -187,13 +242,13 @@ class DraftGraphs:
         g.graph.replay()
         return self._out(g.packed, g.sizes[0], on_device)
 
-    def _graph(self, width: int, k: int, d: int, keys: int) -> _DraftGraph | None:
+    def _graph(self, width: int, k: int, d: int, keys: int, batch: int = 1) -> _DraftGraph | None:
         """The graph of this shape (captured now on first use), or None: graphs off, or `max_graphs`
         captured already (the adaptive budget's shapes times the width and key buckets could
         otherwise capture without end): then the static code runs eagerly, logged once."""
         if not self.graphs_on:
             return None
-        g = self._graphs.get((width, k, d, keys))
+        g = self._graphs.get((width, k, d, keys, batch))
         if g is not None:
             return g
         if len(self._graphs) >= self.max_graphs:
@@ -201,7 +256,7 @@ class DraftGraphs:
                 self._capped = True
                 log.warning("%d draft graphs captured: further draft shapes run eagerly", self.max_graphs)
             return None
-        return self._capture(width, k, d, keys)
+        return self._capture(width, k, d, keys, batch)
 
     def _inputs(self, cache: PagedCache, keys: int, width: int, n: int, tokens: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -233,7 +288,7 @@ class DraftGraphs:
         held = graph_pool_bytes(self._mempool)
         done = 0
         for width in (0, *EXTEND_WIDTHS):
-            shape = (width, params.top_k, params.depth, keys)
+            shape = (width, params.top_k, params.depth, keys, 1)
             if shape in self._graphs or shape in self._warm:
                 continue
             if self.graphs_on:
@@ -245,18 +300,36 @@ class DraftGraphs:
             done += 1
         return WarmUp(done, time.perf_counter() - t0, graph_pool_bytes(self._mempool) - held, self.graphs_on)
 
-    def _idle_run(self, width: int, k: int, d: int, keys: int
-                  ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-        """The static draft of this shape over idle inputs (every write to the trash page, no committed
-        row, one new row) -> (a function running it -> (packed candidates, last), its int64 input
-        buffer, its feature buffer [W, F])."""
-        head, dev = self.head, self.head.device
+    @staticmethod
+    def _idle_inputs(keys: int, width: int) -> torch.Tensor:
+        """The int64 inputs [S + 2W + 2] of an idle row: every write to the trash page, no committed row,
+        one new row (a batch's padding; a capture's inputs)."""
         idle = torch.full((keys + 2 * width + 2,), TRASH_ROW, dtype=torch.long)
         idle[keys + width:] = 0
         idle[keys + width + 1] = 1 if width else 0
-        inputs = idle.to(dev)
+        return idle
+
+    def _idle_run(self, width: int, k: int, d: int, keys: int, batch: int = 1
+                  ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """The static draft of this shape over idle inputs (`_idle_inputs`) -> (a function running it
+        -> (packed candidates, last), its int64 input buffer, its feature buffer [W, F]); a batch of
+        B > 1 (`draft_batch`, W > 0): [B, ...] of each."""
+        head, dev = self.head, self.head.device
+        f = head.config.feature_size
+        if batch > 1:
+            inputs = self._idle_inputs(keys, width).repeat(batch, 1).to(dev)
+            key_rows, write_rows, stable, count, tokens = inputs.split((keys, width, 1, 1, width), dim=1)
+            feats = torch.zeros(batch, width, f, dtype=head.dtype, device=dev)
+
+            def run_batch() -> tuple[torch.Tensor, torch.Tensor]:
+                cand, last = draft_batch(head, self.pool, key_rows, write_rows, stable[:, 0], count[:, 0], feats,
+                                         tokens, k, d)
+                return _packed_batch(cand), last
+
+            return run_batch, inputs, feats
+        inputs = self._idle_inputs(keys, width).to(dev)
         key_rows, write_rows, stable, count, tokens = inputs.split((keys, width, 1, 1, width))
-        features = torch.zeros(width, head.config.feature_size, dtype=head.dtype, device=dev)
+        features = torch.zeros(width, f, dtype=head.dtype, device=dev)
         last_in = torch.zeros(head.config.hidden_size, dtype=head.dtype, device=dev)
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,17 +341,18 @@ class DraftGraphs:
 
         return run, inputs, features
 
-    def _capture(self, width: int, k: int, d: int, keys: int) -> _DraftGraph:
+    def _capture(self, width: int, k: int, d: int, keys: int, batch: int = 1) -> _DraftGraph:
         t0 = time.perf_counter()
         dev = self.head.device
-        run, inputs, features = self._idle_run(width, k, d, keys)
+        run, inputs, features = self._idle_run(width, k, d, keys, batch)
         graph, (packed, last_out) = capture_graph(run, dev, self._mempool)
         c = k + d * k * k
         g = _DraftGraph(graph, inputs, features, last_out, packed, (c, c, 1 + d * k))
-        self._graphs[(width, k, d, keys)] = g
+        self._graphs[(width, k, d, keys, batch)] = g
         dt = time.perf_counter() - t0
         self.captures += 1
         self.capture_s += dt
         what = f"extension of {width} row(s) + expansion" if width else "expansion"
-        log.info("captured the draft %s top_k=%d depth=%d over %d keys in %.2f s", what, k, d, keys, dt)
+        log.info("captured the draft %s top_k=%d depth=%d over %d keys%s in %.2f s", what, k, d, keys,
+                 f" for {batch} sequences" if batch > 1 else "", dt)
         return g

@@ -11,7 +11,9 @@ single sequence's draft is replayed from a CUDA graph per (top_k, depth) (servic
 AERIE_CUDA_GRAPHS=0: the same static code eagerly): the extension of up to 16 newly committed rows
 and the expansion in one graph, or (more rows) the eager extension and then the expansion's graph;
 a tree with dynamic depth expands every branch there and `rerank` applies the stop (`_static`);
-batches of several sequences and draft_ahead run the eager code over the same pages.
+several sequences of one (top_k, depth) with up to 16 new rows each draft together in one graph per
+batch bucket (`_draft_batch`: DraftGraphs.draft_batch); other batches and draft_ahead run the eager
+code over the same pages.
 On the CPU: contiguous caches, eager, as before.
 """
 
@@ -218,6 +220,9 @@ class Drafter:
         if len(valid) == 1 and self._static(calls[valid[0]].seq_id, shapes[0]):
             call = calls[valid[0]]
             results[valid[0]] = self._draft_static(call, shapes[0], on_device)
+        elif len(valid) > 1 and self._batched([calls[i] for i in valid], shapes):
+            for i, tree in zip(valid, self._draft_batch([calls[i] for i in valid], shapes), strict=True):
+                results[i] = tree
         elif valid:
             dev = self.head.device
             caches = [self._caches[calls[i].seq_id] for i in valid]
@@ -237,6 +242,44 @@ class Drafter:
         cache = self._caches[seq_id]
         return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
                 and self.graphs.keys_for(cache, params) is not None)
+
+    def _batched(self, calls: list[DraftCall], shapes: list[TreeParams]) -> bool:
+        """Several sequences' drafts in one static draft (`_draft_batch`): paged caches, one top_k and
+        depth (> 0), at most 16 new rows each, within the graphs' keys; else the eager batch."""
+        if self.graphs is None or not self.extend_in_graph or len({(p.top_k, p.depth) for p in shapes}) > 1:
+            return False
+        width = self.graphs.width_for(max(int(c.tokens.shape[0]) for c in calls))
+        return width is not None and all(
+            isinstance(self._caches[c.seq_id], PagedCache) and p.depth > 0
+            and self.graphs.keys_for(self._caches[c.seq_id], p, width) is not None  # type: ignore[arg-type]
+            for c, p in zip(calls, shapes, strict=True))
+
+    def _draft_batch(self, calls: list[DraftCall], shapes: list[TreeParams]) -> list[DraftTree]:
+        """The drafts of several sequences of one (top_k, depth) from the static code for all of them at
+        once (DraftGraphs.draft_batch: a graph per batch bucket on CUDA), BATCHES[-1] at a time;
+        each tree re-ranked on the host to its own size and stop."""
+        from services.engine.draft_graphs import BATCHES
+
+        assert self.graphs is not None  # (_batched)
+        dev, params = self.head.device, shapes[0]
+        trees: list[DraftTree] = []
+        for at in range(0, len(calls), BATCHES[-1]):
+            group = calls[at:at + BATCHES[-1]]
+            if len(group) == 1:  # (the remainder of a large batch)
+                tree = self._draft_static(group[0], shapes[at])
+                assert isinstance(tree, DraftTree)  # (not on_device)
+                trees.append(tree)
+                continue
+            caches: list[PagedCache] = [self._caches[c.seq_id] for c in group]  # type: ignore[misc]
+            width = self.graphs.width_for(max(int(c.tokens.shape[0]) for c in group))
+            assert width is not None  # (_batched)
+            keys = max(self.graphs.keys_for(cache, params, width) or 0 for cache in caches)
+            cands, lasts = self.graphs.draft_batch(caches, [c.features.to(dev) for c in group],
+                                                   [c.tokens for c in group], params, width, keys)
+            for call, shape, cand, last in zip(group, shapes[at:at + len(group)], cands, lasts, strict=True):
+                self._last[call.seq_id] = last
+                trees.append(rerank(cand, int(call.tokens[-1]), shape, self._sort_paths[call.seq_id]))
+        return trees
 
     def _draft_static(self, call: DraftCall, params: TreeParams, on_device: bool = False) -> DraftTree | TreeOnDevice:
         """One sequence's draft from the static code (a CUDA graph, or eagerly with graphs off): the

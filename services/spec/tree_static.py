@@ -5,7 +5,13 @@ graph (services/engine/draft_graphs.py replays it; the CPU runs it eagerly in te
                          features [W, F], tokens [W])                                   -> [H]
     cand = expand_static(head, pool, key_rows [S], stable [1], last [H], top_k, depth)   -> Candidates
     cand, last = draft_static(...)        # both: the extension, then the expansion from its last row
+    cand, last = draft_batch(...)         # the same for B sequences: [B, ...] inputs and outputs
     tree = rerank_static(cand, root, params)  # StaticTree: rerank's tree on the device
+
+`extend_batch` / `expand_batch` / `draft_batch` run B sequences in each head step (the head's weights
+read once a level for all of them): their rows are concatenated, each attends over its own S key
+slots only (a block mask over the B x S slots), and each keeps its own top-k per level; the
+one-sequence functions are B = 1 of them.
 
 `extend_static` is `tree.extend` for n <= W newly committed rows padded to a width W: one head step
 whose padded rows write their K/V to the pool's trash page and see only their own key slot; the
@@ -55,51 +61,100 @@ class StaticKV:
         return k.index_select(1, self.key_rows), v.index_select(1, self.key_rows)
 
 
+def _block(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, S] per-sequence masks -> [B*T, B*S]: each sequence's rows see its own S key slots only
+    (the batch's keys concatenated; one sequence: the mask itself)."""
+    b, t, s = mask.shape
+    if b == 1:
+        return mask[0]
+    own = torch.eye(b, dtype=torch.bool, device=mask.device)[:, None, :, None]  # [B, 1, B, 1]
+    return (own & mask[:, :, None, :]).reshape(b * t, b * s)
+
+
 @torch.no_grad()
+def expand_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, stable: torch.Tensor,
+                 last: torch.Tensor, top_k: int, depth: int) -> Candidates:
+    """`expand_static` for B sequences at once (one head step per level for all of them: the head's
+    weights are read once a level, whatever B): key_rows [B, S], stable [B], last [B, H] -> Candidates
+    of [B, C] scores and tokens, [B, P] parents (each row a sequence's, as `expand_static`'s). The
+    attention runs over the B x S slots with a block mask: a sequence sees only its own keys."""
+    k, (b, s) = top_k, key_rows.shape
+    h = last.shape[-1]
+    device = last.device
+    cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
+    top = torch.topk(head.log_probs(last), k, dim=-1)  # [B, K]
+    scores_list, tokens_list = [top.values], [head.to_target(top.indices)]
+    parents_list = [torch.zeros(b, 1, dtype=torch.long, device=device)]
+    sel = torch.arange(k, device=device).expand(b, k)  # the frontier: flat indices into its block
+    scores = top.values  # [B, K] cumulative log-prob
+    cur_ids = tokens_list[0]  # [B, K]
+    cur_hidden = last[:, None].expand(b, k, h)  # [B, K, H]
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+    tree_mask = eye  # [B, K, rows of the levels so far + K]: ancestors and itself
+    block_start, total = 0, k
+    offsets = torch.arange(k, device=device)
+    keys = key_rows.reshape(b * s)
+    for i in range(depth):
+        write_rows = key_rows.gather(1, stable[:, None] + i * k + offsets)  # [B, K]
+        positions = (stable + i)[:, None].expand(b, k).reshape(b * k)
+        mask = _block(key_mask(stable, tree_mask, s))  # [B*K, B*S]: the committed rows, then the tree's
+        out = head._layer(cur_hidden.reshape(b * k, h).to(head.dtype), head.embed_tokens(cur_ids.reshape(b * k)),
+                          cos_t[positions], sin_t[positions], StaticKV(pool, write_rows.reshape(b * k), keys),
+                          mask)  # [B*K, H]
+        lp = head.log_probs(out).view(b, k, -1)  # [B, K, Vd]
+        parents_list.append(sel + 1 + block_start)  # 1 + flat index of each expanded node
+        child = torch.topk(lp, k, dim=-1)  # [B, K, K]
+        cu = child.values + scores[:, :, None]  # [B, K, K] cumulative log-prob
+        best = torch.topk(cu.reshape(b, k * k), k, dim=-1)
+        sel, scores = best.indices, best.values  # [B, K]
+        rows = sel // k  # which expanded node each survivor hangs from
+        cur_hidden = out.view(b, k, h).gather(1, rows[:, :, None].expand(b, k, h))
+        cur_ids = head.to_target(child.indices.reshape(b, k * k).gather(1, sel))
+        tokens_list.append(head.to_target(child.indices).reshape(b, k * k))
+        scores_list.append(cu.reshape(b, k * k))
+        tree_mask = torch.cat((tree_mask.gather(1, rows[:, :, None].expand(b, k, tree_mask.shape[2])), eye), dim=2)
+        block_start, total = total, total + k * k
+    return Candidates(scores=torch.cat(scores_list, dim=1), tokens=torch.cat(tokens_list, dim=1),
+                      parents=torch.cat(parents_list, dim=1))
+
+
 def expand_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, stable: torch.Tensor,
                   last: torch.Tensor, top_k: int, depth: int) -> Candidates:
     """key_rows [S] arena rows of the sequence's logical rows 0..S-1 (S >= stable + depth*top_k);
     stable [1] its committed draft rows; last [H] the head output of its last committed row."""
-    k, s = top_k, int(key_rows.shape[0])
-    device = last.device
-    cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
-    lp = head.log_probs(last[None])[0]  # [Vd]
-    top = torch.topk(lp, k)
-    scores_list, tokens_list = [top.values], [head.to_target(top.indices)]
-    parents_list = [torch.zeros(1, dtype=torch.long, device=device)]
-    sel = torch.arange(k, device=device)  # the frontier: flat indices into its block
-    scores = top.values  # [K] cumulative log-prob
-    cur_ids = tokens_list[0]  # [K]
-    cur_hidden = last[None].expand(k, -1)  # [K, H]
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    tree_mask = eye  # [K, rows of the levels so far + K]: ancestors and itself
-    block_start, total = 0, k
-    offsets = torch.arange(k, device=device)
-    for i in range(depth):
-        write_rows = key_rows[stable + i * k + offsets]  # [K]
-        positions = (stable + i).expand(k)
-        mask = key_mask(stable, tree_mask[None], s)[0]  # [K, S]: the committed rows, then the tree's
-        out = head._layer(cur_hidden.to(head.dtype), head.embed_tokens(cur_ids), cos_t[positions], sin_t[positions],
-                          StaticKV(pool, write_rows, key_rows), mask)  # [K, H]
-        lp = head.log_probs(out)  # [K, Vd]
-        parents_list.append(sel + 1 + block_start)  # 1 + flat index of each expanded node
-        child = torch.topk(lp, k, dim=-1)  # [K, K]
-        cu = child.values + scores[:, None]  # [K, K] cumulative log-prob
-        best = torch.topk(cu.view(-1), k)
-        sel, scores = best.indices, best.values
-        rows = sel // k  # which expanded node each survivor hangs from
-        cur_hidden = out[rows]
-        cur_ids = head.to_target(child.indices.view(-1)[sel])
-        tokens_list.append(head.to_target(child.indices))
-        scores_list.append(cu)
-        tree_mask = torch.cat((tree_mask[rows], eye), dim=1)
-        block_start, total = total, total + k * k
-    return Candidates(scores=torch.cat([x.reshape(-1) for x in scores_list]),
-                      tokens=torch.cat([x.reshape(-1) for x in tokens_list]),
-                      parents=torch.cat(parents_list))
+    return _first(expand_batch(head, pool, key_rows[None], stable, last[None], top_k, depth))
+
+
+def _first(cand: Candidates) -> Candidates:
+    """The first sequence's candidates of a batch's [B, ...] ones."""
+    return Candidates(scores=cand.scores[0], tokens=cand.tokens[0], parents=cand.parents[0])
 
 
 @torch.no_grad()
+def extend_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, write_rows: torch.Tensor,
+                 stable: torch.Tensor, count: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor
+                 ) -> torch.Tensor:
+    """`extend_static` for B sequences at once: key_rows [B, S], write_rows [B, W], stable [B],
+    count [B], features [B, W, F], tokens [B, W] -> each sequence's row count - 1 [B, H]; each row
+    sees only its own sequence's slots (a block mask)."""
+    (b, w), s = tokens.shape, int(key_rows.shape[1])
+    device = tokens.device
+    j = torch.arange(w, device=device)
+    real = j[None] < count[:, None]  # [B, W]
+    positions = stable[:, None] + torch.where(real, j, 0)  # [B, W]; padded rows: a valid position
+    causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(w, dtype=torch.bool, device=device)
+    tree = torch.where(real[:, :, None], causal, eye)  # [B, W, W]
+    mask = _block(key_mask(stable, tree, s))  # [B*W, B*S]
+    cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
+    flat = positions.reshape(b * w)
+    out = head._layer(features.reshape(b * w, -1).to(head.dtype), head.embed_tokens(tokens.reshape(b * w)),
+                      cos_t[flat], sin_t[flat], StaticKV(pool, write_rows.reshape(b * w), key_rows.reshape(b * s)),
+                      mask)  # [B*W, H]
+    h = out.shape[-1]
+    return out.view(b, w, h).gather(1, (count - 1)[:, None, None].expand(b, 1, h))[:, 0]
+
+
 def extend_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, write_rows: torch.Tensor,
                   stable: torch.Tensor, count: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor
                   ) -> torch.Tensor:
@@ -117,29 +172,26 @@ def extend_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, wr
     the cache's length is the caller's to advance by n.
     Example: stable 7, count 2, W 4 -> positions [7, 8, 7, 7]; row 1 sees slots 0..8; rows 2, 3
     see slots 9 and 10 only."""
-    w, s = int(tokens.shape[0]), int(key_rows.shape[0])
-    device = tokens.device
-    j = torch.arange(w, device=device)
-    real = j < count  # [W]
-    positions = stable + torch.where(real, j, 0)  # padded rows: a valid position (their output is dropped)
-    causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(w, dtype=torch.bool, device=device)
-    tree = torch.where(real[:, None], causal, eye)  # [W, W]
-    mask = key_mask(stable, tree[None], s)[0]  # [W, S]
-    cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
-    out = head._layer(features.to(head.dtype), head.embed_tokens(tokens), cos_t[positions], sin_t[positions],
-                      StaticKV(pool, write_rows, key_rows), mask)  # [W, H]
-    return out.index_select(0, count - 1)[0]
+    return extend_batch(head, pool, key_rows[None], write_rows[None], stable, count, features[None], tokens[None])[0]
 
 
-@torch.no_grad()
+def draft_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, write_rows: torch.Tensor,
+                stable: torch.Tensor, count: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor,
+                top_k: int, depth: int) -> tuple[Candidates, torch.Tensor]:
+    """`draft_static` for B sequences (`extend_batch`, then `expand_batch`) -> ([B, ...] candidates,
+    last [B, H]). key_rows [B, S] with S >= stable + W + depth*top_k for each."""
+    last = extend_batch(head, pool, key_rows, write_rows, stable, count, features, tokens)
+    return expand_batch(head, pool, key_rows, stable + count, last, top_k, depth), last
+
+
 def draft_static(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, write_rows: torch.Tensor,
                  stable: torch.Tensor, count: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor,
                  top_k: int, depth: int) -> tuple[Candidates, torch.Tensor]:
     """`extend_static`, then `expand_static` from its last row over stable + count committed rows
     (summed on the device) -> (candidates, last [H]). key_rows [S] with S >= stable + W + depth*top_k."""
-    last = extend_static(head, pool, key_rows, write_rows, stable, count, features, tokens)
-    return expand_static(head, pool, key_rows, stable + count, last, top_k, depth), last
+    cand, last = draft_batch(head, pool, key_rows[None], write_rows[None], stable, count, features[None],
+                             tokens[None], top_k, depth)
+    return _first(cand), last[0]
 
 
 @torch.no_grad()

@@ -186,3 +186,31 @@ def test_rounds_measure_each_on_device_step_turned_off(llama_pair, monkeypatch):
            "prompt": 16, "weight_gb": 0.0, "copy_tb_s": 0.0, "floor_ms": 0.0, "forward_ms": 0.0, "kernels_forward": 0}
     assert "without verdict drafts: ms (draft + verify)" in gpu.table(res)
     assert "without device trees: ms (draft + verify)" in gpu.table(res)
+
+
+def test_batched_drafts_time_the_batch_together_alone_and_eagerly(llama_pair, monkeypatch):
+    """Where the drafter drafts statically (the GPU's case, here eagerly on the CPU's paged arenas),
+    `batched_drafts` times one draft call of N sequences drafted together (the batched static draft),
+    one after another, and in the eager batch, and the table shows them."""
+    import services.engine.drafter as drafter_module
+    from tests.spec.test_tree_static import static_drafter
+
+    _, _, head = llama_pair
+    made = []
+
+    def drafter(h, tree, max_sequences=64):
+        made.append(static_drafter(h, tree))
+        return made[-1]
+
+    monkeypatch.setattr(drafter_module, "Drafter", drafter)
+    cfg = gpu.GpuBenchConfig("tiny", "cpu", "fp32", prompt=16, tokens=16, batches=(1,), hf=False, legacy=False,
+                             repeats=4)
+    out = gpu._batched_drafts(head, cfg, log=lambda line: None)
+    assert set(out) == {str(n) for n in gpu.DRAFT_BATCHES}
+    assert all(v > 0 for times in out.values() for v in times.values())
+    # per N: together (the batched draft), alone, eager (the batched path turned off)
+    assert [d.graphs.batched > 0 for d in made] == [True, False, False] * len(gpu.DRAFT_BATCHES)
+    res = {"rounds": {}, "plain_ms": {}, "batched": {}, "batched_drafts": out, "device": "cpu", "shape": "tiny",
+           "dtype": "fp32", "prompt": 16, "weight_gb": 0.0, "copy_tb_s": 0.0, "floor_ms": 0.0, "forward_ms": 0.0,
+           "kernels_forward": 0}
+    assert "drafts of N=8 sequences: ms together, one after another, eager batch" in gpu.table(res)

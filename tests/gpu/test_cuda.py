@@ -168,6 +168,37 @@ def test_draft_graph_replay_equals_static_eager(llama_pair):
 
 
 @pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
+def test_a_batched_draft_graph_drafts_each_sequence_s_own_draft(pair, request):
+    """Several sequences' drafts of one shape in one CUDA graph per batch bucket (Drafter.draft_many ->
+    DraftGraphs.draft_batch) == each drafted alone from its own graph, round after round (fp32: tokens
+    and parents exactly), and the graphs were replayed (one per batch bucket and width)."""
+    from services.engine.drafter import DraftCall
+
+    _, target, head = request.getfixturevalue(pair)
+    _, h = on_cuda(target, head)
+    params = SHAPES["16/3/4"]
+    together, alone = Drafter(h, params), Drafter(h, params)
+    ids = [f"s{i}" for i in range(5)]
+    for d in (together, alone):
+        for seq in ids:
+            d.start(seq, 256, sampling=False)
+    g = torch.Generator().manual_seed(4)
+    f = h.config.feature_size
+    for r in range(5):
+        calls = []
+        for i, seq in enumerate(ids):
+            n = 8 if r == 0 else 1 + (i + r) % 4
+            calls.append(DraftCall(seq, torch.randint(0, VOCAB, (n,), generator=g),
+                                   torch.randn(n, f, generator=g).cuda(), params))
+        batch = calls[: 2 + r % 4]
+        got = together.draft_many(batch)
+        want = [alone.draft(c.seq_id, c.tokens, c.features, c.params) for c in batch]
+        for a, b in zip(got, want, strict=True):
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), r
+    assert together.graphs.batched == sum(2 + r % 4 for r in range(5)) and together.graphs.captures >= 3
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
 def test_draft_graph_with_extension_equals_static_eager_and_eager(pair, request):
     """The extension of n <= 16 committed rows + the expansion replayed from CUDA graphs (one per
     width W) == the same static code run eagerly on CUDA == the eager extend + expand, round after

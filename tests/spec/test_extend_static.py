@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from services.engine.draft_graphs import EXTEND_WIDTHS, DraftGraphs
+from services.engine.drafter import DraftCall
 from services.model.eagle_head import HeadConfig, build_head
 from services.model.linear import Linear
 from services.model.paged_kv import PagedKVPool
 from services.spec.tree import TreeParams, expand, extend
-from services.spec.tree_static import draft_static
+from services.spec.tree_static import draft_batch, draft_static
 from tests.helpers import VOCAB
 from tests.spec.test_tree_static import static_drafter
 
@@ -148,7 +149,7 @@ def test_drafter_keeps_the_static_last_row_for_draft_ahead(pair, request):
 
 def test_static_draft_reads_no_device_value_on_the_host():
     """On the meta device a tensor has no values (`.item()`, `int(t)` raise): the extension and the
-    expansion run through, so a graph of them never synchronises with the GPU."""
+    expansion run through, alone and for a batch, so a graph of them never synchronises with the GPU."""
     with pytest.raises((RuntimeError, NotImplementedError)):  # the detector works
         int(torch.zeros(3, device="meta").max())
     for kind in ("eagle", "eagle3"):
@@ -164,6 +165,10 @@ def test_static_draft_reads_no_device_value_on_the_host():
         toks = torch.zeros(w, dtype=torch.long, device="meta")
         cand, last = draft_static(head, pool, key_rows, write_rows, stable, count, feats, toks, 4, 3)
         assert cand.tokens.shape == (4 + 3 * 16,) and cand.parents.shape == (1 + 3 * 4,) and last.shape == (32,)
+        b = 3  # a batch of sequences (draft_batch)
+        cand, last = draft_batch(head, pool, key_rows.repeat(b, 1), write_rows.repeat(b, 1), stable.repeat(b),
+                                 count.repeat(b), feats.repeat(b, 1, 1), toks.repeat(b, 1), 4, 3)
+        assert cand.tokens.shape == (b, 4 + 3 * 16) and cand.parents.shape == (b, 1 + 3 * 4) and last.shape == (b, 32)
 
 
 @pytest.mark.parametrize("pair", ["llama_pair"])
@@ -208,9 +213,9 @@ def test_draft_graphs_stop_capturing_at_their_cap(llama_pair, monkeypatch, caplo
     dg.graphs_on = True
     captured = []
 
-    def capture(width, k, d, keys):
+    def capture(width, k, d, keys, batch=1):
         captured.append((width, k, d, keys))
-        dg._graphs[(width, k, d, keys)] = g = object()
+        dg._graphs[(width, k, d, keys, 1)] = g = object()
         return g
 
     monkeypatch.setattr(dg, "_capture", capture)
@@ -252,3 +257,44 @@ def test_start_up_warm_up_runs_each_width_once_and_writes_only_the_trash_page(ll
     assert drafter.graphs is None and drafter.warm_up() is None and warm_up_at_start(drafter, 8) is None
     static = static_drafter(head, shape)
     assert static.warm_up().shapes == 1 + len(EXTEND_WIDTHS)
+
+
+@pytest.mark.parametrize("name", ["llama_pair", "eagle3_pair"])
+def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
+    """Drafter.draft_many over several paged sequences of one top_k and depth drafts them together
+    (DraftGraphs.draft_batch: one head step a level for the batch, padded to a batch bucket with idle
+    rows, each sequence attending only to its own keys): round after round, every tree (tokens,
+    parents, depths; each its own size and stop) and every sequence's draft K/V equal those of
+    drafting each sequence alone, and no other slot's rows change."""
+    head = head_of(name, request)
+    shapes = [TreeParams(4, 3, 16), TreeParams(4, 3, 10), TreeParams(4, 3, 16, stop_logprob=-3.0),
+              TreeParams(4, 3, 12), TreeParams(4, 3, 16)]
+    together, alone = static_drafter(head, TreeParams(4, 3, 16)), static_drafter(head, TreeParams(4, 3, 16))
+    bystander = together.pool.allocate(40)  # another slot's rows: never written by the batch
+    together.pool.k[:, :, together.pool.cache(bystander).rows_host[:40]] = 7.0
+    ids = [f"s{i}" for i in range(len(shapes))]
+    for d in (together, alone):
+        for i, seq in enumerate(ids):
+            d.start(seq, 256, sampling=i == 1)
+    g = torch.Generator().manual_seed(4)
+    f = head.config.feature_size
+    for r in range(6):
+        calls = []
+        for i, seq in enumerate(ids):
+            n = int(torch.randint(1, 17, (1,), generator=g)) if r == 0 else 1 + (i + r) % 4
+            calls.append(DraftCall(seq, torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, f, generator=g),
+                                   shapes[i]))
+        batch = calls[: 2 + r % 4]  # 2 to 5 sequences: batch buckets 2, 4 and 8 (idle rows padded)
+        got = together.draft_many(batch)
+        want = [alone.draft(c.seq_id, c.tokens, c.features, c.params) for c in batch]
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), (r, i)
+            assert a.depths.tolist() == b.depths.tolist(), (r, i)
+    assert together.graphs.batched == sum(2 + r % 4 for r in range(6)) and alone.graphs.batched == 0
+    for seq in ids:
+        ca, cb = together._caches[seq], alone._caches[seq]
+        assert ca.length == cb.length
+        ra, rb = torch.from_numpy(ca.rows_host[:ca.length]), torch.from_numpy(cb.rows_host[:cb.length])
+        torch.testing.assert_close(together.pool.k[:, :, ra], alone.pool.k[:, :, rb], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(together.pool.v[:, :, ra], alone.pool.v[:, :, rb], atol=1e-5, rtol=1e-5)
+    assert (together.pool.k[:, :, together.pool.cache(bystander).rows_host[:40]] == 7.0).all()
