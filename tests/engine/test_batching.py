@@ -26,6 +26,7 @@ from services.spec.load_board import LoadBoard
 from services.spec.sampling import SamplingParams
 from services.spec.tree import TreeParams
 from dataclasses import replace
+from tests.spec.test_tree_static import static_drafter
 from tests.helpers import VOCAB
 
 LARGEST = TreeParams(6, 4, 24)
@@ -70,8 +71,13 @@ def generate(engine: Engine, req: GenerationRequest) -> list[int]:
     return [t for step in engine.generate(req) for t in step.tokens]
 
 
+@pytest.mark.parametrize("drafts", ["eager", "static"])
 @pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
-def test_any_batch_composition_gives_the_batch1_tokens(pair, request) -> None:
+def test_any_batch_composition_gives_the_batch1_tokens(pair, drafts, request) -> None:
+    """Concurrent sequences of every shape, greedy and sampling, through batched verifier and drafter
+    calls give each sequence's batch-1 tokens; `static`: the drafter's paged arena and static draft
+    (the GPU's), whose batches of one shape draft together (DraftGraphs.draft_batch; whether a batch
+    holds two of one shape depends on the threads: tests/spec/test_extend_static.py forces it)."""
     _, target, head = request.getfixturevalue(pair)
     jobs = workload(15)
     solo = engines(Verifier(target, head.feature_kind), Drafter(head, LARGEST), LoadBoard())
@@ -94,7 +100,8 @@ def test_any_batch_composition_gives_the_batch1_tokens(pair, request) -> None:
 
     verifier.run = run_first_held
     bv = BatchedVerifier(verifier, BatchLimits(max_batch=8, max_rows=200), on_batch=lambda s: sizes.append(s.size))
-    bd = BatchedDrafter(Drafter(head, LARGEST), BatchLimits(max_batch=8))
+    drafter = static_drafter(head, LARGEST) if drafts == "static" else Drafter(head, LARGEST)
+    bd = BatchedDrafter(drafter, BatchLimits(max_batch=8))
     board = LoadBoard()
     batched = engines(bv, bd, board)
     got: dict[int, list[int]] = {}
