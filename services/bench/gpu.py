@@ -532,7 +532,7 @@ def _batched_drafts(head, cfg: GpuBenchConfig, log) -> dict:
         for way in ("together", "alone", "eager"):
             d = Drafter(head, params, max_sequences=n)
             if way == "eager":
-                d._batched = lambda calls, shapes: False  # type: ignore[method-assign]  (the older path)
+                d._batchable = lambda call, params: False  # type: ignore[method-assign]  (the older path)
             ids = [f"d{i}" for i in range(n)]
             for seq in ids:
                 d.start(seq, 512, sampling=False)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.draft_graphs import PendingCandidates
+from services.engine.draft_graphs import BATCHES, EXTEND_WIDTHS, PendingCandidates
 from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVRows
@@ -220,18 +220,26 @@ class Drafter:
         if len(valid) == 1 and self._static(calls[valid[0]].seq_id, shapes[0]):
             call = calls[valid[0]]
             results[valid[0]] = self._draft_static(call, shapes[0], on_device)
-        elif len(valid) > 1 and self._batched([calls[i] for i in valid], shapes):
-            for i, tree in zip(valid, self._draft_batch([calls[i] for i in valid], shapes), strict=True):
-                results[i] = tree
         elif valid:
-            dev = self.head.device
-            caches = [self._caches[calls[i].seq_id] for i in valid]
-            lasts = extend_many(self.head, caches, [calls[i].features.to(dev) for i in valid],
-                                [calls[i].tokens.to(dev) for i in valid])  # (tree.grow_trees, keeping `lasts`)
-            cands = expand_many(self.head, caches, lasts, shapes)
-            for i, last, cand, params in zip(valid, lasts, cands, shapes, strict=True):
-                self._last[calls[i].seq_id] = last
-                results[i] = rerank(cand, int(calls[i].tokens[-1]), params, self._sort_paths[calls[i].seq_id])
+            groups: dict[tuple[int, int], list[int]] = {}  # (top_k, depth) -> positions in `valid`
+            for j, i in enumerate(valid):
+                if self._batchable(calls[i], shapes[j]):
+                    groups.setdefault((shapes[j].top_k, shapes[j].depth), []).append(j)
+            for js in groups.values():  # each shape's sequences drafted together (one alone: its own graph)
+                trees = self._draft_batch([calls[valid[j]] for j in js], [shapes[j] for j in js])
+                for j, tree in zip(js, trees, strict=True):
+                    results[valid[j]] = tree
+            eager = [j for j in range(len(valid)) if results[valid[j]] is None]
+            if eager:
+                dev = self.head.device
+                caches = [self._caches[calls[valid[j]].seq_id] for j in eager]
+                lasts = extend_many(self.head, caches, [calls[valid[j]].features.to(dev) for j in eager],
+                                    [calls[valid[j]].tokens.to(dev) for j in eager])  # (tree.grow_trees)
+                cands = expand_many(self.head, caches, lasts, [shapes[j] for j in eager])
+                for j, last, cand in zip(eager, lasts, cands, strict=True):
+                    call = calls[valid[j]]
+                    self._last[call.seq_id] = last
+                    results[valid[j]] = rerank(cand, int(call.tokens[-1]), shapes[j], self._sort_paths[call.seq_id])
         return results  # type: ignore[return-value]
 
     def _static(self, seq_id: str, params: TreeParams) -> bool:
@@ -243,24 +251,20 @@ class Drafter:
         return (self.graphs is not None and isinstance(cache, PagedCache) and params.depth > 0
                 and self.graphs.keys_for(cache, params) is not None)
 
-    def _batched(self, calls: list[DraftCall], shapes: list[TreeParams]) -> bool:
-        """Several sequences' drafts in one static draft (`_draft_batch`): paged caches, one top_k and
-        depth (> 0), at most 16 new rows each, within the graphs' keys; else the eager batch."""
-        if self.graphs is None or not self.extend_in_graph or len({(p.top_k, p.depth) for p in shapes}) > 1:
-            return False
-        width = self.graphs.width_for(max(int(c.tokens.shape[0]) for c in calls))
-        return width is not None and all(
-            isinstance(self._caches[c.seq_id], PagedCache) and p.depth > 0
-            and self.graphs.keys_for(self._caches[c.seq_id], p, width) is not None  # type: ignore[arg-type]
-            for c, p in zip(calls, shapes, strict=True))
+    def _batchable(self, call: DraftCall, params: TreeParams) -> bool:
+        """A call of a batch that the static draft takes (`_draft_batch`, with the other calls of its
+        top_k and depth): a paged cache, depth > 0, at most 16 new rows, within the graphs' keys at
+        the widest extension; else the eager batch."""
+        cache = self._caches[call.seq_id]
+        return (self.graphs is not None and self.extend_in_graph and isinstance(cache, PagedCache)
+                and params.depth > 0 and self.graphs.width_for(int(call.tokens.shape[0])) is not None
+                and self.graphs.keys_for(cache, params, EXTEND_WIDTHS[-1]) is not None)
 
     def _draft_batch(self, calls: list[DraftCall], shapes: list[TreeParams]) -> list[DraftTree]:
         """The drafts of several sequences of one (top_k, depth) from the static code for all of them at
-        once (DraftGraphs.draft_batch: a graph per batch bucket on CUDA), BATCHES[-1] at a time;
-        each tree re-ranked on the host to its own size and stop."""
-        from services.engine.draft_graphs import BATCHES
-
-        assert self.graphs is not None  # (_batched)
+        once (DraftGraphs.draft_batch: a graph per batch bucket on CUDA), BATCHES[-1] at a time (one
+        alone: its own draft graph); each tree re-ranked on the host to its own size and stop."""
+        assert self.graphs is not None  # (_batchable)
         dev, params = self.head.device, shapes[0]
         trees: list[DraftTree] = []
         for at in range(0, len(calls), BATCHES[-1]):
@@ -272,7 +276,7 @@ class Drafter:
                 continue
             caches: list[PagedCache] = [self._caches[c.seq_id] for c in group]  # type: ignore[misc]
             width = self.graphs.width_for(max(int(c.tokens.shape[0]) for c in group))
-            assert width is not None  # (_batched)
+            assert width is not None  # (_batchable)
             keys = max(self.graphs.keys_for(cache, params, width) or 0 for cache in caches)
             cands, lasts = self.graphs.draft_batch(caches, [c.features.to(dev) for c in group],
                                                    [c.tokens for c in group], params, width, keys)

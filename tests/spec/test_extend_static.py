@@ -261,14 +261,15 @@ def test_start_up_warm_up_runs_each_width_once_and_writes_only_the_trash_page(ll
 
 @pytest.mark.parametrize("name", ["llama_pair", "eagle3_pair"])
 def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
-    """Drafter.draft_many over several paged sequences of one top_k and depth drafts them together
+    """Drafter.draft_many over several paged sequences drafts those of one top_k and depth together
     (DraftGraphs.draft_batch: one head step a level for the batch, padded to a batch bucket with idle
-    rows, each sequence attending only to its own keys): round after round, every tree (tokens,
-    parents, depths; each its own size and stop) and every sequence's draft K/V equal those of
-    drafting each sequence alone, and no other slot's rows change."""
+    rows, each sequence attending only to its own keys; a shape alone in the batch: its own graph;
+    more than 16 new rows: the eager batch): round after round, every tree (tokens, parents, depths;
+    each its own size and stop) and every sequence's draft K/V equal those of drafting each sequence
+    alone, and no other slot's rows change."""
     head = head_of(name, request)
     shapes = [TreeParams(4, 3, 16), TreeParams(4, 3, 10), TreeParams(4, 3, 16, stop_logprob=-3.0),
-              TreeParams(4, 3, 12), TreeParams(4, 3, 16)]
+              TreeParams(4, 3, 12), TreeParams(4, 3, 16), TreeParams(2, 2, 6), TreeParams(2, 2, 7)]
     together, alone = static_drafter(head, TreeParams(4, 3, 16)), static_drafter(head, TreeParams(4, 3, 16))
     bystander = together.pool.allocate(40)  # another slot's rows: never written by the batch
     together.pool.k[:, :, together.pool.cache(bystander).rows_host[:40]] = 7.0
@@ -282,15 +283,19 @@ def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
         calls = []
         for i, seq in enumerate(ids):
             n = int(torch.randint(1, 17, (1,), generator=g)) if r == 0 else 1 + (i + r) % 4
+            n = 20 if (r, i) == (3, 1) else n  # past the widest extension: eager
             calls.append(DraftCall(seq, torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, f, generator=g),
                                    shapes[i]))
-        batch = calls[: 2 + r % 4]  # 2 to 5 sequences: batch buckets 2, 4 and 8 (idle rows padded)
+        # 2 to 5 sequences of 4/3 (batch buckets 2, 4 and 8: idle rows padded), then the 2/2 ones: two
+        # together, one alone, or none
+        batch = calls[: 2 + r % 4] + calls[5: 5 + r % 3]
         got = together.draft_many(batch)
         want = [alone.draft(c.seq_id, c.tokens, c.features, c.params) for c in batch]
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), (r, i)
             assert a.depths.tolist() == b.depths.tolist(), (r, i)
-    assert together.graphs.batched == sum(2 + r % 4 for r in range(6)) and alone.graphs.batched == 0
+    # batched: every 4/3 call but the eager one (round 3's second), and the 2/2 pairs (rounds 2 and 5)
+    assert together.graphs.batched == sum(2 + r % 4 for r in range(6)) - 1 + 2 * 2 and alone.graphs.batched == 0
     for seq in ids:
         ca, cb = together._caches[seq], alone._caches[seq]
         assert ca.length == cb.length
