@@ -156,7 +156,7 @@ class RunChain:
             error = f.exception()
             response = f.result() if error is None else None
             if isinstance(response, QueuedAnswer):
-                response.started = t0  # observed once its token is read (`observe_read`)
+                response.started = t0  # observed once its token is read (`next_answer`)
             else:
                 self.observe(time.perf_counter() - t0)
             if error is None and k + 1 < self.steps and not self.cancelled:

@@ -365,8 +365,8 @@ class Drafter:
         shape the verdict's draft guessed (the adaptive budget's next plan): the same candidates
         re-ranked on the device when only the size or the stop differs (same top_k and depth), else
         an expansion alone from the committed rows (the verdict's rows stay in the draft KV: no
-        second extension); eagerly, on the host, where the static draft does not apply. `root`: the
-        bonus (the tree's root)."""
+        second extension); the eager expansion and a host tree where the static draft does not apply.
+        `root`: the bonus (the tree's root)."""
         self.check_params(params)
         cache, sort_paths = self._cache(seq_id), self._sort_paths[seq_id]
         if cache.length + params.draft_rows > self._rows[seq_id]:

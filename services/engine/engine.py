@@ -58,9 +58,9 @@ before the draft) and, when its rows are the verdict's, commits them to the draf
 adaptive budget plans from the verdict (its stop moves every round), so its queued candidates are
 re-ranked to the plan's size and stop on the device once it is known, or expanded again where the
 plan's top_k or depth differ (Drafter.redraft: no second extension), or left unused for a plain
-round. A verdict the host reads otherwise drops the queued
-draft and drafts after it. The device then runs verify, draft, verify, ... while the host does each
-round's bookkeeping; `verdict_counts` counts what became of the queued drafts.
+round. A verdict the host reads otherwise drops the queued draft and drafts after it. The device
+then runs verify, draft, verify, ... while the host does each round's bookkeeping; `verdict_counts`
+counts what became of the queued drafts.
 
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
