@@ -318,9 +318,9 @@ def test_the_adaptive_budget_drafts_from_verdicts_with_the_same_rounds(llama_pai
 def test_a_plan_of_another_shape_re_ranks_or_expands_the_verdict_s_draft(llama_pair, monkeypatch):
     """Plans scripted through every case after a verdict draft (the same shape, another size, another
     stop, another top_k and depth, a plain round, detached): each case is served as planned
-    (Drafter.redraft: a re-rank of the same candidates, or an expansion alone; a fixed tree's case,
-    the tree kept as queued, is test_device_trees_give_the_host_trees_tokens_and_rounds), with the
-    rounds and tokens of trees drafted after the verdict and plain decoding's tokens."""
+    (Drafter.redraft: a re-rank of the same candidates, or an expansion alone; with `verdict_ranks`,
+    as a fixed tree's, the queued tree kept where the plan is its shape), with the rounds and tokens
+    of trees drafted after the verdict and plain decoding's tokens."""
     from services.spec.budget import AUTO_LARGEST, RoundPlan
 
     _, target, head = llama_pair
@@ -337,24 +337,25 @@ def test_a_plan_of_another_shape_re_ranks_or_expands_the_verdict_s_draft(llama_p
 
     prompt = [2, 71, 14, 9, 30]
     out = {}
-    for mode in ("verdicts", "device"):
+    for mode in ("verdicts", "ranked", "device"):
         monkeypatch.setattr(Engine, "_plan", scripted(script))
         drafter = static_drafter(head, AUTO_LARGEST)
-        engine = Engine(paged_verifier(target, "hidden"), drafter, 512, VOCAB, budget=Budget_of(AUTO_LARGEST),
-                        verdict_drafts=mode == "verdicts")
+        engine = Engine(paged_verifier(target, "hidden"), drafter, 512, VOCAB, budget=adaptive_budget(AUTO_LARGEST),
+                        verdict_drafts=mode != "device", verdict_ranks=mode == "ranked")
         out[mode] = run(engine, prompt, 60)
-        if mode == "verdicts":
-            counts = engine.verdict_counts
-            # (the budget is not fixed: its queued candidates wait for the plan's re-rank, never kept as they are)
+        counts = engine.verdict_counts
+        if mode == "verdicts":  # (the budget's default: the queued candidates wait for the plan's re-rank)
             assert all(counts[c] > 0 for c in ("reranked", "expanded", "plain")), counts
             assert not counts["dropped"] and not counts["kept"], counts
+        elif mode == "ranked":  # re-ranked as queued: kept where the plan is the same shape (a after a)
+            assert all(counts[c] > 0 for c in ("kept", "reranked", "expanded", "plain")), counts
     monkeypatch.undo()
-    assert out["verdicts"] == out["device"]
+    assert out["verdicts"] == out["ranked"] == out["device"]
     assert out["device"][0] == run(Engine(paged_verifier(target, "none"), None, 512, VOCAB), prompt, 60)[0]
     assert {s[1] for s in out["device"][1][1:]} >= {0, 10, 12, 16}  # the scripted sizes and plain rounds ran
 
 
-def Budget_of(largest: TreeParams):
+def adaptive_budget(largest: TreeParams):
     """An adaptive budget (no fixed shape) bounded by `largest`; its plans are scripted in the test."""
     from services.spec.budget import NOMINAL_COSTS, Budget
 
