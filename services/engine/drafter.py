@@ -99,6 +99,8 @@ class Drafter:
         self.graphs = None
         # the extension inside the draft graph (DraftGraphs.draft); off after it failed once on a device
         self.extend_in_graph = True
+        # several sequences' drafts in one static draft (_draft_batch); off after it failed once on a device
+        self.batch_in_graph = True
         if head.device.type == "cuda":
             from services.engine.draft_graphs import DraftGraphs
             from services.model.runner import graphs_default
@@ -228,7 +230,7 @@ class Drafter:
             for js in groups.values():  # each shape's sequences drafted together (one alone: its own graph)
                 trees = self._draft_batch([calls[valid[j]] for j in js], [shapes[j] for j in js])
                 for j, tree in zip(js, trees, strict=True):
-                    results[valid[j]] = tree
+                    results[valid[j]] = tree  # (None: its batch failed; drafted eagerly below)
             eager = [j for j in range(len(valid)) if results[valid[j]] is None]
             if eager:
                 dev = self.head.device
@@ -256,17 +258,20 @@ class Drafter:
         top_k and depth): a paged cache, depth > 0, at most 16 new rows, within the graphs' keys at
         the widest extension; else the eager batch."""
         cache = self._caches[call.seq_id]
-        return (self.graphs is not None and self.extend_in_graph and isinstance(cache, PagedCache)
+        return (self.graphs is not None and self.extend_in_graph and self.batch_in_graph
+                and isinstance(cache, PagedCache)
                 and params.depth > 0 and self.graphs.width_for(int(call.tokens.shape[0])) is not None
                 and self.graphs.keys_for(cache, params, EXTEND_WIDTHS[-1]) is not None)
 
-    def _draft_batch(self, calls: list[DraftCall], shapes: list[TreeParams]) -> list[DraftTree]:
+    def _draft_batch(self, calls: list[DraftCall], shapes: list[TreeParams]) -> list[DraftTree | None]:
         """The drafts of several sequences of one (top_k, depth) from the static code for all of them at
         once (DraftGraphs.draft_batch: a graph per batch bucket on CUDA), BATCHES[-1] at a time (one
-        alone: its own draft graph); each tree re-ranked on the host to its own size and stop."""
+        alone: its own draft graph); each tree re-ranked on the host to its own size and stop. None
+        for the calls of a batch whose graph failed on the device (rolled back: the caller drafts them
+        eagerly; logged once, and no batch drafts together again)."""
         assert self.graphs is not None  # (_batchable)
         dev, params = self.head.device, shapes[0]
-        trees: list[DraftTree] = []
+        trees: list[DraftTree | None] = []
         for at in range(0, len(calls), BATCHES[-1]):
             group = calls[at:at + BATCHES[-1]]
             if len(group) == 1:  # (the remainder of a large batch)
@@ -278,8 +283,17 @@ class Drafter:
             width = self.graphs.width_for(max(int(c.tokens.shape[0]) for c in group))
             assert width is not None  # (_batchable)
             keys = max(self.graphs.keys_for(cache, params, width) or 0 for cache in caches)
-            cands, lasts = self.graphs.draft_batch(caches, [c.features.to(dev) for c in group],
-                                                   [c.tokens for c in group], params, width, keys)
+            lengths = [cache.length for cache in caches]
+            try:
+                cands, lasts = self.graphs.draft_batch(caches, [c.features.to(dev) for c in group],
+                                                       [c.tokens for c in group], params, width, keys)
+            except RuntimeError:  # a device error in the batched graph: keep serving on the eager batch
+                log.exception("the batched draft graph failed; this drafter drafts batches eagerly from now on")
+                self.batch_in_graph = False
+                for cache, length in zip(caches, lengths, strict=True):
+                    cache.truncate(length)  # the eager batch writes the same rows again
+                trees += [None] * len(group)
+                continue
             for call, shape, cand, last in zip(group, shapes[at:at + len(group)], cands, lasts, strict=True):
                 self._last[call.seq_id] = last
                 trees.append(rerank(cand, int(call.tokens[-1]), shape, self._sort_paths[call.seq_id]))

@@ -303,3 +303,37 @@ def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
         torch.testing.assert_close(together.pool.k[:, :, ra], alone.pool.k[:, :, rb], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(together.pool.v[:, :, ra], alone.pool.v[:, :, rb], atol=1e-5, rtol=1e-5)
     assert (together.pool.k[:, :, together.pool.cache(bystander).rows_host[:40]] == 7.0).all()
+
+
+def test_a_failing_batched_draft_graph_falls_back_to_the_eager_batch(llama_pair, monkeypatch, caplog):
+    """A device error in the batched draft (after it wrote rows and advanced the caches) is logged
+    once; the drafter rolls the caches back, drafts that batch eagerly, and drafts batches eagerly
+    from then on (one sequence alone keeps its graph): the trees stay each sequence's own."""
+    head = llama_pair[2]
+    tree = TreeParams(4, 3, 16)
+    together, alone = static_drafter(head, tree), static_drafter(head, tree)
+    real, tries = together.graphs.draft_batch, []
+
+    def broken(caches, *args):
+        tries.append([c.length for c in caches])
+        real(caches, *args)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(together.graphs, "draft_batch", broken)
+    ids = ["a", "b", "c"]
+    for d in (together, alone):
+        for seq in ids:
+            d.start(seq, 128, sampling=False)
+    g = torch.Generator().manual_seed(6)
+    f = head.config.feature_size
+    with caplog.at_level("ERROR", logger="services.engine.drafter"):
+        for n in (5, 2, 3):
+            calls = [DraftCall(seq, torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, f, generator=g), tree)
+                     for seq in ids]
+            got = together.draft_many(calls)
+            want = [alone.draft(c.seq_id, c.tokens, c.features, c.params) for c in calls]
+            for a, b in zip(got, want, strict=True):
+                assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), n
+    assert tries == [[0, 0, 0]] and not together.batch_in_graph and together.extend_in_graph
+    assert [together._caches[s].length for s in ids] == [alone._caches[s].length for s in ids] == [10] * 3
+    assert sum("drafts batches eagerly from now on" in r.getMessage() for r in caplog.records) == 1
