@@ -17,6 +17,7 @@ from services.spec.sampling import SamplingParams
 from services.spec.tree import Candidates, DraftTree, TreeOnDevice, TreeParams, rerank
 from services.spec.tree_static import rerank_static
 from tests.helpers import VOCAB
+from tests.spec.test_extend_static import replayed_graphs
 from tests.spec.test_tree_static import SHAPES, static_drafter
 
 
@@ -119,12 +120,14 @@ def run(engine, prompt, n, **kw):
     return tokens, stats
 
 
+@pytest.mark.parametrize("graphs", ["static", "replayed"])
 @pytest.mark.parametrize("shape", ["60/5/10", "16/3/4", "chain 8/7/1", "60/5/10 stop -3"])
 @pytest.mark.parametrize("pair", ["llama_pair", "eagle3_pair"])
-def test_device_trees_give_the_host_trees_tokens_and_rounds(pair, shape, request):
+def test_device_trees_give_the_host_trees_tokens_and_rounds(pair, shape, graphs, request, monkeypatch):
     """Greedy through the engine: trees on the device, with and without drafts queued from verdicts
     == host trees (tokens, every round's accept length, tree size and depth) == plain decoding; each
-    path really served the rounds (a fixed tree: every round after the first from a verdict)."""
+    path really served the rounds (a fixed tree: every round after the first from a verdict).
+    `replayed`: the draft graphs' buffers as a graph uses them (ReplayedFn)."""
     _, target, head = request.getfixturevalue(pair)
     base = shape.split(" stop ")[0]
     params = SHAPES[base] if "stop" not in shape else TreeParams(
@@ -133,6 +136,8 @@ def test_device_trees_give_the_host_trees_tokens_and_rounds(pair, shape, request
     out = {}
     for mode in ("verdicts", "device", "host"):
         drafter = static_drafter(head, params)
+        if graphs == "replayed":
+            replayed_graphs(drafter, monkeypatch)
         used = counting(drafter)
         engine = Engine(paged_verifier(target, head.feature_kind), drafter, 512, VOCAB,
                         device_trees=mode != "host", verdict_drafts=mode == "verdicts")
@@ -283,11 +288,13 @@ def test_sampling_and_penalised_sequences_draft_after_the_verdict(llama_pair):
         assert got == run(host, [9, 4, 77], 24, sampling=sampling)
 
 
-def test_the_adaptive_budget_drafts_from_verdicts_with_the_same_rounds(llama_pair):
+@pytest.mark.parametrize("graphs", ["static", "replayed"])
+def test_the_adaptive_budget_drafts_from_verdicts_with_the_same_rounds(llama_pair, graphs, monkeypatch):
     """The adaptive budget (a GPU-like cost model: a 64-row verify costs 2.3 one-row steps) plans
     after each verdict: with verdict drafts its rounds (every round's accept length, tree size and
     depth) and tokens equal those of trees drafted after the verdict, on the device and on the host,
-    and plain decoding's tokens; the queued drafts served rounds, and none was read otherwise."""
+    and plain decoding's tokens; the queued drafts served rounds, and none was read otherwise.
+    `replayed`: the draft graphs' buffers as a graph uses them (tests/spec/test_extend_static.py ReplayedFn)."""
     from services.spec.acceptance import prior_stats
     from services.spec.budget import AUTO_LARGEST, Budget
     from services.spec.cost import CostCurve, CostModel
@@ -301,6 +308,8 @@ def test_the_adaptive_budget_drafts_from_verdicts_with_the_same_rounds(llama_pai
     out, engines = {}, {}
     for mode in ("verdicts", "device", "host"):
         drafter = static_drafter(head, AUTO_LARGEST)
+        if graphs == "replayed":
+            replayed_graphs(drafter, monkeypatch)
         used = counting(drafter)
         engine = engines[mode] = Engine(paged_verifier(target, "hidden"), drafter, 512, VOCAB, budget=budget,
                                         device_trees=mode != "host", verdict_drafts=mode == "verdicts")

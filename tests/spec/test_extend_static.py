@@ -259,8 +259,34 @@ def test_start_up_warm_up_runs_each_width_once_and_writes_only_the_trash_page(ll
     assert static.warm_up().shapes == 1 + len(EXTEND_WIDTHS)
 
 
+class ReplayedFn:
+    """A CUDA graph's stand-in on the CPU: `replay()` runs the captured function again and copies its
+    outputs into the first run's tensors (a graph's static outputs), so the buffers a DraftGraphs
+    fills before a replay and reads after it are the ones a graph would use."""
+
+    def __init__(self, fn, outputs) -> None:
+        self.fn, self.outputs = fn, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn(), strict=True):
+            out.copy_(new)
+
+
+def replayed_graphs(drafter, monkeypatch):
+    """Turn `drafter`'s draft graphs on with ReplayedFn for CUDA graphs (the graph path's plumbing on the CPU)."""
+    import services.engine.draft_graphs as draft_graphs
+
+    def capture(fn, device, mempool):
+        outputs = fn()
+        return ReplayedFn(fn, outputs), outputs
+
+    monkeypatch.setattr(draft_graphs, "capture_graph", capture)
+    drafter.graphs.graphs_on = True
+
+
+@pytest.mark.parametrize("graphs", ["static", "replayed"])
 @pytest.mark.parametrize("name", ["llama_pair", "eagle3_pair"])
-def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
+def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, graphs, request, monkeypatch):
     """Drafter.draft_many over several paged sequences drafts those of one top_k and depth together
     (DraftGraphs.draft_batch: one head step a level for the batch, padded to a batch bucket with idle
     rows, each sequence attending only to its own keys; a shape alone in the batch: its own graph;
@@ -271,6 +297,8 @@ def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
     shapes = [TreeParams(4, 3, 16), TreeParams(4, 3, 10), TreeParams(4, 3, 16, stop_logprob=-3.0),
               TreeParams(4, 3, 12), TreeParams(4, 3, 16), TreeParams(2, 2, 6), TreeParams(2, 2, 7)]
     together, alone = static_drafter(head, TreeParams(4, 3, 16)), static_drafter(head, TreeParams(4, 3, 16))
+    if graphs == "replayed":  # the graph path's buffers (a CUDA graph's replay stood in for: ReplayedFn)
+        replayed_graphs(together, monkeypatch)
     bystander = together.pool.allocate(40)  # another slot's rows: never written by the batch
     together.pool.k[:, :, together.pool.cache(bystander).rows_host[:40]] = 7.0
     ids = [f"s{i}" for i in range(len(shapes))]
@@ -303,6 +331,8 @@ def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, request):
         torch.testing.assert_close(together.pool.k[:, :, ra], alone.pool.k[:, :, rb], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(together.pool.v[:, :, ra], alone.pool.v[:, :, rb], atol=1e-5, rtol=1e-5)
     assert (together.pool.k[:, :, together.pool.cache(bystander).rows_host[:40]] == 7.0).all()
+    batch_graphs = [key for key in together.graphs._graphs if key[4] > 1]  # (W, top_k, depth, S, B)
+    assert bool(batch_graphs) == (graphs == "replayed") and together.graphs.captures == len(together.graphs._graphs)
 
 
 def test_a_failing_batched_draft_graph_falls_back_to_the_eager_batch(llama_pair, monkeypatch, caplog):
