@@ -2,7 +2,8 @@
 # Every GPU check in one command, in a few minutes on an H100/H200: what to run first on a GPU machine.
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else gpu_check_out/)
 # 1. the GPU tests (pytest -m gpu: graphs == eager bit for bit, fp32 CUDA == CPU == transformers, the
-#    EAGLE reference fixture on CUDA, bf16 plain == transformers bf16, batched == alone, no host sync);
+#    EAGLE reference fixture on CUDA, bf16 plain == transformers bf16, batched == alone, no host sync;
+#    the services on CUDA where .whl/ brings their packages: bash scripts/gpu_wheels.sh);
 # 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's, each
 #    also measuring the paged attention kernel (AERIE_ATTENTION=paged) next to the default backend.
 # Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. GPU_BENCH_ARGS adds bench flags
@@ -16,6 +17,12 @@ PY=${PYTHON:-python3}
 SHAPES=${GPU_CHECK_SHAPES:-llama-3.1-8b smollm2-135m}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the services' wheels (scripts/gpu_wheels.sh; carried as .whl/): installed privately, ahead of the
+# machine's own packages, so the services' GPU tests run (without them they skip, saying why)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/aerie-site .whl/*.whl \
+    && export PYTHONPATH=/tmp/aerie-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'transformers', transformers.__version__)"
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT_DIR/env.txt"

@@ -1,0 +1,75 @@
+"""The services on CUDA (`pytest -m gpu`; skipped without a GPU, and without the services' packages:
+scripts/gpu_check.sh installs them from .whl/, which scripts/gpu_wheels.sh fills): the verifier and
+drafter services of `aerie up` on the GPU (their default device there), through real gRPC servers on
+loopback and a real Redis, fp32: plain runs whose greedy steps are queued on the device before the
+previous token is read (QueuedAnswer) stream transformers' greedy tokens; EAGLE rounds with several
+sequences at once (the drafter service's batches, DraftGraphs.draft_batch where two share a shape)
+give each sequence transformers' greedy tokens. Written without a GPU: not run on one yet."""
+
+import threading
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on one)")]
+
+WHEELS = "the services' packages are missing: bash scripts/gpu_wheels.sh here, carry .whl/ (scripts/gpu_check.sh)"
+pytest.importorskip("grpc", reason=WHEELS)
+pytest.importorskip("redis", reason=WHEELS)
+pytest.importorskip("opentelemetry.sdk", reason=WHEELS)
+
+from services.engine.engine import GenerationRequest  # noqa: E402
+from tests.helpers import hf_greedy  # noqa: E402
+from tests.pipeline import model_dirs, redis_url, remote_run, start_pipeline  # noqa: E402, F401 (fixtures)
+
+PROMPT = (5, 17, 99, 3, 42, 8)
+
+
+def test_plain_runs_through_the_services_queue_steps_on_cuda(model_dirs, redis_url, llama_pair, monkeypatch):
+    import verifier_svc.servicer as servicer_module
+    from verifier_svc.plain_run import QueuedAnswer
+
+    made = []
+
+    class Counted(QueuedAnswer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(servicer_module, "QueuedAnswer", Counted)
+    p = start_pipeline(model_dirs, redis_url, with_drafter=False, discover=False, verifier_overrides={"device": "cuda"})
+    try:
+        assert p.verifier.target.device.type == "cuda" and p.verifier.queue_runs
+        tokens, reason, accepts = remote_run(p, GenerationRequest(PROMPT, 40, ignore_eos=True))
+        assert tokens == hf_greedy(llama_pair[0], list(PROMPT), 40) and reason == "length"
+        assert accepts == [1] * 39 and len(made) == 39  # every plain round a queued run step
+    finally:
+        p.close()
+
+
+def test_eagle_rounds_of_several_sequences_through_the_services_on_cuda(model_dirs, redis_url, llama_pair):
+    p = start_pipeline(model_dirs, redis_url, verifier_overrides={"device": "cuda"})
+    try:
+        assert p.verifier.target.device.type == "cuda" and p.drafter.drafter.graphs is not None
+        prompts = [PROMPT, (9, 4, 77, 31), (3, 1, 4, 1, 5), (2, 71, 14, 9, 30)]
+        got: dict[int, list[int]] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                got[i] = remote_run(p, GenerationRequest(prompts[i], 32, ignore_eos=True))[0]
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for i, prompt in enumerate(prompts):
+            assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
+        assert p.drafter.drafter.graphs.expansions > 0  # the static draft (graphs) served the drafts
+    finally:
+        p.close()
