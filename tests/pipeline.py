@@ -237,3 +237,42 @@ def remote_run(pipeline, req: GenerationRequest) -> tuple[list[int], str | None,
     finally:
         session.close()
     return [t for s in steps for t in s.tokens], steps[-1].finish_reason, [s.stats.accept_length for s in steps[1:]]
+
+
+def count_queued_answers(monkeypatch) -> list:
+    """Counts the verifier service's run steps answered with a QueuedAnswer (the token read off the
+    model thread: verifier_svc/plain_run.py): the returned list gets each one made from now on."""
+    import verifier_svc.servicer as servicer_module
+    from verifier_svc.plain_run import QueuedAnswer
+
+    made: list = []
+
+    class Counted(QueuedAnswer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(servicer_module, "QueuedAnswer", Counted)
+    return made
+
+
+def run_concurrently(pipeline, requests: list[GenerationRequest], timeout_s: float = 300) -> list[list[int]]:
+    """Each request through the pipeline's coordinator on its own thread, all at once -> each one's
+    tokens, in order; the first error any thread met is raised."""
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = remote_run(pipeline, requests[i])[0]
+        except BaseException as e:  # noqa: BLE001 (raised below, in the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return [got[i] for i in range(len(requests))]

@@ -19,7 +19,7 @@ from services.spec.tree import root_tree
 from tests.coordinator.test_failover import pool, reference, stream  # noqa: F401 (fixtures)
 from tests.helpers import hf_greedy
 from verifier_svc.plain_run import RunStep
-from tests.pipeline import remote_run, start_pipeline, wait_until
+from tests.pipeline import count_queued_answers, remote_run, start_pipeline, wait_until
 
 PROMPT = (5, 17, 99, 3, 42, 8)
 
@@ -48,18 +48,7 @@ def plain(model_dirs, redis_url, request):
 @pytest.fixture
 def queued_answers(monkeypatch):
     """Counts the run steps answered with a QueuedAnswer (the token read off the model thread)."""
-    import verifier_svc.servicer as servicer_module
-    from verifier_svc.plain_run import QueuedAnswer
-
-    made = []
-
-    class Counted(QueuedAnswer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(servicer_module, "QueuedAnswer", Counted)
-    return made
+    return count_queued_answers(monkeypatch)
 
 
 def via(p, address: str, req: GenerationRequest):

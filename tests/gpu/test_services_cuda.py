@@ -6,8 +6,6 @@ previous token is read (QueuedAnswer) stream transformers' greedy tokens; EAGLE 
 sequences at once (the drafter service's batches, DraftGraphs.draft_batch where two share a shape)
 give each sequence transformers' greedy tokens. Written without a GPU: not run on one yet."""
 
-import threading
-
 import pytest
 import torch
 
@@ -21,23 +19,20 @@ pytest.importorskip("opentelemetry.sdk", reason=WHEELS)
 
 from services.engine.engine import GenerationRequest  # noqa: E402
 from tests.helpers import hf_greedy  # noqa: E402
-from tests.pipeline import model_dirs, redis_url, remote_run, start_pipeline  # noqa: E402, F401 (fixtures)
+from tests.pipeline import (  # noqa: E402, F401 (fixtures)
+    count_queued_answers,
+    model_dirs,
+    redis_url,
+    remote_run,
+    run_concurrently,
+    start_pipeline,
+)
 
 PROMPT = (5, 17, 99, 3, 42, 8)
 
 
 def test_plain_runs_through_the_services_queue_steps_on_cuda(model_dirs, redis_url, llama_pair, monkeypatch):
-    import verifier_svc.servicer as servicer_module
-    from verifier_svc.plain_run import QueuedAnswer
-
-    made = []
-
-    class Counted(QueuedAnswer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(servicer_module, "QueuedAnswer", Counted)
+    made = count_queued_answers(monkeypatch)
     p = start_pipeline(model_dirs, redis_url, with_drafter=False, discover=False, verifier_overrides={"device": "cuda"})
     try:
         assert p.verifier.target.device.type == "cuda" and p.verifier.queue_runs
@@ -53,21 +48,7 @@ def test_eagle_rounds_of_several_sequences_through_the_services_on_cuda(model_di
     try:
         assert p.verifier.target.device.type == "cuda" and p.drafter.drafter.graphs is not None
         prompts = [PROMPT, (9, 4, 77, 31), (3, 1, 4, 1, 5), (2, 71, 14, 9, 30)]
-        got: dict[int, list[int]] = {}
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            try:
-                got[i] = remote_run(p, GenerationRequest(prompts[i], 32, ignore_eos=True))[0]
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        got = run_concurrently(p, [GenerationRequest(prompt, 32, ignore_eos=True) for prompt in prompts])
         for i, prompt in enumerate(prompts):
             assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
         assert p.drafter.drafter.graphs.expansions > 0  # the static draft (graphs) served the drafts
