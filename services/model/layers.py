@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from services.model import fused
-from services.model.attention import attend
+from services.model.attention import attend, attend_gathered
 from services.model.kv_cache import KVRows
 from services.model.linear import Linear, PackedLinear, keep_part_names
 
@@ -163,6 +163,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         prefix = cache.length
         k_all, v_all = cache.write(layer, k, v)  # [nKV, S, hd], S = length + T
+        if k_all.dim() == 4:  # B sequences' rows, each over its own S keys [nKV, B, S, hd]; mask [B, T/B, S]
+            assert mask is not None  # (the static draft of a batch: services/spec/tree_static.py)
+            b, h = k_all.shape[1], q.shape[0]
+            qb = q.reshape(h, b, t // b, self.head_dim).transpose(0, 1)  # [B, H, T/B, hd]
+            out = attend_gathered(qb, k_all, v_all, mask).transpose(0, 1).reshape(h, t, self.head_dim)
+            return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
         if mask is None:
             assert t == 1 or prefix == 0, "a maskless forward needs T == 1 or an empty cache"
         out = attend(q, k_all, v_all, mask, causal=mask is None and t > 1)  # [H, T, hd]

@@ -9,9 +9,9 @@ graph (services/engine/draft_graphs.py replays it; the CPU runs it eagerly in te
     tree = rerank_static(cand, root, params)  # StaticTree: rerank's tree on the device
 
 `extend_batch` / `expand_batch` / `draft_batch` run B sequences in each head step (the head's weights
-read once a level for all of them): their rows are concatenated, each attends over its own S key
-slots only (a block mask over the B x S slots), and each keeps its own top-k per level; the
-one-sequence functions are B = 1 of them.
+read once a level for all of them): their rows are concatenated for the GEMMs, each attends over
+its own S key slots only (batched attention: `StaticKV` gives the keys as [nKV, B, S, hd]), and each
+keeps its own top-k per level; the one-sequence functions are B = 1 of them.
 
 `extend_static` is `tree.extend` for n <= W newly committed rows padded to a width W: one head step
 whose padded rows write their K/V to the pool's trash page and see only their own key slot; the
@@ -47,28 +47,34 @@ from services.spec.tree import Candidates, StaticTree, TreeParams
 
 class StaticKV:
     """What the head's attention asks of a cache (`write`), over device index tensors: new rows go
-    to `write_rows` [T] of the pool's arena, attention reads `key_rows` [S]."""
+    to `write_rows` [T] of the pool's arena, attention reads `key_rows` [S] (one sequence), or
+    [B, S] (B sequences, each row attending over its own sequence's keys: the attention gets them
+    as [nKV, B, S, hd], services/model/layers.py)."""
 
     def __init__(self, pool: PagedKVPool, write_rows: torch.Tensor, key_rows: torch.Tensor) -> None:
         self.pool, self.write_rows, self.key_rows = pool, write_rows, key_rows
         self.length = -1  # no host-side length: the mask carries it
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k_new, v_new [nKV, T, hd] -> the layer's K and V at the S key slots [nKV, S, hd]."""
+        """k_new, v_new [nKV, T, hd] -> the layer's K and V at the key slots [nKV, S, hd] ([nKV, B, S, hd])."""
         k, v = self.pool.k[layer], self.pool.v[layer]
         k.index_copy_(1, self.write_rows, k_new.to(k.dtype))
         v.index_copy_(1, self.write_rows, v_new.to(v.dtype))
-        return k.index_select(1, self.key_rows), v.index_select(1, self.key_rows)
+        rows = self.key_rows.reshape(-1)
+        keys, vals = k.index_select(1, rows), v.index_select(1, rows)
+        if self.key_rows.dim() == 2:
+            return keys.view(k.shape[0], *self.key_rows.shape, -1), vals.view(v.shape[0], *self.key_rows.shape, -1)
+        return keys, vals
 
 
-def _block(mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, S] per-sequence masks -> [B*T, B*S]: each sequence's rows see its own S key slots only
-    (the batch's keys concatenated; one sequence: the mask itself)."""
-    b, t, s = mask.shape
-    if b == 1:
-        return mask[0]
-    own = torch.eye(b, dtype=torch.bool, device=mask.device)[:, None, :, None]  # [B, 1, B, 1]
-    return (own & mask[:, :, None, :]).reshape(b * t, b * s)
+def _batch_kv(pool: PagedKVPool, write_rows: torch.Tensor, key_rows: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[StaticKV, torch.Tensor]:
+    """The cache and mask of one head step over B sequences' rows: write_rows [B, T], key_rows [B, S],
+    mask [B, T, S]; one sequence (B = 1): its own [S] keys and [T, S] mask, as `expand_static` ran
+    before batches (the same attention path, bit for bit)."""
+    if key_rows.shape[0] == 1:
+        return StaticKV(pool, write_rows.reshape(-1), key_rows[0]), mask[0]
+    return StaticKV(pool, write_rows.reshape(-1), key_rows), mask
 
 
 @torch.no_grad()
@@ -76,8 +82,8 @@ def expand_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, sta
                  last: torch.Tensor, top_k: int, depth: int) -> Candidates:
     """`expand_static` for B sequences at once (one head step per level for all of them: the head's
     weights are read once a level, whatever B): key_rows [B, S], stable [B], last [B, H] -> Candidates
-    of [B, C] scores and tokens, [B, P] parents (each row a sequence's, as `expand_static`'s). The
-    attention runs over the B x S slots with a block mask: a sequence sees only its own keys."""
+    of [B, C] scores and tokens, [B, P] parents (each row a sequence's, as `expand_static`'s). Each
+    sequence's rows attend over its own S key slots (batched attention, no cross-sequence scores)."""
     k, (b, s) = top_k, key_rows.shape
     h = last.shape[-1]
     device = last.device
@@ -93,14 +99,13 @@ def expand_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, sta
     tree_mask = eye  # [B, K, rows of the levels so far + K]: ancestors and itself
     block_start, total = 0, k
     offsets = torch.arange(k, device=device)
-    keys = key_rows.reshape(b * s)
     for i in range(depth):
         write_rows = key_rows.gather(1, stable[:, None] + i * k + offsets)  # [B, K]
         positions = (stable + i)[:, None].expand(b, k).reshape(b * k)
-        mask = _block(key_mask(stable, tree_mask, s))  # [B*K, B*S]: the committed rows, then the tree's
+        # [B, K, S]: the committed rows, then the tree's
+        kv, mask = _batch_kv(pool, write_rows, key_rows, key_mask(stable, tree_mask, s))
         out = head._layer(cur_hidden.reshape(b * k, h).to(head.dtype), head.embed_tokens(cur_ids.reshape(b * k)),
-                          cos_t[positions], sin_t[positions], StaticKV(pool, write_rows.reshape(b * k), keys),
-                          mask)  # [B*K, H]
+                          cos_t[positions], sin_t[positions], kv, mask)  # [B*K, H]
         lp = head.log_probs(out).view(b, k, -1)  # [B, K, Vd]
         parents_list.append(sel + 1 + block_start)  # 1 + flat index of each expanded node
         child = torch.topk(lp, k, dim=-1)  # [B, K, K]
@@ -136,7 +141,7 @@ def extend_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, wri
                  ) -> torch.Tensor:
     """`extend_static` for B sequences at once: key_rows [B, S], write_rows [B, W], stable [B],
     count [B], features [B, W, F], tokens [B, W] -> each sequence's row count - 1 [B, H]; each row
-    sees only its own sequence's slots (a block mask)."""
+    attends over its own sequence's slots only."""
     (b, w), s = tokens.shape, int(key_rows.shape[1])
     device = tokens.device
     j = torch.arange(w, device=device)
@@ -145,12 +150,11 @@ def extend_batch(head: DraftHead, pool: PagedKVPool, key_rows: torch.Tensor, wri
     causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
     eye = torch.eye(w, dtype=torch.bool, device=device)
     tree = torch.where(real[:, :, None], causal, eye)  # [B, W, W]
-    mask = _block(key_mask(stable, tree, s))  # [B*W, B*S]
+    kv, mask = _batch_kv(pool, write_rows, key_rows, key_mask(stable, tree, s))  # mask [B, W, S]
     cos_t, sin_t = head.rotary.tables(0, head.dtype, device)  # precomputed by the caller
     flat = positions.reshape(b * w)
     out = head._layer(features.reshape(b * w, -1).to(head.dtype), head.embed_tokens(tokens.reshape(b * w)),
-                      cos_t[flat], sin_t[flat], StaticKV(pool, write_rows.reshape(b * w), key_rows.reshape(b * s)),
-                      mask)  # [B*W, H]
+                      cos_t[flat], sin_t[flat], kv, mask)  # [B*W, H]
     h = out.shape[-1]
     return out.view(b, w, h).gather(1, (count - 1)[:, None, None].expand(b, 1, h))[:, 0]
 
