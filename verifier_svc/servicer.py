@@ -569,13 +569,12 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             if isinstance(call, VerifyCall):
                 raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} was a plain step of a run here; "
                                      "a Verify cannot repeat it")
-            return ran if isinstance(call, RunStep) or not isinstance(ran, QueuedAnswer) else ran.response()
+            return _stored(call, ran)
         last = self._last.get(seq_id)
         if last is None or round_index > last[0]:
             return None
         if round_index == last[0]:
-            answer = last[1]
-            return answer.response() if isinstance(answer, QueuedAnswer) and not isinstance(call, RunStep) else answer
+            return _stored(call, last[1])
         raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} is older than its latest round {last[0]}")
 
 
@@ -594,6 +593,12 @@ def _client(context) -> str:
             value = (v.decode() if isinstance(v, bytes) else v).strip()
             return value[:200] or ANONYMOUS
     return ANONYMOUS
+
+
+def _stored(call: Call, answer: object) -> object:
+    """A stored answer for a repeated call: a run step takes a QueuedAnswer as it is (its token is the
+    next step's input); a Decode gets the response, read from the device once."""
+    return answer.response() if isinstance(answer, QueuedAnswer) and not isinstance(call, RunStep) else answer
 
 
 def _check_round(round_index: int) -> None:

@@ -531,8 +531,7 @@ def _batched_drafts(head, cfg: GpuBenchConfig, log) -> dict:
         times = {}
         for way in ("together", "alone", "eager"):
             d = Drafter(head, params, max_sequences=n)
-            if way == "eager":
-                d._batchable = lambda call, params: False  # type: ignore[method-assign]  (the older path)
+            d.batch_in_graph = way != "eager"  # eager: the older path (batches of 2+ drafted eagerly)
             ids = [f"d{i}" for i in range(n)]
             for seq in ids:
                 d.start(seq, 512, sampling=False)
