@@ -45,6 +45,10 @@ def register(sub) -> None:
     gpu.add_argument("--paged-attention", default="auto", choices=("auto", "on", "off"),
                      help="--shape: measure AERIE_ATTENTION=paged (the Triton kernel) next to the default: auto = on "
                           "CUDA when triton imports; on = also elsewhere (the CPU needs TRITON_INTERPRET=1)")
+    gpu.add_argument("--pipeline", action="store_true",
+                     help="--shape: instead, plain and EAGLE decoding through `aerie up` (separate processes, gRPC, "
+                          "Redis) against the in-process engine on the same random checkpoint written to a temporary "
+                          "directory (services/bench/pipeline_shape.py; --max-new-tokens a request, --repeats)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -65,7 +69,8 @@ def register(sub) -> None:
                    help="methods of the concurrency sweep: plain, tree, adaptive, overlap (adaptive drafting "
                         "ahead: --overlap on) (default: plain,tree,adaptive)")
     c.add_argument("--repeats", type=int, default=1,
-                   help="concurrency sweep repeats; the table shows the median (default: 1)")
+                   help="concurrency sweep repeats, and --shape --pipeline's requests a side; the tables show the median "
+                        "(default: 1)")
     c.add_argument("--max-batch", type=int, default=16, help="the services' calls per forward (default: 16)")
     c.add_argument("--max-batch-rows", type=int, default=1024, help="the services' rows per forward (default: 1024)")
     c.add_argument("--prefill-chunk", type=int, default=None,
@@ -290,8 +295,10 @@ def _shape_bench(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--batches must be a comma list of integers; got {args.batches!r}") from None
     if not batches or min(batches) < 1 or args.prompt_tokens < 1 or args.max_new_tokens < 1:
         raise InvalidRequest("--batches, --prompt-tokens and --max-new-tokens must be >= 1")
-    cfg = GpuBenchConfig(args.shape, dev, args.dtype or ("bf16" if dev.startswith("cuda") else "fp32"),
-                         args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
+    dtype_name = args.dtype or ("bf16" if dev.startswith("cuda") else "fp32")
+    if args.pipeline:
+        return _pipeline_shape_bench(args, dev, dtype_name)
+    cfg = GpuBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
                          legacy=not args.no_legacy, paged=args.paged_attention)
     def write(res: dict) -> None:  # after each group of measurements: a run cut short keeps what it measured
         if args.json_out:
@@ -299,5 +306,20 @@ def _shape_bench(args: argparse.Namespace) -> int:
                 json.dump(res, f, indent=2)
 
     res = run_gpu_bench(cfg, checkpoint=write)
+    print(table(res))
+    return 0
+
+
+def _pipeline_shape_bench(args: argparse.Namespace, dev: str, dtype_name: str) -> int:
+    """`--shape S --pipeline`: the pipeline against the in-process engine on a random checkpoint."""
+    from services.bench.pipeline_shape import PipelineBenchConfig, run_pipeline_bench, table
+
+    if args.repeats < 1:
+        raise InvalidRequest(f"--repeats must be >= 1; got {args.repeats}")
+    res = run_pipeline_bench(PipelineBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens,
+                                                 args.max_new_tokens, args.repeats))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2)
     print(table(res))
     return 0

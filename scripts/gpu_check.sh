@@ -6,15 +6,19 @@
 #    the services on CUDA where .whl/ brings their packages: bash scripts/gpu_wheels.sh);
 # 2. the model-free benchmark (aerie bench --shape) on the Llama-3.1-8B shape, and SmolLM2-135M's, each
 #    also measuring the paged attention kernel (AERIE_ATTENTION=paged) next to the default backend.
-# Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, env.txt. GPU_BENCH_ARGS adds bench flags
-# (e.g. --no-legacy); GPU_TEST_FILTER (a pytest -k expression) picks tests; GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT /
-# GPU_BENCH_TOKENS / GPU_CHECK_SHAPES tune it. Uses the python that has torch
+# 3. with GPU_PIPELINE=SHAPE (e.g. llama-3.1-8b): plain and EAGLE decoding through `aerie up` (separate
+#    processes, gRPC, Redis) against the in-process engine on a random checkpoint of that shape
+#    (aerie bench --shape SHAPE --pipeline; needs .whl/ as the services' tests do).
+# Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, pipeline-*.json/.txt, env.txt. GPU_BENCH_ARGS adds
+# bench flags (e.g. --no-legacy); GPU_TEST_FILTER (a pytest -k expression) picks tests, GPU_TESTS=0 skips them;
+# GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT / GPU_BENCH_TOKENS / GPU_CHECK_SHAPES (empty: no benchmark) /
+# GPU_PIPELINE_TIMEOUT tune it. Uses the python that has torch
 # with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu_check_out}}
 PY=${PYTHON:-python3}
-SHAPES=${GPU_CHECK_SHAPES:-llama-3.1-8b smollm2-135m}
+SHAPES=${GPU_CHECK_SHAPES-llama-3.1-8b smollm2-135m}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # the services' wheels (scripts/gpu_wheels.sh; carried as .whl/): installed privately, ahead of the
@@ -28,10 +32,13 @@ fi
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT_DIR/env.txt"
 # time limits fit a 15-minute device lease with its start: tests 4 min, the first shape 4.5, the others 2;
 # the benchmark writes its JSON after each group of measurements, so a shape cut short keeps what it measured
-timeout "${GPU_TEST_TIMEOUT:-240}" "$PY" -m pytest -v -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs \
-  ${GPU_TEST_FILTER:+-k "$GPU_TEST_FILTER"} 2>&1 \
-  | tee "$OUT_DIR/pytest.txt"
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+  timeout "${GPU_TEST_TIMEOUT:-240}" "$PY" -m pytest -v -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs \
+    ${GPU_TEST_FILTER:+-k "$GPU_TEST_FILTER"} 2>&1 \
+    | tee "$OUT_DIR/pytest.txt"
+  tests_rc=${PIPESTATUS[0]}
+fi
 bench_rc=0
 limit=${GPU_BENCH_TIMEOUT:-270}
 for shape in $SHAPES; do
@@ -41,5 +48,11 @@ for shape in $SHAPES; do
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc
   limit=${GPU_BENCH_TIMEOUT:-120}
 done
+if [ -n "${GPU_PIPELINE:-}" ]; then
+  timeout "${GPU_PIPELINE_TIMEOUT:-300}" "$PY" -m aerie_cli bench --shape "$GPU_PIPELINE" --device cuda --pipeline \
+    --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --repeats 3 --json-out "$OUT_DIR/pipeline-$GPU_PIPELINE.json" 2>&1 \
+    | tee "$OUT_DIR/pipeline-$GPU_PIPELINE.txt"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc
+fi
 echo "gpu_check: tests exit $tests_rc, bench exit $bench_rc (results in $OUT_DIR)"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -18,12 +18,14 @@ Backends:
            (`forward_uniform`, which has the row table) runs it; every other call (`attend`: the
            per-entry forward of long prefill chunks, the draft head) runs the backend it would run
            without the variable (`default_backend`). The CUDA default for static-shape blocks of
-           up to PAGED_MAX_ROWS rows a sequence (decode steps) when triton imports: measured on an
-           H200 (Llama-3.1-8B shape, bf16, docs/gpu.md), plain decoding 5.81 vs 6.01 ms/token with
-           `grouped`, batched decode at N = 32 8.90 vs 13.21 ms a step, while trees verify a little
-           slower (60 rows 8.34 vs 7.94 ms, 8 rows 7.14 vs 7.12), so trees keep `grouped`. Needs
-           `triton` (forced without it, `paged_attention_fn` says so; by default `grouped` runs)
-           and, on the CPU, Triton's interpreter (TRITON_INTERPRET=1, tests only).
+           up to PAGED_MAX_ROWS rows a sequence (decode steps and trees) when triton imports:
+           measured on an H200 (Llama-3.1-8B shape, bf16, docs/gpu.md), plain decoding 5.81 vs 6.01
+           ms/token with `grouped`, batched decode at N = 32 8.90 vs 13.21 ms a step; tree rounds
+           0.25-0.9 ms faster in 9 of 9 comparisons of the second and third sessions (the first
+           session's two split), and with it fp32 tokens through every tree shape equal the CPU's
+           (its GPU test, third session). Needs `triton` (forced without it,
+           `paged_attention_fn` says so; by default `grouped` runs) and, on the CPU, Triton's
+           interpreter (TRITON_INTERPRET=1, tests only).
 
 Why not SDPA's default on CUDA: from torch 2.11 it picks cuDNN on Hopper, whose execution plans are
 cached by exact shape (KV length included), so a KV that grows by one row per token builds a new plan
@@ -51,8 +53,8 @@ log = logging.getLogger(__name__)
 BACKENDS = ("sdpa", "grouped", "expanded", "paged")
 ENV = "AERIE_ATTENTION"
 GROUPED_MAX_ROWS = 64  # CUDA: query blocks up to this many rows use `grouped`, longer ones `expanded`
-PAGED_MAX_ROWS = 1  # CUDA: static-shape blocks of up to this many rows a sequence use `paged` (triton there)
-PROBE_SLOTS = 1024  # key slots of the one decode step `paged_runs` tries
+PAGED_MAX_ROWS = GROUPED_MAX_ROWS  # CUDA: static-shape blocks of up to this many rows a sequence use `paged`
+PROBE_SLOTS = 1024  # key slots of the one step `paged_runs` tries
 
 
 def backend_for(device: torch.device, rows: int) -> str:
@@ -77,7 +79,8 @@ def paged_attention_fn(device: torch.device, rows: int, heads: DecodeHeads | Non
     """services.model.paged_attention.paged_attention when the static-shape forward of `rows` rows a
     sequence runs the `paged` backend, else None (the caller gathers and runs `attend_gathered`).
     Without AERIE_ATTENTION: on CUDA for up to PAGED_MAX_ROWS rows when triton imports and the
-    kernel runs for `heads` on this device (`paged_runs`: checked once; else None); forced
+    kernel runs for `heads` and blocks of this width on this device (`paged_runs`: checked once for
+    decode steps, once for trees; else None); forced
     (AERIE_ATTENTION=paged) it raises when triton is missing."""
     forced = bool(os.environ.get(ENV))
     if forced:
@@ -92,7 +95,7 @@ def paged_attention_fn(device: torch.device, rows: int, heads: DecodeHeads | Non
             raise RuntimeError(f"{ENV}=paged needs the triton package (the paged attention kernel is a Triton "
                                f"kernel; on CUDA, torch's own triton): {e}") from e
         return None  # no triton: the gathered `grouped` path, as before the kernel
-    if not forced and heads is not None and not _paged_runs_here(device, heads, paged_attention):
+    if not forced and heads is not None and not _paged_runs_here(device, heads, paged_attention, rows):
         return None
     return paged_attention
 
@@ -106,37 +109,44 @@ class DecodeHeads:
     head_dim: int
 
 
-def paged_runs(kernel, device: torch.device, h: DecodeHeads) -> bool:
-    """Whether `kernel` (paged_attention) builds and runs for one decode step of `h` on `device`: a
-    GPU whose Triton cannot build it (too little shared memory for the head size, an unsupported
-    architecture) keeps the gathered `grouped` path by default, with one warning, instead of failing
-    every request."""
+def paged_runs(kernel, device: torch.device, h: DecodeHeads, rows: int = 1) -> bool:
+    """Whether `kernel` (paged_attention) builds and runs for one step of `rows` rows a sequence (1: a
+    decode step; more: a tree, whose query block is wider) of `h` on `device`: a GPU whose Triton
+    cannot build it (too little shared memory for the head size or the block, an unsupported
+    architecture) keeps the gathered `grouped` path for those steps by default, with one warning,
+    instead of failing every request."""
     try:  # 1024 key slots: on a GPU the key range is split across programs, so the merge kernel builds too
-        q = torch.zeros(1, 1, h.heads, h.head_dim, dtype=h.dtype, device=device)
+        q = torch.zeros(1, rows, h.heads, h.head_dim, dtype=h.dtype, device=device)
         kv = torch.zeros(h.kv_heads, PROBE_SLOTS, h.head_dim, dtype=h.dtype, device=device)
         index = torch.zeros(1, PROBE_SLOTS, dtype=torch.long, device=device)
-        kernel(q, kv, kv, index, index[:, 0], torch.ones(1, 1, 1, dtype=torch.long, device=device), 1.0)
+        tree = torch.ones(1, rows, rows, dtype=torch.long, device=device)
+        kernel(q, kv, kv, index, index[:, 0], tree, 1.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return True
     except Exception:  # noqa: BLE001 (serving goes on with `grouped`)
-        log.warning("the paged attention kernel does not run here (%s, %s): decode steps keep the gathered "
-                    "`grouped` attention (%s=grouped silences this)", device, h, ENV, exc_info=True)
+        steps = "decode steps" if rows == 1 else f"trees (steps of up to {rows} rows)"
+        log.warning("the paged attention kernel does not run here (%s, %s): %s keep the gathered `grouped` "
+                    "attention (%s=grouped silences this)", device, h, steps, ENV, exc_info=True)
         return False
 
 
-_PAGED_RUNS: dict[tuple[torch.device, DecodeHeads], bool] = {}  # paged_runs' answers, per device and heads
+# paged_runs' answers, per device, heads and kind of step (1: decode; PAGED_MAX_ROWS: every tree width)
+_PAGED_RUNS: dict[tuple[torch.device, DecodeHeads, int], bool] = {}
 
 
-def _paged_runs_here(device: torch.device, h: DecodeHeads, kernel) -> bool:
-    """paged_runs, once per (device, heads). During a capture nothing can be tried: the answer so far,
-    else yes (never the first call: a capture's warm-up runs first) and not remembered."""
-    key = (device, h)
+def _paged_runs_here(device: torch.device, h: DecodeHeads, kernel, rows: int = 1) -> bool:
+    """paged_runs, once per (device, heads) for decode steps and once for trees (tried at the widest
+    tree, PAGED_MAX_ROWS rows: the kernel's query block, and so its resources, grow with the width).
+    During a capture nothing can be tried: the answer so far, else yes (never the first call: a
+    capture's warm-up runs first) and not remembered."""
+    key = (device, h, 1 if rows == 1 else PAGED_MAX_ROWS)
     if key not in _PAGED_RUNS:
         if torch.cuda.is_current_stream_capturing():
             return True
-        _PAGED_RUNS[key] = paged_runs(kernel, device, h)
+        _PAGED_RUNS[key] = paged_runs(kernel, device, h, key[2])
     return _PAGED_RUNS[key]
+
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

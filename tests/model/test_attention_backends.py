@@ -63,8 +63,8 @@ def test_paged_is_the_cuda_default_for_decode_blocks_only(monkeypatch):
     monkeypatch.setitem(sys.modules, "services.model.paged_attention", kernel)
     monkeypatch.delenv("AERIE_ATTENTION", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert paged_attention_fn(cuda, 1) is kernel.paged_attention
-    assert [paged_attention_fn(cuda, t) for t in (2, 8, 64)] == [None] * 3
+    assert [paged_attention_fn(cuda, t) for t in (1, 2, 8, 64)] == [kernel.paged_attention] * 4
+    assert paged_attention_fn(cuda, 65) is None  # wider blocks (prefill chunks) gather for `expanded`
     assert paged_attention_fn(cpu, 1) is None
     monkeypatch.setenv("AERIE_ATTENTION", "grouped")
     assert paged_attention_fn(cuda, 1) is None
@@ -91,21 +91,25 @@ def test_a_kernel_that_does_not_run_here_keeps_the_gathered_path(monkeypatch, ca
         raise RuntimeError("out of resource: shared memory, Required: 327680")
 
     assert attention.paged_runs(works, torch.device("cpu"), heads)
-    assert seen == [((1, 1, 4, 8), (2, 1024, 8), (1, 1024), (1,), (1, 1, 1))]
+    assert attention.paged_runs(works, torch.device("cpu"), heads, 64)
+    assert seen == [((1, 1, 4, 8), (2, 1024, 8), (1, 1024), (1,), (1, 1, 1)),
+                    ((1, 64, 4, 8), (2, 1024, 8), (1, 1024), (1,), (1, 64, 64))]
     with caplog.at_level("WARNING", logger="services.model.attention"):
         assert not attention.paged_runs(broken, torch.device("cpu"), heads)
+        assert not attention.paged_runs(broken, torch.device("cpu"), heads, 64)
     assert "decode steps keep the gathered `grouped` attention" in caplog.text
+    assert "trees (steps of up to 64 rows) keep the gathered `grouped` attention" in caplog.text
     assert "Required: 327680" in caplog.text  # the cause, with its traceback
 
     kernel = types.ModuleType("services.model.paged_attention")
     kernel.paged_attention = works
     monkeypatch.setitem(sys.modules, "services.model.paged_attention", kernel)
     monkeypatch.delenv("AERIE_ATTENTION", raising=False)
-    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel: False)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel, rows: False)
     assert paged_attention_fn(torch.device("cuda"), 1, heads) is None
-    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel: True)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel, rows: True)
     assert paged_attention_fn(torch.device("cuda"), 1, heads) is works
-    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel: False)
+    monkeypatch.setattr(attention, "_paged_runs_here", lambda device, h, kernel, rows: False)
     monkeypatch.setenv("AERIE_ATTENTION", "paged")
     assert paged_attention_fn(torch.device("cuda"), 1, heads) is works  # forced: no check
 
@@ -126,4 +130,7 @@ def test_the_check_is_remembered_per_device_and_heads_but_never_during_a_capture
     assert attention._paged_runs_here(cpu, h, kernel) and calls == [] and attention._PAGED_RUNS == {}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert attention._paged_runs_here(cpu, h, kernel) and attention._paged_runs_here(cpu, h, kernel)
-    assert len(calls) == 1 and attention._PAGED_RUNS == {(cpu, h): True}
+    assert calls == [(1, 1, 4, 8)] and attention._PAGED_RUNS == {(cpu, h, 1): True}
+    # trees: tried once, at the widest tree (the largest query block), for every width
+    assert all(attention._paged_runs_here(cpu, h, kernel, rows) for rows in (2, 16, 64))
+    assert calls[1:] == [(1, 64, 4, 8)] and attention._PAGED_RUNS == {(cpu, h, 1): True, (cpu, h, 64): True}

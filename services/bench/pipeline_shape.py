@@ -1,0 +1,228 @@
+"""The pipeline on a model shape: plain and EAGLE decoding through `aerie up` (each service its own
+process, gRPC on loopback, Redis) against the in-process engine on the same random checkpoint, on
+any device, in one run (`aerie bench --shape S --device cuda --pipeline`; scripts/gpu_check.sh with
+GPU_PIPELINE=1).
+
+    res = run_pipeline_bench(PipelineBenchConfig("llama-3.1-8b", "cuda", "bf16"))   # a dict: table(res)
+
+1. A checkpoint of the shape with random weights is written to a temporary directory: the target as
+   transformers writes it (config.json + safetensors, LlamaForCausalLM) and an EAGLE-2 head as
+   `save_head` writes it. No tokenizer: every request is token ids (the coordinator's gRPC API).
+2. In process: `build_local_engine` on that checkpoint (what `aerie generate` runs: CUDA graphs,
+   device trees, plain runs where the device has them), plain decoding and EAGLE with a fixed tree.
+3. Through the services: `aerie up --target DIR --draft HEAD --tree-* ...` (its default flags
+   otherwise; the HTTP API inside the coordinator), then `aerie up --draft none` (plain decoding:
+   no drafter), each request through the coordinator's gRPC stream (`RemoteSession`).
+
+Each side decodes the same `prompt`-token prompt (random ids) `repeats` times after a warm-up
+request, `tokens` new tokens each, ignoring EOS. ms/token is the decode time after the first
+streamed token (the prefill's) divided by the tokens after it, the median over the repeats: the
+same measure on both sides, taken where a client sees the tokens arrive. Random weights accept
+nothing, so an EAGLE "token" here is a round: its cost, never a speed-up. `ratio` = in process /
+pipeline ms (1.0 = the split costs nothing); `same_tokens`: whether the pipeline streamed the
+in-process engine's greedy tokens (it should: the same forward code, one sequence).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+READY = "ready: aerie generate --coordinator "
+TREE = (4, 3, 16)  # top_k, depth, tokens: the fixed tree both sides draft
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineBenchConfig:
+    shape: str
+    device: str
+    dtype: str  # bf16 | fp16 | fp32
+    prompt: int = 512
+    tokens: int = 64
+    repeats: int = 3
+    startup_timeout_s: float = 600.0
+
+
+def write_checkpoint(shape: str, device: str, dtype: str, root: Path) -> tuple[Path, Path]:
+    """(target dir, head dir) of `shape` with random weights under `root` (built on `device`)."""
+    from transformers import LlamaForCausalLM
+
+    from services.bench.gpu import hf_config, random_head, random_target
+    from services.model.head_checkpoint import save_head
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    with torch.device(device):  # initialised where it is built, in its dtype (no fp32 copy)
+        hf = LlamaForCausalLM._from_config(hf_config(shape), dtype=torch_dtype)
+    hf.save_pretrained(root / "target")
+    del hf
+    target = random_target(shape, device, torch_dtype)  # the head's shape and its lm_head reference
+    save_head(random_head(target), root / "head", skip=("embed_tokens.weight",))
+    del target
+    _free(device)
+    return root / "target", root / "head"
+
+
+def timed_stream(generate: Callable[[], Iterator]) -> tuple[float, int, list[int]]:
+    """(seconds after the first streamed round, tokens after it, every token) of one generation."""
+    first_at, first_tokens, tokens = None, 0, []
+    for step in generate():
+        tokens += step.tokens
+        if first_at is None:
+            first_at, first_tokens = time.perf_counter(), len(tokens)
+    assert first_at is not None
+    return time.perf_counter() - first_at, len(tokens) - first_tokens, tokens
+
+
+def ms_per_token(generate: Callable[[], Iterator], repeats: int) -> dict:
+    """The median ms/token over `repeats` streams, after one warm-up stream (not counted); the
+    tokens of the first (every stream decodes the same request greedily)."""
+    timed_stream(generate)
+    runs = [timed_stream(generate) for _ in range(repeats)]
+    per = [s * 1e3 / max(n, 1) for s, n, _ in runs]
+    return {"ms_per_token": statistics.median(per), "runs_ms_per_token": per, "token_ids": runs[0][2]}
+
+
+def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
+    """Every measurement of the module doc -> the result dict (`table` prints it)."""
+    from services.bench.gpu import _prompt, hf_config
+    from services.engine.engine import GenerationRequest
+    from services.engine.local import build_local_engine
+    from services.spec.tree import TreeParams
+
+    top_k, depth, size = TREE
+    tree = TreeParams(top_k, depth, size)
+    name = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "cpu"
+    res: dict = {"shape": cfg.shape, "device": name, "dtype": cfg.dtype, "prompt": cfg.prompt,
+                 "tokens": cfg.tokens, "repeats": cfg.repeats, "tree": f"{size}/{depth}/{top_k}",
+                 "torch": torch.__version__}
+    prompt = _prompt(hf_config(cfg.shape).vocab_size, cfg.prompt, 0)
+    request = GenerationRequest(prompt, cfg.tokens, ignore_eos=True)
+    root = Path(tempfile.mkdtemp(prefix="aerie-pipeline-bench-"))
+    try:
+        t0 = time.perf_counter()
+        target_dir, head_dir = write_checkpoint(cfg.shape, cfg.device, cfg.dtype, root)
+        res["checkpoint_s"] = round(time.perf_counter() - t0, 1)
+        log(f"random {cfg.shape} checkpoint written in {res['checkpoint_s']} s")
+
+        local = build_local_engine(str(target_dir), str(head_dir), cfg.dtype, tree, device=cfg.device)
+        engine = local.engine
+        res["in_process"] = {"plain": ms_per_token(lambda: engine.plain().generate(request), cfg.repeats),
+                             "eagle": ms_per_token(lambda: engine.generate(request), cfg.repeats)}
+        for label, r in res["in_process"].items():
+            log(f"in process, {label}: {r['ms_per_token']:.2f} ms/token")
+        del local, engine
+        _free(cfg.device)
+
+        res["pipeline"] = {}
+        for label, draft in (("eagle", str(head_dir)), ("plain", "none")):
+            with aerie_up(cfg, target_dir, draft, root / f"up-{label}.log") as address:
+                res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
+            log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
+        res["ratio"] = {label: res["in_process"][label]["ms_per_token"] / res["pipeline"][label]["ms_per_token"]
+                        for label in res["pipeline"]}
+        # greedy on both sides: the pipeline must give the in-process engine's tokens (reported, not raised)
+        res["same_tokens"] = {label: res["in_process"][label]["token_ids"] == res["pipeline"][label]["token_ids"]
+                              for label in res["pipeline"]}
+        res["complete"] = True
+        return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def remote_stream(address: str, request) -> Iterator:
+    """One generation through the coordinator at `address`: its RoundOutputs as they arrive."""
+    from services.rpc.coordinator_client import RemoteSession
+
+    session = RemoteSession(address, None, "", timeout_s=600)
+    try:
+        yield from session.engine.generate(request)
+    finally:
+        session.close()
+
+
+class aerie_up:
+    """`aerie up` on the checkpoint as a child process (its own session), stopped with SIGTERM on exit;
+    entering waits for its "ready:" line and gives the coordinator's address. Its output goes to
+    `log_path` (its tail is raised with a failure to start)."""
+
+    def __init__(self, cfg: PipelineBenchConfig, target: Path, draft: str, log_path: Path) -> None:
+        top_k, depth, size = TREE
+        self.argv = [sys.executable, "-m", "aerie_cli", "up", "--target", str(target), "--draft", draft,
+                     "--dtype", cfg.dtype, "--device", cfg.device, "--port", "0", "--http-port", "0",
+                     "--gateway", "coordinator", "--no-restart", "--startup-timeout-s", str(cfg.startup_timeout_s),
+                     "--tree-top-k", str(top_k), "--tree-depth", str(depth), "--tree-tokens", str(size)]
+        self.log_path, self.timeout_s = log_path, cfg.startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + self.timeout_s
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # `aerie up` prints where everything listens, then the ready line
+            self.log.write(line)
+            if line.startswith(READY):
+                return line[len(READY):].split()[0]
+            if time.monotonic() > deadline:
+                break
+        self.log.flush()
+        tail = self._tail()  # before the log closes
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"`aerie up` did not become ready (exit code {self.proc.poll()}; {' '.join(self.argv)}):"
+                           f"\n{tail}")
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None:  # a request failed: what the services said
+            print(f"`aerie up` ({' '.join(self.argv)}) log tail:\n{self._tail()}", file=sys.stderr, flush=True)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def _tail(self, chars: int = 6000) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()[-chars:]
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def table(res: dict) -> str:
+    """The result as a table: ms/token in process and through the pipeline, and their ratio."""
+    rows = [("device", res["device"]), ("shape / dtype / prompt", f"{res['shape']} / {res['dtype']} / {res['prompt']}"),
+            ("tokens a request, repeats", f"{res['tokens']}, {res['repeats']}")]
+    for label in ("plain", "eagle"):
+        name = "plain decoding" if label == "plain" else f"EAGLE, tree {res['tree']} (a round a token)"
+        inp = res.get("in_process", {}).get(label, {}).get("ms_per_token")
+        pipe = res.get("pipeline", {}).get(label, {}).get("ms_per_token")
+        ratio = res.get("ratio", {}).get(label)
+        same = res.get("same_tokens", {}).get(label)
+        rows.append((f"{name}: ms/token in process, pipeline (in process / pipeline)",
+                     f"{_ms(inp)}, {_ms(pipe)}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+                     + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"

@@ -1,0 +1,48 @@
+"""`aerie bench --shape S --pipeline` (services/bench/pipeline_shape.py) end to end on the CPU with the
+tiny shape: a random checkpoint written to disk, the in-process engine on it, then two real `aerie up`
+pipelines (separate processes, gRPC, Redis) on it; the JSON the docs read (no speed asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from services.bench.pipeline_shape import table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pipeline_shape_bench_streams_the_in_process_tokens_through_aerie_up(tmp_path):
+    out = tmp_path / "pipeline.json"
+    proc = subprocess.run([sys.executable, "-m", "aerie_cli", "bench", "--shape", "tiny", "--device", "cpu",
+                           "--pipeline", "--max-new-tokens", "6", "--prompt-tokens", "16", "--repeats", "1",
+                           "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["shape"] == "tiny" and res["device"] == "cpu" and res["dtype"] == "fp32" and res["complete"]
+    for side in ("in_process", "pipeline"):
+        for label in ("plain", "eagle"):
+            r = res[side][label]
+            assert r["ms_per_token"] > 0 and len(r["runs_ms_per_token"]) == 1, (side, label)
+            assert len(r["token_ids"]) == 6, (side, label)  # ignore_eos: every token asked for
+    # greedy through the services == in process (and plain == EAGLE: lossless), on the same checkpoint
+    assert res["same_tokens"] == {"plain": True, "eagle": True}
+    assert res["in_process"]["plain"]["token_ids"] == res["in_process"]["eagle"]["token_ids"]
+    assert res["ratio"]["plain"] > 0 and res["ratio"]["eagle"] > 0
+    printed = table(res)
+    assert "same tokens" in printed and "TOKENS DIFFER" not in printed and printed in proc.stdout
+
+
+def test_a_failed_start_says_why(tmp_path, monkeypatch):
+    """`aerie up` that exits before its ready line: the error carries its exit code and log tail."""
+    from services.bench import pipeline_shape
+
+    cfg = pipeline_shape.PipelineBenchConfig("tiny", "cpu", "fp32", startup_timeout_s=60)
+    up = pipeline_shape.aerie_up(cfg, tmp_path / "no-such-target", "none", tmp_path / "up.log")
+    try:
+        with up:
+            raise AssertionError("it became ready without a model")
+    except RuntimeError as e:
+        message = str(e)
+    assert "did not become ready (exit code " in message
+    assert "no-such-target" in message.split(":\n", 1)[1]  # the log's tail names what was missing
