@@ -26,7 +26,7 @@ In one run, on one device (bf16 on a GPU unless --dtype), batch 1 and a `prompt`
   paged_attention the same plain decoding (graphs), rounds and batched decode again with
   grouped_attention AERIE_ATTENTION forced to `paged` (the Triton kernel reading the paged KV in
                   place, trees too) and to `grouped` (keys gathered, decode too), next to the
-                  default's per-shape choice above (paged for decode, grouped for trees, on CUDA):
+                  default's per-shape choice above (on CUDA paged for decode and, since 2026-11-27, trees):
                   on CUDA when triton imports (`paged`: "auto"); "on" also tries it elsewhere (the
                   CPU needs TRITON_INTERPRET=1). Measured last, and a failure is recorded in the
                   JSON and the table, not raised.

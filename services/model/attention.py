@@ -21,9 +21,9 @@ Backends:
            up to PAGED_MAX_ROWS rows a sequence (decode steps and trees) when triton imports:
            measured on an H200 (Llama-3.1-8B shape, bf16, docs/gpu.md), plain decoding 5.81 vs 6.01
            ms/token with `grouped`, batched decode at N = 32 8.90 vs 13.21 ms a step; tree rounds
-           0.25-0.9 ms faster in 9 of 9 comparisons of the second and third sessions (the first
+           0.25-0.9 ms faster in 9 of 9 comparisons of the second and fourth sessions (the first
            session's two split), and with it fp32 tokens through every tree shape equal the CPU's
-           (its GPU test, third session). Needs `triton` (forced without it,
+           (its GPU test, fourth session). Needs `triton` (forced without it,
            `paged_attention_fn` says so; by default `grouped` runs) and, on the CPU, Triton's
            interpreter (TRITON_INTERPRET=1, tests only).
 
