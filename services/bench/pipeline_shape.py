@@ -20,7 +20,10 @@ streamed token (the prefill's) divided by the tokens after it, the median over t
 same measure on both sides, taken where a client sees the tokens arrive. Random weights accept
 nothing, so an EAGLE "token" here is a round: its cost, never a speed-up. `ratio` = in process /
 pipeline ms (1.0 = the split costs nothing); `same_tokens`: whether the pipeline streamed the
-in-process engine's greedy tokens (it should: the same forward code, one sequence).
+in-process engine's greedy tokens (it should: the same forward code, one sequence); `round_ms`: a
+round's median wall, draft and verify ms as each round's stats say (through the pipeline the
+coordinator's draft and verify calls, transit included; the wall beyond them is the commit, the
+stream and the engine's own work), where a GPU round's extra time goes.
 """
 
 from __future__ import annotations
@@ -73,24 +76,44 @@ def write_checkpoint(shape: str, device: str, dtype: str, root: Path) -> tuple[P
     return root / "target", root / "head"
 
 
-def timed_stream(generate: Callable[[], Iterator]) -> tuple[float, int, list[int]]:
-    """(seconds after the first streamed round, tokens after it, every token) of one generation."""
-    first_at, first_tokens, tokens = None, 0, []
+@dataclass
+class Stream:
+    """One generation as its caller saw it."""
+    seconds: float  # after the first streamed round (the prefill's)
+    decoded: int  # tokens after the first round
+    tokens: list[int]  # every token
+    parts_ms: list[tuple[float, float, float]]  # per round after the first two: (wall, draft, verify) ms
+
+
+def timed_stream(generate: Callable[[], Iterator]) -> Stream:
+    """Time one generation's stream; each round's draft and verify seconds as its stats say (the
+    coordinator's calls, RPC included, through the pipeline)."""
+    first_at, first_tokens, tokens, parts = None, 0, [], []
+    last = None
     for step in generate():
+        now = time.perf_counter()
         tokens += step.tokens
         if first_at is None:
-            first_at, first_tokens = time.perf_counter(), len(tokens)
+            first_at, first_tokens = now, len(tokens)
+        elif step.stats.round_index > 1 and last is not None:  # round 1 was drafted inside the prefill step
+            parts.append(((now - last) * 1e3, step.stats.draft_s * 1e3, step.stats.verify_s * 1e3))
+        last = now
     assert first_at is not None
-    return time.perf_counter() - first_at, len(tokens) - first_tokens, tokens
+    return Stream(time.perf_counter() - first_at, len(tokens) - first_tokens, tokens, parts)
 
 
 def ms_per_token(generate: Callable[[], Iterator], repeats: int) -> dict:
     """The median ms/token over `repeats` streams, after one warm-up stream (not counted); the
-    tokens of the first (every stream decodes the same request greedily)."""
+    tokens of the first (every stream decodes the same request greedily); a round's median wall,
+    draft and verify ms over every stream's rounds."""
     timed_stream(generate)
     runs = [timed_stream(generate) for _ in range(repeats)]
-    per = [s * 1e3 / max(n, 1) for s, n, _ in runs]
-    return {"ms_per_token": statistics.median(per), "runs_ms_per_token": per, "token_ids": runs[0][2]}
+    per = [r.seconds * 1e3 / max(r.decoded, 1) for r in runs]
+    parts = [p for r in runs for p in r.parts_ms]
+    round_ms = {name: statistics.median(p[i] for p in parts) if parts else None
+                for i, name in enumerate(("wall", "draft", "verify"))}
+    return {"ms_per_token": statistics.median(per), "runs_ms_per_token": per, "token_ids": runs[0].tokens,
+            "round_ms": round_ms}
 
 
 def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
@@ -220,6 +243,11 @@ def table(res: dict) -> str:
         rows.append((f"{name}: ms/token in process, pipeline (in process / pipeline)",
                      f"{_ms(inp)}, {_ms(pipe)}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
                      + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")))
+    for side in ("in_process", "pipeline"):
+        r = res.get(side, {}).get("eagle", {}).get("round_ms")
+        if r and r.get("wall") is not None:
+            rows.append((f"  EAGLE round {side.replace('_', ' ')}: wall (draft + verify) ms",
+                         f"{r['wall']:.2f} ({r['draft']:.2f} + {r['verify']:.2f})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -25,12 +25,15 @@ def test_pipeline_shape_bench_streams_the_in_process_tokens_through_aerie_up(tmp
             r = res[side][label]
             assert r["ms_per_token"] > 0 and len(r["runs_ms_per_token"]) == 1, (side, label)
             assert len(r["token_ids"]) == 6, (side, label)  # ignore_eos: every token asked for
+        split = res[side]["eagle"]["round_ms"]  # tree rounds after the first: their stats' draft and verify
+        assert split["draft"] > 0 and split["verify"] > 0 and split["wall"] > 0, side
     # greedy through the services == in process (and plain == EAGLE: lossless), on the same checkpoint
     assert res["same_tokens"] == {"plain": True, "eagle": True}
     assert res["in_process"]["plain"]["token_ids"] == res["in_process"]["eagle"]["token_ids"]
     assert res["ratio"]["plain"] > 0 and res["ratio"]["eagle"] > 0
     printed = table(res)
     assert "same tokens" in printed and "TOKENS DIFFER" not in printed and printed in proc.stdout
+    assert "EAGLE round pipeline: wall (draft + verify) ms" in printed
 
 
 def test_a_failed_start_says_why(tmp_path, monkeypatch):
