@@ -30,7 +30,8 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'transformers', transformers.__version__)"
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT_DIR/env.txt"
-# time limits fit a 15-minute device lease with its start: tests 4 min, the first shape 4.5, the others 2;
+# time limits fit a 15-minute device lease with its start: tests 4 min, the first shape 4.5, the others 2
+# (GPU_PIPELINE adds up to 5: with it, trim the rest, e.g. GPU_TESTS=0 GPU_CHECK_SHAPES=);
 # the benchmark writes its JSON after each group of measurements, so a shape cut short keeps what it measured
 tests_rc=0
 if [ "${GPU_TESTS:-1}" != 0 ]; then

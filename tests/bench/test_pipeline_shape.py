@@ -41,7 +41,7 @@ def test_a_failed_start_says_why(tmp_path, monkeypatch):
     from services.bench import pipeline_shape
 
     cfg = pipeline_shape.PipelineBenchConfig("tiny", "cpu", "fp32", startup_timeout_s=60)
-    up = pipeline_shape.aerie_up(cfg, tmp_path / "no-such-target", "none", tmp_path / "up.log")
+    up = pipeline_shape.AerieUp(cfg, tmp_path / "no-such-target", "none", tmp_path / "up.log")
     try:
         with up:
             raise AssertionError("it became ready without a model")
