@@ -1,4 +1,5 @@
-"""Build the drafter: load target + head (as `aerie generate` does) and serve them.
+"""Build the drafter: load the head over its target's embedding and lm_head (as `aerie generate` loads
+it, without the rest of the target) and serve it.
 
     servicer = load_servicer(config)
     server, port = await create_server("127.0.0.1:0", config, servicer)
@@ -10,7 +11,7 @@ import grpc
 
 from services.engine.drafter import Drafter
 from services.device import default_dtype, resolve_device
-from services.engine.local import build_local_engine, resolve_draft
+from services.engine.local import build_local_head, resolve_draft
 from services.model.runner import warm_up_at_start
 from services.errors import CheckpointError
 from services.rpc import server as rpc_server
@@ -24,23 +25,19 @@ SERVICE_NAME = "aerie.v1.Drafter"
 
 
 def load_servicer(config: DrafterConfig) -> DrafterServicer:
-    """Load the head against its target exactly as the in-process engine does.
-    NOTE: the whole target is loaded although the head only reads its embedding and lm_head; loading
-    just those two tensors would save memory on large targets."""
+    """Load the head against its target as the in-process engine does, over only the target's
+    embedding and lm_head (build_local_head: the rest of the target is never read)."""
     if resolve_draft(config.draft, config.target) is None:
         raise CheckpointError("the drafter needs an EAGLE head: pass --draft DIR (AERIE_DRAFT)")
     device = resolve_device(config.device)
-    local = build_local_engine(config.target, config.draft, config.dtype or default_dtype(device), config.tree,
-                               config.draft_vocab, config.draft_dtype, device=device, warm_up=False)
-    assert local.engine.drafter is not None
-    head = local.engine.drafter.head
-    drafter = Drafter(head, config.tree or AUTO_LARGEST, config.max_sequences, config.ahead_branches)
+    local = build_local_head(config.target, config.draft, config.dtype or default_dtype(device), config.draft_vocab,
+                             config.draft_dtype, device=device)
+    drafter = Drafter(local.head, config.tree or AUTO_LARGEST, config.max_sequences, config.ahead_branches)
     warm_up_at_start(drafter, config.max_sequences)  # CUDA: the draft graphs before the first request
     report = load_report(local.draft_path) or {}
     top1 = float(report.get("top1_agreement") or 0.0) if isinstance(report.get("top1_agreement"), (int, float)) else 0.0
-    # the head's t_draft curves for the coordinator's budget (measured by build_local_engine, cached)
-    costs = (local.engine.budget.costs.head, local.engine.budget.costs.logits)
-    return DrafterServicer(drafter, config, local.draft_path or "", local.engine.max_context, costs, top1)
+    # the head's t_draft curves for the coordinator's budget (measured as build_local_engine measures them, cached)
+    return DrafterServicer(drafter, config, local.draft_path, local.max_context, local.costs, top1)
 
 
 async def create_server(address: str, config: DrafterConfig, servicer: DrafterServicer | None = None

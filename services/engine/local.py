@@ -17,11 +17,12 @@ from services.engine.engine import Engine
 from services.engine.roles import FeatureKind
 from services.engine.verifier import Verifier
 from services.errors import CheckpointError
+from services.model.eagle_head import DraftHead
 from services.model.head_checkpoint import load_head
-from services.model.loading import find_default_gguf, load_target
+from services.model.loading import find_default_gguf, load_head_anchors, load_target
 from services.model.runner import warm_up_at_start
 from services.spec.budget import AUTO_LARGEST, build_budget
-from services.spec.cost import CostModel
+from services.spec.cost import CostCurve, CostModel
 from services.spec.tree import TreeParams
 
 # Target dtypes. int8 = fp32 weights quantized to int8 linears after loading (opt-in, never the default;
@@ -123,15 +124,8 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     device: "cpu", "cuda" or "cuda:N" (validated by services.device); every model lives there.
     warm_up: capture the verifier's and the drafter's CUDA graphs before returning (CUDA only;
     False for a caller that uses neither, e.g. the drafter service, which warms its own drafter)."""
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
-    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
-        raise CheckpointError(f"draft dtype must be one of {list(DRAFT_DTYPES)}; got {draft_dtype!r}")
+    _check_dtypes(dtype, draft_dtype, device)
     gpu = is_gpu(device)
-    check_dtype(dtype, device)
-    if gpu and "int8" in (dtype, draft_dtype):
-        raise CheckpointError("int8 linears are CPU-only (torch's dynamic int8 kernels): use --dtype/--draft-dtype "
-                              "bf16 or fp32 with --device cuda")
     target_path = target or find_default_gguf()
     loaded = load_target(target_path, DTYPES[dtype], device)
     model = loaded.model
@@ -155,8 +149,8 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
         costs = CostModel(target_costs(model, model_id, recalibrate))
         if head is not None:
             assert draft_path is not None  # the head was loaded from it
-            head_id = f"{model_id}|{draft_path}|{checkpoint_shape_id(draft_path)}|vocab={draft_vocab}|{draft_dtype}"
-            costs = CostModel(costs.verify, *head_costs(head, head_id, recalibrate))
+            costs = CostModel(costs.verify, *head_costs(head, _head_id(model_id, draft_path, draft_vocab, draft_dtype),
+                                                        recalibrate))
         budget = build_budget(costs, load_report(draft_path), tree, drafter is not None, retrieval)
     verifier = Verifier(model, feature_kind)
     if warm_up:  # CUDA: graphs before the first request
@@ -173,3 +167,47 @@ def build_local_engine(target: str | None, draft: str | None, dtype: str = "fp32
     engine = Engine(verifier, drafter, model.config.max_context, model.config.vocab_size, eos, budget, retrieval,
                     plain_run=plain_run, device_trees=device_round())
     return LocalEngine(engine, tok, target_path, draft_path, loaded.path)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalHead:
+    """A draft head loaded for a drafter service: what it needs of the target and nothing more."""
+    head: DraftHead
+    costs: tuple[CostCurve, CostCurve]  # its measured cost curves (layer, logits) for the coordinator's budget
+    draft_path: str
+    max_context: int  # the target's
+
+
+def build_local_head(target: str | None, draft: str | None, dtype: str = "fp32", draft_vocab: int | None = None,
+                     draft_dtype: str | None = None, *, recalibrate: bool = False, device: str = "cpu") -> LocalHead:
+    """The head of `draft` for `target`, as build_local_engine loads it (the same arguments, numerics
+    and cost calibration), over only the target's embedding and lm_head (load_head_anchors): the
+    drafter service never runs the target, and on a GPU beside a verifier it held a second copy of
+    it before (the whole Llama-3.1-8B: 16 GB; now the two 1 GB tensors)."""
+    _check_dtypes(dtype, draft_dtype, device)
+    spec = DraftSpec.parse(draft)
+    draft_path = spec.head_path(target)
+    if draft_path is None:
+        raise CheckpointError("a drafter needs an EAGLE head: pass --draft DIR")
+    anchors = load_head_anchors(target or find_default_gguf(), DTYPES[dtype], device)
+    draft_dtype = draft_dtype or default_draft_dtype(device)
+    head = load_head(draft_path, anchors.model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)
+    model_id = f"{anchors.path}|{dtype}"
+    costs = head_costs(head, _head_id(model_id, draft_path, draft_vocab, draft_dtype), recalibrate)
+    return LocalHead(head, costs, draft_path, anchors.model.config.max_context)
+
+
+def _head_id(model_id: str, draft_path: str, draft_vocab: int | None, draft_dtype: str | None) -> str:
+    """The head's cost-calibration key: its target and dtype, its checkpoint's shape, its vocabulary."""
+    return f"{model_id}|{draft_path}|{checkpoint_shape_id(draft_path)}|vocab={draft_vocab}|{draft_dtype}"
+
+
+def _check_dtypes(dtype: str, draft_dtype: str | None, device: str) -> None:
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
+        raise CheckpointError(f"draft dtype must be one of {list(DRAFT_DTYPES)}; got {draft_dtype!r}")
+    check_dtype(dtype, device)
+    if is_gpu(device) and "int8" in (dtype, draft_dtype):
+        raise CheckpointError("int8 linears are CPU-only (torch's dynamic int8 kernels): use --dtype/--draft-dtype "
+                              "bf16 or fp32 with --device cuda")

@@ -95,18 +95,74 @@ def load_target(source: str, dtype: torch.dtype = torch.float32, device: str = "
     """Load a Hugging Face model directory or a `.gguf` file (converted and cached on first use).
     `layout`: the linears' inference weight layout (default `default_layout()`); `tp`: load only
     this rank's tensor-parallel shard."""
+    path = model_dir_of(source)
+    model = load_model_dir(path, dtype, device, tp)
+    model.freeze_layout(layout or default_layout())
+    return LoadedTarget(model=model, tokenizer=load_tokenizer(path), path=str(path))
+
+
+def model_dir_of(source: str) -> Path:
+    """The Hugging Face directory of `source`: a directory, a Hub id (its cached snapshot; missing:
+    ModelUnavailable) or a `.gguf` file (converted and cached on first use)."""
     from services.model.hub import resolve_model
 
-    path = Path(resolve_model(source)).expanduser()  # a Hub id -> its cached snapshot; missing: ModelUnavailable
+    path = Path(resolve_model(source)).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(
                 f"model path {path} is a file but not a .gguf; pass a Hugging Face model directory "
                 f"(config.json + weights) or a .gguf file")
         path = converted_gguf_dir(path)
-    model = load_model_dir(path, dtype, device, tp)
-    model.freeze_layout(layout or default_layout())
-    return LoadedTarget(model=model, tokenizer=load_tokenizer(path), path=str(path))
+    return path
+
+
+EMBED_KEY = "model.embed_tokens.weight"
+
+
+def load_head_anchors(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                      layout: str | None = None) -> LoadedTarget:
+    """What a draft head reads of its target and nothing more: the config, the embedding and the
+    lm_head (tied: the embedding), read by name from the weight files (safetensors: only those two
+    tensors are read), the lm_head in the layout `load_target` gives it. Every other parameter stays
+    on the meta device: no memory (the drafter service's load: on a GPU beside a verifier it held a
+    second copy of the whole target before). The model must not run a forward."""
+    path = model_dir_of(source)
+    cfg = read_config(path)
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wanted = {EMBED_KEY} if cfg.tie_word_embeddings else {EMBED_KEY, TIED_HEAD_KEY}
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        for key, tensor in read_named(file, wanted - set(state)).items():
+            _check_tensor(key, tensor, expected, file)
+            state[key] = tensor.to(device=device, dtype=dtype)
+    if wanted - set(state):
+        raise CheckpointError(f"checkpoint {path} is missing tensors {sorted(wanted - set(state))}")
+    model.model.embed_tokens.weight = torch.nn.Parameter(state[EMBED_KEY], requires_grad=False)
+    model.lm_head.weight = (model.model.embed_tokens.weight if cfg.tie_word_embeddings
+                            else torch.nn.Parameter(state[TIED_HEAD_KEY], requires_grad=False))
+    model.freeze_layout(layout or default_layout(), lm_head_only=True)
+    return LoadedTarget(model=model.eval(), tokenizer=load_tokenizer(path), path=str(path))
+
+
+def read_named(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `keys` that one weight file holds, on the CPU, in the file's dtype (safetensors:
+    only they are read)."""
+    if not keys:
+        return {}
+    try:
+        if path.name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                return {k: f.get_tensor(k) for k in f.keys() if k in keys}
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # corrupt or truncated files raise many different types
+        raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"weights {path} do not hold a dict of tensors")
+    return {k: v.clone() for k, v in state.items() if k in keys and isinstance(v, torch.Tensor)}
 
 
 # ---------------------------------------------------------------------------------------------

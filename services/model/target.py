@@ -71,16 +71,18 @@ class TargetModel(nn.Module):
         self.rotary = Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         self.layout = "hf"  # the linears' inference layout (freeze_layout)
 
-    def freeze_layout(self, layout: str = "transposed") -> None:
+    def freeze_layout(self, layout: str = "transposed", lm_head_only: bool = False) -> None:
         """Inference weight layout of the linears (linear.py `parse_layout`): "BODY" for all, or
         "BODY/HEAD" with the lm_head's own, e.g. "transposed/both:2". A tied lm_head in a layout
-        other than "hf" stops sharing the embedding's tensor (the embedding keeps [V, H])."""
+        other than "hf" stops sharing the embedding's tensor (the embedding keeps [V, H]).
+        `lm_head_only`: the lm_head alone (a model whose body was never loaded: load_head_anchors)."""
         body, _, head = layout.partition("/")
         head = head or body
         self.layout = layout  # part of the budget's cost-calibration key
         if self.config.tie_word_embeddings and parse_layout(head)[0] != "hf":
             self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach(), requires_grad=False)
-        freeze_linears(self.model, body)
+        if not lm_head_only:
+            freeze_linears(self.model, body)
         freeze_linears(self.lm_head, head)
 
     @property
