@@ -281,8 +281,10 @@ class Engine:
                                  f"size={drafter.tree.size})")
 
     def plain(self) -> Engine:
-        """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up."""
-        return Engine(self.verifier, None, self.max_context, self.vocab_size, self.eos_token_ids)
+        """The same verifier with no draft at all: aerie's plain decoding, the baseline of a speed-up
+        (in plain runs where this engine runs them: on a GPU, as `aerie generate --draft none`)."""
+        return Engine(self.verifier, None, self.max_context, self.vocab_size, self.eos_token_ids,
+                      plain_run=self.plain_run)
 
     @property
     def speculates(self) -> bool:

@@ -40,6 +40,8 @@ def test_engine_in_plain_runs_equals_one_decode_a_round_and_transformers(pair):
     assert runs.plain_run == 4 and single.plain_run == 0
     want = hf_greedy(hf, PROMPT, 11)
     assert tokens(runs, 11) == tokens(single, 11) == want  # 11 = 1 (prefill) + runs of 4, 4, 2
+    # the plain baseline of an engine that runs (`aerie bench`'s "native" on a GPU) runs too
+    assert runs.plain().plain_run == 4 and tokens(runs.plain(), 11) == want
 
 
 def test_a_stop_inside_a_run_gives_the_same_tokens(pair):
