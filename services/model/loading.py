@@ -55,6 +55,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Checkpoint keys that carry no weights (older Llama checkpoints saved the RoPE frequencies).
 IGNORED_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 TIED_HEAD_KEY = "lm_head.weight"
+EMBED_KEY = "model.embed_tokens.weight"
 
 # GGUF `general.architecture` values whose transformers conversion yields a model aerie runs.
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -116,8 +117,6 @@ def model_dir_of(source: str) -> Path:
     return path
 
 
-EMBED_KEY = "model.embed_tokens.weight"
-
 
 def load_head_anchors(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                       layout: str | None = None) -> LoadedTarget:
@@ -157,7 +156,10 @@ def read_named(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
 
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 return {k: f.get_tensor(k) for k in f.keys() if k in keys}
-        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        try:  # mapped: only the tensors taken are read
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (pre-zipfile) .bin cannot be mapped: read whole, as load_target does
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated files raise many different types
         raise CheckpointError(f"cannot read weights {path}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict):
@@ -322,7 +324,7 @@ def _assign(model: TargetModel, state: dict[str, torch.Tensor], device: str) -> 
     cfg = model.config
     if cfg.tie_word_embeddings:
         # Tied: the embedding is the head (a checkpoint's own lm_head copy is ignored, as in HF).
-        state[TIED_HEAD_KEY] = state["model.embed_tokens.weight"]
+        state[TIED_HEAD_KEY] = state[EMBED_KEY]
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = cast(torch.nn.Parameter, model.model.embed_tokens.weight)  # a Parameter (loaded)

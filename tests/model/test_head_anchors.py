@@ -65,6 +65,21 @@ def test_the_drafter_service_s_load_never_reads_the_whole_target(checkpoint, mon
     assert local.costs == (costs.head, costs.logits)  # the same calibration (cached under the same key)
 
 
+def test_a_torch_bin_checkpoint_gives_the_same_anchors(tmp_path):
+    hf = tiny_hf("llama", layers=2, seed=3)
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(tmp_path / "safetensors")
+    hf.save_pretrained(tmp_path / "bin")  # then the same tensors as a torch .bin, the only weight file there
+    weights = tmp_path / "bin" / "model.safetensors"
+    torch.save(load_file(str(weights)), tmp_path / "bin" / "pytorch_model.bin")
+    weights.unlink()
+    a, b = (load_head_anchors(str(tmp_path / d)).model for d in ("safetensors", "bin"))
+    assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+    x = torch.randn(2, a.config.hidden_size)
+    assert torch.equal(a.lm_head(x), b.lm_head(x))
+
+
 def test_a_checkpoint_without_the_embedding_says_so(tmp_path):
     hf = tiny_hf("llama", layers=2, seed=3)
     hf.save_pretrained(tmp_path)
