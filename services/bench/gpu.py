@@ -268,7 +268,8 @@ def count_kernels(fn, device: str) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _prompt(vocab: int, n: int, seed: int) -> tuple[int, ...]:
+def random_prompt(vocab: int, n: int, seed: int) -> tuple[int, ...]:
+    """`n` token ids drawn uniformly from the vocabulary (seeded)."""
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
 
@@ -327,7 +328,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, log=print, checkpoint=lambda res: None) -
     res["weight_gb"] = wb / 1e9
     res["copy_tb_s"] = bw / 1e12
     res["floor_ms"] = wb / bw * 1e3
-    prompt = _prompt(c.vocab_size, cfg.prompt, 0)
+    prompt = random_prompt(c.vocab_size, cfg.prompt, 0)
 
     # bare eager decode forward at KV length `prompt` (contiguous KV)
     cache = target.new_cache(cfg.prompt + 8)
@@ -570,7 +571,7 @@ def _batched(runner, cfg: GpuBenchConfig, log) -> dict:
         ids = [f"b{n}-{i}" for i in range(n)]
         last = {}
         for i, s in enumerate(ids):
-            last[s] = v.prefill(s, torch.tensor(_prompt(c.vocab_size, cfg.prompt, i + 1)), SamplingParams(),
+            last[s] = v.prefill(s, torch.tensor(random_prompt(c.vocab_size, cfg.prompt, i + 1)), SamplingParams(),
                                 cfg.prompt + cfg.repeats + 16).first_token
         step_s = timed(functools.partial(_decode_step, v, ids, last, [1]), cfg.device, cfg.repeats // 2, warmup=2)
         for s in ids:

@@ -61,17 +61,18 @@ def write_checkpoint(shape: str, device: str, dtype: str, root: Path) -> tuple[P
     """(target dir, head dir) of `shape` with random weights under `root` (built on `device`)."""
     from transformers import LlamaForCausalLM
 
-    from services.bench.gpu import hf_config, random_head, random_target
+    from services.bench.gpu import hf_config, random_head
     from services.model.head_checkpoint import save_head
+    from services.model.loading import load_head_anchors
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     with torch.device(device):  # initialised where it is built, in its dtype (no fp32 copy)
         hf = LlamaForCausalLM._from_config(hf_config(shape), dtype=torch_dtype)
     hf.save_pretrained(root / "target")
     del hf
-    target = random_target(shape, device, torch_dtype)  # the head's shape and its lm_head reference
-    save_head(random_head(target), root / "head", skip=("embed_tokens.weight",))
-    del target
+    anchors = load_head_anchors(str(root / "target"), torch_dtype, device).model  # the head's shape, its lm_head
+    save_head(random_head(anchors), root / "head", skip=("embed_tokens.weight",))
+    del anchors
     _free(device)
     return root / "target", root / "head"
 
@@ -118,7 +119,7 @@ def ms_per_token(generate: Callable[[], Iterator], repeats: int) -> dict:
 
 def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     """Every measurement of the module doc -> the result dict (`table` prints it)."""
-    from services.bench.gpu import _prompt, hf_config
+    from services.bench.gpu import hf_config, random_prompt
     from services.engine.engine import GenerationRequest
     from services.engine.local import build_local_engine
     from services.spec.tree import TreeParams
@@ -129,7 +130,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     res: dict = {"shape": cfg.shape, "device": name, "dtype": cfg.dtype, "prompt": cfg.prompt,
                  "tokens": cfg.tokens, "repeats": cfg.repeats, "tree": f"{size}/{depth}/{top_k}",
                  "torch": torch.__version__}
-    prompt = _prompt(hf_config(cfg.shape).vocab_size, cfg.prompt, 0)
+    prompt = random_prompt(hf_config(cfg.shape).vocab_size, cfg.prompt, 0)
     request = GenerationRequest(prompt, cfg.tokens, ignore_eos=True)
     root = Path(tempfile.mkdtemp(prefix="aerie-pipeline-bench-"))
     try:
