@@ -63,9 +63,13 @@ def _serve_model_service(args: argparse.Namespace, role: str, config_mod, server
         server, port = await server_mod.create_server(config.service.address, config, servicer)
         if reg_config is not None:
             address = registry.advertised_address(config.service.host, port, reg_config.advertise)
-            reg = registry.Registration(registry.connect(reg_config.redis_url), role, address,
-                                        lambda: describe_replica(servicer), reg_config.heartbeat_s, reg_config.ttl_s)
-            registrations.append(await asyncio.to_thread(reg.start))
+            # a verifier that drafts too (--draft) is a drafter at the same address as well
+            served = [(role, servicer)] + ([("drafter", servicer.drafter_servicer)]
+                                           if getattr(servicer, "drafter_servicer", None) is not None else [])
+            for name, s in served:
+                reg = registry.Registration(registry.connect(reg_config.redis_url), name, address,
+                                            lambda s=s: describe_replica(s), reg_config.heartbeat_s, reg_config.ttl_s)
+                registrations.append(await asyncio.to_thread(reg.start))
         return server, port
 
     async def on_stop() -> None:

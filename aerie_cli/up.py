@@ -95,6 +95,10 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                    help="how each verifier starts its --tensor-parallel-size ranks: local child processes, or "
                         "Ray actors in a placement group (the cluster at RAY_ADDRESS, else a local one)")
     f.add_argument("--drafters", type=int, default=1, help="drafter processes (none without a draft head)")
+    f.add_argument("--colocate", action="store_true",
+                   help="each verifier serves the draft head too (verifier --draft: one process for both roles, "
+                        "the next tree drafted inside each Verify call; one gRPC call per EAGLE round instead of "
+                        "two); no drafter processes (default: separate drafter processes)")
     f.add_argument("--coordinators", type=int, default=1,
                    help="coordinator processes; the first listens on the gRPC port, the others on free ports")
     f.add_argument("--gateway", choices=("process", "coordinator"), default="process",

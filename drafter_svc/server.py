@@ -44,8 +44,13 @@ async def create_server(address: str, config: DrafterConfig, servicer: DrafterSe
                         ) -> tuple[grpc.aio.Server, int]:
     servicer = servicer or load_servicer(config)
 
-    def register(server: grpc.aio.Server) -> list[str]:
-        drafter_grpc.add_DrafterServicer_to_server(servicer, server)
+    def add(server: grpc.aio.Server) -> list[str]:
+        register(server, servicer)
         return [SERVICE_NAME]
 
-    return await rpc_server.create_server(address, config.service, "drafter", register)
+    return await rpc_server.create_server(address, config.service, "drafter", add)
+
+
+def register(server: grpc.aio.Server, servicer: DrafterServicer) -> None:
+    """The Drafter service on `server` (its own, or a verifier's that drafts too: verifier_svc/server.py)."""
+    drafter_grpc.add_DrafterServicer_to_server(servicer, server)

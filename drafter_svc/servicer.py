@@ -8,7 +8,9 @@ Every answer carries the drafter's load as the sequence sees it (`busy`, drafter
 share of the last seconds spent on other sequences' batches), for the coordinator's overlap policy.
 Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
-of extending the draft KV twice. DraftAhead (drafting ahead, services/spec/ahead.py) runs
+of extending the draft KV twice. A verifier that drafts too (started with --draft) serves this
+servicer on its own port and calls `draft_next` after a Verify that asks for it: the same batch
+queue, the same idempotency. DraftAhead (drafting ahead, services/spec/ahead.py) runs
 `Drafter.draft_ahead` alone in its batch slot (its guessed rows are one-row head steps of its own).
 """
 
@@ -113,6 +115,25 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         params = self._params(request)
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, params)
         return await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, request.round_index)))
+
+    def check_next(self, round_index: int, params: TreeParams | None) -> None:
+        """A Verify's next_draft, checked before the Verify runs (InvalidRequest names the value)."""
+        if round_index < 1:
+            raise InvalidRequest(f"next_draft.round_index must be >= 1; got {round_index}")
+        if params is not None:
+            self.drafter.check_params(params)
+
+    async def draft_next(self, seq_id: str, round_index: int, tokens: list[int], features: torch.Tensor,
+                         params: TreeParams | None) -> tuple[dpb.DraftResponse, float]:
+        """A Draft from inside this process: a verifier that drafts too (verifier_svc, --draft) drafts
+        the next tree from its verdict in the Verify call. tokens [n] the accepted tokens and the bonus,
+        features [n, F] -> (the answer a Draft call at `round_index` gets, the head's seconds). Batched
+        and idempotent per (sequence, round) like Draft. The caller checked the request first
+        (`check_next`)."""
+        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features.to(self.dtype), params)
+        t0 = time.perf_counter()
+        response = await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, round_index)))
+        return response, time.perf_counter() - t0
 
     @rpc_errors
     async def DraftAhead(self, request: dpb.DraftAheadRequest, context) -> dpb.DraftResponse:

@@ -141,11 +141,13 @@ class Pipeline:
         return coordinator, f"{HOST}:{port}"
 
     def add_service(self, role: str, dirs: ModelDirs, tree: TreeParams = TREE, max_sequences: int = 8,
-                    max_prompt_tokens: int = 256, draft_dtype: str | None = None):
-        """Another verifier or drafter replica on the same checkpoints: (servicer, server, address)."""
+                    max_prompt_tokens: int = 256, draft_dtype: str | None = None, colocate: bool = False):
+        """Another verifier or drafter replica on the same checkpoints: (servicer, server, address).
+        `colocate`: a verifier that serves the head too (verifier --draft)."""
         if role == "verifier":
+            head = head_config(self.service, dirs, tree, max_sequences, 600.0, draft_dtype) if colocate else None
             config = VerifierConfig(self.service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
-                                    max_prompt_tokens=max_prompt_tokens)
+                                    max_prompt_tokens=max_prompt_tokens, drafter=head)
             servicer = load_verifier(config)
             server, port = self.loop.run(create_verifier(f"{HOST}:0", config, servicer))
         else:
@@ -173,22 +175,35 @@ class Pipeline:
         self.loop.close()
 
 
+def head_config(service: ServiceConfig, dirs: ModelDirs, tree: TreeParams, max_sequences: int, idle_ttl_s: float,
+                draft_dtype: str | None) -> DrafterConfig:
+    """The head of a verifier that drafts too (verifier --draft), as the drafter replicas are configured."""
+    return DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
+                         max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, draft_dtype=draft_dtype)
+
+
 def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
                    max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
                    idle_ttl_s: float = 600.0, draft_dtype: str | None = None, service_overrides: dict | None = None,
-                   verifier_overrides: dict | None = None, **coordinator_overrides) -> Pipeline:
+                   verifier_overrides: dict | None = None, colocate: bool = False, **coordinator_overrides) -> Pipeline:
     """`service_overrides`: ServiceConfig fields every server shares (TLS files, tokens: tests/security);
     `verifier_overrides`: VerifierConfig fields; `max_sequences` is the verifier's and drafter's (a
-    coordinator's: `coordinator_max_sequences=N` among the coordinator overrides)."""
+    coordinator's: `coordinator_max_sequences=N` among the coordinator overrides). `colocate`: the
+    verifier serves the head too (verifier --draft) and is the coordinator's drafter: no drafter server."""
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes, **(service_overrides or {}))
+    head = head_config(service, dirs, tree, max_sequences, idle_ttl_s, draft_dtype) if colocate else None
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
-                             max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s, **(verifier_overrides or {}))
+                             max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s, drafter=head,
+                             **(verifier_overrides or {}))
     verifier = load_verifier(vconfig)
     vserver, vport = loop.run(create_verifier(f"{HOST}:0", vconfig, verifier))
     p = Pipeline(loop, verifier, None, None, {"verifier": f"{HOST}:{vport}"}, service)  # type: ignore[arg-type]
     p.servers.append((vserver, verifier))
-    if with_drafter:
+    if colocate:
+        p.drafter = verifier.drafter_servicer
+        p.addresses["drafter"] = p.addresses["verifier"]
+    elif with_drafter:
         dconfig = DrafterConfig(service, draft=str(dirs.head), target=str(dirs.target), dtype="fp32", tree=tree,
                                 max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, draft_dtype=draft_dtype,
                                 ahead_branches=2)  # as `aerie up --overlap on` (the overlap tests' coordinators)

@@ -3,7 +3,8 @@
     AERIE_VERIFIER_PORT (50052), AERIE_TARGET, AERIE_DTYPE (fp32), AERIE_MAX_SEQUENCES (64),
     AERIE_MAX_PROMPT_TOKENS (8192), AERIE_MAX_TREE_NODES (512), AERIE_MAX_SEQUENCE_ROWS (the target's
     context + AERIE_MAX_TREE_NODES), the batching ones in services/rpc/batch_config.py and the common
-    ones in services/rpc/config.py.
+    ones in services/rpc/config.py; AERIE_VERIFIER_DRAFT (--draft: a head served here too) with the
+    drafter's AERIE_DRAFT_VOCAB, AERIE_DRAFT_DTYPE and AERIE_TREE_* (drafter_svc/config.py).
 
 The two caps are the server's own caps on what a caller may make it allocate: a Prefill's `capacity`
 (KV rows of one sequence) and a Verify's tree size. A caller cannot raise them.
@@ -20,6 +21,7 @@ from services.rpc import registry
 from services.errors import InvalidRequest
 from services.device import DEVICE_HELP, check_device
 from services.rpc.batch_config import add_batch_flags, batch_limits
+from drafter_svc.config import DrafterConfig, add_head_flags, head_tree
 
 MAX_TREE_NODES = 4096  # services.rpc.codec.MAX_TREE_NODES, the wire format's own bound (no torch import here)
 from services.rpc.config import DTYPE_NAMES, ConfigError, dtype_flag, ServiceConfig, add_service_flags, env, service_config
@@ -55,8 +57,13 @@ class VerifierConfig:
     max_sequence_rows: int | None = None  # most KV rows one sequence may reserve; None = context + one tree
     max_model_len: int | None = None  # prompt + new tokens of one sequence (vLLM's); None = the model's context
     gpu_memory_utilization: float | None = None  # CUDA: fraction of the GPU this process may fill (KV included)
+    # --draft: a head this process serves too (its Drafter service on the same port, drafting the next
+    # tree inside each Verify that asks: verifier_svc/servicer.py); None = the target alone
+    drafter: DrafterConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.drafter is not None and self.tp > 1:
+            raise ConfigError("--draft needs tp 1: a tensor-parallel group serves the target alone (run a drafter pool)")
         if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:
             raise ConfigError(f"kv_budget_mb must be > 0 (or unset); got {self.kv_budget_mb}")
         if not 0 <= self.kv_budget_share <= 1:
@@ -172,6 +179,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "--kv-budget-share of the free memory)")
     g.add_argument("--max-tree-nodes", type=int, default=env("AERIE_MAX_TREE_NODES", 512),
                    help="largest draft tree a Verify may carry (AERIE_MAX_TREE_NODES; default: 512)")
+    d = p.add_argument_group("drafting here (one process for both roles: a verifier that serves a head too)")
+    d.add_argument("--draft", default=env("AERIE_VERIFIER_DRAFT"),
+                   help="EAGLE head directory of this target: serve the Drafter API on this port too and draft "
+                        "each next tree inside the Verify call (AERIE_VERIFIER_DRAFT; default: none, the "
+                        "target alone; `aerie up --colocate` passes it)")
+    add_head_flags(d)
     g.add_argument("--max-sequence-rows", type=int, default=env("AERIE_MAX_SEQUENCE_ROWS"),
                    help="most KV rows one sequence may reserve (AERIE_MAX_SEQUENCE_ROWS; default: the target's "
                         "context + --max-tree-nodes)")
@@ -200,4 +213,15 @@ def from_args(args: argparse.Namespace) -> VerifierConfig:
                           prefill_chunk=args.prefill_chunk, itl_target_ms=args.itl_target_ms,
                           kv_client_share=args.kv_client_share, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s)
+                          tp=args.tp, executor=args.executor, tp_timeout_s=args.tp_timeout_s,
+                          drafter=head_config(args))
+
+
+def head_config(args: argparse.Namespace) -> DrafterConfig | None:
+    """--draft: the head's configuration, on this verifier's port, model, device and limits."""
+    if not args.draft:
+        return None
+    return DrafterConfig(service_config(args), draft=args.draft, target=args.target, dtype=args.dtype,
+                         device=args.device, draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype,
+                         tree=head_tree(args), max_sequences=args.max_sequences, max_tree_nodes=args.max_tree_nodes,
+                         idle_ttl_s=args.idle_ttl_s, batch=batch_limits(args))

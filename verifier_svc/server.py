@@ -1,4 +1,5 @@
-"""Build the verifier: load the target (as `aerie generate` does) and serve it.
+"""Build the verifier: load the target (as `aerie generate` does) and serve it; with --draft, a head
+over the same target too (drafter_svc, on the same port: one process for both roles).
 
     servicer = load_servicer(config)
     server, port = await create_server("127.0.0.1:0", config, servicer)
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 
@@ -38,7 +40,12 @@ def load_servicer(config: VerifierConfig) -> VerifierServicer:
     context_limit(target.config.max_context, config.max_model_len)  # a bad --max-model-len: before calibrating
     # t_verify for the coordinator's budget: measured once per device/model/dtype/threads, cached
     costs = target_costs(target, f"{local.model_dir}|{dtype}")
-    return VerifierServicer(target, config, local.target_path, engine.eos_token_ids, costs)
+    drafter = None
+    if config.drafter is not None:  # --draft: a head served here too (its own anchors: see docs/distributed.md)
+        from drafter_svc.server import load_servicer as load_drafter
+
+        drafter = load_drafter(replace(config.drafter, device=config.drafter.device or device, dtype=dtype))
+    return VerifierServicer(target, config, local.target_path, engine.eos_token_ids, costs, drafter=drafter)
 
 
 def load_group_servicer(config: VerifierConfig, device: str, dtype: str) -> VerifierServicer:
@@ -84,7 +91,12 @@ async def create_server(address: str, config: VerifierConfig, servicer: Verifier
 
     def register(server: grpc.aio.Server) -> list[str]:
         verifier_grpc.add_VerifierServicer_to_server(servicer, server)
-        return [SERVICE_NAME]
+        if servicer.drafter_servicer is None:
+            return [SERVICE_NAME]
+        from drafter_svc.server import SERVICE_NAME as DRAFTER, register as register_drafter
+
+        register_drafter(server, servicer.drafter_servicer)  # (the same port: a drafter at this verifier's address)
+        return [SERVICE_NAME, DRAFTER]
 
     server, port = await rpc_server.create_server(address, config.service, "verifier", register)
     if servicer.group is not None:

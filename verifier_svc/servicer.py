@@ -10,6 +10,13 @@ sequence's drafter decides which features it needs (hidden / taps / none, given 
 Verify and Decode are idempotent per (sequence, round): the latest round's response is kept and a
 repeated call (a retry after UNAVAILABLE) returns it instead of running the round twice.
 
+A verifier that drafts too (--draft: a head over this target, its Drafter service on the same port,
+drafter_svc.servicer): a Verify with `next_draft` also drafts the next tree from its verdict, the Draft
+the coordinator would otherwise send after it (tokens[1:] and the bonus, their features), and answers
+with both: one call per EAGLE round instead of a Verify and a Draft, and the features never leave
+the process. The draft is the drafter's own call (its batch queue, its per-round idempotency), so a
+repeated Verify gets the same tree again.
+
 DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
 the batcher, the next queued by the model thread as soon as the previous token is known (on a GPU,
 `queue_runs`, for a greedy sequence without a penalty or logprobs: as soon as its step is queued,
@@ -52,7 +59,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -78,6 +85,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
+from services.spec.tree import TreeParams
 from verifier_svc.config import AUTO, VerifierConfig
 from verifier_svc.plain_run import QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
 
@@ -87,6 +95,16 @@ SERVICE = "verifier"
 CLIENT_METADATA = "aerie-client"  # the identity a Prefill's KV counts against (set by the coordinator)
 STEP_FLOOR_ROWS = 16  # a step's token budget never goes below this (a slow CPU still prefills); 16, not 32:
 #   at an 8k offset 32 prompt rows alone cost 0.75 s on the 2-core CPU of docs/distributed.md
+
+
+class NextDrafter(Protocol):
+    """A head in this process (drafter_svc.servicer.DrafterServicer.draft_next): a verifier started
+    with --draft drafts the next tree from a verdict in the Verify call that asks for it."""
+
+    def check_next(self, round_index: int, params: TreeParams | None) -> None: ...
+
+    async def draft_next(self, seq_id: str, round_index: int, tokens: list[int], features: torch.Tensor,
+                         params: TreeParams | None) -> tuple[object, float]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +169,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
 
     def __init__(self, target: TargetModel, config: VerifierConfig, target_path: str,
                  eos_token_ids: tuple[int, ...], verify_cost: CostCurve | None = None,
-                 runner: ModelRunner | None = None) -> None:
+                 runner: ModelRunner | None = None, drafter: NextDrafter | None = None) -> None:
         """`verify_cost`: t_verify(rows) measured on this device, served by GetInfo for the budget;
-        `runner`: the model runner (None: a local ModelRunner over `target`)."""
+        `runner`: the model runner (None: a local ModelRunner over `target`); `drafter`: the head this
+        process serves too (--draft), which drafts the next tree in a Verify that asks for it."""
+        self.drafter_servicer = drafter
         self.verify_cost = verify_cost
         self.target = target
         self.config = config
@@ -222,6 +242,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
     def close(self) -> None:
         self.reaper.stop()
         self.batcher.close()
+        close_drafter = getattr(self.drafter_servicer, "close", None)
+        if close_drafter is not None:
+            close_drafter()
         if self.group is not None:
             self.group.close()
             watcher = getattr(self, "watcher", None)  # verifier_svc/server.py watch_group
@@ -336,8 +359,36 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
-        return await timed(VERIFY_SECONDS.labels(SERVICE),
-                            self.batcher.call_async(VerifyCall(seq_id, tree, request.round_index)))
+        nxt = request.next_draft if request.HasField("next_draft") else None
+        if nxt is not None and self.drafter_servicer is None:
+            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head too)")
+        params = codec.decode_tree_params(nxt.tree) if nxt is not None and nxt.HasField("tree") else None
+        if nxt is not None:
+            self.drafter_servicer.check_next(nxt.round_index, params)  # type: ignore[union-attr]  (before the verify)
+        response = await timed(VERIFY_SECONDS.labels(SERVICE),
+                               self.batcher.call_async(VerifyCall(seq_id, tree, request.round_index)))
+        if nxt is None:
+            return response
+        return await self._with_next_tree(seq_id, response, nxt.round_index, params)
+
+    async def _with_next_tree(self, seq_id: str, response: vpb.VerifyResponse, round_index: int,
+                              params: TreeParams | None) -> vpb.VerifyResponse:
+        """The Verify's answer with the next tree drafted from its verdict by this process's head: the
+        Draft the coordinator would send (tokens[1:] and the bonus, with the features of the root and
+        the accepted nodes). None drafted when Decode calls kept rows since the previous Verify (their
+        tokens are the coordinator's to send)."""
+        tokens = [*response.tokens[1:], response.bonus]
+        features = codec.decode_tensor(response.features, "features", shape=(None, None))
+        if features.shape[0] != len(tokens):
+            return response
+        assert self.drafter_servicer is not None  # (Verify checked)
+        drafted, seconds = await self.drafter_servicer.draft_next(seq_id, round_index, tokens, features, params)
+        out = vpb.VerifyResponse()
+        out.CopyFrom(response)  # (the stored answer for a replay stays as it was)
+        out.next_tree.CopyFrom(drafted.tree)  # type: ignore[attr-defined]
+        out.next_draft_seconds = seconds
+        out.drafter_busy = drafted.busy  # type: ignore[attr-defined]
+        return out
 
     @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:

@@ -62,6 +62,16 @@ round. A verdict the host reads otherwise drops the queued draft and drafts afte
 then runs verify, draft, verify, ... while the host does each round's bookkeeping; `verdict_counts`
 counts what became of the queued drafts.
 
+Drafting inside the Verify (a verifier role with `drafts_next(seq_id)`: the coordinator's placement
+when the sequence's drafter is its verifier's own process, a verifier started with --draft): a tree
+round asks the verifier to draft the next tree from its verdict in the same call, in the round's own
+shape (`verify(..., next_draft=params)`), exactly the Draft the engine would send after it (the
+accepted tokens and the bonus with their features); the draft KV then holds those rows, and the next
+round uses that tree, cut to the budget's plan (trim) or left unused for a plain round. One call a
+round instead of a Verify and a Draft; the same trees wherever the plan keeps the round's shape (a
+fixed tree: always). Not with retrieval, drafting ahead or rows waiting for the draft KV (the
+detached rounds' rows): those rounds draft as before.
+
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
 the policy picks j, or not to draft ahead at all). If the verdict hits the guess, the next round
@@ -145,6 +155,7 @@ class RoundStats:
     ahead_hit: bool = False  # this round's tree was drafted ahead (the previous round's guess hit)
     saved_s: float = 0.0  # draft seconds this round did not wait for (its ahead tree's draft time)
     run: bool = False  # a plain round whose token came from a run (DecodeRun; see the module doc)
+    drafted_in_verify: bool = False  # its tree was drafted inside the previous round's Verify (module doc)
 
     @property
     def accepted(self) -> int:
@@ -205,6 +216,7 @@ class _Draft:
     detached: bool = False  # a plain step through Decode(keep_features): no tree is verified
     ahead_hit: bool = False  # the tree was drafted ahead (its draft_s is 0: nothing waited for it)
     saved_s: float = 0.0  # that ahead draft's own seconds
+    in_verify: bool = False  # drafted inside the previous round's Verify (a verifier that drafts too)
 
 
 @dataclass
@@ -455,10 +467,15 @@ class Engine:
         t0 = time.perf_counter()
         tree = draft.tree
         hook = self._verdict_hook(seq_id, seq, draft)
+        next_params = self._next_in_verify(seq_id, seq, draft) if hook is None else None
         try:
             # (a TreeOnDevice only reaches a verifier that takes it: device_trees; so does a hook)
-            res = (self.verifier.verify(seq_id, tree, round_index, on_forward=hook)  # type: ignore[call-arg,arg-type]
-                   if hook is not None else self.verifier.verify(seq_id, tree, round_index))  # type: ignore[arg-type]
+            if hook is not None:
+                res = self.verifier.verify(seq_id, tree, round_index, on_forward=hook)  # type: ignore[call-arg,arg-type]
+            elif next_params is not None:  # a verifier that drafts too: the next tree comes with the verdict
+                res = self.verifier.verify(seq_id, tree, round_index, next_draft=next_params)  # type: ignore[call-arg,arg-type]
+            else:
+                res = self.verifier.verify(seq_id, tree, round_index)  # type: ignore[arg-type]
         finally:
             verify_s = time.perf_counter() - t0
             self._settle(ahead)
@@ -482,7 +499,7 @@ class Engine:
                            chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
                            eagle_nodes=eagle_size - 1, ahead=ahead is not None,
                            ahead_s=ahead.ahead_s if ahead else 0.0, ahead_wait_s=wait_s if ahead else 0.0,
-                           ahead_hit=draft.ahead_hit, saved_s=draft.saved_s)
+                           ahead_hit=draft.ahead_hit, saved_s=draft.saved_s, drafted_in_verify=draft.in_verify)
         policy = seq.policy
         if policy is not None and draft.plan.tree is not None:
             policy.observe_verdict(prefix_hits(top_guess(tree, tree.max_depth), tokens))
@@ -491,7 +508,21 @@ class Engine:
                     policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
                 else:
                     policy.observe_alone(verify_s)
-        return _Verified(tokens, stats, res.features)
+        nxt = (res.next_tree, res.next_draft_s, next_params) if res.next_tree is not None and next_params else None
+        return _Verified(tokens, stats, res.features, nxt)
+
+    def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> TreeParams | None:
+        """The shape to draft the next tree in during this round's Verify (module doc, "Drafting inside the
+        Verify"), or None: no verifier that drafts too, retrieval or drafting ahead (their rows and trees
+        are the coordinator's), rows waiting for the draft KV, or a round that may end the request (it
+        can commit depth + 2 tokens: accepted nodes down to depth + 1, and the bonus)."""
+        params = draft.plan.tree
+        drafts_next = getattr(self.verifier, "drafts_next", None)
+        if (params is None or drafts_next is None or self.drafter is None or seq.index is not None
+                or seq.policy is not None or seq.pending_tokens
+                or seq.max_new_tokens - seq.produced <= params.depth + 2):
+            return None
+        return params if drafts_next(seq_id) else None
 
     def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Ahead | None:
         """Start the ahead draft of the next tree (for round round_index + 1) on the drafter thread, if the
@@ -581,6 +612,8 @@ class Engine:
         detached: those come with the next Verify) and extend the suffix index; then the next round
         is planned and drafted."""
         assert seq.draft is not None
+        if done.next is not None:
+            return self._drafted_in_verify(seq_id, seq, done.next, len(done.tokens))
         queued = self._verdicts.pop(seq_id, None)
         plan = None
         if queued is not None:  # a draft queued from this verdict (no retrieval, no ahead: __init__)
@@ -607,6 +640,24 @@ class Engine:
                 and done.tokens[:-1] == bet[: len(done.tokens) - 1]):  # on the bet + the bonus: on the tree?
             seq.policy.observe_ahead(hit is not None)
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
+
+    def _drafted_in_verify(self, seq_id: str, seq: _SequenceState, drafted: tuple[DraftTree, float, TreeParams],
+                           rows: int) -> _Draft:
+        """The next round from the tree the verifier's own head drafted in the Verify (its draft KV took the
+        round's `rows` already): the budget plans as after any verdict; the tree is cut to the plan's shape
+        (services/spec/ahead.py trim; a plan larger than the tree keeps the tree as drafted), or left
+        unused for a plain round."""
+        tree, draft_s, params = drafted
+        self._observe_draft(params, rows, draft_s)
+        plan = self._plan(seq_id, seq, 0)
+        if plan.tree is None:
+            self.verdict_counts["plain"] += 1
+            return self._draft(seq_id, seq, seq.root, plan=plan)
+        assert int(tree.tokens[0]) == seq.root, (int(tree.tokens[0]), seq.root)  # rooted at the bonus
+        if plan.tree != params:
+            tree = trim(tree, plan.tree, seq.sort_paths)
+        self.verdict_counts["kept" if plan.tree == params else "trimmed"] += 1
+        return _Draft(tree, plan, [], None, draft_s, in_verify=True)
 
     def _from_verdict(self, seq_id: str, seq: _SequenceState, verdict: VerdictDraft, rows: int, plan: RoundPlan,
                       draft_s: float) -> _Draft:
@@ -690,10 +741,14 @@ class Engine:
         t0 = time.perf_counter()
         tree = (self.drafter.draft_on_device(seq_id, tokens, features, params)  # type: ignore[attr-defined]
                 if on_device else self.drafter.draft(seq_id, tokens, features, params))
-        draft_s = time.perf_counter() - t0
-        self.budget.observe_draft(params, int(tokens.shape[0]), draft_s)
-        self._draft_est = draft_s if self._draft_est == 0.0 else 0.8 * self._draft_est + 0.2 * draft_s
+        self._observe_draft(params, int(tokens.shape[0]), time.perf_counter() - t0)
         return tree
+
+    def _observe_draft(self, params: TreeParams, rows: int, draft_s: float) -> None:
+        """A head tree of shape `params` drafted over `rows` new rows in `draft_s`: the budget's cost
+        model and the overlap policy's estimate."""
+        self.budget.observe_draft(params, rows, draft_s)
+        self._draft_est = draft_s if self._draft_est == 0.0 else 0.8 * self._draft_est + 0.2 * draft_s
 
 
 def _chain(tree: DraftTree, guess: list[int], path: list[int]
@@ -720,6 +775,8 @@ class _Verified:
     tokens: list[int]  # accepted drafts + the bonus (a plain step: one token)
     stats: RoundStats
     features: torch.Tensor | None = None  # [k + m + 1, F] VerifyResult.features (None: a plain step)
+    # the next tree drafted inside the Verify (a verifier that drafts too): (tree, seconds, its shape)
+    next: tuple[DraftTree, float, TreeParams] | None = None
 
 
 @dataclass

@@ -94,6 +94,10 @@ class VerifyResult:
     features: torch.Tensor  # [k + m + 1, F] target features of the k rows kept by Decode calls since
     #                         the previous Verify (keep_features), then of the root and the accepted
     #                         nodes ([0, H] for a sequence prefilled with feature kind "none")
+    # a verifier that drafts too (over gRPC, asked with the round's next_draft): the next round's tree,
+    # drafted from this verdict (the draft KV took the accepted tokens and the bonus), and its seconds
+    next_tree: DraftTree | None = None
+    next_draft_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

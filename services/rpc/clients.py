@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import ContextManager, Protocol
 
 import grpc
@@ -126,6 +127,7 @@ class RemoteVerifier:
         self.vocab_size = int(info.vocab_size)
         self.prefill_chunk = int(info.prefill_chunk)  # rows per prefill call (0 = the whole prompt in one)
         self._kept = 0  # Decode calls since the last Verify that kept their row's features there
+        self.busy = 0.0  # the drafter's load in the latest answer with a next tree (VerifyResponse.drafter_busy)
         self._logprobs: TokenLogprobs | None = None  # the latest call's (sampling.logprobs set)
 
     def take_logprobs(self, seq_id: str) -> TokenLogprobs | None:
@@ -163,14 +165,26 @@ class RemoteVerifier:
                 raise DownstreamError.from_rpc(e, self.client.role, self.client.address) from None
         return PrefillResult(first_token, features.result(), prompt_logprobs)
 
-    def verify(self, seq_id: str, tree: DraftTree, round_index: int) -> VerifyResult:
+    def verify(self, seq_id: str, tree: DraftTree, round_index: int,
+               next_draft: tuple[int, TreeParams | None] | None = None) -> VerifyResult:
+        """`next_draft` (a verifier that drafts too): (the drafter's next idempotency index, the next
+        tree's shape): the result's next_tree is drafted from the verdict in the same call (None when
+        the verifier skipped it: rows kept by Decode calls); `busy` is then the drafter's load."""
         request = vpb.VerifyRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree))
+        if next_draft is not None:
+            request.next_draft.round_index = next_draft[0]
+            if next_draft[1] is not None:
+                request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
         with self.phases.phase(round_index, "verify"):
             response = self.client.call(self.client.stub.Verify, request)
         result = codec.decode_verify_result(response, self.feature_kind != "none", self._kept)
         self._kept = 0
         if response.HasField("logprobs"):
             self._logprobs = codec.decode_logprobs(response.logprobs, result.acceptance.new_tokens)
+        if response.HasField("next_tree"):
+            self.busy = response.drafter_busy
+            result = replace(result, next_tree=codec.decode_tree(response.next_tree, self.vocab_size),
+                             next_draft_s=response.next_draft_seconds)
         return result
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
@@ -369,6 +383,15 @@ class RemoteDrafter:
         self._round[seq_id] = round_index
         self.busy = response.busy
         return codec.decode_tree(response.tree, self.vocab_size) if response.HasField("tree") else None
+
+    def next_index(self, seq_id: str) -> int:
+        """The idempotency index of the sequence's next draft call (its first after the Prefill: 2)."""
+        return self._round.get(seq_id, 0) + 1
+
+    def drafted_elsewhere(self, seq_id: str, round_index: int, busy: float) -> None:
+        """A draft at `round_index` ran inside a Verify (the same process: a verifier that drafts too)."""
+        self._round[seq_id] = round_index
+        self.busy = busy
 
     def prefilled(self, seq_id: str) -> bool:
         """The drafter holds the sequence's draft KV (its first draft, the streamed Prefill, was sent)."""

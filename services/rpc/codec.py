@@ -396,11 +396,12 @@ def encode_stats(s: RoundStats, commit_s: float = 0.0) -> cpb.RoundStats:
                           tree_max_depth=s.tree_max_depth, tree_depth=s.tree_max_depth,  # (deprecated copy)
                           draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s,
                           ahead=s.ahead, ahead_s=s.ahead_s, ahead_wait_s=s.ahead_wait_s, ahead_hit=s.ahead_hit,
-                          saved_s=s.saved_s)
+                          saved_s=s.saved_s, drafted_in_verify=s.drafted_in_verify)
 
 
 def decode_stats(msg: cpb.RoundStats) -> RoundStats:
     return RoundStats(round_index=decode_round_index(msg), accept_length=msg.accept_length, tree_size=msg.tree_size,
                       tree_max_depth=msg.tree_max_depth or msg.tree_depth,  # (an older coordinator: tree_depth)
                       draft_s=msg.draft_s, verify_s=msg.verify_s, ahead=msg.ahead, ahead_s=msg.ahead_s,
-                      ahead_wait_s=msg.ahead_wait_s, ahead_hit=msg.ahead_hit, saved_s=msg.saved_s)
+                      ahead_wait_s=msg.ahead_wait_s, ahead_hit=msg.ahead_hit, saved_s=msg.saved_s,
+                      drafted_in_verify=msg.drafted_in_verify)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from aerie.v1 import common_pb2 as aerie_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61\x65rie/v1/verifier.proto\x12\x08\x61\x65rie.v1\x1a\x15\x61\x65rie/v1/common.proto\"\xf2\x01\n\x16VerifierPrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.aerie.v1.SamplingParams\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12+\n\x0c\x66\x65\x61ture_kind\x18\x05 \x01(\x0e\x32\x15.aerie.v1.FeatureKind\x12\x0f\n\x07rebuild\x18\x10 \x01(\x08\x12\x0e\n\x06offset\x18\x11 \x01(\x03\x12\x0c\n\x04more\x18\x12 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x13 \x01(\x03\"\xaf\x01\n\x17VerifierPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18< \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\"\\\n\rVerifyRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12!\n\x04tree\x18\x03 \x01(\x0b\x32\x13.aerie.v1.DraftTree\"\xc8\x01\n\x0eVerifyResponse\x12\x0c\n\x04path\x18\x01 \x01(\x03\x12\x19\n\raccept_length\x18\x02 \x01(\x03\x42\x02\x18\x01\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x07 \x01(\x03\x12\r\n\x05nodes\x18\x03 \x03(\x03\x12\x0e\n\x06tokens\x18\x04 \x03(\x03\x12\r\n\x05\x62onus\x18\x05 \x01(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12)\n\x08logprobs\x18\x08 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\"_\n\rDecodeRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x03\x12\x15\n\rkeep_features\x18\x04 \x01(\x08\"q\n\x10\x44\x65\x63odeRunRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x15\n\rkeep_features\x18\x05 \x01(\x08\"_\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05token\x18\x01 \x01(\x03\x12)\n\x08logprobs\x18\x02 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\x12\x13\n\x0bround_index\x18\x03 \x01(\x03\"\xf7\x01\n\x0cVerifierInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\x15\n\rmax_sequences\x18\x06 \x01(\x05\x12\x15\n\rnum_sequences\x18\x07 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\x03\x12(\n\x0bverify_cost\x18\t \x01(\x0b\x32\x13.aerie.v1.CostCurve\x12\x15\n\rprefill_chunk\x18\n \x01(\x03\x32\x95\x03\n\x08Verifier\x12P\n\x07Prefill\x12 .aerie.v1.VerifierPrefillRequest\x1a!.aerie.v1.VerifierPrefillResponse0\x01\x12;\n\x06Verify\x12\x17.aerie.v1.VerifyRequest\x1a\x18.aerie.v1.VerifyResponse\x12;\n\x06\x44\x65\x63ode\x12\x17.aerie.v1.DecodeRequest\x1a\x18.aerie.v1.DecodeResponse\x12\x43\n\tDecodeRun\x12\x1a.aerie.v1.DecodeRunRequest\x1a\x18.aerie.v1.DecodeResponse0\x01\x12>\n\x07Release\x12\x18.aerie.v1.ReleaseRequest\x1a\x19.aerie.v1.ReleaseResponse\x12\x38\n\x07GetInfo\x12\x15.aerie.v1.InfoRequest\x1a\x16.aerie.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61\x65rie/v1/verifier.proto\x12\x08\x61\x65rie.v1\x1a\x15\x61\x65rie/v1/common.proto\"\xf2\x01\n\x16VerifierPrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.aerie.v1.SamplingParams\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12+\n\x0c\x66\x65\x61ture_kind\x18\x05 \x01(\x0e\x32\x15.aerie.v1.FeatureKind\x12\x0f\n\x07rebuild\x18\x10 \x01(\x08\x12\x0e\n\x06offset\x18\x11 \x01(\x03\x12\x0c\n\x04more\x18\x12 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x13 \x01(\x03\"\xaf\x01\n\x17VerifierPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18< \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\"\x85\x01\n\rVerifyRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12!\n\x04tree\x18\x03 \x01(\x0b\x32\x13.aerie.v1.DraftTree\x12\'\n\nnext_draft\x18\x04 \x01(\x0b\x32\x13.aerie.v1.NextDraft\"D\n\tNextDraft\x12\x13\n\x0bround_index\x18\x01 \x01(\x03\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.aerie.v1.TreeParams\"\xa2\x02\n\x0eVerifyResponse\x12\x0c\n\x04path\x18\x01 \x01(\x03\x12\x19\n\raccept_length\x18\x02 \x01(\x03\x42\x02\x18\x01\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x07 \x01(\x03\x12\r\n\x05nodes\x18\x03 \x03(\x03\x12\x0e\n\x06tokens\x18\x04 \x03(\x03\x12\r\n\x05\x62onus\x18\x05 \x01(\x03\x12\"\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x10.aerie.v1.Tensor\x12)\n\x08logprobs\x18\x08 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\x12&\n\tnext_tree\x18\t \x01(\x0b\x32\x13.aerie.v1.DraftTree\x12\x1a\n\x12next_draft_seconds\x18\n \x01(\x01\x12\x14\n\x0c\x64rafter_busy\x18\x0b \x01(\x01\"_\n\rDecodeRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x03\x12\x15\n\rkeep_features\x18\x04 \x01(\x08\"q\n\x10\x44\x65\x63odeRunRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x15\n\rkeep_features\x18\x05 \x01(\x08\"_\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05token\x18\x01 \x01(\x03\x12)\n\x08logprobs\x18\x02 \x01(\x0b\x32\x17.aerie.v1.TokenLogprobs\x12\x13\n\x0bround_index\x18\x03 \x01(\x03\"\xf7\x01\n\x0cVerifierInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\x15\n\rmax_sequences\x18\x06 \x01(\x05\x12\x15\n\rnum_sequences\x18\x07 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\x03\x12(\n\x0bverify_cost\x18\t \x01(\x0b\x32\x13.aerie.v1.CostCurve\x12\x15\n\rprefill_chunk\x18\n \x01(\x03\x32\x95\x03\n\x08Verifier\x12P\n\x07Prefill\x12 .aerie.v1.VerifierPrefillRequest\x1a!.aerie.v1.VerifierPrefillResponse0\x01\x12;\n\x06Verify\x12\x17.aerie.v1.VerifyRequest\x1a\x18.aerie.v1.VerifyResponse\x12;\n\x06\x44\x65\x63ode\x12\x17.aerie.v1.DecodeRequest\x1a\x18.aerie.v1.DecodeResponse\x12\x43\n\tDecodeRun\x12\x1a.aerie.v1.DecodeRunRequest\x1a\x18.aerie.v1.DecodeResponse0\x01\x12>\n\x07Release\x12\x18.aerie.v1.ReleaseRequest\x1a\x19.aerie.v1.ReleaseResponse\x12\x38\n\x07GetInfo\x12\x15.aerie.v1.InfoRequest\x1a\x16.aerie.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,18 +38,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERPREFILLREQUEST']._serialized_end=303
   _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=306
   _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=481
-  _globals['_VERIFYREQUEST']._serialized_start=483
-  _globals['_VERIFYREQUEST']._serialized_end=575
-  _globals['_VERIFYRESPONSE']._serialized_start=578
-  _globals['_VERIFYRESPONSE']._serialized_end=778
-  _globals['_DECODEREQUEST']._serialized_start=780
-  _globals['_DECODEREQUEST']._serialized_end=875
-  _globals['_DECODERUNREQUEST']._serialized_start=877
-  _globals['_DECODERUNREQUEST']._serialized_end=990
-  _globals['_DECODERESPONSE']._serialized_start=992
-  _globals['_DECODERESPONSE']._serialized_end=1087
-  _globals['_VERIFIERINFO']._serialized_start=1090
-  _globals['_VERIFIERINFO']._serialized_end=1337
-  _globals['_VERIFIER']._serialized_start=1340
-  _globals['_VERIFIER']._serialized_end=1745
+  _globals['_VERIFYREQUEST']._serialized_start=484
+  _globals['_VERIFYREQUEST']._serialized_end=617
+  _globals['_NEXTDRAFT']._serialized_start=619
+  _globals['_NEXTDRAFT']._serialized_end=687
+  _globals['_VERIFYRESPONSE']._serialized_start=690
+  _globals['_VERIFYRESPONSE']._serialized_end=980
+  _globals['_DECODEREQUEST']._serialized_start=982
+  _globals['_DECODEREQUEST']._serialized_end=1077
+  _globals['_DECODERUNREQUEST']._serialized_start=1079
+  _globals['_DECODERUNREQUEST']._serialized_end=1192
+  _globals['_DECODERESPONSE']._serialized_start=1194
+  _globals['_DECODERESPONSE']._serialized_end=1289
+  _globals['_VERIFIERINFO']._serialized_start=1292
+  _globals['_VERIFIERINFO']._serialized_end=1539
+  _globals['_VERIFIER']._serialized_start=1542
+  _globals['_VERIFIER']._serialized_end=1947
 # @@protoc_insertion_point(module_scope)

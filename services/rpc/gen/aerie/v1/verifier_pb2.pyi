@@ -42,17 +42,27 @@ class VerifierPrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sequence_id", "round_index", "tree")
+    __slots__ = ("sequence_id", "round_index", "tree", "next_draft")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     round_index: int
     tree: _common_pb2.DraftTree
-    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+    next_draft: NextDraft
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft: _Optional[_Union[NextDraft, _Mapping]] = ...) -> None: ...
+
+class NextDraft(_message.Message):
+    __slots__ = ("round_index", "tree")
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    round_index: int
+    tree: _common_pb2.TreeParams
+    def __init__(self, round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs")
+    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs", "next_tree", "next_draft_seconds", "drafter_busy")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +71,9 @@ class VerifyResponse(_message.Message):
     BONUS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TREE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BUSY_FIELD_NUMBER: _ClassVar[int]
     path: int
     accept_length: int
     accepted: int
@@ -69,7 +82,10 @@ class VerifyResponse(_message.Message):
     bonus: int
     features: _common_pb2.Tensor
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    next_tree: _common_pb2.DraftTree
+    next_draft_seconds: float
+    drafter_busy: float
+    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., next_tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft_seconds: _Optional[float] = ..., drafter_busy: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "token", "keep_features")

@@ -1,0 +1,192 @@
+"""A verifier that drafts too (`aerie verifier --draft`, `aerie up --colocate`): the head in the
+verifier's process, its Drafter service on the same port, and each tree round's Verify drafting the
+next tree from its verdict (VerifyRequest.next_draft): one call a round instead of a Verify and a
+Draft. Over real gRPC and a real Redis: greedy output equals the target's; the trees, acceptance and
+seeded samples equal the split pipeline's (a fixed tree: the same Draft calls, made in another
+place; plans that change the shape: tests/engine/test_draft_in_verify.py); a colocated verifier that dies moves
+the sequence, which drafts inside the Verify again on the replacement; a bad next_draft gets
+INVALID_ARGUMENT and a repeated Verify the same next tree. Nothing here depends on timing."""
+
+import grpc
+import pytest
+import torch
+
+from services.rpc import codec
+from services.rpc.stubs import coordinator as cpb
+from services.rpc.stubs import verifier as vpb
+from services.spec.sampling import SamplingParams
+from services.spec.tree import TreeParams
+from tests.helpers import VOCAB, hf_greedy
+from tests.pipeline import TREE, start_pipeline, wait_until
+
+PROMPT = (5, 17, 99, 3, 42, 8)
+N = 40
+DRAFT_DTYPE = "fp32"  # a refilled drafter grows the same trees (tests/coordinator/test_failover.py)
+
+
+@pytest.fixture(scope="module")
+def target_greedy(llama_pair):
+    hf, _, _ = llama_pair
+    return hf_greedy(hf, list(PROMPT), N)
+
+
+def generate(p, n: int = N, sampling: SamplingParams = SamplingParams(), on_message=None):
+    """One sequence through the coordinator: (tokens, its Generate messages); `on_message(i)` runs
+    after message i arrives."""
+    call = p.coordinator_stub().Generate(cpb.GenerateRequest(prompt_ids=list(PROMPT), max_new_tokens=n, ignore_eos=True,
+                                                             sampling=codec.encode_sampling(sampling)), timeout=120)
+    messages = []
+    for m in call:
+        messages.append(m)
+        if on_message is not None:
+            on_message(len(messages) - 1)
+    return [t for m in messages for t in m.tokens], messages
+
+
+def rounds(messages) -> list:
+    return [m.stats for m in messages[1:]]  # (message 0 is the prefill round)
+
+
+def counter(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(f"aerie_{name}_total", {"service": "coordinator"}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def split(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, colocate=True)
+    yield p
+    p.close()
+
+
+def test_greedy_equals_the_target_and_the_split_pipeline(colocated, split, target_greedy):
+    before = counter("drafts_in_verify")
+    tokens, messages = generate(colocated)
+    assert tokens == target_greedy
+    assert messages[0].info.placement.drafter == messages[0].info.placement.verifier == colocated.addresses["verifier"]
+    stats = rounds(messages)
+    assert all(s.tree_size > 1 for s in stats)  # the fixed tree every round
+    # the first round's tree comes from the drafter's Prefill; every later one from the Verify before it,
+    # but near the end: a round that may end the request (TREE.depth + 2 = 5 tokens or fewer left) drafts nothing
+    left = [N - len(messages[0].tokens) - sum(s.accept_length for s in stats[:i]) for i in range(len(stats))]
+    assert [s.drafted_in_verify for s in stats] == [False] + [n > TREE.depth + 2 for n in left[:-1]]
+    assert counter("drafts_in_verify") == before + sum(s.drafted_in_verify for s in stats) > before
+    split_tokens, split_messages = generate(split)
+    assert split_tokens == tokens
+    assert not any(s.drafted_in_verify for s in rounds(split_messages))
+    # the same Draft calls, made in the verifier's process: the same trees, so the same acceptance
+    assert [(s.tree_size, s.accept_length) for s in rounds(split_messages)] == [(s.tree_size, s.accept_length)
+                                                                                for s in stats]
+    wait_until(lambda: colocated.verifier.num_sequences == 0 and colocated.drafter.drafter.num_sequences == 0)
+
+
+def test_seeded_sampling_equals_the_split_pipeline(colocated, split):
+    """The round's random draws depend on the seed and the round only, and the trees are the same:
+    the tokens a seed gives through the split pipeline (whose sampling passes the chi-square test,
+    tests/spec) come out again, and again on a second run."""
+    sampling = SamplingParams(0.9, top_p=0.95, seed=11)
+    runs = [generate(colocated, 32, sampling)[0] for _ in range(2)]
+    assert runs[0] == runs[1] == generate(split, 32, sampling)[0]
+    assert len(runs[0]) == 32 and all(0 <= t < VOCAB for t in runs[0])
+
+
+@pytest.fixture()
+def pair(model_dirs, redis_url):
+    """Two verifiers that draft too behind one coordinator (each its own drafter pool entry)."""
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, colocate=True)
+    v2, v2_server, v2_address = p.add_service("verifier", model_dirs, draft_dtype=DRAFT_DTYPE, colocate=True)
+    p.replicas = [(p.verifier, p.servers[0][0]), (v2, v2_server)]
+    both = (p.addresses["verifier"], v2_address)
+    p.coordinator, p.addresses["coordinator"] = p.add_coordinator(redis_url, verifiers=both, drafters=both,
+                                                                  probe_interval_s=60, verifier_wait_s=2)
+    yield p
+    p.close()
+
+
+def test_a_colocated_verifier_that_dies_moves_the_sequence_and_it_drafts_in_verify_again(pair, target_greedy):
+    """The process holding both the sequence's KV and its draft KV stops after round 4: the Verify
+    fails over (rebuilt on the other verifier), the next draft finds its drafter gone and refills the
+    drafter of the new verifier's process (placement prefers it), and the rounds after that draft
+    inside the Verify again. No token is lost or changed."""
+    def stop_holder(i: int) -> None:
+        if i == 4:
+            server = next(server for servicer, server in pair.replicas if servicer.num_sequences)
+            pair.stop_server(server)
+
+    tokens, messages = generate(pair, on_message=stop_holder)
+    assert tokens == target_greedy
+    first = messages[0].info.placement
+    state = pair.coordinator.store.get(messages[0].sequence_id)
+    assert state.status == "finished" and state.tokens == tokens
+    assert state.verifier != first.verifier and state.drafter == state.verifier  # moved together
+    stats = rounds(messages)
+    # one round after the move drafts through the Draft call (the retried Verify went to another
+    # process); later rounds draft inside the Verify again (which round that is depends on where the
+    # stop landed: the coordinator may be a round ahead of the stream)
+    moved = next(i for i in range(1, len(stats)) if not stats[i].drafted_in_verify)
+    assert any(s.drafted_in_verify for s in stats[moved + 1:])
+
+
+def test_next_draft_is_validated_and_a_repeated_verify_returns_the_same_tree(colocated, split):
+    """The Verify's next_draft itself: a verifier without a head refuses it, a shape the head cannot
+    grow is refused naming its limit, and a retry returns the same next tree (the draft KV untouched)."""
+    stub = colocated.verifier_stub()
+    prefill = vpb.VerifierPrefillRequest(sequence_id="v", prompt_ids=list(PROMPT), capacity=128,
+                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"])
+    first = list(stub.Prefill(prefill, timeout=60))
+    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
+    root = first[0].first_token
+    # the draft KV of "v" as the coordinator's first draft makes it (prompt[1:] + the first token)
+    head = colocated.drafter.drafter  # (the servicer's Drafter, called in process: nothing else runs now)
+    head.start("v", 128, False)
+    drafted = head.draft("v", torch.tensor([*PROMPT[1:], root]), features, TREE)
+    request = vpb.VerifyRequest(sequence_id="v", round_index=1, tree=codec.encode_tree(drafted))
+    request.next_draft.round_index = 2
+    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    answer = stub.Verify(request, timeout=60)
+    assert answer.HasField("next_tree") and answer.next_draft_seconds > 0
+    next_tree = codec.decode_tree(answer.next_tree, VOCAB)
+    assert int(next_tree.tokens[0]) == answer.bonus and next_tree.size == TREE.size
+    length = colocated.drafter.drafter._caches["v"].length
+    assert untimed(stub.Verify(request, timeout=60)) == untimed(answer)  # a retry: the same verdict and next tree
+    assert colocated.drafter.drafter._caches["v"].length == length
+    bad = vpb.VerifyRequest(sequence_id="v", round_index=2, tree=answer.next_tree)
+    bad.next_draft.round_index = 3
+    bad.next_draft.tree.CopyFrom(codec.encode_tree_params(TreeParams(64, 3, 16)))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Verify(bad, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_k" in e.value.details()
+    assert untimed(stub.Verify(request, timeout=60)) == untimed(answer)  # refused before it ran: round 1 is the latest
+    stub.Release(_release("v"), timeout=60)
+    colocated.drafter.drafter.release("v")
+    plain = split.verifier_stub()
+    list(plain.Prefill(vpb.VerifierPrefillRequest(sequence_id="w", prompt_ids=list(PROMPT), capacity=128,
+                                                  feature_kind=codec.WIRE_FEATURE_KINDS["hidden"]), timeout=60))
+    ask = vpb.VerifyRequest(sequence_id="w", round_index=1, tree=codec.encode_tree(drafted))
+    ask.next_draft.round_index = 2
+    with pytest.raises(grpc.RpcError) as e:
+        plain.Verify(ask, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--draft" in e.value.details()
+    plain.Release(_release("w"), timeout=60)
+
+
+def untimed(answer: vpb.VerifyResponse) -> vpb.VerifyResponse:
+    """The answer without what is measured when it is answered (a replay's seconds and the drafter's load)."""
+    out = vpb.VerifyResponse()
+    out.CopyFrom(answer)
+    out.next_draft_seconds, out.drafter_busy = 0.0, 0.0
+    return out
+
+
+def _release(seq_id: str):
+    from services.rpc.stubs import common as pb
+
+    return pb.ReleaseRequest(sequence_id=seq_id)
