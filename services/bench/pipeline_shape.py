@@ -11,8 +11,10 @@ GPU_PIPELINE=1).
 2. In process: `build_local_engine` on that checkpoint (what `aerie generate` runs: CUDA graphs,
    device trees, plain runs where the device has them), plain decoding and EAGLE with a fixed tree.
 3. Through the services: `aerie up --target DIR --draft HEAD --tree-* ...` (its default flags
-   otherwise; the HTTP API inside the coordinator), then `aerie up --draft none` (plain decoding:
-   no drafter), each request through the coordinator's gRPC stream (`RemoteSession`).
+   otherwise; the HTTP API inside the coordinator), the same with `--colocate` (each verifier serves
+   the head too and drafts the next tree inside each Verify: one call a round), then `aerie up
+   --draft none` (plain decoding: no drafter), each request through the coordinator's gRPC stream
+   (`RemoteSession`). The colocated pipeline is compared with the in-process EAGLE engine.
 
 Each side decodes the same `prompt`-token prompt (random ids) `repeats` times after a warm-up
 request, `tokens` new tokens each, ignoring EOS. ms/token is the decode time after the first
@@ -44,6 +46,8 @@ import torch
 
 READY = "ready: aerie generate --coordinator "
 TREE = (4, 3, 16)  # top_k, depth, tokens: the fixed tree both sides draft
+# through the services: label -> (draft, `aerie up --colocate`, the in-process label it is compared with)
+PIPELINES = {"eagle": ("head", False, "eagle"), "colocated": ("head", True, "eagle"), "plain": ("none", False, "plain")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +153,16 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         _free(cfg.device)
 
         res["pipeline"] = {}
-        for label, draft in (("eagle", str(head_dir)), ("plain", "none")):
-            with AerieUp(cfg, target_dir, draft, root / f"up-{label}.log") as address:
+        for label, (draft, colocate, _) in PIPELINES.items():
+            with AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
+                         colocate) as address:
                 res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
-        res["ratio"] = {label: res["in_process"][label]["ms_per_token"] / res["pipeline"][label]["ms_per_token"]
+        base = {label: res["in_process"][PIPELINES[label][2]] for label in res["pipeline"]}
+        res["ratio"] = {label: base[label]["ms_per_token"] / res["pipeline"][label]["ms_per_token"]
                         for label in res["pipeline"]}
         # greedy on both sides: the pipeline must give the in-process engine's tokens (reported, not raised)
-        res["same_tokens"] = {label: res["in_process"][label]["token_ids"] == res["pipeline"][label]["token_ids"]
+        res["same_tokens"] = {label: base[label]["token_ids"] == res["pipeline"][label]["token_ids"]
                               for label in res["pipeline"]}
         res["complete"] = True
         return res
@@ -180,12 +186,14 @@ class AerieUp:
     entering waits for its "ready:" line and gives the coordinator's address. Its output goes to
     `log_path` (its tail is raised with a failure to start)."""
 
-    def __init__(self, cfg: PipelineBenchConfig, target: Path, draft: str, log_path: Path) -> None:
+    def __init__(self, cfg: PipelineBenchConfig, target: Path, draft: str, log_path: Path,
+                 colocate: bool = False) -> None:
         top_k, depth, size = TREE
         self.argv = [sys.executable, "-m", "aerie_cli", "up", "--target", str(target), "--draft", draft,
                      "--dtype", cfg.dtype, "--device", cfg.device, "--port", "0", "--http-port", "0",
                      "--gateway", "coordinator", "--no-restart", "--startup-timeout-s", str(cfg.startup_timeout_s),
-                     "--tree-top-k", str(top_k), "--tree-depth", str(depth), "--tree-tokens", str(size)]
+                     "--tree-top-k", str(top_k), "--tree-depth", str(depth), "--tree-tokens", str(size),
+                     *(["--colocate"] if colocate else [])]
         self.log_path, self.timeout_s = log_path, cfg.startup_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -235,19 +243,23 @@ def table(res: dict) -> str:
     """The result as a table: ms/token in process and through the pipeline, and their ratio."""
     rows = [("device", res["device"]), ("shape / dtype / prompt", f"{res['shape']} / {res['dtype']} / {res['prompt']}"),
             ("tokens a request, repeats", f"{res['tokens']}, {res['repeats']}")]
-    for label in ("plain", "eagle"):
-        name = "plain decoding" if label == "plain" else f"EAGLE, tree {res['tree']} (a round a token)"
-        inp = res.get("in_process", {}).get(label, {}).get("ms_per_token")
+    names = {"plain": "plain decoding", "eagle": f"EAGLE, tree {res['tree']} (a round a token)",
+             "colocated": "EAGLE, verifier --draft (aerie up --colocate)"}
+    for label, name in names.items():
+        if label not in res.get("pipeline", {}) and label == "colocated":
+            continue  # (a result from before the colocated pipeline was measured)
+        inp = res.get("in_process", {}).get(PIPELINES[label][2], {}).get("ms_per_token")
         pipe = res.get("pipeline", {}).get(label, {}).get("ms_per_token")
         ratio = res.get("ratio", {}).get(label)
         same = res.get("same_tokens", {}).get(label)
         rows.append((f"{name}: ms/token in process, pipeline (in process / pipeline)",
                      f"{_ms(inp)}, {_ms(pipe)}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
                      + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")))
-    for side in ("in_process", "pipeline"):
-        r = res.get(side, {}).get("eagle", {}).get("round_ms")
+    for side, label, name in (("in_process", "eagle", "in process"), ("pipeline", "eagle", "pipeline"),
+                              ("pipeline", "colocated", "colocated")):
+        r = res.get(side, {}).get(label, {}).get("round_ms")
         if r and r.get("wall") is not None:
-            rows.append((f"  EAGLE round {side.replace('_', ' ')}: wall (draft + verify) ms",
+            rows.append((f"  EAGLE round {name}: wall (draft + verify) ms",
                          f"{r['wall']:.2f} ({r['draft']:.2f} + {r['verify']:.2f})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
