@@ -9,8 +9,8 @@ share of the last seconds spent on other sequences' batches), for the coordinato
 Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
 of extending the draft KV twice. A verifier that drafts too (started with --draft) serves this
-servicer on its own port and calls `draft_next` after a Verify that asks for it: the same batch
-queue, the same idempotency. DraftAhead (drafting ahead, services/spec/ahead.py) runs
+servicer on its own port and calls `draft_next` on its model thread after a batch's Verify calls that
+ask for it: the same `_run_batch` (one at a time with the worker thread's), the same idempotency. DraftAhead (drafting ahead, services/spec/ahead.py) runs
 `Drafter.draft_ahead` alone in its batch slot (its guessed rows are one-row head steps of its own).
 """
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +65,9 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.dtype = drafter.head.feature_dtype  # the target's features (the draft may run in bf16/int8)
         self.max_rows = max_context + config.max_tree_nodes  # the server's cap, never the caller's
         self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
+        # the Drafter, `_last` and the load meter: the worker thread's, and a verifier's model thread's
+        # when it drafts too (draft_next)
+        self._lock = threading.Lock()
         self.batcher: Batcher[_Work] = Batcher("drafter", self._run_batch, rows=self._rows,
                                                key=lambda w: w.call.seq_id, limits=config.batch,
                                                on_batch=batch_observer(SERVICE), expect=lambda: self.drafter.num_sequences)
@@ -123,17 +127,20 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         if params is not None:
             self.drafter.check_params(params)
 
-    async def draft_next(self, seq_id: str, round_index: int, tokens: list[int], features: torch.Tensor,
-                         params: TreeParams | None) -> tuple[dpb.DraftResponse, float]:
-        """A Draft from inside this process: a verifier that drafts too (verifier_svc, --draft) drafts
-        the next tree from its verdict in the Verify call. tokens [n] the accepted tokens and the bonus,
-        features [n, F] -> (the answer a Draft call at `round_index` gets, the head's seconds). Batched
-        and idempotent per (sequence, round) like Draft. The caller checked the request first
-        (`check_next`)."""
-        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features.to(self.dtype), params)
+    def draft_next(self, drafts: list[tuple[DraftCall, int]]) -> list[dpb.DraftResponse | BaseException]:
+        """Drafts from inside this process, on the caller's thread: a verifier that drafts too
+        (verifier_svc, --draft) drafts the next trees from its batch's verdicts on its model thread,
+        right after their forward, all in one `draft_many`. Each (call: tokens [m + 1] the accepted
+        tokens and the bonus, features [m + 1, F]; the Draft call's idempotency index) gets the answer
+        a Draft call at that index gets. The caller checked them first (`check_next`)."""
+        work = [_Work(replace(call, features=call.features.to(self.dtype)), index) for call, index in drafts]
         t0 = time.perf_counter()
-        response = await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, round_index)))
-        return response, time.perf_counter() - t0
+        try:
+            results = self._run_batch(work)
+        except Exception as e:  # noqa: BLE001 (each draft's answer)
+            results = [e] * len(work)
+        DRAFT_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+        return results
 
     @rpc_errors
     async def DraftAhead(self, request: dpb.DraftAheadRequest, context) -> dpb.DraftResponse:
@@ -207,15 +214,17 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
 
     def _run_batch(self, batch: list["_Work"]) -> list:
         """Start the prefills, answer replays, then grow every other tree in one `draft_many`; each
-        answer carries the load its sequence sees (this batch's other sequences included)."""
-        t0 = self.load.clock()
-        try:
-            results = self._answer(batch)
-        finally:
-            self.load.ran(t0, self.load.clock(), {w.call.seq_id for w in batch})
-        for w, r in zip(batch, results, strict=True):
-            if isinstance(r, dpb.DraftResponse):
-                r.busy = self.load.busy(w.call.seq_id)
+        answer carries the load its sequence sees (this batch's other sequences included). On the
+        worker thread, or a verifier's model thread (`draft_next`): one at a time (`_lock`)."""
+        with self._lock:
+            t0 = self.load.clock()
+            try:
+                results = self._answer(batch)
+            finally:
+                self.load.ran(t0, self.load.clock(), {w.call.seq_id for w in batch})
+            for w, r in zip(batch, results, strict=True):
+                if isinstance(r, dpb.DraftResponse):
+                    r.busy = self.load.busy(w.call.seq_id)
         return results
 
     def _answer(self, batch: list["_Work"]) -> list:
@@ -277,12 +286,13 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         return response
 
     def _release(self, seq_id: str) -> bool:
-        self._last.pop(seq_id, None)
-        self.idle.forget(seq_id)
-        before = self.drafter.num_sequences
-        self.drafter.release(seq_id)
-        SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
-        return self.drafter.num_sequences < before
+        with self._lock:
+            self._last.pop(seq_id, None)
+            self.idle.forget(seq_id)
+            before = self.drafter.num_sequences
+            self.drafter.release(seq_id)
+            SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
+            return self.drafter.num_sequences < before
 
 
 @dataclass(frozen=True, slots=True)

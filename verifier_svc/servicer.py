@@ -14,8 +14,10 @@ A verifier that drafts too (--draft: a head over this target, its Drafter servic
 drafter_svc.servicer): a Verify with `next_draft` also drafts the next tree from its verdict, the Draft
 the coordinator would otherwise send after it (tokens[1:] and the bonus, their features), and answers
 with both: one call per EAGLE round instead of a Verify and a Draft, and the features never leave
-the process. The draft is the drafter's own call (its batch queue, its per-round idempotency), so a
-repeated Verify gets the same tree again.
+the process. The drafts of a batch's Verify calls run on the model thread right after their forward,
+in one batch of the head (`DrafterServicer.draft_next`: its per-round idempotency too); the tree is
+part of the stored answer, so a repeated Verify gets the same tree again. A draft that fails (the
+head lost the sequence) leaves the answer without a tree: the coordinator drafts with a Draft call.
 
 DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
 the batcher, the next queued by the model thread as soon as the previous token is known (on a GPU,
@@ -68,8 +70,9 @@ from services.engine.batcher import Batcher
 from services.engine.kv_shares import ANONYMOUS, KVShares
 from services.engine.step_cost import AUTO_RATIO, StepBudget, StepCost, pair_flops
 from services.engine.step_scheduler import step_rows
+from services.engine.drafter import DraftCall
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
-                                      VerifyCall, merge_prefill)
+                                      VerifyCall, VerifyResult, merge_prefill)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequencePreempted
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
@@ -98,13 +101,19 @@ STEP_FLOOR_ROWS = 16  # a step's token budget never goes below this (a slow CPU 
 
 
 class NextDrafter(Protocol):
-    """A head in this process (drafter_svc.servicer.DrafterServicer.draft_next): a verifier started
-    with --draft drafts the next tree from a verdict in the Verify call that asks for it."""
+    """A head in this process (drafter_svc.servicer.DrafterServicer): a verifier started with --draft
+    drafts the next trees from its batch's verdicts, for the Verify calls that ask (NextDraftVerify)."""
 
     def check_next(self, round_index: int, params: TreeParams | None) -> None: ...
 
-    async def draft_next(self, seq_id: str, round_index: int, tokens: list[int], features: torch.Tensor,
-                         params: TreeParams | None) -> tuple[object, float]: ...
+    def draft_next(self, drafts: list[tuple[DraftCall, int]]) -> list: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NextDraftVerify(VerifyCall):
+    """A Verify that also drafts the next tree from its verdict (VerifyRequest.next_draft)."""
+    next_round: int = 0  # the Draft call's idempotency index the draft stands for
+    next_params: TreeParams | None = None  # its shape (None: the head's largest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,36 +368,15 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
-        nxt = request.next_draft if request.HasField("next_draft") else None
-        if nxt is not None and self.drafter_servicer is None:
-            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head too)")
-        params = codec.decode_tree_params(nxt.tree) if nxt is not None and nxt.HasField("tree") else None
-        if nxt is not None:
-            self.drafter_servicer.check_next(nxt.round_index, params)  # type: ignore[union-attr]  (before the verify)
-        response = await timed(VERIFY_SECONDS.labels(SERVICE),
-                               self.batcher.call_async(VerifyCall(seq_id, tree, request.round_index)))
-        if nxt is None:
-            return response
-        return await self._with_next_tree(seq_id, response, nxt.round_index, params)
-
-    async def _with_next_tree(self, seq_id: str, response: vpb.VerifyResponse, round_index: int,
-                              params: TreeParams | None) -> vpb.VerifyResponse:
-        """The Verify's answer with the next tree drafted from its verdict by this process's head: the
-        Draft the coordinator would send (tokens[1:] and the bonus, with the features of the root and
-        the accepted nodes). None drafted when Decode calls kept rows since the previous Verify (their
-        tokens are the coordinator's to send)."""
-        tokens = [*response.tokens[1:], response.bonus]
-        features = codec.decode_tensor(response.features, "features", shape=(None, None))
-        if features.shape[0] != len(tokens):
-            return response
-        assert self.drafter_servicer is not None  # (Verify checked)
-        drafted, seconds = await self.drafter_servicer.draft_next(seq_id, round_index, tokens, features, params)
-        out = vpb.VerifyResponse()
-        out.CopyFrom(response)  # (the stored answer for a replay stays as it was)
-        out.next_tree.CopyFrom(drafted.tree)  # type: ignore[attr-defined]
-        out.next_draft_seconds = seconds
-        out.drafter_busy = drafted.busy  # type: ignore[attr-defined]
-        return out
+        call = VerifyCall(seq_id, tree, request.round_index)
+        if request.HasField("next_draft"):
+            nxt = request.next_draft
+            if self.drafter_servicer is None:
+                raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head too)")
+            params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
+            self.drafter_servicer.check_next(nxt.round_index, params)  # before the verify runs
+            call = NextDraftVerify(seq_id, tree, request.round_index, next_round=nxt.round_index, next_params=params)
+        return await timed(VERIFY_SECONDS.labels(SERVICE), self.batcher.call_async(call))
 
     @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:
@@ -490,12 +478,43 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             todo.append(i)
         if todo:
             run = [c.part() if isinstance(c, Slice) else c for c in (calls[i] for i in todo)]
+            drafts: list[tuple[int, VerifyResult]] = []
             for i, out in zip(todo, self.verifier.run(run)):
                 call = calls[i]
                 if isinstance(call, Slice) and isinstance(out, BaseException) and call.start > 0:
                     self._release(call.seq_id)  # a prompt is never left partly prefilled by a failed slice
                 results[i] = out if isinstance(out, BaseException) else self._respond(call, out)
+                if isinstance(call, NextDraftVerify) and isinstance(out, VerifyResult):
+                    drafts.append((i, out))
+            if drafts:
+                self._draft_next([calls[i] for i, _ in drafts], [out for _, out in drafts],
+                                 [results[i] for i, _ in drafts])
         return results
+
+    def _draft_next(self, calls: list, outs: list[VerifyResult], responses: list[vpb.VerifyResponse]) -> None:
+        """This batch's next drafts (the Verify calls that asked), in one batch of this process's head,
+        right after the forward: for each, the Draft the coordinator would send after the verdict (the
+        accepted tokens and the bonus, the features of the root and the accepted nodes), its tree added
+        to the Verify's answer (the stored one too: a repeated Verify gets it again). None where Decode
+        calls kept rows since the previous Verify (their tokens are the coordinator's to send) or the
+        draft failed (a head that lost the sequence): the coordinator then drafts with a Draft call."""
+        todo = [(c, o, r) for c, o, r in zip(calls, outs, responses) if o.features.shape[0] == len(o.acceptance.new_tokens)]
+        if not todo:
+            return
+        assert self.drafter_servicer is not None  # (Verify checked)
+        t0 = time.perf_counter()
+        drafted = self.drafter_servicer.draft_next(
+            [(DraftCall(c.seq_id, torch.tensor(o.acceptance.new_tokens), o.features, c.next_params), c.next_round)
+             for c, o, _ in todo])
+        seconds = time.perf_counter() - t0
+        for (c, _, response), d in zip(todo, drafted):
+            if isinstance(d, BaseException):
+                log.info("sequence %s: the next draft in Verify round %d failed (%s); its coordinator drafts "
+                         "with a Draft call", c.seq_id, c.round_index, d)
+                continue
+            response.next_tree.CopyFrom(d.tree)
+            response.next_draft_seconds = seconds
+            response.drafter_busy = d.busy
 
     def _splittable(self, call: Call) -> bool:
         """A prefill call may be sliced unless it is a chunk sent again (answered from its stored answer)."""
