@@ -12,6 +12,7 @@ import grpc
 from services.engine.drafter import Drafter
 from services.device import default_dtype, resolve_device
 from services.engine.local import build_local_head, resolve_draft
+from services.model.loading import LoadedTarget
 from services.model.runner import warm_up_at_start
 from services.errors import CheckpointError
 from services.rpc import server as rpc_server
@@ -24,14 +25,15 @@ from drafter_svc.servicer import DrafterServicer
 SERVICE_NAME = "aerie.v1.Drafter"
 
 
-def load_servicer(config: DrafterConfig) -> DrafterServicer:
+def load_servicer(config: DrafterConfig, loaded: LoadedTarget | None = None) -> DrafterServicer:
     """Load the head against its target as the in-process engine does, over only the target's
-    embedding and lm_head (build_local_head: the rest of the target is never read)."""
+    embedding and lm_head (build_local_head: the rest of the target is never read); `loaded`: the
+    target this process holds already (a verifier that drafts too), whose tensors the head uses."""
     if resolve_draft(config.draft, config.target) is None:
         raise CheckpointError("the drafter needs an EAGLE head: pass --draft DIR (AERIE_DRAFT)")
     device = resolve_device(config.device)
     local = build_local_head(config.target, config.draft, config.dtype or default_dtype(device), config.draft_vocab,
-                             config.draft_dtype, device=device)
+                             config.draft_dtype, device=device, loaded=loaded)
     drafter = Drafter(local.head, config.tree or AUTO_LARGEST, config.max_sequences, config.ahead_branches)
     warm_up_at_start(drafter, config.max_sequences)  # CUDA: the draft graphs before the first request
     report = load_report(local.draft_path) or {}

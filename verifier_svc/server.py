@@ -16,6 +16,7 @@ import grpc
 from services.device import check_device, default_dtype, resolve_device
 from services.engine.local import build_local_engine
 from services.engine.calibration import target_costs
+from services.model.loading import LoadedTarget
 from services.rpc import server as rpc_server
 from services.rpc.stubs import verifier_grpc
 from verifier_svc.config import VerifierConfig
@@ -41,10 +42,11 @@ def load_servicer(config: VerifierConfig) -> VerifierServicer:
     # t_verify for the coordinator's budget: measured once per device/model/dtype/threads, cached
     costs = target_costs(target, f"{local.model_dir}|{dtype}")
     drafter = None
-    if config.drafter is not None:  # --draft: a head served here too (its own anchors: see docs/distributed.md)
+    if config.drafter is not None:  # --draft: a head served here too, over this target's embedding and lm_head
         from drafter_svc.server import load_servicer as load_drafter
 
-        drafter = load_drafter(replace(config.drafter, device=config.drafter.device or device, dtype=dtype))
+        drafter = load_drafter(replace(config.drafter, device=config.drafter.device or device, dtype=dtype),
+                               LoadedTarget(target, local.tokenizer, local.model_dir))
     return VerifierServicer(target, config, local.target_path, engine.eos_token_ids, costs, drafter=drafter)
 
 

@@ -19,7 +19,7 @@ from services.engine.verifier import Verifier
 from services.errors import CheckpointError
 from services.model.eagle_head import DraftHead
 from services.model.head_checkpoint import load_head
-from services.model.loading import find_default_gguf, load_head_anchors, load_target
+from services.model.loading import LoadedTarget, find_default_gguf, load_head_anchors, load_target
 from services.model.runner import warm_up_at_start
 from services.spec.budget import AUTO_LARGEST, build_budget
 from services.spec.cost import CostCurve, CostModel
@@ -179,17 +179,20 @@ class LocalHead:
 
 
 def build_local_head(target: str | None, draft: str | None, dtype: str = "fp32", draft_vocab: int | None = None,
-                     draft_dtype: str | None = None, *, recalibrate: bool = False, device: str = "cpu") -> LocalHead:
+                     draft_dtype: str | None = None, *, recalibrate: bool = False, device: str = "cpu",
+                     loaded: LoadedTarget | None = None) -> LocalHead:
     """The head of `draft` for `target`, as build_local_engine loads it (the same arguments, numerics
     and cost calibration), over only the target's embedding and lm_head (load_head_anchors): the
     drafter service never runs the target, and on a GPU beside a verifier it held a second copy of
-    it before (the whole Llama-3.1-8B: 16 GB; now the two 1 GB tensors)."""
+    it before (the whole Llama-3.1-8B: 16 GB; now the two 1 GB tensors). `loaded`: the target this
+    process already holds (a verifier that drafts too): the head uses its embedding and lm_head, as
+    the in-process engine's head does, and nothing is read again."""
     _check_dtypes(dtype, draft_dtype, device)
     spec = DraftSpec.parse(draft)
     draft_path = spec.head_path(target)
     if draft_path is None:
         raise CheckpointError("a drafter needs an EAGLE head: pass --draft DIR")
-    anchors = load_head_anchors(target or find_default_gguf(), DTYPES[dtype], device)
+    anchors = loaded or load_head_anchors(target or find_default_gguf(), DTYPES[dtype], device)
     draft_dtype = draft_dtype or default_draft_dtype(device)
     head = load_head(draft_path, anchors.model, draft_vocab=draft_vocab, draft_dtype=draft_dtype)
     model_id = f"{anchors.path}|{dtype}"

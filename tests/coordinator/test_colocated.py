@@ -88,6 +88,13 @@ def test_greedy_equals_the_target_and_the_split_pipeline(colocated, split, targe
     wait_until(lambda: colocated.verifier.num_sequences == 0 and colocated.drafter.drafter.num_sequences == 0)
 
 
+def test_the_head_uses_the_verifiers_lm_head(colocated):
+    """Nothing of the target is read twice: the head projects through the verifier's own lm_head (as
+    the in-process engine's head does; a drafter process reads it from the checkpoint)."""
+    head = colocated.drafter.drafter.head  # an EAGLE-2 head holds its target's lm_head by reference
+    assert head._target_head[0] is colocated.verifier.target.lm_head
+
+
 def test_seeded_sampling_equals_the_split_pipeline(colocated, split):
     """The round's random draws depend on the seed and the round only, and the trees are the same:
     the tokens a seed gives through the split pipeline (whose sampling passes the chi-square test,

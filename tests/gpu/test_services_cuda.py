@@ -4,7 +4,9 @@ drafter services of `aerie up` on the GPU (their default device there), through 
 loopback and a real Redis, fp32: plain runs whose greedy steps are queued on the device before the
 previous token is read (QueuedAnswer) stream transformers' greedy tokens; EAGLE rounds with several
 sequences at once (the drafter service's batches, DraftGraphs.draft_batch where two share a shape)
-give each sequence transformers' greedy tokens. Written without a GPU: not run on one yet."""
+give each sequence transformers' greedy tokens (both passed on an H200, 2026-11-27); a verifier that
+drafts too (verifier --draft, on its CUDA device) drafting each next tree inside the Verify for
+several sequences at once gives the same (written without a GPU: not run on one yet)."""
 
 import pytest
 import torch
@@ -52,5 +54,18 @@ def test_eagle_rounds_of_several_sequences_through_the_services_on_cuda(model_di
         for i, prompt in enumerate(prompts):
             assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
         assert p.drafter.drafter.graphs.expansions > 0  # the static draft (graphs) served the drafts
+    finally:
+        p.close()
+
+
+def test_a_verifier_that_drafts_too_on_cuda(model_dirs, redis_url, llama_pair):
+    p = start_pipeline(model_dirs, redis_url, colocate=True, verifier_overrides={"device": "cuda"})
+    try:
+        head = p.verifier.drafter_servicer.drafter
+        assert p.verifier.target.device.type == "cuda" and head.device.type == "cuda"
+        prompts = [PROMPT, (9, 4, 77, 31), (3, 1, 4, 1, 5)]
+        got = run_concurrently(p, [GenerationRequest(prompt, 32, ignore_eos=True) for prompt in prompts])
+        for i, prompt in enumerate(prompts):
+            assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
     finally:
         p.close()
