@@ -70,8 +70,11 @@ def main() -> None:
     p.add_argument("--up-args", default="", help="extra `aerie up` flags, space separated")
     p.add_argument("--no-local", action="store_true", help="skip the in-process runs")
     p.add_argument("--baseline", default=None,
-                   help="another checkout (`git archive BASE | tar -x -C DIR`): its `aerie up` runs the same "
-                        "prompts, interleaved with this one's (A/B)")
+                   help="another checkout (`git archive BASE | tar -x -C DIR`; `.`: this one): its `aerie up` runs "
+                        "the same prompts, interleaved with this one's (A/B)")
+    p.add_argument("--baseline-up-args", default=None,
+                   help="the baseline's `aerie up` flags (default: --up-args), e.g. --up-args=--colocate "
+                        "--baseline . --baseline-up-args= : the colocated pipeline against the split one")
     p.add_argument("--out", default=None, help="JSON here")
     args = p.parse_args()
 
@@ -100,7 +103,8 @@ def main() -> None:
         if args.baseline:
             base_lines: list[str] = []
             python = Path(args.baseline) / ".venv/bin/python"  # else this interpreter, run from that directory
-            base_up = start_up(["--port", "0", "--http-port", "0", *args.up_args.split()], env, base_lines,
+            base_args = args.up_args if args.baseline_up_args is None else args.baseline_up_args
+            base_up = start_up(["--port", "0", "--http-port", "0", *base_args.split()], env, base_lines,
                                str(python) if python.exists() else sys.executable, args.baseline)
             base_address = next(m.group(1) for line in base_lines
                                 if (m := re.match(r"^coordinator\s+(\S+) \(pid", line)))
@@ -149,7 +153,8 @@ def main() -> None:
             base_up.wait(60)
 
     report: dict = {"prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
-                    "threads": os.environ.get("AERIE_TORCH_THREADS"), "up_args": args.up_args}
+                    "threads": os.environ.get("AERIE_TORCH_THREADS"), "up_args": args.up_args,
+                    "baseline_up_args": args.baseline_up_args}
     for name, runs in agg.items():
         if not runs:
             continue
