@@ -75,7 +75,8 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                         "free memory, the verifier's --kv-budget-share)")
     g.add_argument("--plain-run", type=int, default=None, metavar="N",
                    help="the coordinators' plain decode rounds per DecodeRun call (the verifier runs them back to "
-                        "back); 0 = one Decode per plain round (default: AERIE_PLAIN_RUN, else 16)")
+                        "back; with --colocate and a fixed tree, tree rounds per VerifyRun call too); 0 = one call a "
+                        "round (default: AERIE_PLAIN_RUN, else 16)")
     g.add_argument("--overlap", type=overlap_mode, default=None, metavar="{off,on,always}",
                    help="the coordinators draft the next tree ahead while one is verified (DraftAhead overlapping "
                         "Verify; docs/distributed.md): on = a per-sequence policy turns it off where it cannot pay, "

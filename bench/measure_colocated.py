@@ -1,7 +1,8 @@
-"""The split pipeline against the colocated one (`aerie up --colocate`) and the in-process engine on
-one random checkpoint of a shape, interleaved request by request (machine noise hits all three
-alike): ms per EAGLE round (a fixed tree, random weights: one token a round) and each round's wall,
-draft and verify ms, medians over the requests.
+"""The split pipeline against the colocated one (`aerie up --colocate`, with its runs of tree rounds
+and with `--plain-run 0`: one Verify call a round) and the in-process engine on one random checkpoint
+of a shape, interleaved request by request (machine noise hits all four alike): ms per EAGLE round (a
+fixed tree, random weights: one token a round) and each round's wall, draft and verify ms, medians
+over the requests.
 
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_colocated.py --shape tiny --requests 8 \
         --tokens 64 --prompt 64 [--out FILE.json]
@@ -49,10 +50,11 @@ def main() -> None:
     target, head = write_checkpoint(args.shape, args.device, args.dtype, root)
     engine = build_local_engine(str(target), str(head), args.dtype, TreeParams(*TREE), device=args.device).engine
     sides = {"in_process": lambda: engine.generate(request)}
-    runs: dict[str, list] = {name: [] for name in ("in_process", "split", "colocated")}
+    pipelines = {"split": (False, ()), "colocated": (True, ()), "colocated_no_runs": (True, ("--plain-run", "0"))}
+    runs: dict[str, list] = {name: [] for name in ("in_process", *pipelines)}
     with ExitStack() as stack:
-        for name, colocate in (("split", False), ("colocated", True)):
-            address = stack.enter_context(AerieUp(cfg, target, str(head), root / f"{name}.log", colocate))
+        for name, (colocate, extra) in pipelines.items():
+            address = stack.enter_context(AerieUp(cfg, target, str(head), root / f"{name}.log", colocate, extra))
             sides[name] = lambda a=address: remote_stream(a, request)
         for generate in sides.values():
             timed_stream(generate)  # warm-up
@@ -68,9 +70,9 @@ def main() -> None:
                         "round_draft_ms": statistics.median(x[1] for x in parts),
                         "round_verify_ms": statistics.median(x[2] for x in parts),
                         "same_tokens": rs[0].tokens == runs["in_process"][0].tokens}
-    for name in ("split", "colocated"):
+    for name in pipelines:
         report[name]["in_process_ratio"] = report["in_process"]["ms_per_round"] / report[name]["ms_per_round"]
-    report["colocated_over_split"] = report["split"]["ms_per_round"] / report["colocated"]["ms_per_round"]
+        report[name]["over_split"] = report["split"]["ms_per_round"] / report[name]["ms_per_round"]
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -140,7 +140,8 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                         "whenever a guess can hit (measurements) (AERIE_OVERLAP, 0; docs/distributed.md)")
     g.add_argument("--plain-run", type=int, default=env("AERIE_PLAIN_RUN", 16), metavar="N",
                    help="plain decode rounds per DecodeRun call: the verifier runs up to N plain steps back to back "
-                        "while the coordinator commits them; 0 = one Decode per plain round (AERIE_PLAIN_RUN, 16; "
+                        "while the coordinator commits them; with a fixed tree on a verifier that drafts too, tree "
+                        "rounds per VerifyRun call likewise; 0 = one call a round (AERIE_PLAIN_RUN, 16; "
                         "docs/distributed.md)")
     g.add_argument("--redis-url", default=env("AERIE_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the Redis holding sequence state (AERIE_REDIS_URL)")
     g.add_argument("--max-new-tokens-limit", type=int, default=env("AERIE_MAX_NEW_TOKENS", 4096),

@@ -37,6 +37,11 @@ rebuilt from `committed` on a replacement, or on the same verifier after a trans
 rest of the run continues there as a new run from the next round. Tokens the broken run computed
 but the engine had not read are not used (the rebuilt verifier computes the same ones again).
 
+A run of tree rounds (VerifyRun, `verify_run`, on a verifier that drafts too): each round's answer
+is added like a Verify's; where the run ended or broke, the round is a single Verify with the usual
+fail-over (a broken run's rounds are answered again by the same verifier, or rebuilt elsewhere) and
+the run stays closed.
+
 `committed` here is every token the verifier has produced (what Redis holds plus the round in
 flight, which the engine commits next): the same list a coordinator taking a sequence over would
 read from Redis. With no drafter available the drafter side returns a root-only tree: the verifier
@@ -244,6 +249,17 @@ class SequencePlacement:
                    keep_features: bool = False) -> _PlacedRun:
         """A run of `steps` plain rounds (RemoteVerifier.decode_run) with fail-over (module doc)."""
         return _PlacedRun(self, seq_id, token, round_index, steps, keep_features)
+
+    def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: TreeParams, rounds: int,
+                   max_tokens: int, stop_ids: frozenset[int]) -> _PlacedTreeRun | None:
+        """A run of up to `rounds` tree rounds on the verifier that drafts too (RemoteVerifier.verify_run),
+        read round by round with fail-over (module doc); None when the sequence's drafter is not its
+        verifier's process now (`drafts_next`)."""
+        nxt = self._next_draft(seq_id, next_draft)
+        if nxt is None:
+            return None
+        return _PlacedTreeRun(self, seq_id, self._rv.verify_run(seq_id, tree, round_index, nxt, rounds, max_tokens,
+                                                                stop_ids))
 
     def take_logprobs(self, seq_id: str):
         """The current verifier's log-probabilities of the latest call's tokens (RemoteVerifier)."""
@@ -532,6 +548,46 @@ class _PlacedRun:
             self._run = None
 
 
+class _PlacedTreeRun:
+    """A run of tree rounds over the sequence's placement (services.engine.engine: the engine's tree
+    runs). `next` gives each round's VerifyResult; where the run ended or broke, the round is one
+    Verify call instead, with the placement's fail-over, and the run stays closed."""
+
+    def __init__(self, p: SequencePlacement, seq_id: str, run) -> None:
+        self.p = p
+        self.seq_id = seq_id
+        self._run = run  # the current verifier's TreeRun (None: ended or broken)
+
+    def next(self, tree: DraftTree, round_index: int, next_draft: TreeParams | None) -> VerifyResult:
+        p, run = self.p, self._run
+        res = None
+        if run is not None:
+            try:
+                res = run.next(round_index)
+            except Exception as e:  # noqa: BLE001 - is_failover decides
+                self.close()
+                if not is_failover(e):
+                    raise
+        if res is None:  # the run ended or broke: this round alone (a broken run's rounds are answered again)
+            self.close()
+            return p.verify(self.seq_id, tree, round_index, next_draft)
+        p._round = round_index
+        if res.next_tree is not None:
+            p._rd.drafted_elsewhere(self.seq_id, run.next_index - 1, p._rv.busy)  # type: ignore[union-attr]
+        p.committed += res.acceptance.new_tokens
+        p._kept = 0
+        return res
+
+    @property
+    def open(self) -> bool:
+        return self._run is not None
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+
+
 class _VerifierSide:
     """The verifier role for `Engine` (services.engine.roles.VerifierRole)."""
 
@@ -546,6 +602,9 @@ class _VerifierSide:
 
     def drafts_next(self, seq_id):
         return self._p.drafts_next(seq_id)
+
+    def verify_run(self, seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids):
+        return self._p.verify_run(seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids)
 
     def decode(self, seq_id, token, round_index, keep_features=False):
         return self._p.decode(seq_id, token, round_index, keep_features)

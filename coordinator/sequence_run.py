@@ -186,6 +186,8 @@ def _observe(output: RoundOutput, commit_s: float) -> None:
         metrics.AHEAD_HITS.labels(SERVICE).inc()
     if s.drafted_in_verify:
         metrics.DRAFTS_IN_VERIFY.labels(SERVICE).inc()
+    if s.tree_run:
+        metrics.TREE_RUN_ROUNDS.labels(SERVICE).inc()
     metrics.VERIFY_SECONDS.labels(SERVICE).observe(s.verify_s)
     if s.tree_size:
         metrics.DRAFT_SECONDS.labels(SERVICE).observe(s.draft_s)

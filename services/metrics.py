@@ -84,6 +84,8 @@ PLAIN_RUN_ROUNDS = Counter("aerie_plain_run_rounds", "Plain rounds whose token c
                            "(DecodeRun, AERIE_PLAIN_RUN) instead of a Decode call of their own", ["service"])
 AHEAD_ROUNDS = Counter("aerie_ahead_rounds", "Rounds that drafted the next tree ahead while their tree was "
                        "verified (AERIE_OVERLAP)", ["service"])
+TREE_RUN_ROUNDS = Counter("aerie_tree_run_rounds", "Tree rounds whose verdict came from a run of tree rounds "
+                          "(VerifyRun on a verifier that drafts too)", ["service"])
 DRAFTS_IN_VERIFY = Counter("aerie_drafts_in_verify", "Rounds whose tree was drafted inside the previous round's "
                            "Verify (a verifier that drafts too: no Draft call of their own)", ["service"])
 AHEAD_HITS = Counter("aerie_ahead_hits", "Rounds that verified a tree drafted ahead (the guess hit: no draft "

@@ -96,13 +96,24 @@ class RunAnswers:
         self._rounds.pop(seq_id, None)
 
 
-class RunChain:
-    """The steps of one DecodeRun call: `answers` gets each step's response (with `.token`; or a
-    QueuedAnswer: `next_answer` reads it) or the exception that ended the run, in order; nothing
-    follows an exception."""
+END = object()  # RunChain.next_answer: the run ended before its `steps` (`follow` returned None)
 
-    def __init__(self, batcher: Batcher, loop: asyncio.AbstractEventLoop, first: RunStep, steps: int,
-                 observe: Callable[[float], None] = lambda s: None) -> None:
+
+def next_decode(step: RunStep, response: object) -> RunStep:
+    """A DecodeRun's next step: the same sequence at the next round, fed the step's token."""
+    token = response.token if isinstance(response, QueuedAnswer) else int(response.token)  # type: ignore[attr-defined]
+    return RunStep(step.seq_id, token, step.round_index + 1, step.keep_features, on_device=step.on_device)
+
+
+class RunChain:
+    """The steps of one DecodeRun (or VerifyRun) call: `answers` gets each step's response (with
+    `.token`; or a QueuedAnswer: `next_answer` reads it) or the exception that ended the run, in
+    order; nothing follows an exception. `follow(step, response)` gives the next step (default: a
+    DecodeRun's, `next_decode`), or None: the run ends there (`next_answer` then returns END)."""
+
+    def __init__(self, batcher: Batcher, loop: asyncio.AbstractEventLoop, first: object, steps: int,
+                 observe: Callable[[float], None] = lambda s: None,
+                 follow: Callable[[object, object], object | None] = next_decode) -> None:  # type: ignore[assignment]
         """`observe(seconds)`: each step's wall time from queued to answered (a metric; a queued
         step's: to its token read)."""
         self.batcher = batcher
@@ -110,6 +121,7 @@ class RunChain:
         self.first = first
         self.steps = steps
         self.observe = observe
+        self.follow = follow
         self.answers: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
 
@@ -121,7 +133,7 @@ class RunChain:
         """No further step is queued (the step in progress still runs)."""
         self.cancelled = True
 
-    def _submit(self, step: RunStep, k: int) -> None:
+    def _submit(self, step, k: int) -> None:
         """Queue step k (0-based): from the model thread (the previous step's answer) or the loop."""
         try:
             future = self.batcher.submit(step, block=False)
@@ -133,7 +145,7 @@ class RunChain:
             return
         self._watch(future, step, k)
 
-    async def _submit_later(self, step: RunStep, k: int) -> None:
+    async def _submit_later(self, step, k: int) -> None:
         deadline = time.monotonic() + self.batcher.limits.queue_timeout_s
         while True:
             try:
@@ -149,7 +161,7 @@ class RunChain:
                 return
         self._watch(future, step, k)
 
-    def _watch(self, future: Future, step: RunStep, k: int) -> None:
+    def _watch(self, future: Future, step, k: int) -> None:
         t0 = time.perf_counter()
 
         def done(f: Future) -> None:  # on the model thread (or here, when already done)
@@ -159,11 +171,14 @@ class RunChain:
                 response.started = t0  # observed once its token is read (`next_answer`)
             else:
                 self.observe(time.perf_counter() - t0)
+            following = None
             if error is None and k + 1 < self.steps and not self.cancelled:
-                token = response.token if isinstance(response, QueuedAnswer) else int(response.token)  # type: ignore[attr-defined]
-                self._submit(RunStep(step.seq_id, token, step.round_index + 1, step.keep_features,
-                                     on_device=step.on_device), k + 1)  # before the answer goes out
+                following = self.follow(step, response)
+                if following is not None:
+                    self._submit(following, k + 1)  # before the answer goes out
             self._deliver(error if error is not None else response)
+            if error is None and following is None and k + 1 < self.steps and not self.cancelled:
+                self._deliver(END)
 
         future.add_done_callback(done)
 

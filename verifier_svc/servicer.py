@@ -19,6 +19,12 @@ in one batch of the head (`DrafterServicer.draft_next`: its per-round idempotenc
 part of the stored answer, so a repeated Verify gets the same tree again. A draft that fails (the
 head lost the sequence) leaves the answer without a tree: the coordinator drafts with a Draft call.
 
+VerifyRun (a verifier that drafts too): a run of tree rounds, each a NextDraftVerify through the
+batcher whose answer, once its next tree is drafted, queues the next round with that tree before the
+answer reaches the caller (RunChain with a `follow` of its own), until `rounds`, max_tokens, a stop id
+or a round that drafted nothing. Every round it ran is kept (RunAnswers): a Verify at one of them, a
+broken stream's retry, gets its answer again.
+
 DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
 the batcher, the next queued by the model thread as soon as the previous token is known (on a GPU,
 `queue_runs`, for a greedy sequence without a penalty or logprobs: as soon as its step is queued,
@@ -90,7 +96,7 @@ from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
 from services.spec.tree import TreeParams
 from verifier_svc.config import AUTO, VerifierConfig
-from verifier_svc.plain_run import QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
+from verifier_svc.plain_run import END, QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
 
 log = logging.getLogger("aerie.verifier")
 
@@ -114,6 +120,7 @@ class NextDraftVerify(VerifyCall):
     """A Verify that also drafts the next tree from its verdict (VerifyRequest.next_draft)."""
     next_round: int = 0  # the Draft call's idempotency index the draft stands for
     next_params: TreeParams | None = None  # its shape (None: the head's largest)
+    run: bool = False  # a round of a VerifyRun (its answer is kept per round, RunAnswers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +386,49 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         return await timed(VERIFY_SECONDS.labels(SERVICE), self.batcher.call_async(call))
 
     @rpc_errors
+    async def VerifyRun(self, request: vpb.VerifyRunRequest, context):
+        """Tree rounds back to back, each next tree drafted from the verdict before it (module doc)."""
+        seq_id = codec.sequence_id(request.sequence_id)
+        _check_round(request.round_index)
+        check_steps(request.rounds)
+        if self.drafter_servicer is None:
+            raise InvalidRequest("VerifyRun: this verifier drafts nothing (start it with --draft to serve a head too)")
+        if not request.HasField("next_draft"):
+            raise InvalidRequest("VerifyRun needs next_draft (the first next draft's index and the shape)")
+        if request.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1; got {request.max_tokens}")
+        stop_ids = frozenset(codec.token_ids(request.stop_ids, self.vocab_size, "stop_ids"))
+        nxt = request.next_draft
+        params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
+        self.drafter_servicer.check_next(nxt.round_index, params)
+        tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
+        first = NextDraftVerify(seq_id, tree, request.round_index, next_round=nxt.round_index, next_params=params,
+                                run=True)
+        made = [0]  # tokens the run's rounds committed
+
+        def follow(step: NextDraftVerify, response: vpb.VerifyResponse) -> NextDraftVerify | None:
+            new = [*response.tokens[1:], response.bonus]
+            made[0] += len(new)
+            if made[0] >= request.max_tokens or stop_ids.intersection(new) or not response.HasField("next_tree"):
+                return None
+            return replace(step, tree=codec.decode_tree(response.next_tree, self.vocab_size, self.config.max_tree_nodes),
+                           round_index=step.round_index + 1, next_round=step.next_round + 1)
+
+        chain = RunChain(self.batcher, asyncio.get_running_loop(), first, request.rounds,
+                         VERIFY_SECONDS.labels(SERVICE).observe, follow)  # type: ignore[arg-type]
+        chain.start()
+        try:
+            for _ in range(request.rounds):
+                answer = await chain.next_answer()
+                if answer is END:
+                    break
+                if isinstance(answer, BaseException):
+                    raise answer
+                yield answer
+        finally:
+            chain.cancel()  # the caller went away (or the run ended): queue no further round
+
+    @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
@@ -559,6 +609,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response = codec.encode_verify_result(out)
             if logprobs is not None:
                 response.logprobs.CopyFrom(logprobs)
+            if isinstance(call, NextDraftVerify) and call.run:
+                response.round_index = call.round_index
         elif isinstance(call, RunStep) and isinstance(out, torch.Tensor):  # a queued step: read off this thread
             round_index = call.round_index
             response = QueuedAnswer(out, lambda token: vpb.DecodeResponse(token=token, round_index=round_index))
@@ -566,8 +618,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response = vpb.DecodeResponse(token=out, logprobs=logprobs, round_index=call.round_index)
         else:
             response = vpb.DecodeResponse(token=out, logprobs=logprobs)
-        if isinstance(call, RunStep):
-            self._run_answers.keep(call.seq_id, call.round_index, response)
+        if isinstance(call, RunStep) or isinstance(call, NextDraftVerify) and call.run:
+            self._run_answers.keep(call.seq_id, call.round_index, response)  # (a tree's: its next tree added later)
         else:
             self._run_answers.forget(call.seq_id)  # past its run
         self._chunks.pop(call.seq_id, None)  # the caller has the whole prefill's answer
@@ -636,9 +688,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._check(seq_id)
         ran = self._run_answers.get(seq_id, round_index)
         if ran is not None:
-            if isinstance(call, VerifyCall):
-                raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} was a plain step of a run here; "
-                                     "a Verify cannot repeat it")
+            if isinstance(call, VerifyCall) != isinstance(ran, vpb.VerifyResponse):
+                raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} was a "
+                                     f"{'plain step' if isinstance(call, VerifyCall) else 'tree round'} of a run here; "
+                                     f"a {'Verify' if isinstance(call, VerifyCall) else 'Decode'} cannot repeat it")
             return _stored(call, ran)
         last = self._last.get(seq_id)
         if last is None or round_index > last[0]:

@@ -187,13 +187,13 @@ class AerieUp:
     `log_path` (its tail is raised with a failure to start)."""
 
     def __init__(self, cfg: PipelineBenchConfig, target: Path, draft: str, log_path: Path,
-                 colocate: bool = False) -> None:
+                 colocate: bool = False, extra: tuple[str, ...] = ()) -> None:
         top_k, depth, size = TREE
         self.argv = [sys.executable, "-m", "aerie_cli", "up", "--target", str(target), "--draft", draft,
                      "--dtype", cfg.dtype, "--device", cfg.device, "--port", "0", "--http-port", "0",
                      "--gateway", "coordinator", "--no-restart", "--startup-timeout-s", str(cfg.startup_timeout_s),
                      "--tree-top-k", str(top_k), "--tree-depth", str(depth), "--tree-tokens", str(size),
-                     *(["--colocate"] if colocate else [])]
+                     *(["--colocate"] if colocate else []), *extra]
         self.log_path, self.timeout_s = log_path, cfg.startup_timeout_s
         self.proc: subprocess.Popen | None = None
 

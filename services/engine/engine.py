@@ -72,6 +72,14 @@ round instead of a Verify and a Draft; the same trees wherever the plan keeps th
 fixed tree: always). Not with retrieval, drafting ahead or rows waiting for the draft KV (the
 detached rounds' rows): those rounds draft as before.
 
+Tree runs (a verifier role with `verify_run` that drafts inside the Verify, `plain_run` N > 1, a
+fixed tree): the verifier runs up to N tree rounds back to back, each verifying the tree it drafted
+in the round before, without waiting for the coordinator between them (the VerifyRun call), as plain
+runs do for plain rounds; each round is still its own RoundOutput, committed and streamed as before.
+The run ends before the rounds that may end the request and after a round with a stop id; a stop,
+cancel or broken run closes it (the rounds after it are single Verify calls, answered from what the
+run computed where it did).
+
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
 the policy picks j, or not to draft ahead at all). If the verdict hits the guess, the next round
@@ -93,7 +101,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -156,6 +164,7 @@ class RoundStats:
     saved_s: float = 0.0  # draft seconds this round did not wait for (its ahead tree's draft time)
     run: bool = False  # a plain round whose token came from a run (DecodeRun; see the module doc)
     drafted_in_verify: bool = False  # its tree was drafted inside the previous round's Verify (module doc)
+    tree_run: bool = False  # a tree round whose verdict came from a run (VerifyRun; module doc, "Tree runs")
 
     @property
     def accepted(self) -> int:
@@ -267,6 +276,7 @@ class Engine:
         self.device_trees = bool(can) if device_trees is None else bool(device_trees and can)
         self._verdicts: dict[str, tuple[VerdictDraft, float]] = {}  # seq_id -> the draft queued from its verdict
         self._open_runs: dict[str, PlainRun] = {}  # seq_id -> its run of plain rounds in flight
+        self._tree_runs: dict[str, Any] = {}  # seq_id -> its run of tree rounds in flight (a placement's)
         self._draft_est = 0.0  # EWMA seconds of a head draft (the policy's draft_s)
         budget = budget or fixed_budget(drafter, retrieval)
         # what the budget may use is what this engine has: a head, retrieval
@@ -406,7 +416,8 @@ class Engine:
                              sort_paths=not req.sampling.greedy, root=root, max_new_tokens=req.max_new_tokens,
                              policy=copy.deepcopy(self.ahead) if self.ahead is not None else None,
                              verdict_drafts=(req.sampling.greedy and req.sampling.repetition_penalty == 1.0
-                                             and req.sampling.logprobs is None))
+                                             and req.sampling.logprobs is None),
+                             stop_ids=self.stop_ids(req))
         if req.sampling.greedy:  # where the latest greedy sequence left `realized` (see __init__)
             board = self.budget.load
             seq.stats.realized = board.realized if board is not None and board.realized is not None else self.realized
@@ -457,9 +468,10 @@ class Engine:
         return token, True
 
     def _close_run(self, seq_id: str) -> None:
-        run = self._open_runs.pop(seq_id, None)
-        if run is not None:
-            run.close()
+        for runs in (self._open_runs, self._tree_runs):
+            run = runs.pop(seq_id, None)
+            if run is not None:
+                run.close()
 
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
@@ -468,10 +480,16 @@ class Engine:
         tree = draft.tree
         hook = self._verdict_hook(seq_id, seq, draft)
         next_params = self._next_in_verify(seq_id, seq, draft) if hook is None else None
+        run = self._tree_run(seq_id, seq, draft, round_index, next_params)
         try:
             # (a TreeOnDevice only reaches a verifier that takes it: device_trees; so does a hook)
             if hook is not None:
                 res = self.verifier.verify(seq_id, tree, round_index, on_forward=hook)  # type: ignore[call-arg,arg-type]
+            elif run is not None:  # a run of tree rounds on a verifier that drafts too (module doc)
+                res = run.next(tree, round_index, next_params)
+                if not run.open:  # (this round was a single Verify: the run had ended or broken)
+                    self._tree_runs.pop(seq_id, None)
+                    run = None
             elif next_params is not None:  # a verifier that drafts too: the next tree comes with the verdict
                 res = self.verifier.verify(seq_id, tree, round_index, next_draft=next_params)  # type: ignore[call-arg,arg-type]
             else:
@@ -499,7 +517,8 @@ class Engine:
                            chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
                            eagle_nodes=eagle_size - 1, ahead=ahead is not None,
                            ahead_s=ahead.ahead_s if ahead else 0.0, ahead_wait_s=wait_s if ahead else 0.0,
-                           ahead_hit=draft.ahead_hit, saved_s=draft.saved_s, drafted_in_verify=draft.in_verify)
+                           ahead_hit=draft.ahead_hit, saved_s=draft.saved_s, drafted_in_verify=draft.in_verify,
+                           tree_run=run is not None)
         policy = seq.policy
         if policy is not None and draft.plan.tree is not None:
             policy.observe_verdict(prefix_hits(top_guess(tree, tree.max_depth), tokens))
@@ -508,7 +527,9 @@ class Engine:
                     policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
                 else:
                     policy.observe_alone(verify_s)
-        nxt = (res.next_tree, res.next_draft_s, next_params) if res.next_tree is not None and next_params else None
+        # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
+        shape = next_params or draft.plan.tree
+        nxt = (res.next_tree, res.next_draft_s, shape) if res.next_tree is not None and shape is not None else None
         return _Verified(tokens, stats, res.features, nxt)
 
     def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> TreeParams | None:
@@ -523,6 +544,24 @@ class Engine:
                 or seq.max_new_tokens - seq.produced <= params.depth + 2):
             return None
         return params if drafts_next(seq_id) else None
+
+    def _tree_run(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int,
+                  next_params: TreeParams | None):
+        """The sequence's open run of tree rounds, or a new one where this round drafts inside the Verify
+        (`next_params`), the budget's shape is fixed (every round verifies the tree the verifier drafted
+        before it, as it is) and the verifier runs them (`verify_run`): up to `plain_run` rounds, ending
+        before the rounds that may end the request (those draft with a Draft call) or after a stop id."""
+        run = self._tree_runs.get(seq_id)
+        if run is not None or next_params is None or self.plain_run < 2 or self.budget.fixed is None:
+            return run
+        verify_run = getattr(self.verifier, "verify_run", None)
+        left = seq.max_new_tokens - seq.produced - (next_params.depth + 2)  # (a round commits depth + 2 at most)
+        if verify_run is None or left < 1 or not isinstance(draft.tree, DraftTree):
+            return None
+        run = verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids)
+        if run is not None:
+            self._tree_runs[seq_id] = run
+        return run
 
     def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Ahead | None:
         """Start the ahead draft of the next tree (for round round_index + 1) on the drafter thread, if the
@@ -794,3 +833,4 @@ class _SequenceState:
     ahead: _Ahead | None = None  # the ahead draft of the round just verified (until _next_draft)
     policy: AheadPolicy | None = None  # this sequence's copy of the engine's policy (None: no overlap)
     verdict_drafts: bool = False  # greedy, no penalty: its next draft may be queued from the verdict
+    stop_ids: frozenset[int] = frozenset()  # the token ids that end it (Engine.stop_ids)

@@ -177,6 +177,11 @@ class RemoteVerifier:
                 request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
         with self.phases.phase(round_index, "verify"):
             response = self.client.call(self.client.stub.Verify, request)
+        return self.result(response)
+
+    def result(self, response: vpb.VerifyResponse) -> VerifyResult:
+        """A Verify's (or a VerifyRun round's) answer: the verdict, the features (the rows Decode calls
+        kept first), its logprobs (take_logprobs) and its next tree."""
         result = codec.decode_verify_result(response, self.feature_kind != "none", self._kept)
         self._kept = 0
         if response.HasField("logprobs"):
@@ -186,6 +191,12 @@ class RemoteVerifier:
             result = replace(result, next_tree=codec.decode_tree(response.next_tree, self.vocab_size),
                              next_draft_s=response.next_draft_seconds)
         return result
+
+    def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: tuple[int, TreeParams | None],
+                   rounds: int, max_tokens: int, stop_ids: frozenset[int]) -> TreeRun:
+        """A run of up to `rounds` tree rounds from `round_index` on a verifier that drafts too (the
+        VerifyRun call; its stop rules: max_tokens, stop_ids): read with TreeRun.next, close() cancels."""
+        return TreeRun(self, seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids)
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token,
@@ -210,25 +221,17 @@ class RemoteVerifier:
         self.client.release(seq_id)
 
 
-class PlainRun:
-    """The tokens of one DecodeRun call (RemoteVerifier.decode_run), one per round. A failed read
-    raises DownstreamError (tokens read before stay valid). Each read has the deadline of a unary call
-    (timeout_s, kept by a watchdog thread that cancels the call: a stuck verifier is found as soon
-    as a Decode would find it); the stream's own deadline is timeout_s per step. A verifier without
-    DecodeRun (UNIMPLEMENTED on the first read) is asked with one Decode per remaining round instead."""
+class _RunStream:
+    """The answers of one run call (DecodeRun, VerifyRun), read one at a time. Each read has the
+    deadline of a unary call (timeout_s, kept by a watchdog thread that cancels the call: a stuck
+    verifier is found as soon as a unary call would find it); the stream's own deadline is timeout_s
+    per step."""
 
-    def __init__(self, rv: RemoteVerifier, seq_id: str, token: int, round_index: int, steps: int,
-                 keep_features: bool) -> None:
+    def __init__(self, rv: RemoteVerifier, seq_id: str, call, what: str) -> None:
         self.rv = rv
         self.seq_id = seq_id
-        self.keep_features = keep_features
-        self.round_index = round_index  # the round of the next token
-        self.left = steps  # tokens not read yet
-        self._token = token  # the latest token (the next step's input)
-        request = vpb.DecodeRunRequest(sequence_id=seq_id, round_index=round_index, token=token, steps=steps,
-                                       keep_features=keep_features)
-        self._call = rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps)
-        self._unary = False  # the verifier has no DecodeRun: one Decode per round
+        self._call = call
+        self._what = what  # "round" / "step", for the messages
         self._read = 0  # answers read from the stream
         self._cond = threading.Condition()
         self._deadline: float | None = None  # time.monotonic() by which the read in progress must answer
@@ -236,53 +239,33 @@ class PlainRun:
         self._done = False
         threading.Thread(target=self._watchdog, name="aerie-run-deadline", daemon=True).start()
 
-    def __iter__(self) -> PlainRun:
-        return self
-
-    def __next__(self) -> int:
-        if self.left <= 0:
-            raise StopIteration
-        rv, round_index = self.rv, self.round_index
-        if self._unary:
-            token = rv.decode(self.seq_id, self._token, round_index, self.keep_features)
-        else:
-            with rv.phases.phase(round_index, "verify"):
-                response = self._next_answer()
-            self._read += 1
-            if response is None:  # UNIMPLEMENTED: an older verifier
-                self._unary = True
-                return next(self)
-            token = int(response.token)
-            rv._logprobs = codec.decode_logprobs(response.logprobs, [token]) if response.HasField("logprobs") else None
-            if self.keep_features and rv.feature_kind != "none":
-                rv._kept += 1
-        self._token, self.round_index, self.left = token, round_index + 1, self.left - 1
-        if not self.left:
-            self._stop_watchdog()
-        return token
-
-    def _next_answer(self):
-        """The next DecodeResponse within timeout_s; None when the verifier has no DecodeRun."""
+    def _next_answer(self, round_index: int, unimplemented_ok: bool = True):
+        """The next answer within timeout_s; None when the stream ended (`_ended`), or when the
+        verifier does not have the call (UNIMPLEMENTED on the first read)."""
         rv = self.rv
         with self._cond:
             self._deadline = time.monotonic() + rv.client.timeout_s
             self._cond.notify()
         try:
-            return next(self._call)
+            answer = next(self._call)
+            self._read += 1
+            return answer
         except StopIteration:
-            raise DownstreamError(grpc.StatusCode.INTERNAL, f"verifier {rv.client.address} ended a run of "
-                                  f"{self.seq_id!r} {self.left} steps early") from None
+            self._ended = True
+            return None
         except grpc.RpcError as e:
             if self._timed_out:
                 raise DownstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"{rv.client.role} at {rv.client.address} did not answer in time: round "
-                                      f"{self.round_index} of a run took over {rv.client.timeout_s:g} s") from None
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read:
+                                      f"{rv.client.role} at {rv.client.address} did not answer in time: {self._what} "
+                                      f"{round_index} of a run took over {rv.client.timeout_s:g} s") from None
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read and unimplemented_ok:
                 return None
             raise DownstreamError.from_rpc(e, rv.client.role, rv.client.address) from None
         finally:
             with self._cond:
                 self._deadline = None
+
+    _ended = False  # the stream ended (the verifier ended the run)
 
     def _watchdog(self) -> None:
         with self._cond:
@@ -299,7 +282,6 @@ class PlainRun:
 
     def close(self) -> None:
         """Cancel the rest of the run (the verifier stops after the step in progress)."""
-        self.left = 0
         self._call.cancel()
         self._stop_watchdog()
 
@@ -307,6 +289,91 @@ class PlainRun:
         with self._cond:
             self._done = True
             self._cond.notify()
+
+
+class PlainRun(_RunStream):
+    """The tokens of one DecodeRun call (RemoteVerifier.decode_run), one per round. A failed read
+    raises DownstreamError (tokens read before stay valid); deadlines as _RunStream's. A verifier
+    without DecodeRun (UNIMPLEMENTED on the first read) is asked with one Decode per remaining round
+    instead."""
+
+    def __init__(self, rv: RemoteVerifier, seq_id: str, token: int, round_index: int, steps: int,
+                 keep_features: bool) -> None:
+        request = vpb.DecodeRunRequest(sequence_id=seq_id, round_index=round_index, token=token, steps=steps,
+                                       keep_features=keep_features)
+        super().__init__(rv, seq_id, rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps), "round")
+        self.keep_features = keep_features
+        self.round_index = round_index  # the round of the next token
+        self.left = steps  # tokens not read yet
+        self._token = token  # the latest token (the next step's input)
+        self._unary = False  # the verifier has no DecodeRun: one Decode per round
+
+    def __iter__(self) -> PlainRun:
+        return self
+
+    def __next__(self) -> int:
+        if self.left <= 0:
+            raise StopIteration
+        rv, round_index = self.rv, self.round_index
+        if self._unary:
+            token = rv.decode(self.seq_id, self._token, round_index, self.keep_features)
+        else:
+            with rv.phases.phase(round_index, "verify"):
+                response = self._next_answer(round_index)
+            if response is None and self._ended:
+                raise DownstreamError(grpc.StatusCode.INTERNAL, f"verifier {rv.client.address} ended a run of "
+                                      f"{self.seq_id!r} {self.left} steps early")
+            if response is None:  # UNIMPLEMENTED: an older verifier
+                self._unary = True
+                return next(self)
+            token = int(response.token)
+            rv._logprobs = codec.decode_logprobs(response.logprobs, [token]) if response.HasField("logprobs") else None
+            if self.keep_features and rv.feature_kind != "none":
+                rv._kept += 1
+        self._token, self.round_index, self.left = token, round_index + 1, self.left - 1
+        if not self.left:
+            self._stop_watchdog()
+        return token
+
+    def close(self) -> None:
+        self.left = 0
+        super().close()
+
+
+class TreeRun(_RunStream):
+    """The rounds of one VerifyRun call (RemoteVerifier.verify_run), one VerifyResult a round, each
+    with its next tree (`next_tree`, which the next round verifies). `next(round_index)` reads that
+    round's answer; None: the verifier ended the run before it (its stop rules). A failed read raises
+    DownstreamError (rounds read before stay valid); deadlines as _RunStream's."""
+
+    def __init__(self, rv: RemoteVerifier, seq_id: str, tree: DraftTree, round_index: int,
+                 next_draft: tuple[int, TreeParams | None], rounds: int, max_tokens: int,
+                 stop_ids: frozenset[int]) -> None:
+        request = vpb.VerifyRunRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree),
+                                       rounds=rounds, max_tokens=max_tokens, stop_ids=sorted(stop_ids))
+        request.next_draft.round_index = next_draft[0]
+        if next_draft[1] is not None:
+            request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
+        super().__init__(rv, seq_id, rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds), "round")
+        self.round_index = round_index  # the round of the next answer
+        self.next_index = next_draft[0]  # the Drafter index of the next answer's draft
+
+    def next(self, round_index: int) -> VerifyResult | None:
+        rv = self.rv
+        if self._ended or round_index != self.round_index:
+            return None
+        with rv.phases.phase(round_index, "verify"):
+            response = self._next_answer(round_index, unimplemented_ok=False)
+        if response is None:
+            self._stop_watchdog()
+            return None
+        if response.round_index != round_index:
+            raise DownstreamError(grpc.StatusCode.INTERNAL, f"verifier {rv.client.address} answered round "
+                                  f"{response.round_index} of {self.seq_id!r}'s run where {round_index} was due")
+        result = rv.result(response)
+        self.round_index += 1
+        self.next_index += 1
+        return result
 
 
 class RemoteDrafter:

@@ -7,6 +7,8 @@ place; plans that change the shape: tests/engine/test_draft_in_verify.py); a col
 the sequence, which drafts inside the Verify again on the replacement; a bad next_draft gets
 INVALID_ARGUMENT and a repeated Verify the same next tree. Nothing here depends on timing."""
 
+import itertools
+
 import grpc
 import pytest
 import torch
@@ -68,7 +70,7 @@ def colocated(model_dirs, redis_url):
 
 
 def test_greedy_equals_the_target_and_the_split_pipeline(colocated, split, target_greedy):
-    before = counter("drafts_in_verify")
+    before, runs_before = counter("drafts_in_verify"), counter("tree_run_rounds")
     tokens, messages = generate(colocated)
     assert tokens == target_greedy
     assert messages[0].info.placement.drafter == messages[0].info.placement.verifier == colocated.addresses["verifier"]
@@ -79,6 +81,15 @@ def test_greedy_equals_the_target_and_the_split_pipeline(colocated, split, targe
     left = [N - len(messages[0].tokens) - sum(s.accept_length for s in stats[:i]) for i in range(len(stats))]
     assert [s.drafted_in_verify for s in stats] == [False] + [n > TREE.depth + 2 for n in left[:-1]]
     assert counter("drafts_in_verify") == before + sum(s.drafted_in_verify for s in stats) > before
+    # and the rounds ran as a run of tree rounds in the verifier (VerifyRun, up to 16 a call: the
+    # coordinator's --plain-run), from the first until the run's tokens reach what leaves a round that
+    # may end the request (those rounds are single Verify calls); the same trees as one call each
+    limit, made, in_run = N - len(messages[0].tokens) - (TREE.depth + 2), 0, 0
+    for s in stats:
+        if made >= limit:
+            break
+        made, in_run = made + s.accept_length, in_run + 1
+    assert 1 < in_run < len(stats) and counter("tree_run_rounds") == runs_before + in_run
     split_tokens, split_messages = generate(split)
     assert split_tokens == tokens
     assert not any(s.drafted_in_verify for s in rounds(split_messages))
@@ -197,3 +208,45 @@ def _release(seq_id: str):
     from services.rpc.stubs import common as pb
 
     return pb.ReleaseRequest(sequence_id=seq_id)
+
+
+def test_verify_run_chains_rounds_and_a_verify_repeats_any_of_them(colocated, split):
+    """The VerifyRun call itself: each round verifies the tree drafted in the round before, answers
+    carry their round and next tree, the run stops at max_tokens; a Verify at any round it ran gets that
+    round's answer again (a broken stream's retry), and bad requests are refused naming the value."""
+    stub = colocated.verifier_stub()
+    prefill = vpb.VerifierPrefillRequest(sequence_id="r", prompt_ids=list(PROMPT), capacity=128,
+                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"])
+    first = list(stub.Prefill(prefill, timeout=60))
+    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
+    head = colocated.drafter.drafter
+    head.start("r", 128, False)
+    tree = head.draft("r", torch.tensor([*PROMPT[1:], first[0].first_token]), features, TREE)
+    request = vpb.VerifyRunRequest(sequence_id="r", round_index=1, tree=codec.encode_tree(tree), rounds=8,
+                                   max_tokens=6)
+    request.next_draft.round_index = 2
+    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    answers = list(stub.VerifyRun(request, timeout=60))
+    made = [len(a.tokens) for a in answers]  # (tokens[1:] and the bonus: as many as tokens)
+    assert [a.round_index for a in answers] == list(range(1, len(answers) + 1))
+    assert sum(made[:-1]) < 6 <= sum(made) and all(a.HasField("next_tree") for a in answers)
+    for a, b in itertools.pairwise(answers):  # each round verified the tree the round before drafted
+        assert b.tokens[0] == a.bonus and codec.decode_tree(a.next_tree, VOCAB).tokens[0] == a.bonus
+    again = vpb.VerifyRequest(sequence_id="r", round_index=len(answers), tree=answers[-2].next_tree) \
+        if len(answers) > 1 else vpb.VerifyRequest(sequence_id="r", round_index=1, tree=codec.encode_tree(tree))
+    assert stub.Verify(again, timeout=60) == answers[-1]  # a retry: the run's answer, never run twice
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Decode(vpb.DecodeRequest(sequence_id="r", round_index=len(answers), token=5), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree round of a run" in e.value.details()
+    for field, value, match in (("rounds", 0, "steps must be in [1, 64]"), ("max_tokens", 0, "max_tokens must be >= 1")):
+        bad = vpb.VerifyRunRequest()
+        bad.CopyFrom(request)
+        setattr(bad, field, value)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.VerifyRun(bad, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+    stub.Release(_release("r"), timeout=60)
+    head.release("r")
+    with pytest.raises(grpc.RpcError) as e:
+        list(split.verifier_stub().VerifyRun(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--draft" in e.value.details()

@@ -45,6 +45,11 @@ class VerifierStub:
                 request_serializer=aerie_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=aerie_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyRun = channel.unary_stream(
+                '/aerie.v1.Verifier/VerifyRun',
+                request_serializer=aerie_dot_v1_dot_verifier__pb2.VerifyRunRequest.SerializeToString,
+                response_deserializer=aerie_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/aerie.v1.Verifier/Decode',
                 request_serializer=aerie_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
@@ -81,6 +86,19 @@ class VerifierServicer:
     def Verify(self, request, context):
         """Check a draft tree in one tree-attention forward, accept a path, draw the bonus token and
         compact the KV to the accepted path. Idempotent per (sequence_id, round_index).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyRun(self, request, context):
+        """A run of tree rounds on a verifier that drafts too (--draft): Verify `tree` at round_index with
+        next_draft, then Verify each next tree it drafted at the following rounds, back to back, one
+        answer per round (round_index set), each with its next tree. The verifier queues each next round
+        itself, before the answer reaches the caller. The run ends after `rounds` rounds, after the round
+        that brings its tokens to max_tokens or commits one of stop_ids, or when a round drafted no next
+        tree; cancelling the call stops it after the round in progress. Every round a run computed is
+        answered again by a Verify at that round (a retry), never run twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +149,11 @@ def add_VerifierServicer_to_server(servicer, server):
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=aerie_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=aerie_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyRun': grpc.unary_stream_rpc_method_handler(
+                    servicer.VerifyRun,
+                    request_deserializer=aerie_dot_v1_dot_verifier__pb2.VerifyRunRequest.FromString,
                     response_serializer=aerie_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
@@ -207,6 +230,33 @@ class Verifier:
             target,
             '/aerie.v1.Verifier/Verify',
             aerie_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            aerie_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aerie.v1.Verifier/VerifyRun',
+            aerie_dot_v1_dot_verifier__pb2.VerifyRunRequest.SerializeToString,
             aerie_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
