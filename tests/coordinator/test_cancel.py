@@ -1,6 +1,7 @@
 """Ending sequences early: Cancel (through any coordinator) and client disconnects stop a sequence
-after its round in flight and free its KV on both services; SIGTERM-style drain lets in-flight
-streams finish while refusing new ones."""
+after its round in flight and free its KV on both services (or on the one that holds both, with a
+run of tree rounds in flight); SIGTERM-style drain lets in-flight streams finish while refusing new
+ones."""
 
 import asyncio
 import threading
@@ -19,9 +20,11 @@ from tests.pipeline import start_pipeline, wait_until
 LONG = codec.encode_generation_request(GenerationRequest((1, 2, 3), 400))
 
 
-@pytest.fixture(scope="module")
-def pipeline(model_dirs, redis_url):
-    p = start_pipeline(model_dirs, redis_url)
+@pytest.fixture(scope="module", params=[False, True], ids=["split", "colocated"])
+def pipeline(model_dirs, redis_url, request):
+    """The split pipeline, and a verifier that drafts too (its fixed tree: runs of tree rounds, which a
+    cancel, a disconnect or a drain must stop like a round)."""
+    p = start_pipeline(model_dirs, redis_url, colocate=request.param)
     yield p
     p.close()
 
