@@ -557,7 +557,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             [(DraftCall(c.seq_id, torch.tensor(o.acceptance.new_tokens), o.features, c.next_params), c.next_round)
              for c, o, _ in todo])
         seconds = time.perf_counter() - t0
-        for (c, _, response), d in zip(todo, drafted):
+        for (c, o, response), d in zip(todo, drafted):
             if isinstance(d, BaseException):
                 log.info("sequence %s: the next draft in Verify round %d failed (%s); its coordinator drafts "
                          "with a Draft call", c.seq_id, c.round_index, d)
@@ -565,6 +565,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response.next_tree.CopyFrom(d.tree)
             response.next_draft_seconds = seconds
             response.drafter_busy = d.busy
+            # the head took the features here: none travel (the coordinator has no rows to send now)
+            response.features.CopyFrom(codec.encode_tensor(o.features[:0]))
 
     def _splittable(self, call: Call) -> bool:
         """A prefill call may be sliced unless it is a chunk sent again (answered from its stored answer)."""

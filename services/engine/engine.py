@@ -528,8 +528,10 @@ class Engine:
                 else:
                     policy.observe_alone(verify_s)
         # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
-        shape = next_params or draft.plan.tree
-        nxt = (res.next_tree, res.next_draft_s, shape) if res.next_tree is not None and shape is not None else None
+        nxt = None
+        if res.next_tree is not None:
+            shape = next_params or draft.plan.tree or self.drafter.tree  # type: ignore[union-attr]  (a next tree: a drafter)
+            nxt = (res.next_tree, res.next_draft_s, shape)
         return _Verified(tokens, stats, res.features, nxt)
 
     def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> TreeParams | None:

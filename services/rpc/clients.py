@@ -182,7 +182,9 @@ class RemoteVerifier:
     def result(self, response: vpb.VerifyResponse) -> VerifyResult:
         """A Verify's (or a VerifyRun round's) answer: the verdict, the features (the rows Decode calls
         kept first), its logprobs (take_logprobs) and its next tree."""
-        result = codec.decode_verify_result(response, self.feature_kind != "none", self._kept)
+        # with a next tree the verifier's head took the round's features: none come back
+        with_features = self.feature_kind != "none" and not response.HasField("next_tree")
+        result = codec.decode_verify_result(response, with_features, self._kept)
         self._kept = 0
         if response.HasField("logprobs"):
             self._logprobs = codec.decode_logprobs(response.logprobs, result.acceptance.new_tokens)

@@ -173,6 +173,8 @@ def test_next_draft_is_validated_and_a_repeated_verify_returns_the_same_tree(col
     assert answer.HasField("next_tree") and answer.next_draft_seconds > 0
     next_tree = codec.decode_tree(answer.next_tree, VOCAB)
     assert int(next_tree.tokens[0]) == answer.bonus and next_tree.size == TREE.size
+    # the head took the features in the verifier's process: none travel back
+    assert codec.decode_tensor(answer.features, "features", shape=(None, None)).shape[0] == 0
     length = colocated.drafter.drafter._caches["v"].length
     assert untimed(stub.Verify(request, timeout=60)) == untimed(answer)  # a retry: the same verdict and next tree
     assert colocated.drafter.drafter._caches["v"].length == length
