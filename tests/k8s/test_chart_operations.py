@@ -326,7 +326,31 @@ def test_drafter_in_the_verifier_pod_shares_its_gpu(helm, tmp_path):
     notes = run_helm(helm, "install", "aerie", str(CHART), "--dry-run=client", "--namespace", "serving",
                      *IN_VERIFIER).stdout
     assert "drafters         one process in every verifier container, on its GPU" in notes
-    assert "drafter.placement must be pool or verifier" in fails(helm, ["--set", "drafter.placement=sidecar"])
+    assert "drafter.placement must be pool, verifier or colocated" in fails(helm, ["--set", "drafter.placement=sidecar"])
+
+
+def test_drafter_colocated_in_the_verifier_process(helm, tmp_path):
+    """drafter.placement colocated: no drafter objects at all; every verifier process serves the head
+    (AERIE_VERIFIER_DRAFT, the drafter.tree shape) and the verifiers' own address is the drafter pool,
+    so the coordinator's placement finds each sequence's drafter in its verifier's process."""
+    r = render(helm, [], ["--set", "drafter.placement=colocated", "--set", "drafter.tree.topK=4",
+                          "--set", "drafter.tree.depth=3", "--set", "drafter.tree.tokens=16"])
+    assert_valid(r, tmp_path)
+    for kind in ("Deployment", "Service", "ConfigMap", "NetworkPolicy", "PodDisruptionBudget"):
+        assert r.find(kind, name("drafter")) is None, kind
+    env = r.env("verifier")
+    assert env["AERIE_VERIFIER_DRAFT"] == "auto"  # model.draft unset: the shipped head, as drafters default to
+    assert (env["AERIE_TREE_TOP_K"], env["AERIE_TREE_DEPTH"], env["AERIE_TREE_TOKENS"]) == ("4", "3", "16")
+    coordinator = r.env("coordinator")
+    assert coordinator["AERIE_DRAFTERS"] == coordinator["AERIE_VERIFIERS"] == "aerie-verifier.serving.svc:50052"
+    assert r.container("verifier").get("command") is None  # one process: `aerie verifier` itself
+    with_head = render(helm, [], ["--set", "drafter.placement=colocated", "--set", "model.draft=heads/h"])
+    assert with_head.env("verifier")["AERIE_VERIFIER_DRAFT"] == "/models/heads/h"
+    notes = run_helm(helm, "install", "aerie", str(CHART), "--dry-run=client", "--namespace", "serving",
+                     "--set", "drafter.placement=colocated").stdout
+    assert "drafters         the verifiers themselves" in notes
+    assert "colocated needs verifier.tpSize 1" in fails(helm, ["--set", "drafter.placement=colocated", "--set",
+                                                              "verifier.tpSize=2", "--set", "verifier.useGpu=true"])
 
 
 STUB = """#!{python}

@@ -61,8 +61,8 @@ NOT_SET_BY_CHART = {
     # security (docs/security.md)
     "AERIE_API_TOKEN": "client side: the bearer token of `aerie generate --coordinator`",
     "AERIE_INTERNAL_TOKEN_FILE": "the chart passes the token itself from a Secret (AERIE_INTERNAL_TOKEN)",
-    "AERIE_VERIFIER_DRAFT": "a verifier that serves the head too (`aerie up --colocate`): the chart runs drafter pools "
-                            "(drafter.placement verifier puts a drafter process in the verifier's pod); extraEnv sets it",
+    "AERIE_VERIFIER_DRAFT": "set with drafter.placement colocated only (tests/k8s/test_chart_operations.py); the "
+                            "default placement runs a drafter pool",
     "AERIE_AHEAD_BRANCHES": "drafting ahead is off by default (coordinator.overlap); set it through extraEnv with it",
     "AERIE_MAX_TREE_NODES": "the drafters'/verifiers' own cap (512) is far above the budget's largest tree (32)",
     "AERIE_MAX_SEQUENCE_ROWS": "default: the target's context + one tree; set it through extraEnv to cap KV per sequence",

@@ -323,10 +323,20 @@ livenessProbe:
 {{/* "true" when the drafter runs as a process in every verifier container (drafter.placement verifier). */}}
 {{- define "aerie.drafterInVerifier" -}}
 {{- $d := .Values.drafter }}
-{{- if not (has $d.placement (list "pool" "verifier")) }}
-{{- fail (printf "drafter.placement must be pool or verifier; got %v" $d.placement) }}
+{{- if not (has $d.placement (list "pool" "verifier" "colocated")) }}
+{{- fail (printf "drafter.placement must be pool, verifier or colocated; got %v" $d.placement) }}
 {{- end }}
 {{- if and $d.enabled (eq $d.placement "verifier") }}true{{ end }}
+{{- end }}
+
+{{/* "true" when every verifier process serves the head too (drafter.placement colocated: `aerie verifier
+--draft`, AERIE_VERIFIER_DRAFT): the verifiers are the drafter pool, at their own addresses. */}}
+{{- define "aerie.drafterColocated" -}}
+{{- $d := .Values.drafter }}
+{{- if and $d.enabled (eq $d.placement "colocated") }}
+{{- if gt (int .Values.verifier.tpSize) 1 }}{{ fail "drafter.placement colocated needs verifier.tpSize 1 (a tensor-parallel group serves the target alone)" }}{{ end }}
+true
+{{- end }}
 {{- end }}
 
 {{/*
