@@ -530,8 +530,8 @@ class Engine:
         # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
         nxt = None
         if res.next_tree is not None:
-            shape = next_params or draft.plan.tree or self.drafter.tree  # type: ignore[union-attr]  (a next tree: a drafter)
-            nxt = (res.next_tree, res.next_draft_s, shape)
+            assert self.drafter is not None  # (a next tree comes from a drafter's process)
+            nxt = (res.next_tree, res.next_draft_s, next_params or draft.plan.tree or self.drafter.tree)
         return _Verified(tokens, stats, res.features, nxt)
 
     def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> TreeParams | None:
