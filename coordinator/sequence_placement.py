@@ -582,6 +582,11 @@ class _PlacedTreeRun:
     def open(self) -> bool:
         return self._run is not None
 
+    @property
+    def exhausted(self) -> bool:
+        """The run gave every round it asked for: the next round starts another run (not a single Verify)."""
+        return self._run is not None and self._run.exhausted
+
     def close(self) -> None:
         if self._run is not None:
             self._run.close()

@@ -554,6 +554,9 @@ class Engine:
         before it, as it is) and the verifier runs them (`verify_run`): up to `plain_run` rounds, ending
         before the rounds that may end the request (those draft with a Draft call) or after a stop id."""
         run = self._tree_runs.get(seq_id)
+        if run is not None and run.exhausted:  # every round it asked for was read: another run, not one Verify
+            self._tree_runs.pop(seq_id).close()
+            run = None
         if run is not None or next_params is None or self.plain_run < 2 or self.budget.fixed is None:
             return run
         verify_run = getattr(self.verifier, "verify_run", None)

@@ -357,8 +357,14 @@ class TreeRun(_RunStream):
         if next_draft[1] is not None:
             request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
         super().__init__(rv, seq_id, rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds), "round")
+        self.rounds = rounds
         self.round_index = round_index  # the round of the next answer
         self.next_index = next_draft[0]  # the Drafter index of the next answer's draft
+
+    @property
+    def exhausted(self) -> bool:
+        """Every round it asked for was read (the verifier ends it there)."""
+        return self._read >= self.rounds
 
     def next(self, round_index: int) -> VerifyResult | None:
         rv = self.rv

@@ -106,6 +106,25 @@ def test_the_head_uses_the_verifiers_lm_head(colocated):
     assert head._target_head[0] is colocated.verifier.target.lm_head
 
 
+def test_short_runs_follow_each_other(model_dirs, redis_url, target_greedy):
+    """--plain-run 2: runs of two tree rounds, each followed at once by the next run (no single Verify
+    between them): every round before the request's last few is a run's."""
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, colocate=True, plain_run=2)
+    try:
+        before = counter("tree_run_rounds")
+        tokens, messages = generate(p)
+        assert tokens == target_greedy[:N]
+        stats = rounds(messages)
+        limit, made, in_run = N - len(messages[0].tokens) - (TREE.depth + 2), 0, 0
+        for s in stats:
+            if made >= limit:
+                break
+            made, in_run = made + s.accept_length, in_run + 1
+        assert in_run > 4 and counter("tree_run_rounds") == before + in_run
+    finally:
+        p.close()
+
+
 def test_seeded_sampling_equals_the_split_pipeline(colocated, split):
     """The round's random draws depend on the seed and the round only, and the trees are the same:
     the tokens a seed gives through the split pipeline (whose sampling passes the chi-square test,
