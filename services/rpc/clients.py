@@ -229,11 +229,11 @@ class _RunStream:
     verifier is found as soon as a unary call would find it); the stream's own deadline is timeout_s
     per step."""
 
-    def __init__(self, rv: RemoteVerifier, seq_id: str, call, what: str) -> None:
+    def __init__(self, rv: RemoteVerifier, seq_id: str, call) -> None:
         self.rv = rv
         self.seq_id = seq_id
         self._call = call
-        self._what = what  # "round" / "step", for the messages
+        self._ended = False  # the stream ended (the verifier ended the run)
         self._read = 0  # answers read from the stream
         self._cond = threading.Condition()
         self._deadline: float | None = None  # time.monotonic() by which the read in progress must answer
@@ -258,7 +258,7 @@ class _RunStream:
         except grpc.RpcError as e:
             if self._timed_out:
                 raise DownstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"{rv.client.role} at {rv.client.address} did not answer in time: {self._what} "
+                                      f"{rv.client.role} at {rv.client.address} did not answer in time: round "
                                       f"{round_index} of a run took over {rv.client.timeout_s:g} s") from None
             if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read and unimplemented_ok:
                 return None
@@ -266,8 +266,6 @@ class _RunStream:
         finally:
             with self._cond:
                 self._deadline = None
-
-    _ended = False  # the stream ended (the verifier ended the run)
 
     def _watchdog(self) -> None:
         with self._cond:
@@ -303,7 +301,7 @@ class PlainRun(_RunStream):
                  keep_features: bool) -> None:
         request = vpb.DecodeRunRequest(sequence_id=seq_id, round_index=round_index, token=token, steps=steps,
                                        keep_features=keep_features)
-        super().__init__(rv, seq_id, rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps), "round")
+        super().__init__(rv, seq_id, rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps))
         self.keep_features = keep_features
         self.round_index = round_index  # the round of the next token
         self.left = steps  # tokens not read yet
@@ -356,7 +354,7 @@ class TreeRun(_RunStream):
         request.next_draft.round_index = next_draft[0]
         if next_draft[1] is not None:
             request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
-        super().__init__(rv, seq_id, rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds), "round")
+        super().__init__(rv, seq_id, rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds))
         self.rounds = rounds
         self.round_index = round_index  # the round of the next answer
         self.next_index = next_draft[0]  # the Drafter index of the next answer's draft
