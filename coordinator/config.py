@@ -62,6 +62,9 @@ class CoordinatorConfig:
     overlap: str = "off"
     # plain rounds per DecodeRun call (services/engine/engine.py "Plain runs"); 0 = one Decode per plain round
     plain_run: int = 16
+    # a Verify's next tree drafted at the sequence's drafter by the verifier itself (NextDraft.drafter,
+    # verifier_svc/direct_draft.py): one call an EAGLE round, and with a fixed tree runs of tree rounds
+    direct_drafts: bool = False
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
     model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B: B here)
@@ -134,6 +137,10 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
+    g.add_argument("--direct-drafts", type=_on_off, default=env("AERIE_DIRECT_DRAFTS", "0"),
+                   help="verifiers send each verdict's Draft straight to the sequence's drafter and answer with "
+                        "the next tree: one Verify call an EAGLE round, and with a fixed tree runs of tree rounds "
+                        "(VerifyRun); verifiers must reach the drafters (AERIE_DIRECT_DRAFTS, 0; docs/distributed.md)")
     g.add_argument("--overlap", type=overlap_mode, default=env("AERIE_OVERLAP", "0"),
                    help="draft the next tree ahead while one is verified: a DraftAhead call from a guessed verdict "
                         "overlaps each Verify; 1: the per-sequence policy turns it off where it cannot pay; always: "
@@ -254,7 +261,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]), http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
-        overlap=overlap_mode(args.overlap), plain_run=args.plain_run,
+        overlap=overlap_mode(args.overlap), plain_run=args.plain_run, direct_drafts=_on_off(args.direct_drafts),
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
         redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),

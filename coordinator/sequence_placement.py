@@ -63,7 +63,7 @@ import torch
 from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
 from services.errors import PREEMPTED
-from services.rpc.clients import NO_PHASES, DrafterClient, Phases, RemoteDrafter, VerifierClient
+from services.rpc.clients import NO_PHASES, DrafterClient, NextDraft, Phases, RemoteDrafter, VerifierClient
 from services.rpc.errors import DownstreamError
 from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
 from services.spec.sampling import SamplingParams
@@ -105,11 +105,12 @@ class SequencePlacement:
     def __init__(self, seq_id: str, verifiers: Pool[VerifierClient], drafters: Pool[DrafterClient] | None,
                  phases: Phases = NO_PHASES, verifier_wait_s: float = 30.0,
                  on_move: Callable[[str, str], None] | None = None, prefill_tries: int = 3,
-                 kv_client: str = "") -> None:
+                 kv_client: str = "", direct_drafts: bool = False) -> None:
         """`kv_client`: who the sequence's verifier KV counts against (its shares). `prefill_tries`: calls per prefill chunk that misses its deadline before the sequence fails
         (AERIE_PREFILL_TRIES). `stop` (assign it; default: never) raises to stop a prefill between chunks."""
         self.seq_id = seq_id
         self.kv_client = kv_client
+        self.direct_drafts = direct_drafts  # the verifier drafts at a drafter in another process too
         self.prefill_tries = prefill_tries
         self.stop: Callable[[], None] = lambda: None
         self.verifiers = verifiers
@@ -224,18 +225,23 @@ class SequencePlacement:
         return res
 
     def drafts_next(self, seq_id: str) -> bool:
-        """The sequence's drafter is its verifier's own process (a verifier started with --draft) and
-        holds its draft KV, with no rows waiting elsewhere: a Verify can draft the next tree too."""
+        """The sequence's drafter is its verifier's own process (a verifier started with --draft), or
+        any drafter with --direct-drafts, and holds its draft KV, with no rows waiting elsewhere: a
+        Verify can draft the next tree too."""
         return (self._rd is not None and self.drafter_client is not None and self.verifier_client is not None
-                and self.drafter_client.address == self.verifier_client.address and self._rd.prefilled(seq_id)
-                and not self._held and self._ahead_failed is None and not self._kept and self._lost is None)
+                and (self.direct_drafts or self.drafter_client.address == self.verifier_client.address)
+                and self._rd.prefilled(seq_id) and not self._held and self._ahead_failed is None and not self._kept
+                and self._lost is None)
 
-    def _next_draft(self, seq_id: str, params: TreeParams | None) -> tuple[int, TreeParams | None] | None:
-        """The Verify's next_draft (the drafter's next index, the shape), asked at each try: None unless
-        the engine asked and the verifier is (still) the drafter's process."""
+    def _next_draft(self, seq_id: str, params: TreeParams | None) -> NextDraft | None:
+        """The Verify's next_draft (the drafter's next index, the shape, the drafter's address unless
+        it is the verifier's own process), asked at each try: None unless the engine asked and the
+        verifier can (still) draft it."""
         if params is None or not self.drafts_next(seq_id):
             return None
-        return self._rd.next_index(seq_id), params  # type: ignore[union-attr]
+        address = self.drafter_client.address  # type: ignore[union-attr]
+        return NextDraft(self._rd.next_index(seq_id), params,  # type: ignore[union-attr]
+                         "" if address == self.verifier_client.address else address)
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         self._round = round_index

@@ -139,7 +139,8 @@ class Sequences:
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
-                prefill_tries=self.config.prefill_tries, kv_client=kv_client or f"identity {client}")
+                prefill_tries=self.config.prefill_tries, kv_client=kv_client or f"identity {client}",
+                direct_drafts=self.config.direct_drafts)
             vinfo, engine = self._engine(placement)
             left = engine.max_context - len(request.prompt_ids)
             if fit_context and 1 <= left < request.max_new_tokens:
@@ -236,7 +237,8 @@ class Sequences:
             placement = SequencePlacement(
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
-                prefill_tries=self.config.prefill_tries, kv_client=f"identity {self.store.client_of(seq_id)}")
+                prefill_tries=self.config.prefill_tries, kv_client=f"identity {self.store.client_of(seq_id)}",
+                direct_drafts=self.config.direct_drafts)
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens)
                 placement.release_elsewhere(state.drafter, state.verifier)

@@ -206,7 +206,7 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb, --max-model-len and
     --gpu-memory-utilization (verifiers), --max-queued-requests, --queue-timeout-s,
-    --served-model-name (one or more names), --plain-run and --overlap (coordinators; drafters then reserve the
+    --served-model-name (one or more names), --plain-run, --direct-drafts and --overlap (coordinators; drafters then reserve the
     ahead tree's rows, --ahead-branches 2). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
     AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
     more than the share of the host's free memory."""
@@ -235,6 +235,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--plain-run", str(args.plain_run)]
     if role == "coordinator" and getattr(args, "overlap", None):
         out += ["--overlap", args.overlap]
+    if role == "coordinator" and getattr(args, "direct_drafts", None):
+        out += ["--direct-drafts", "1"]
     overlap = getattr(args, "overlap", None) or overlap_mode(os.environ.get("AERIE_OVERLAP", "off"))
     if role == "drafter" and overlap in ("on", "always") and not os.environ.get("AERIE_AHEAD_BRANCHES"):
         out += ["--ahead-branches", "2"]  # the draft KV's rows for the ahead tree's branches

@@ -96,11 +96,13 @@ from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
 from services.spec.tree import TreeParams
 from verifier_svc.config import AUTO, VerifierConfig
+from verifier_svc.direct_draft import DirectDrafts, NextDraftTo, check_address
 from verifier_svc.plain_run import END, QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
 
 log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
+DIRECT_DRAFT_TIMEOUT_S = 60.0  # a direct draft's deadline at most (within its Verify's own)
 CLIENT_METADATA = "aerie-client"  # the identity a Prefill's KV counts against (set by the coordinator)
 STEP_FLOOR_ROWS = 16  # a step's token budget never goes below this (a slow CPU still prefills); 16, not 32:
 #   at an 8k offset 32 prompt rows alone cost 0.75 s on the 2-core CPU of docs/distributed.md
@@ -121,6 +123,11 @@ class NextDraftVerify(VerifyCall):
     next_round: int = 0  # the Draft call's idempotency index the draft stands for
     next_params: TreeParams | None = None  # its shape (None: the head's largest)
     run: bool = False  # a round of a VerifyRun (its answer is kept per round, RunAnswers)
+    drafter: str = ""  # the sequence's drafter in another process (host:port; verifier_svc/direct_draft.py); "": here
+
+    @property
+    def direct(self) -> NextDraftTo:
+        return NextDraftTo(self.next_round, self.next_params, self.drafter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +197,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         `runner`: the model runner (None: a local ModelRunner over `target`); `drafter`: the head this
         process serves too (--draft), which drafts the next tree in a Verify that asks for it."""
         self.drafter_servicer = drafter
+        self._direct: DirectDrafts | None = None  # channels to drafters (opened by the first direct draft)
         self.verify_cost = verify_cost
         self.target = target
         self.config = config
@@ -377,13 +385,41 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
         call = VerifyCall(seq_id, tree, request.round_index)
         if request.HasField("next_draft"):
-            nxt = request.next_draft
-            if self.drafter_servicer is None:
-                raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head too)")
-            params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
-            self.drafter_servicer.check_next(nxt.round_index, params)  # before the verify runs
-            call = NextDraftVerify(seq_id, tree, request.round_index, next_round=nxt.round_index, next_params=params)
-        return await timed(VERIFY_SECONDS.labels(SERVICE), self.batcher.call_async(call))
+            call = self._next_draft_call(call, request.next_draft)
+        response = await timed(VERIFY_SECONDS.labels(SERVICE), self.batcher.call_async(call))
+        if isinstance(call, NextDraftVerify) and call.drafter and not response.HasField("next_tree"):
+            await self._draft_direct(call, response, context)
+        return response
+
+    def _next_draft_call(self, call: VerifyCall, nxt: vpb.NextDraft, run: bool = False) -> NextDraftVerify:
+        """A Verify that drafts the next tree too: here (this verifier's head) or at `nxt.drafter`
+        (verifier_svc/direct_draft.py); its values checked before the verify runs."""
+        params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
+        if nxt.drafter:
+            if nxt.round_index < 2:
+                raise InvalidRequest(f"next_draft.round_index must be >= 2 (1 is the drafter's prefill); "
+                                     f"got {nxt.round_index}")
+            drafter = check_address(nxt.drafter)
+        elif self.drafter_servicer is None:
+            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head "
+                                 "too, or name the sequence's drafter in next_draft.drafter)")
+        else:
+            self.drafter_servicer.check_next(nxt.round_index, params)
+            drafter = ""
+        return NextDraftVerify(call.seq_id, call.tree, call.round_index, next_round=nxt.round_index,
+                               next_params=params, run=run, drafter=drafter)
+
+    async def _draft_direct(self, call: NextDraftVerify, response: vpb.VerifyResponse, context) -> bool:
+        """The next tree from `response`'s verdict at the sequence's drafter (direct_draft.py), within
+        the call's deadline."""
+        if self._direct is None:
+            self._direct = DirectDrafts(self.config.service)
+        remaining = context.time_remaining() if context is not None else None
+        drafted = await self._direct.draft(call.seq_id, call.direct, response,
+                                           DIRECT_DRAFT_TIMEOUT_S if remaining is None else
+                                           min(remaining, DIRECT_DRAFT_TIMEOUT_S))
+        metrics.DIRECT_DRAFTS.labels(SERVICE, "drafted" if drafted else "failed").inc()
+        return drafted
 
     @rpc_errors
     async def VerifyRun(self, request: vpb.VerifyRunRequest, context):
@@ -391,19 +427,13 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         seq_id = codec.sequence_id(request.sequence_id)
         _check_round(request.round_index)
         check_steps(request.rounds)
-        if self.drafter_servicer is None:
-            raise InvalidRequest("VerifyRun: this verifier drafts nothing (start it with --draft to serve a head too)")
         if not request.HasField("next_draft"):
             raise InvalidRequest("VerifyRun needs next_draft (the first next draft's index and the shape)")
         if request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1; got {request.max_tokens}")
         stop_ids = frozenset(codec.token_ids(request.stop_ids, self.vocab_size, "stop_ids"))
-        nxt = request.next_draft
-        params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
-        self.drafter_servicer.check_next(nxt.round_index, params)
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
-        first = NextDraftVerify(seq_id, tree, request.round_index, next_round=nxt.round_index, next_params=params,
-                                run=True)
+        first = self._next_draft_call(VerifyCall(seq_id, tree, request.round_index), request.next_draft, run=True)
         made = [0]  # tokens the run's rounds committed
 
         def follow(step: NextDraftVerify, response: vpb.VerifyResponse) -> NextDraftVerify | None:
@@ -414,11 +444,19 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             return replace(step, tree=codec.decode_tree(response.next_tree, self.vocab_size, self.config.max_tree_nodes),
                            round_index=step.round_index + 1, next_round=step.next_round + 1)
 
-        chain = RunChain(self.batcher, asyncio.get_running_loop(), first, request.rounds,
+        run = (self._direct_run(first, request.rounds, follow, context) if first.drafter
+               else self._local_run(first, request.rounds, follow))
+        async for answer in run:
+            yield answer
+
+    async def _local_run(self, first: NextDraftVerify, rounds: int, follow):
+        """A run with this process's head: the model thread drafts each next tree and queues the next
+        round itself (RunChain with `follow`)."""
+        chain = RunChain(self.batcher, asyncio.get_running_loop(), first, rounds,
                          VERIFY_SECONDS.labels(SERVICE).observe, follow)  # type: ignore[arg-type]
         chain.start()
         try:
-            for _ in range(request.rounds):
+            for _ in range(rounds):
                 answer = await chain.next_answer()
                 if answer is END:
                     break
@@ -427,6 +465,29 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 yield answer
         finally:
             chain.cancel()  # the caller went away (or the run ended): queue no further round
+
+    async def _direct_run(self, first: NextDraftVerify, rounds: int, follow, context):
+        """A run with the sequence's drafter in another process: each round's verdict drafted at the
+        drafter (direct_draft.py, on this loop), the next round queued before the answer goes out; a
+        round whose draft failed ends the run (the coordinator drafts)."""
+        step = first
+        pending = asyncio.ensure_future(timed(VERIFY_SECONDS.labels(SERVICE), self.batcher.call_async(step)))
+        try:
+            for k in range(rounds):
+                response = await pending
+                if not response.HasField("next_tree"):  # (a round answered again from a run may have it)
+                    await self._draft_direct(step, response, context)
+                following = follow(step, response) if k + 1 < rounds else None
+                if following is not None:
+                    pending = asyncio.ensure_future(timed(VERIFY_SECONDS.labels(SERVICE),
+                                                          self.batcher.call_async(following)))
+                yield response
+                if following is None:
+                    return
+                step = following
+        finally:
+            if not pending.done():  # the caller went away: the round in progress still runs (and is kept)
+                pending.cancel()
 
     @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:
@@ -534,8 +595,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 if isinstance(call, Slice) and isinstance(out, BaseException) and call.start > 0:
                     self._release(call.seq_id)  # a prompt is never left partly prefilled by a failed slice
                 results[i] = out if isinstance(out, BaseException) else self._respond(call, out)
-                if isinstance(call, NextDraftVerify) and isinstance(out, VerifyResult):
-                    drafts.append((i, out))
+                if isinstance(call, NextDraftVerify) and not call.drafter and isinstance(out, VerifyResult):
+                    drafts.append((i, out))  # (a direct draft's runs on the event loop: Verify)
             if drafts:
                 self._draft_next([calls[i] for i, _ in drafts], [out for _, out in drafts],
                                  [results[i] for i, _ in drafts])

@@ -29,6 +29,30 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
 def open_channel(address: str, max_message_bytes: int, security: Security = NONE) -> grpc.Channel:
     """A channel with TLS when `security` has a CA or certificate (its certificate is then the client
     certificate), and its bearer token on every call (services/rpc/security.py)."""
+    options, credentials = _options(max_message_bytes, security)
+    channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+               else grpc.insecure_channel(address, options=options))
+    token = security.outgoing_token()
+    interceptors = [ClientTracing()] + ([ClientMetadata(token)] if token else [])
+    return grpc.intercept_channel(channel, *interceptors)
+
+
+def open_aio_channel(address: str, max_message_bytes: int, security: Security = NONE) -> grpc.aio.Channel:
+    """`open_channel` for a caller on an asyncio event loop (a verifier calling a drafter,
+    verifier_svc/direct_draft.py): the same options and credentials; the bearer token is the
+    caller's to send (`call_metadata`), and no tracing interceptor."""
+    options, credentials = _options(max_message_bytes, security)
+    return (grpc.aio.secure_channel(address, credentials, options=options) if credentials is not None
+            else grpc.aio.insecure_channel(address, options=options))
+
+
+def call_metadata(security: Security) -> tuple[tuple[str, str], ...]:
+    """The metadata a call of `open_aio_channel`'s carries: the bearer token, if any."""
+    token = security.outgoing_token()
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _options(max_message_bytes: int, security: Security) -> tuple[list, grpc.ChannelCredentials | None]:
     options = [*message_options(max_message_bytes), ("grpc.service_config", SERVICE_CONFIG),
                ("grpc.enable_retries", 1),
                # a replica that restarts (or a pod that replaces it at the same address) is reached
@@ -38,8 +62,4 @@ def open_channel(address: str, max_message_bytes: int, security: Security = NONE
     credentials = security.channel_credentials()
     if credentials is not None and security.server_name:
         options.append(("grpc.ssl_target_name_override", security.server_name))
-    channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
-               else grpc.insecure_channel(address, options=options))
-    token = security.outgoing_token()
-    interceptors = [ClientTracing()] + ([ClientMetadata(token)] if token else [])
-    return grpc.intercept_channel(channel, *interceptors)
+    return options, credentials

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ContextManager, Protocol
 
 import grpc
@@ -115,6 +115,22 @@ class DrafterClient(ServiceClient):
         return RemoteDrafter(self, phases)
 
 
+@dataclass(frozen=True, slots=True)
+class NextDraft:
+    """A Verify's next draft (VerifyRequest.next_draft): the drafter's idempotency index for it, the
+    tree's shape (None: the drafter's largest) and the drafter's address ("": the verifier's own
+    process, a verifier that drafts too; else the verifier sends it the Draft, --direct-drafts)."""
+    index: int
+    params: TreeParams | None
+    drafter: str = ""
+
+    def encode(self) -> vpb.NextDraft:
+        msg = vpb.NextDraft(round_index=self.index, drafter=self.drafter)
+        if self.params is not None:
+            msg.tree.CopyFrom(codec.encode_tree_params(self.params))
+        return msg
+
+
 class RemoteVerifier:
     """The verifier role over gRPC (see services.engine.roles.VerifierRole)."""
 
@@ -166,15 +182,13 @@ class RemoteVerifier:
         return PrefillResult(first_token, features.result(), prompt_logprobs)
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int,
-               next_draft: tuple[int, TreeParams | None] | None = None) -> VerifyResult:
-        """`next_draft` (a verifier that drafts too): (the drafter's next idempotency index, the next
-        tree's shape): the result's next_tree is drafted from the verdict in the same call (None when
-        the verifier skipped it: rows kept by Decode calls); `busy` is then the drafter's load."""
+               next_draft: NextDraft | None = None) -> VerifyResult:
+        """`next_draft` (a verifier that drafts too, or one that reaches the sequence's drafter): the
+        result's next_tree is drafted from the verdict in the same call (None when the verifier skipped
+        it: rows kept by Decode calls, a drafter that failed); `busy` is then the drafter's load."""
         request = vpb.VerifyRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree))
         if next_draft is not None:
-            request.next_draft.round_index = next_draft[0]
-            if next_draft[1] is not None:
-                request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
+            request.next_draft.CopyFrom(next_draft.encode())
         with self.phases.phase(round_index, "verify"):
             response = self.client.call(self.client.stub.Verify, request)
         return self.result(response)
@@ -194,7 +208,7 @@ class RemoteVerifier:
                              next_draft_s=response.next_draft_seconds)
         return result
 
-    def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: tuple[int, TreeParams | None],
+    def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: NextDraft,
                    rounds: int, max_tokens: int, stop_ids: frozenset[int]) -> TreeRun:
         """A run of up to `rounds` tree rounds from `round_index` on a verifier that drafts too (the
         VerifyRun call; its stop rules: max_tokens, stop_ids): read with TreeRun.next, close() cancels."""
@@ -347,17 +361,14 @@ class TreeRun(_RunStream):
     DownstreamError (rounds read before stay valid); deadlines as _RunStream's."""
 
     def __init__(self, rv: RemoteVerifier, seq_id: str, tree: DraftTree, round_index: int,
-                 next_draft: tuple[int, TreeParams | None], rounds: int, max_tokens: int,
-                 stop_ids: frozenset[int]) -> None:
+                 next_draft: NextDraft, rounds: int, max_tokens: int, stop_ids: frozenset[int]) -> None:
         request = vpb.VerifyRunRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree),
-                                       rounds=rounds, max_tokens=max_tokens, stop_ids=sorted(stop_ids))
-        request.next_draft.round_index = next_draft[0]
-        if next_draft[1] is not None:
-            request.next_draft.tree.CopyFrom(codec.encode_tree_params(next_draft[1]))
+                                       rounds=rounds, max_tokens=max_tokens, stop_ids=sorted(stop_ids),
+                                       next_draft=next_draft.encode())
         super().__init__(rv, seq_id, rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds))
         self.rounds = rounds
         self.round_index = round_index  # the round of the next answer
-        self.next_index = next_draft[0]  # the Drafter index of the next answer's draft
+        self.next_index = next_draft.index  # the Drafter index of the next answer's draft
 
     @property
     def exhausted(self) -> bool:

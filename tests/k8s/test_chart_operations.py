@@ -353,6 +353,24 @@ def test_drafter_colocated_in_the_verifier_process(helm, tmp_path):
                                                               "verifier.tpSize=2", "--set", "verifier.useGpu=true"])
 
 
+def test_direct_drafts_admit_verifier_pods_to_drafters(helm, tmp_path):
+    """coordinator.directDrafts: AERIE_DIRECT_DRAFTS=1, and the drafters' NetworkPolicy admits the
+    verifier pods too (they send the Drafts); off, only coordinators."""
+    def drafter_peers(r: Render, component: str = "drafter") -> list[str]:
+        [policy] = [p for p in r.kind("NetworkPolicy") if p["metadata"]["name"] == name(component)]
+        return [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                for peer in policy["spec"]["ingress"][0]["from"]]
+
+    r = render(helm, [], ["--set", "coordinator.directDrafts=true"])
+    assert_valid(r, tmp_path)
+    assert r.env("coordinator")["AERIE_DIRECT_DRAFTS"] == "1"
+    assert drafter_peers(r) == ["coordinator", "verifier"] and drafter_peers(r, "verifier") == ["coordinator"]
+    off = render(helm, [], [])
+    assert off.env("coordinator")["AERIE_DIRECT_DRAFTS"] == "0" and drafter_peers(off) == ["coordinator"]
+    in_verifier = render(helm, [], IN_VERIFIER + ["--set", "coordinator.directDrafts=true"])
+    assert drafter_peers(in_verifier, "verifier") == ["coordinator", "verifier"]
+
+
 STUB = """#!{python}
 import os, signal, sys
 role = sys.argv[1]

@@ -142,6 +142,7 @@ def expected_env(values: dict) -> dict[str, dict[str, str | None]]:
             "AERIE_RETRIEVAL": "1" if c["retrieval"] else "0",
             "AERIE_OVERLAP": str(c["overlap"]),
             "AERIE_PLAIN_RUN": str(c["plainRun"]),
+            "AERIE_DIRECT_DRAFTS": "1" if c["directDrafts"] else "0",
             "AERIE_VERIFIER_WAIT_S": str(c["verifierWaitSeconds"]),
             "AERIE_PROBE_INTERVAL_S": str(c["probeIntervalSeconds"]),
             "AERIE_LEASE_TTL_S": str(c["leaseTtlSeconds"]),
@@ -559,7 +560,10 @@ def test_only_coordinators_reach_backends(rendered, component):
                 assert set(peer) == {"podSelector"}, peer
                 sel = peer["podSelector"]["matchLabels"]
                 registers = component == "redis" and str(rendered.values["coordinator"]["discoverRegistered"]) == "1"
-                allowed = ("coordinator", "drafter", "verifier") if registers else ("coordinator",)
+                # (and verifier pods to drafters with direct drafts: test_chart_operations.py)
+                direct = component == "drafter" and rendered.values["coordinator"]["directDrafts"]
+                allowed = (("coordinator", "drafter", "verifier") if registers else
+                           ("coordinator", "verifier") if direct else ("coordinator",))
                 assert sel.get("app.kubernetes.io/component") in allowed, sel
                 peer_labels = pod_labels(rendered, sel["app.kubernetes.io/component"])
                 assert all(peer_labels.get(k) == v for k, v in sel.items())

@@ -54,12 +54,14 @@ class VerifyRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft: _Optional[_Union[NextDraft, _Mapping]] = ...) -> None: ...
 
 class NextDraft(_message.Message):
-    __slots__ = ("round_index", "tree")
+    __slots__ = ("round_index", "tree", "drafter")
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     round_index: int
     tree: _common_pb2.TreeParams
-    def __init__(self, round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    drafter: str
+    def __init__(self, round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs", "next_tree", "next_draft_seconds", "drafter_busy", "round_index")

@@ -92,7 +92,8 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyRun(self, request, context):
-        """A run of tree rounds on a verifier that drafts too (--draft): Verify `tree` at round_index with
+        """A run of tree rounds on a verifier that drafts too (--draft), or whose next_draft names the
+        sequence's drafter (each round's next tree drafted there): Verify `tree` at round_index with
         next_draft, then Verify each next tree it drafted at the following rounds, back to back, one
         answer per round (round_index set), each with its next tree. The verifier queues each next round
         itself, before the answer reaches the caller. The run ends after `rounds` rounds, after the round

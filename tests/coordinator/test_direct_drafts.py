@@ -1,0 +1,204 @@
+"""Direct drafts (coordinator --direct-drafts, verifier_svc/direct_draft.py): the verifier sends each
+verdict's Draft straight to the sequence's drafter in another process and answers with the next tree,
+one Verify call an EAGLE round (and with a fixed tree, runs of tree rounds: VerifyRun). Over real gRPC
+servers and a real Redis: greedy output equals the target's and the trees, acceptance and seeded
+samples equal the split pipeline's (the same Draft calls, sent from another place); a drafter that
+stops mid-run moves the sequence and its rounds draft directly again at the new drafter; an
+unreachable drafter leaves the answer a plain Verify's (the coordinator drafts); bad values are
+refused naming them. Nothing here depends on timing."""
+
+import grpc
+import pytest
+import torch
+
+from services.rpc import codec
+from services.rpc.stubs import common as pb
+from services.rpc.stubs import verifier as vpb
+from services.spec.sampling import SamplingParams
+from tests.coordinator.test_colocated import (DRAFT_DTYPE, N, PROMPT, counter, generate, rounds,  # noqa: F401
+                                             target_greedy, untimed)
+from tests.helpers import VOCAB
+from tests.pipeline import TREE, start_pipeline, wait_until
+
+
+def direct_counter(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("aerie_direct_drafts_total", {"service": "verifier", "outcome": outcome}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def split(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def direct(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True)
+    yield p
+    p.close()
+
+
+def in_run(messages, n: int = N) -> int:
+    """The rounds a run of tree rounds can have answered: from the first, until the run's tokens reach
+    what leaves a round that may end the request (those are single Verify calls)."""
+    limit, made, count = n - len(messages[0].tokens) - (TREE.depth + 2), 0, 0
+    for s in rounds(messages):
+        if made >= limit:
+            break
+        made, count = made + s.accept_length, count + 1
+    return count
+
+
+def test_greedy_equals_the_target_and_the_split_pipeline(direct, split, target_greedy):
+    before, runs_before, drafted_before = counter("drafts_in_verify"), counter("tree_run_rounds"), direct_counter("drafted")
+    tokens, messages = generate(direct)
+    assert tokens == target_greedy[:N]
+    placement = messages[0].info.placement
+    assert (placement.drafter, placement.verifier) == (direct.addresses["drafter"], direct.addresses["verifier"])
+    stats = rounds(messages)
+    assert all(s.tree_size > 1 for s in stats)
+    # every round's tree but the first (the drafter's Prefill) was drafted by the drafter process at the
+    # verifier's request, but near the end (a round that may end the request drafts nothing)
+    left = [N - len(messages[0].tokens) - sum(s.accept_length for s in stats[:i]) for i in range(len(stats))]
+    assert [s.drafted_in_verify for s in stats] == [False] + [n > TREE.depth + 2 for n in left[:-1]]
+    drafted = sum(s.drafted_in_verify for s in stats)
+    assert counter("drafts_in_verify") == before + drafted and direct_counter("drafted") == drafted_before + drafted
+    assert 1 < in_run(messages) < len(stats) and counter("tree_run_rounds") == runs_before + in_run(messages)
+    split_tokens, split_messages = generate(split)
+    assert split_tokens == tokens and not any(s.drafted_in_verify for s in rounds(split_messages))
+    assert [(s.tree_size, s.accept_length) for s in rounds(split_messages)] == [(s.tree_size, s.accept_length)
+                                                                                for s in stats]
+    wait_until(lambda: direct.verifier.num_sequences == 0 and direct.drafter.drafter.num_sequences == 0)
+
+
+def test_seeded_sampling_equals_the_split_pipeline(direct, split):
+    sampling = SamplingParams(0.9, top_p=0.95, seed=11)
+    runs = [generate(direct, 32, sampling)[0] for _ in range(2)]
+    assert runs[0] == runs[1] == generate(split, 32, sampling)[0]
+
+
+def test_single_verify_calls_without_runs(model_dirs, redis_url, target_greedy):
+    """--plain-run 0: one Verify a round, each drafting the next tree at the drafter."""
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, plain_run=0)
+    try:
+        runs_before = counter("tree_run_rounds")
+        tokens, messages = generate(p)
+        assert tokens == target_greedy[:N]
+        assert counter("tree_run_rounds") == runs_before and sum(s.drafted_in_verify for s in rounds(messages)) > 3
+    finally:
+        p.close()
+
+
+@pytest.fixture()
+def two_drafters(model_dirs, redis_url):
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE)
+    d2, d2_server, d2_address = p.add_service("drafter", model_dirs, draft_dtype=DRAFT_DTYPE)
+    p.replicas = [(p.drafter, p.servers[1][0]), (d2, d2_server)]
+    p.coordinator, p.addresses["coordinator"] = p.add_coordinator(
+        redis_url, drafters=(p.addresses["drafter"], d2_address), probe_interval_s=60, direct_drafts=True)
+    yield p
+    p.close()
+
+
+def test_a_drafter_that_stops_mid_run_moves_the_sequence_and_it_drafts_directly_again(two_drafters, target_greedy):
+    """The sequence's drafter stops after round 4 (inside a run of tree rounds): the verifier's Draft
+    to it fails, the run ends with a round without a next tree, the coordinator's Draft call fails
+    over to the other drafter (refilled from the committed tokens), and the verifier drafts there
+    from then on. No token is lost or changed."""
+    p = two_drafters
+    failed_before = direct_counter("failed")
+
+    def stop_holder(i: int) -> None:
+        if i == 4:
+            server = next(server for servicer, server in p.replicas if servicer.drafter.num_sequences)
+            p.stop_server(server)
+
+    tokens, messages = generate(p, 2 * N, on_message=stop_holder)
+    assert tokens == target_greedy
+    state = p.coordinator.store.get(messages[0].sequence_id)
+    assert state.status == "finished" and state.drafter != messages[0].info.placement.drafter
+    stats = rounds(messages)
+    moved = next(i for i in range(1, len(stats)) if not stats[i].drafted_in_verify)
+    assert any(s.drafted_in_verify for s in stats[moved + 1:])
+    assert direct_counter("failed") > failed_before
+
+
+def _verifier_sequence(p, seq_id: str):
+    """A sequence prefilled on `p`'s verifier and its drafter (as the coordinator's first draft makes
+    it), called directly: (the verifier stub, the first tree)."""
+    stub = p.verifier_stub()
+    first = list(stub.Prefill(vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=list(PROMPT), capacity=128,
+                                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"]), timeout=60))
+    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
+    head = p.drafter.drafter
+    head.start(seq_id, 128, False)
+    return stub, head.draft(seq_id, torch.tensor([*PROMPT[1:], first[0].first_token]), features, TREE)
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens at (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_direct_next_draft_is_validated_replayed_and_survives_an_unreachable_drafter(split):
+    stub, tree = _verifier_sequence(split, "d")
+    head = split.drafter.drafter
+    request = vpb.VerifyRequest(sequence_id="d", round_index=1, tree=codec.encode_tree(tree))
+    for drafter, index, match in (("nowhere", 2, "next_draft.drafter must be host:port"),
+                                  ("127.0.0.1:99999", 2, "next_draft.drafter must be host:port"),
+                                  (split.addresses["drafter"], 1, "next_draft.round_index must be >= 2")):
+        bad = vpb.VerifyRequest()
+        bad.CopyFrom(request)
+        bad.next_draft.round_index, bad.next_draft.drafter = index, drafter
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(bad, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+        assert repr(drafter)[:20] in e.value.details() or str(index) in e.value.details()
+    # a drafter nobody listens at: the answer is a plain Verify's (the features come back, no tree)
+    gone = vpb.VerifyRequest()
+    gone.CopyFrom(request)
+    gone.next_draft.round_index, gone.next_draft.drafter = 2, f"127.0.0.1:{unused_port()}"
+    answer = stub.Verify(gone, timeout=60)
+    assert not answer.HasField("next_tree")
+    assert codec.decode_tensor(answer.features, "features", shape=(None, None)).shape[0] == len(answer.tokens)
+    # the repeated Verify names the live drafter: the stored verdict, now drafted there
+    request.next_draft.round_index, request.next_draft.drafter = 2, split.addresses["drafter"]
+    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    drafted = stub.Verify(request, timeout=60)
+    assert (drafted.bonus, list(drafted.tokens)) == (answer.bonus, list(answer.tokens))
+    next_tree = codec.decode_tree(drafted.next_tree, VOCAB)
+    assert int(next_tree.tokens[0]) == drafted.bonus and next_tree.size == TREE.size
+    assert codec.decode_tensor(drafted.features, "features", shape=(None, None)).shape[0] == 0
+    length = head._caches["d"].length
+    assert untimed(stub.Verify(request, timeout=60)) == untimed(drafted)  # a retry: the same tree
+    assert head._caches["d"].length == length  # the draft ran once
+    stub.Release(pb.ReleaseRequest(sequence_id="d"), timeout=60)
+    head.release("d")
+
+
+def test_verify_run_with_a_direct_drafter_chains_rounds(split):
+    """VerifyRun on a verifier without a head, its next_draft naming the drafter: each round verifies
+    the tree the drafter drafted from the round before, and a Verify at a run's round repeats it."""
+    stub, tree = _verifier_sequence(split, "e")
+    request = vpb.VerifyRunRequest(sequence_id="e", round_index=1, tree=codec.encode_tree(tree), rounds=8,
+                                   max_tokens=10)
+    request.next_draft.round_index, request.next_draft.drafter = 2, split.addresses["drafter"]
+    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    answers = list(stub.VerifyRun(request, timeout=60))
+    made = [len(a.tokens) for a in answers]
+    assert len(answers) > 1 and sum(made[:-1]) < 10 <= sum(made)
+    assert [a.round_index for a in answers] == list(range(1, len(answers) + 1))
+    assert all(a.HasField("next_tree") for a in answers)
+    for a, b in zip(answers, answers[1:]):
+        assert b.tokens[0] == a.bonus and codec.decode_tree(a.next_tree, VOCAB).tokens[0] == a.bonus
+    again = vpb.VerifyRequest(sequence_id="e", round_index=len(answers), tree=answers[-2].next_tree)
+    assert untimed(stub.Verify(again, timeout=60)) == untimed(answers[-1])
+    stub.Release(pb.ReleaseRequest(sequence_id="e"), timeout=60)
+    split.drafter.drafter.release("e")

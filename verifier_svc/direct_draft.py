@@ -1,0 +1,119 @@
+"""Direct drafts: the verifier sends the Draft of a verdict straight to the sequence's drafter.
+
+    drafts = DirectDrafts(config.service)
+    drafted = await drafts.draft(seq_id, NextDraftTo(index, params, "10.0.0.7:50052"), response, 5.0)
+    await drafts.close()
+
+A split pipeline's EAGLE round is four hops (coordinator -> drafter -> coordinator -> verifier ->
+coordinator). With `NextDraft.drafter` (coordinator --direct-drafts) the coordinator sends one Verify;
+once its forward has answered, the verifier sends the Draft the coordinator would have sent after the
+verdict (the accepted tokens and the bonus, the features of the root and the accepted nodes, the same
+idempotency index) to that drafter and answers with the tree (`VerifyResponse.next_tree`): the
+features never travel back to the coordinator, and in a VerifyRun the coordinator is out of the loop
+(two hops a round: verifier -> drafter -> verifier).
+
+The Draft runs on the event loop (grpc.aio), never on the model thread: the verifier's forward for
+other sequences goes on while a drafter drafts. A drafter that fails, is too slow for the Verify's
+deadline or cannot be reached leaves the answer as a plain Verify's (no next_tree, the features
+kept): the coordinator then drafts with a Draft call at the same index (the drafter's idempotency
+answers it if the first one ran) and fails over as usual. Calls carry this process's bearer token and
+present its certificate (services/rpc/security.py); trace context is not propagated on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.rpc import codec
+from services.rpc.channel import call_metadata, open_aio_channel
+from services.rpc.config import ServiceConfig
+from services.rpc.security import Security
+from services.rpc.stubs import drafter as dpb
+from services.rpc.stubs import drafter_grpc
+from services.rpc.stubs import verifier as vpb
+from services.spec.tree import TreeParams
+
+log = logging.getLogger("aerie.verifier")
+
+MAX_ADDRESS = 256  # NextDraft.drafter: host:port, at most this many characters
+MAX_CHANNELS = 64  # drafters this verifier keeps a channel open to (the least recently used is closed)
+
+
+@dataclass(frozen=True, slots=True)
+class NextDraftTo:
+    """A Verify's next draft at a drafter in another process (NextDraft with `drafter`)."""
+    index: int  # the Draft call's idempotency index
+    params: TreeParams | None  # the tree's shape (None: the drafter's largest)
+    drafter: str  # host:port
+
+
+def check_address(address: str) -> str:
+    """NextDraft.drafter: a host:port (InvalidRequest names a bad one)."""
+    from services.errors import InvalidRequest
+
+    host, _, port = address.rpartition(":")
+    if len(address) > MAX_ADDRESS or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(
+            c.isspace() for c in address):
+        raise InvalidRequest(f"next_draft.drafter must be host:port (at most {MAX_ADDRESS} characters); "
+                             f"got {address[:MAX_ADDRESS]!r}")
+    return address
+
+
+class DirectDrafts:
+    """Channels to drafters (opened on first use, on the event loop) and the Draft of a verdict."""
+
+    def __init__(self, service: ServiceConfig, security: Security | None = None) -> None:
+        self.max_message_bytes = service.max_message_bytes
+        self.security = security if security is not None else Security.load(service)
+        self.metadata = call_metadata(self.security)
+        self._stubs: dict[str, tuple[grpc.aio.Channel, drafter_grpc.DrafterStub]] = {}
+
+    def _stub(self, address: str) -> drafter_grpc.DrafterStub:
+        entry = self._stubs.pop(address, None)
+        if entry is None:
+            if len(self._stubs) >= MAX_CHANNELS:  # the least recently used (first in insertion order)
+                old = next(iter(self._stubs))
+                channel, _ = self._stubs.pop(old)
+                asyncio.ensure_future(channel.close())  # in the background
+            channel = open_aio_channel(address, self.max_message_bytes, self.security)
+            entry = (channel, drafter_grpc.DrafterStub(channel))
+        self._stubs[address] = entry  # most recent last
+        return entry[1]
+
+    async def draft(self, seq_id: str, nxt: NextDraftTo, response: vpb.VerifyResponse, timeout_s: float) -> bool:
+        """Draft the next tree from `response`'s verdict at `nxt.drafter` and add it to `response`
+        (next_tree, next_draft_seconds, drafter_busy; its features then [0, F]: the drafter took
+        them). False, `response` unchanged, when the verdict carries rows Decode calls kept (they are
+        the coordinator's to send) or the drafter did not answer with a tree."""
+        tokens = [*response.tokens[1:], response.bonus]  # [m + 1] the accepted tokens and the bonus
+        if not response.features.shape or response.features.shape[0] != len(tokens):
+            return False
+        request = dpb.DraftRequest(sequence_id=seq_id, round_index=nxt.index, tokens=tokens,
+                                   features=response.features)
+        if nxt.params is not None:
+            request.tree.CopyFrom(codec.encode_tree_params(nxt.params))
+        t0 = time.perf_counter()
+        try:
+            drafted = await self._stub(nxt.drafter).Draft(request, timeout=max(timeout_s, 0.001),
+                                                          metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            log.info("sequence %s: the next draft at drafter %s failed (%s: %s); its coordinator drafts with a "
+                     "Draft call", seq_id, nxt.drafter, e.code().name, e.details())
+            return False
+        response.next_tree.CopyFrom(drafted.tree)
+        response.next_draft_seconds = time.perf_counter() - t0
+        response.drafter_busy = drafted.busy
+        response.features.Clear()  # [0, F] of the same dtype
+        response.features.dtype = request.features.dtype
+        response.features.shape.extend([0, request.features.shape[1]])
+        return True
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
