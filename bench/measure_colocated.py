@@ -1,6 +1,7 @@
 """The split pipeline against the colocated one (`aerie up --colocate`, with its runs of tree rounds
-and with `--plain-run 0`: one Verify call a round) and the in-process engine on one random checkpoint
-of a shape, interleaved request by request (machine noise hits all four alike): ms per EAGLE round (a
+and with `--plain-run 0`: one Verify call a round), the split one with direct drafts (`aerie up
+--direct-drafts`, with runs and without) and the in-process engine on one random checkpoint of a
+shape, interleaved request by request (machine noise hits them all alike): ms per EAGLE round (a
 fixed tree, random weights: one token a round) and each round's wall, draft and verify ms, medians
 over the requests.
 
@@ -24,6 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# name -> (aerie up --colocate, more `aerie up` flags)
+PIPELINES = {"split": (False, ()), "colocated": (True, ()), "colocated_no_runs": (True, ("--plain-run", "0")),
+             "direct": (False, ("--direct-drafts",)), "direct_no_runs": (False, ("--direct-drafts", "--plain-run", "0"))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="tiny")
@@ -32,6 +38,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--pipelines", default="colocated,colocated_no_runs,direct,direct_no_runs",
+                   help=f"the pipelines measured besides split and in process, of {', '.join(PIPELINES)}")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -50,7 +58,7 @@ def main() -> None:
     target, head = write_checkpoint(args.shape, args.device, args.dtype, root)
     engine = build_local_engine(str(target), str(head), args.dtype, TreeParams(*TREE), device=args.device).engine
     sides = {"in_process": lambda: engine.generate(request)}
-    pipelines = {"split": (False, ()), "colocated": (True, ()), "colocated_no_runs": (True, ("--plain-run", "0"))}
+    pipelines = {name: PIPELINES[name] for name in ("split", *args.pipelines.split(","))}
     runs: dict[str, list] = {name: [] for name in ("in_process", *pipelines)}
     with ExitStack() as stack:
         for name, (colocate, extra) in pipelines.items():

@@ -42,6 +42,12 @@ is added like a Verify's; where the run ended or broke, the round is a single Ve
 fail-over (a broken run's rounds are answered again by the same verifier, or rebuilt elsewhere) and
 the run stays closed.
 
+Direct drafts (--direct-drafts, `UnreachedDrafters`): a Verify's next_draft names the sequence's
+drafter in another process and the verifier sends it the Draft. An answer without a next tree leaves
+the round's draft to the coordinator's own Draft call, as without direct drafts; when that call then
+reaches the same drafter, the verifier could not (a firewall, a NetworkPolicy, another network): the
+coordinator sends no direct draft to that drafter for `retry_s` (every sequence of this coordinator).
+
 `committed` here is every token the verifier has produced (what Redis holds plus the round in
 flight, which the engine commits next): the same list a coordinator taking a sequence over would
 read from Redis. With no drafter available the drafter side returns a root-only tree: the verifier
@@ -101,16 +107,43 @@ class Move:
     rows: int  # rows re-prefilled
 
 
+class UnreachedDrafters:
+    """The coordinator's --direct-drafts: the drafters its verifiers could not reach lately (each
+    for `retry_s` from then), shared by its sequences. Thread-safe."""
+
+    def __init__(self, retry_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.retry_s = retry_s
+        self.clock = clock
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def reachable(self, address: str) -> bool:
+        with self._lock:
+            until = self._until.get(address)
+            if until is not None and self.clock() >= until:
+                del self._until[address]
+                until = None
+            return until is None
+
+    def unreached(self, address: str) -> None:
+        with self._lock:
+            if address not in self._until:
+                log.warning("a verifier could not send drafter %s its Draft (direct drafts) where this coordinator "
+                            "could: no direct drafts to it for %.0f s", address, self.retry_s)
+            self._until[address] = self.clock() + self.retry_s
+
+
 class SequencePlacement:
     def __init__(self, seq_id: str, verifiers: Pool[VerifierClient], drafters: Pool[DrafterClient] | None,
                  phases: Phases = NO_PHASES, verifier_wait_s: float = 30.0,
                  on_move: Callable[[str, str], None] | None = None, prefill_tries: int = 3,
-                 kv_client: str = "", direct_drafts: bool = False) -> None:
+                 kv_client: str = "", direct_drafts: UnreachedDrafters | None = None) -> None:
         """`kv_client`: who the sequence's verifier KV counts against (its shares). `prefill_tries`: calls per prefill chunk that misses its deadline before the sequence fails
         (AERIE_PREFILL_TRIES). `stop` (assign it; default: never) raises to stop a prefill between chunks."""
         self.seq_id = seq_id
         self.kv_client = kv_client
-        self.direct_drafts = direct_drafts  # the verifier drafts at a drafter in another process too
+        self.direct_drafts = direct_drafts  # not None: verifiers draft at a drafter in another process too
+        self._missed = ""  # the drafter a direct draft missed at last (the next Draft call tells why)
         self.prefill_tries = prefill_tries
         self.stop: Callable[[], None] = lambda: None
         self.verifiers = verifiers
@@ -213,9 +246,17 @@ class SequencePlacement:
         sequence's drafter is its verifier's own process at that moment (`drafts_next`; a fail-over in
         between drops it: the result then has no next_tree and the engine drafts as usual)."""
         self._round = round_index
-        res = self._on_verifier(lambda rv: rv.verify(seq_id, tree, round_index, self._next_draft(seq_id, next_draft)))
+        sent: list[NextDraft | None] = [None]
+
+        def verify(rv):
+            sent[0] = self._next_draft(seq_id, next_draft)  # asked at each try
+            return rv.verify(seq_id, tree, round_index, sent[0])
+
+        res = self._on_verifier(verify)
         if res.next_tree is not None:
             self._rd.drafted_elsewhere(seq_id, self._rd.next_index(seq_id), self._rv.busy)  # type: ignore[union-attr]
+        elif sent[0] is not None:
+            self._missed = sent[0].drafter
         self.committed += res.acceptance.new_tokens
         self._kept = 0
         if self._lost is not None:  # rows a failed verifier kept: in front, as it would have sent them
@@ -229,7 +270,8 @@ class SequencePlacement:
         any drafter with --direct-drafts, and holds its draft KV, with no rows waiting elsewhere: a
         Verify can draft the next tree too."""
         return (self._rd is not None and self.drafter_client is not None and self.verifier_client is not None
-                and (self.direct_drafts or self.drafter_client.address == self.verifier_client.address)
+                and (self.drafter_client.address == self.verifier_client.address or self.direct_drafts is not None
+                     and self.direct_drafts.reachable(self.drafter_client.address))
                 and self._rd.prefilled(seq_id) and not self._held and self._ahead_failed is None and not self._kept
                 and self._lost is None)
 
@@ -365,7 +407,11 @@ class SequencePlacement:
             tokens, features = self._refill(tokens, features)
         while True:
             try:
-                return self._rd.draft(seq_id, tokens, features, params, self._round + 1)
+                tree = self._rd.draft(seq_id, tokens, features, params, self._round + 1)
+                if self._missed and self._missed == self.drafter_client.address and self.direct_drafts is not None:
+                    self.direct_drafts.unreached(self._missed)  # it answers here, not to the verifier
+                self._missed = ""
+                return tree
             except Exception as e:  # noqa: BLE001 - is_failover decides
                 if not is_failover(e):
                     raise
@@ -580,6 +626,8 @@ class _PlacedTreeRun:
         p._round = round_index
         if res.next_tree is not None:
             p._rd.drafted_elsewhere(self.seq_id, run.next_index - 1, p._rv.busy)  # type: ignore[union-attr]
+        else:
+            p._missed = run.drafter
         p.committed += res.acceptance.new_tokens
         p._kept = 0
         return res

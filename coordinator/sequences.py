@@ -34,7 +34,7 @@ from services.rpc.stubs import coordinator as cpb
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Pool
 from coordinator.round_spans import RoundSpans
-from coordinator.sequence_placement import SequencePlacement
+from coordinator.sequence_placement import SequencePlacement, UnreachedDrafters
 from coordinator.sequence_run import Committed, SequenceRun
 from coordinator.sequence_store import SequenceParams, SequenceRecord, SequenceStore, Status
 
@@ -70,6 +70,8 @@ class Sequences:
         self.ahead: AheadPolicy | None = {"off": None, "on": AheadPolicy(),
                                           "always": AheadPolicy(contention=0.0, learn_cost=False)}[config.overlap]
         self.guesser: Guesser | None = None
+        # --direct-drafts: the drafters this coordinator's verifiers could not reach lately (None: off)
+        self.unreached = UnreachedDrafters() if config.direct_drafts else None
         self.text_engine: Callable[[SequenceParams, tuple[int, ...]], Callable[[Engine], Any] | None] | None = None
 
     def __len__(self) -> int:
@@ -140,7 +142,7 @@ class Sequences:
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
                 prefill_tries=self.config.prefill_tries, kv_client=kv_client or f"identity {client}",
-                direct_drafts=self.config.direct_drafts)
+                direct_drafts=self.unreached)
             vinfo, engine = self._engine(placement)
             left = engine.max_context - len(request.prompt_ids)
             if fit_context and 1 <= left < request.max_new_tokens:
@@ -238,7 +240,7 @@ class Sequences:
                 seq_id, self.verifiers, self.drafters, spans, self.config.verifier_wait_s,
                 on_move=lambda drafter, verifier: self.store.set_placement(seq_id, drafter, verifier),
                 prefill_tries=self.config.prefill_tries, kv_client=f"identity {self.store.client_of(seq_id)}",
-                direct_drafts=self.config.direct_drafts)
+                direct_drafts=self.unreached)
             if resumed:
                 placement.resume_from(state.prompt_ids, state.tokens)
                 placement.release_elsewhere(state.drafter, state.verifier)

@@ -102,7 +102,7 @@ from verifier_svc.plain_run import END, QueuedAnswer, RunAnswers, RunChain, RunS
 log = logging.getLogger("aerie.verifier")
 
 SERVICE = "verifier"
-DIRECT_DRAFT_TIMEOUT_S = 60.0  # a direct draft's deadline at most (within its Verify's own)
+DIRECT_DRAFT_TIMEOUT_S = 10.0  # a direct draft's deadline at most (within its Verify's own): then the coordinator drafts
 CLIENT_METADATA = "aerie-client"  # the identity a Prefill's KV counts against (set by the coordinator)
 STEP_FLOOR_ROWS = 16  # a step's token budget never goes below this (a slow CPU still prefills); 16, not 32:
 #   at an 8k offset 32 prompt rows alone cost 0.75 s on the 2-core CPU of docs/distributed.md

@@ -369,6 +369,7 @@ class TreeRun(_RunStream):
         self.rounds = rounds
         self.round_index = round_index  # the round of the next answer
         self.next_index = next_draft.index  # the Drafter index of the next answer's draft
+        self.drafter = next_draft.drafter  # where the verifier drafts ("": in its own process)
 
     @property
     def exhausted(self) -> bool:

@@ -202,3 +202,41 @@ def test_verify_run_with_a_direct_drafter_chains_rounds(split):
     assert untimed(stub.Verify(again, timeout=60)) == untimed(answers[-1])
     stub.Release(pb.ReleaseRequest(sequence_id="e"), timeout=60)
     split.drafter.drafter.release("e")
+
+
+def test_a_drafter_the_verifier_cannot_reach_gets_no_more_direct_drafts(model_dirs, redis_url, tmp_path,
+                                                                         target_greedy):
+    """Drafters that require the internal token, and a verifier that sends a wrong one (as a verifier
+    that cannot reach the drafters would fail): its first direct draft fails, the coordinator's own
+    Draft to the same drafter works, so the coordinator sends no direct draft to that drafter again
+    (for any sequence, until its retry time): one failed direct draft in all, the target's tokens."""
+    from services.rpc.security import Security
+    from verifier_svc.direct_draft import DirectDrafts
+
+    (tmp_path / "internal").write_text("s3cret\n")
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True,
+                       service_overrides={"internal_token_file": str(tmp_path / "internal")})
+    try:
+        p.verifier._direct = DirectDrafts(p.service, Security(internal_token="wrong"))
+        failed_before, drafted_before = direct_counter("failed"), direct_counter("drafted")
+        for _ in range(2):
+            tokens, messages = generate(p)
+            assert tokens == target_greedy[:N] and not any(s.drafted_in_verify for s in rounds(messages))
+        assert direct_counter("failed") == failed_before + 1 and direct_counter("drafted") == drafted_before
+        assert not p.coordinator.sequences.unreached.reachable(p.addresses["drafter"])
+    finally:
+        p.close()
+
+
+def test_unreached_drafters_are_tried_again_after_their_retry_time():
+    from coordinator.sequence_placement import UnreachedDrafters
+
+    now = [100.0]
+    unreached = UnreachedDrafters(retry_s=60, clock=lambda: now[0])
+    assert unreached.reachable("d:1")
+    unreached.unreached("d:1")
+    assert not unreached.reachable("d:1") and unreached.reachable("d:2")
+    now[0] = 159.9
+    assert not unreached.reachable("d:1")
+    now[0] = 160.0
+    assert unreached.reachable("d:1")
