@@ -441,6 +441,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             made[0] += len(new)
             if made[0] >= request.max_tokens or stop_ids.intersection(new) or not response.HasField("next_tree"):
                 return None
+            if not response.round_index:  # a single Verify's answer, given again: its caller has left the run
+                return None  # (a run computes a round only after a round of its own: the engine's shapes rule)
             return replace(step, tree=codec.decode_tree(response.next_tree, self.vocab_size, self.config.max_tree_nodes),
                            round_index=step.round_index + 1, next_round=step.next_round + 1)
 

@@ -226,6 +226,7 @@ class _Draft:
     ahead_hit: bool = False  # the tree was drafted ahead (its draft_s is 0: nothing waited for it)
     saved_s: float = 0.0  # that ahead draft's own seconds
     in_verify: bool = False  # drafted inside the previous round's Verify (a verifier that drafts too)
+    held: bool = False  # a run's next tree verified as it is, whatever the plan (Engine._drafted_in_verify)
 
 
 @dataclass
@@ -531,7 +532,7 @@ class Engine:
         nxt = None
         if res.next_tree is not None:
             assert self.drafter is not None  # (a next tree comes from a drafter's process)
-            nxt = (res.next_tree, res.next_draft_s, next_params or draft.plan.tree or self.drafter.tree)
+            nxt = (res.next_tree, res.next_draft_s, next_params or draft.plan.tree or self.drafter.tree, res.from_run)
         return _Verified(tokens, stats, res.features, nxt)
 
     def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> TreeParams | None:
@@ -557,7 +558,7 @@ class Engine:
         if run is not None and run.exhausted:  # every round it asked for was read: another run, not one Verify
             self._tree_runs.pop(seq_id).close()
             run = None
-        if run is not None or next_params is None or self.plain_run < 2 or self.budget.fixed is None:
+        if run is not None or next_params is None or self.plain_run < 2 or draft.held:
             return run
         verify_run = getattr(self.verifier, "verify_run", None)
         left = seq.max_new_tokens - seq.produced - (next_params.depth + 2)  # (a round commits depth + 2 at most)
@@ -685,15 +686,25 @@ class Engine:
             seq.policy.observe_ahead(hit is not None)
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
-    def _drafted_in_verify(self, seq_id: str, seq: _SequenceState, drafted: tuple[DraftTree, float, TreeParams],
-                           rows: int) -> _Draft:
+    def _drafted_in_verify(self, seq_id: str, seq: _SequenceState,
+                           drafted: tuple[DraftTree, float, TreeParams, bool], rows: int) -> _Draft:
         """The next round from the tree the verifier's own head drafted in the Verify (its draft KV took the
         round's `rows` already): the budget plans as after any verdict; the tree is cut to the plan's shape
         (services/spec/ahead.py trim; a plan larger than the tree keeps the tree as drafted), or left
-        unused for a plain round."""
-        tree, draft_s, params = drafted
+        unused for a plain round. A verdict a run computed (module doc, "Tree runs") holds the tree as it
+        is when the plan changes the shape: the verifier may have verified it already, in the run; the run
+        is closed, and the plan applies from the first round a run did not compute."""
+        tree, draft_s, params, from_run = drafted
         self._observe_draft(params, rows, draft_s)
         plan = self._plan(seq_id, seq, 0)
+        if from_run and plan.tree != params:
+            run = self._tree_runs.pop(seq_id, None)
+            if run is not None:
+                run.close()  # no further round in the run's shape
+            self.verdict_counts["held"] += 1
+            # (the plan's predictions for its own shape; no head gain: `realized` learns nothing from it)
+            return _Draft(tree, RoundPlan(params, 0, plan.tokens, plan.seconds), [], None, draft_s, in_verify=True,
+                          held=True)
         if plan.tree is None:
             self.verdict_counts["plain"] += 1
             return self._draft(seq_id, seq, seq.root, plan=plan)
@@ -819,8 +830,9 @@ class _Verified:
     tokens: list[int]  # accepted drafts + the bonus (a plain step: one token)
     stats: RoundStats
     features: torch.Tensor | None = None  # [k + m + 1, F] VerifyResult.features (None: a plain step)
-    # the next tree drafted inside the Verify (a verifier that drafts too): (tree, seconds, its shape)
-    next: tuple[DraftTree, float, TreeParams] | None = None
+    # the next tree drafted inside the Verify (a verifier that drafts too): (tree, seconds, its shape,
+    # whether a run computed the verdict: VerifyResult.from_run)
+    next: tuple[DraftTree, float, TreeParams, bool] | None = None
 
 
 @dataclass

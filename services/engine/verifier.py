@@ -98,6 +98,9 @@ class VerifyResult:
     # drafted from this verdict (the draft KV took the accepted tokens and the bonus), and its seconds
     next_tree: DraftTree | None = None
     next_draft_s: float = 0.0
+    # computed by a run of tree rounds (VerifyRun: its answer, or one answered again): the verifier
+    # may have verified next_tree already, as it is (the next round's, in the run)
+    from_run: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,7 +205,7 @@ class RemoteVerifier:
         if response.HasField("next_tree"):
             self.busy = response.drafter_busy
             result = replace(result, next_tree=codec.decode_tree(response.next_tree, self.vocab_size),
-                             next_draft_s=response.next_draft_seconds)
+                             next_draft_s=response.next_draft_seconds, from_run=response.round_index > 0)
         return result
 
     def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: NextDraft,

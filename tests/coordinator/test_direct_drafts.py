@@ -240,3 +240,21 @@ def test_unreached_drafters_are_tried_again_after_their_retry_time():
     assert not unreached.reachable("d:1")
     now[0] = 160.0
     assert unreached.reachable("d:1")
+
+
+def test_a_run_never_goes_past_a_single_verify_answered_again(split):
+    """A VerifyRun whose first round was a single Verify (its answer given again, no round index) ends
+    there: a run computes a round only after one of its own, so the coordinator's engine, which
+    holds a run's trees only for the rounds a run answered, never meets a round verified with a tree
+    it did not send (services/engine/engine.py, "Tree runs")."""
+    stub, tree = _verifier_sequence(split, "f")
+    single = vpb.VerifyRequest(sequence_id="f", round_index=1, tree=codec.encode_tree(tree))
+    single.next_draft.round_index, single.next_draft.drafter = 2, split.addresses["drafter"]
+    single.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    answer = stub.Verify(single, timeout=60)
+    assert answer.HasField("next_tree") and answer.round_index == 0
+    run = vpb.VerifyRunRequest(sequence_id="f", round_index=1, tree=single.tree, rounds=8, max_tokens=40,
+                               next_draft=single.next_draft)
+    assert [untimed(a) for a in stub.VerifyRun(run, timeout=60)] == [untimed(answer)]
+    stub.Release(pb.ReleaseRequest(sequence_id="f"), timeout=60)
+    split.drafter.drafter.release("f")

@@ -3,7 +3,10 @@ gets each tree round's next shape with the Verify and returns the next tree with
 engine uses it cut to the budget's next plan, or leaves it for a plain round. In process here (the
 coordinator's placement makes the same calls over gRPC: tests/coordinator/test_colocated.py), with a
 scripted budget whose plans change every round: greedy output equals transformers' token for token,
-and each drafted tree is counted once as kept, trimmed or unused."""
+and each drafted tree is counted once as kept, trimmed or unused. With runs of tree rounds (a verifier
+that computes rounds ahead of the engine, as VerifyRun does), plans that change the shape never make
+the engine send another tree for a round the run verified already (held rounds), and the output
+stays the target's."""
 
 from dataclasses import dataclass, field, replace
 
@@ -49,11 +52,12 @@ class DraftingVerifier:
 
 @dataclass(frozen=True)
 class ScriptedBudget(Budget):
-    """Plans SCRIPT round after round (the prefill's plan included), whatever was accepted."""
+    """Plans `script` round after round (the prefill's plan included), whatever was accepted."""
     count: list = field(default_factory=lambda: [0])
+    script: tuple = SCRIPT
 
     def plan(self, stats, chain=0, commit_rows=2.0, key=None, adapt=True, pending_rows=0) -> RoundPlan:
-        tree = SCRIPT[self.count[0] % len(SCRIPT)]
+        tree = self.script[self.count[0] % len(self.script)]
         self.count[0] += 1
         return RoundPlan(tree, 0, 1.0 + (tree.size if tree else 0) / 8, 1.0)
 
@@ -92,3 +96,113 @@ def test_without_a_verifier_that_drafts_nothing_changes(llama_pair):
     steps = list(engine.generate(GenerationRequest(tuple(PROMPT), 24)))
     assert [t for s in steps for t in s.tokens] == hf_greedy(hf, PROMPT, 24)
     assert not any(s.stats.drafted_in_verify for s in steps) and not engine.verdict_counts
+
+
+class _PlainRun:
+    """A run of plain steps over the in-process verifier (DecodeRun's interface)."""
+
+    def __init__(self, verifier, seq_id: str, token: int, round_index: int, steps: int, keep_features: bool) -> None:
+        self.verifier, self.seq_id, self.token, self.round_index = verifier, seq_id, token, round_index
+        self.left, self.keep_features = steps, keep_features
+
+    def __next__(self) -> int:
+        assert self.left > 0, "the engine read past its run"
+        self.token = self.verifier.decode(self.seq_id, self.token, self.round_index, keep_features=self.keep_features)
+        self.round_index, self.left = self.round_index + 1, self.left - 1
+        return self.token
+
+    def close(self) -> None:
+        self.left = 0
+
+
+class RunningVerifier(DraftingVerifier):
+    """A verifier that drafts too and runs tree rounds (verify_run) as the verifier service does: a
+    run verifies each next tree in the run's shape, LOOKAHEAD rounds past the round the engine reads
+    (it queues its next round before an answer goes out), and one more after it is closed (the round
+    in flight when the cancel arrives). A round it computed is answered from it again, and the tree
+    the engine sends for it must be the one the run verified."""
+
+    LOOKAHEAD = 2
+
+    def __init__(self, verifier: Verifier, drafter: Drafter) -> None:
+        super().__init__(verifier, drafter)
+        self.computed: dict[int, tuple] = {}  # round -> (the tree the run verified, its answer)
+        self.runs: list[tuple[int, int]] = []  # (first round, rounds)
+        self.answered_again = 0
+
+    def verify(self, seq_id, tree, round_index, next_draft: TreeParams | None = None):
+        if round_index in self.computed:
+            verified, res = self.computed.pop(round_index)
+            assert torch.equal(tree.tokens, verified.tokens) and torch.equal(tree.parents, verified.parents), \
+                f"round {round_index}: the engine sent another tree than the run verified"
+            self.answered_again += 1
+            return res
+        return super().verify(seq_id, tree, round_index, next_draft)
+
+    def verify_run(self, seq_id, tree, round_index, next_params, rounds, max_tokens, stop_ids):
+        self.runs.append((round_index, rounds))
+        return _TreeRun(self, seq_id, tree, round_index, next_params, rounds, max_tokens, stop_ids)
+
+    def decode_run(self, seq_id, token, round_index, steps, keep_features=False):
+        return _PlainRun(self.verifier, seq_id, token, round_index, steps, keep_features)
+
+
+class _TreeRun:
+    """One run of RunningVerifier (the placement's run interface: next, open, exhausted, close)."""
+
+    def __init__(self, v: RunningVerifier, seq_id, tree, round_index, params, rounds, max_tokens, stop_ids) -> None:
+        self.v, self.seq_id, self.params = v, seq_id, params
+        self.tree, self.round = tree, round_index  # the next round the run computes, and its tree
+        self.rounds, self.max_tokens, self.stop_ids = rounds, max_tokens, stop_ids
+        self.made = self.count = self.read = 0
+        self.ended, self.open = False, True
+
+    def _step(self) -> None:
+        if self.ended:
+            return
+        res = replace(DraftingVerifier.verify(self.v, self.seq_id, self.tree, self.round, self.params), from_run=True)
+        self.v.computed[self.round] = (self.tree, res)
+        new = res.acceptance.new_tokens
+        self.made, self.count, self.round = self.made + len(new), self.count + 1, self.round + 1
+        if (self.count >= self.rounds or self.made >= self.max_tokens or self.stop_ids & set(new)
+                or res.next_tree is None):
+            self.ended = True
+        self.tree = res.next_tree
+
+    def next(self, tree, round_index, next_params):
+        while self.open and not self.ended and self.round <= round_index + RunningVerifier.LOOKAHEAD:
+            self._step()
+        if not self.open or round_index not in self.v.computed:  # the run ended before it: a single Verify
+            self.open = False
+            return self.v.verify(self.seq_id, tree, round_index, next_params)
+        self.read += 1
+        return self.v.verify(self.seq_id, tree, round_index)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.read >= self.rounds
+
+    def close(self) -> None:
+        if self.open:
+            self._step()  # the round in flight when the cancel arrives
+        self.open, self.ended = False, True
+
+
+def test_runs_with_plans_that_change_hold_the_runs_trees(llama_pair):
+    """The adaptive budget's plans change the shape in the middle of runs of tree rounds: the rounds a
+    run may have verified already verify its trees as they are (held), then the plan applies; greedy
+    output equals transformers' token for token, and every round a run computed is answered from it
+    with the same tree (RunningVerifier checks)."""
+    hf, target, head = llama_pair
+    drafter = Drafter(head, LARGE)
+    verifier = RunningVerifier(Verifier(target, head.feature_kind), drafter)
+    script = (LARGE,) * 5 + (SMALL,) * 4 + (None,) * 2 + (SMALL, LARGE, LARGE)
+    budget = ScriptedBudget(costs(), prior_stats({"top1_agreement": 0.3}), largest=LARGE, detach=False, script=script)
+    engine = Engine(verifier, drafter, 512, VOCAB, budget=budget, plain_run=4)
+    tokens, stats = [], []
+    for step in engine.generate(GenerationRequest(tuple(PROMPT), 64)):
+        tokens += step.tokens
+        stats += [step.stats] if step.stats.round_index > 0 else []
+    assert tokens == hf_greedy(hf, PROMPT, 64)
+    assert len(verifier.runs) > 1 and engine.verdict_counts["held"] and verifier.answered_again
+    assert any(s.tree_run for s in stats) and not verifier.computed  # every round a run computed was used
