@@ -75,7 +75,7 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                         "free memory, the verifier's --kv-budget-share)")
     g.add_argument("--plain-run", type=int, default=None, metavar="N",
                    help="the coordinators' plain decode rounds per DecodeRun call (the verifier runs them back to "
-                        "back; with --colocate and a fixed tree, tree rounds per VerifyRun call too); 0 = one call a "
+                        "back; with --colocate or --direct-drafts, tree rounds per VerifyRun call too); 0 = one call a "
                         "round (default: AERIE_PLAIN_RUN, else 16)")
     g.add_argument("--overlap", type=overlap_mode, default=None, metavar="{off,on,always}",
                    help="the coordinators draft the next tree ahead while one is verified (DraftAhead overlapping "
@@ -84,7 +84,7 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                         "did not pay on the CPUs measured)")
     g.add_argument("--direct-drafts", action="store_true", default=None,
                    help="the verifiers send each verdict's Draft straight to the sequence's drafter and answer with "
-                        "the next tree (one Verify call an EAGLE round; with a fixed tree, runs of tree rounds); "
+                        "the next tree (one Verify call an EAGLE round, and runs of tree rounds); "
                         "the coordinators' --direct-drafts (default: AERIE_DIRECT_DRAFTS, else off)")
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING or ERROR, for every service (default: AERIE_LOG_LEVEL, else INFO)")

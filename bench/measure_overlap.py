@@ -74,6 +74,9 @@ def summary(runs: list) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="the tests' tiny Llama + distilled head (else --target/--draft)")
+    p.add_argument("--tiny-tree", choices=("fixed", "auto"), default="fixed",
+                   help="with --tiny: the fixed 16/3/4 tree, or the adaptive budget (drafters and the in-process "
+                        "engine without a tree: each round's shape planned)")
     p.add_argument("--tiny-layers", type=int, default=2,
                    help="--tiny: the target's layers (more: a verify longer than the one-layer head's draft)")
     p.add_argument("--target", default=None)
@@ -117,7 +120,7 @@ def main() -> None:
         root = save_bench_dirs((hf, target, distill_head(target, "eagle", seed=0)), Path(tmp.name))
         args.target, args.draft = str(root / "target"), str(root / "head")
         args.prompts = args.prompts or str(root / "prompts.jsonl")
-        model = ["--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4"]
+        model = ["--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4"] if args.tiny_tree == "fixed" else []
     model += ["--dtype", args.dtype] + (["--target", args.target] if args.target else []) + ["--draft", args.draft]
     env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_OVERLAP": "0"}
     argv = ["--port", "0", "--http-port", "0", *model, *args.up_args.split()]
@@ -140,7 +143,7 @@ def main() -> None:
         from services.spec.tree import TreeParams
 
         local = build_local_engine(args.target, args.draft, args.dtype,
-                                   TreeParams(4, 3, 16) if args.tiny else None)
+                                   TreeParams(4, 3, 16) if args.tiny and args.tiny_tree == "fixed" else None)
         prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category,
                                [c.strip() for c in args.categories.split(",") if c.strip()])
         from services.spec.overlap import AheadPolicy
@@ -148,7 +151,7 @@ def main() -> None:
         local_modes = [m.strip() for m in args.in_process_ahead.split(",") if m.strip()]
         engines = {"in_process": local.engine}
         for m in local_modes:  # the same engine code with drafting ahead (a drafter thread in process)
-            other = build_local_engine(args.target, args.draft, args.dtype, TreeParams(4, 3, 16) if args.tiny else None)
+            other = build_local_engine(args.target, args.draft, args.dtype, TreeParams(4, 3, 16) if args.tiny and args.tiny_tree == "fixed" else None)
             other.engine.ahead = AheadPolicy(contention=0.0, learn_cost=False) if m == "always" else AheadPolicy()
             other.engine.drafter.ahead_branches = 2  # the draft KV's ahead rows, as `aerie up --overlap` drafters
             engines[f"in_process-{m}"] = other.engine
@@ -200,7 +203,7 @@ def main() -> None:
         if name.startswith("in_process-"):
             report[f"{name}_vs_in_process"] = ratio(name, "in_process")
     report["exact"] = all(len({tuple(r.tokens) for r in rows}) == 1 for rows in zip(*runs.values()))
-    report["config"] = {"model": f"tiny (tests/helpers.py), {args.tiny_layers} layers" if args.tiny else args.target or "default",
+    report["config"] = {"model": f"tiny (tests/helpers.py), {args.tiny_layers} layers, {args.tiny_tree} tree" if args.tiny else args.target or "default",
                         "draft": args.draft, "prompts": len(prompts), "prompt_file": args.prompts,
                         "categories": args.categories, "per_category": args.per_category, "repeats": args.repeats,
                         "max_new_tokens": args.max_new_tokens,

@@ -63,7 +63,7 @@ class CoordinatorConfig:
     # plain rounds per DecodeRun call (services/engine/engine.py "Plain runs"); 0 = one Decode per plain round
     plain_run: int = 16
     # a Verify's next tree drafted at the sequence's drafter by the verifier itself (NextDraft.drafter,
-    # verifier_svc/direct_draft.py): one call an EAGLE round, and with a fixed tree runs of tree rounds
+    # verifier_svc/direct_draft.py): one call an EAGLE round, and runs of tree rounds
     direct_drafts: bool = False
     tokenizer: str | None = None  # text: a directory or .gguf; None = the verifier's target; "none" = ids only
     served_model_name: str | None = None  # the model's name in the APIs; None = the target's file name
@@ -139,7 +139,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
     g.add_argument("--direct-drafts", type=_on_off, default=env("AERIE_DIRECT_DRAFTS", "0"),
                    help="verifiers send each verdict's Draft straight to the sequence's drafter and answer with "
-                        "the next tree: one Verify call an EAGLE round, and with a fixed tree runs of tree rounds "
+                        "the next tree: one Verify call an EAGLE round, and runs of tree rounds "
                         "(VerifyRun); verifiers must reach the drafters (AERIE_DIRECT_DRAFTS, 0; docs/distributed.md)")
     g.add_argument("--overlap", type=overlap_mode, default=env("AERIE_OVERLAP", "0"),
                    help="draft the next tree ahead while one is verified: a DraftAhead call from a guessed verdict "

@@ -19,11 +19,18 @@ in one batch of the head (`DrafterServicer.draft_next`: its per-round idempotenc
 part of the stored answer, so a repeated Verify gets the same tree again. A draft that fails (the
 head lost the sequence) leaves the answer without a tree: the coordinator drafts with a Draft call.
 
-VerifyRun (a verifier that drafts too): a run of tree rounds, each a NextDraftVerify through the
-batcher whose answer, once its next tree is drafted, queues the next round with that tree before the
-answer reaches the caller (RunChain with a `follow` of its own), until `rounds`, max_tokens, a stop id
-or a round that drafted nothing. Every round it ran is kept (RunAnswers): a Verify at one of them, a
-broken stream's retry, gets its answer again.
+Direct drafts (`next_draft.drafter`: the sequence's drafter in another process, coordinator
+--direct-drafts; verifier_svc/direct_draft.py): the same next draft, sent to that drafter on the event
+loop once the forward has answered (the model thread goes on with other calls); a drafter that fails
+leaves the answer a plain Verify's.
+
+VerifyRun (a verifier that drafts too, or direct drafts): a run of tree rounds, each a NextDraftVerify
+through the batcher whose answer, once its next tree is drafted, queues the next round with that tree
+before the answer reaches the caller (here: RunChain with a `follow` of its own; direct: the loop of
+`_direct_run`), until `rounds`, max_tokens, a stop id, a round that drafted nothing, or a round that
+was a single Verify's answer given again (a run computes a round only after one of its own: the
+engine holds a run's trees only for those). Every round it ran is kept (RunAnswers): a Verify at one
+of them, a broken stream's retry, gets its answer again.
 
 DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
 the batcher, the next queued by the model thread as soon as the previous token is known (on a GPU,

@@ -72,13 +72,17 @@ round instead of a Verify and a Draft; the same trees wherever the plan keeps th
 fixed tree: always). Not with retrieval, drafting ahead or rows waiting for the draft KV (the
 detached rounds' rows): those rounds draft as before.
 
-Tree runs (a verifier role with `verify_run` that drafts inside the Verify, `plain_run` N > 1, a
-fixed tree): the verifier runs up to N tree rounds back to back, each verifying the tree it drafted
-in the round before, without waiting for the coordinator between them (the VerifyRun call), as plain
-runs do for plain rounds; each round is still its own RoundOutput, committed and streamed as before.
-The run ends before the rounds that may end the request and after a round with a stop id; a stop,
-cancel or broken run closes it (the rounds after it are single Verify calls, answered from what the
-run computed where it did).
+Tree runs (a verifier role with `verify_run` that drafts inside the Verify, `plain_run` N > 1): the
+verifier runs up to N tree rounds back to back, each verifying the tree it drafted in the round
+before, in the run's first shape, without waiting for the coordinator between them (the VerifyRun
+call), as plain runs do for plain rounds; each round is still its own RoundOutput, committed and
+streamed as before. The run ends before the rounds that may end the request and after a round with a
+stop id; a stop, cancel or broken run closes it (the rounds after it are single Verify calls,
+answered from what the run computed where it did). With the adaptive budget the plan may change the
+shape while a run goes on: the verifier may have verified the run's next tree already (a run queues
+its next round before an answer goes out), so a verdict a run computed (VerifyResult.from_run) holds
+that tree as it is for the next round (`held`; the run is closed) and the plan applies from the first
+round no run computed (a run never computes a round after a single Verify's: verifier_svc).
 
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
@@ -500,6 +504,8 @@ class Engine:
             self._settle(ahead)
         self._open_ahead.pop(seq_id, None)
         wait_s = time.perf_counter() - t0 - verify_s
+        if res.next_tree is not None:  # the next tree was drafted inside the call: the next round's draft_s
+            verify_s = max(verify_s - res.next_draft_s, 0.0)
         tree = host_tree(tree)  # (the verifier waited for it already)
         seq.ahead = ahead
         self.budget.observe_verify(draft.plan, verify_s)
