@@ -50,7 +50,7 @@ for shape in $SHAPES; do
   limit=${GPU_BENCH_TIMEOUT:-120}
 done
 if [ -n "${GPU_PIPELINE:-}" ]; then
-  timeout "${GPU_PIPELINE_TIMEOUT:-300}" "$PY" -m aerie_cli bench --shape "$GPU_PIPELINE" --device cuda --pipeline \
+  timeout "${GPU_PIPELINE_TIMEOUT:-360}" "$PY" -m aerie_cli bench --shape "$GPU_PIPELINE" --device cuda --pipeline \
     --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --repeats 3 --json-out "$OUT_DIR/pipeline-$GPU_PIPELINE.json" 2>&1 \
     | tee "$OUT_DIR/pipeline-$GPU_PIPELINE.txt"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc

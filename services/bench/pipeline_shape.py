@@ -12,9 +12,10 @@ GPU_PIPELINE=1).
    device trees, plain runs where the device has them), plain decoding and EAGLE with a fixed tree.
 3. Through the services: `aerie up --target DIR --draft HEAD --tree-* ...` (its default flags
    otherwise; the HTTP API inside the coordinator), the same with `--colocate` (each verifier serves
-   the head too and drafts the next tree inside each Verify: one call a round), then `aerie up
+   the head too and drafts the next tree inside each Verify: one call a round), the same with
+   `--direct-drafts` (separate drafters; each verifier sends its verdict's Draft itself), then `aerie up
    --draft none` (plain decoding: no drafter), each request through the coordinator's gRPC stream
-   (`RemoteSession`). The colocated pipeline is compared with the in-process EAGLE engine.
+   (`RemoteSession`). The colocated and direct pipelines are compared with the in-process EAGLE engine.
 
 Each side decodes the same `prompt`-token prompt (random ids) `repeats` times after a warm-up
 request, `tokens` new tokens each, ignoring EOS. ms/token is the decode time after the first
@@ -46,8 +47,10 @@ import torch
 
 READY = "ready: aerie generate --coordinator "
 TREE = (4, 3, 16)  # top_k, depth, tokens: the fixed tree both sides draft
-# through the services: label -> (draft, `aerie up --colocate`, the in-process label it is compared with)
-PIPELINES = {"eagle": ("head", False, "eagle"), "colocated": ("head", True, "eagle"), "plain": ("none", False, "plain")}
+# through the services: label -> (draft, `aerie up --colocate`, the in-process label it is compared with,
+# more `aerie up` flags)
+PIPELINES = {"eagle": ("head", False, "eagle", ()), "colocated": ("head", True, "eagle", ()),
+             "direct": ("head", False, "eagle", ("--direct-drafts",)), "plain": ("none", False, "plain", ())}
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +156,9 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         _free(cfg.device)
 
         res["pipeline"] = {}
-        for label, (draft, colocate, _) in PIPELINES.items():
+        for label, (draft, colocate, _, extra) in PIPELINES.items():
             with AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
-                         colocate) as address:
+                         colocate, extra) as address:
                 res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
         base = {label: res["in_process"][PIPELINES[label][2]] for label in res["pipeline"]}
@@ -244,10 +247,11 @@ def table(res: dict) -> str:
     rows = [("device", res["device"]), ("shape / dtype / prompt", f"{res['shape']} / {res['dtype']} / {res['prompt']}"),
             ("tokens a request, repeats", f"{res['tokens']}, {res['repeats']}")]
     names = {"plain": "plain decoding", "eagle": f"EAGLE, tree {res['tree']} (a round a token)",
-             "colocated": "EAGLE, verifier --draft (aerie up --colocate)"}
+             "colocated": "EAGLE, verifier --draft (aerie up --colocate)",
+             "direct": "EAGLE, direct drafts (aerie up --direct-drafts)"}
     for label, name in names.items():
-        if label not in res.get("pipeline", {}) and label == "colocated":
-            continue  # (a result from before the colocated pipeline was measured)
+        if label not in res.get("pipeline", {}) and label in ("colocated", "direct"):
+            continue  # (a result from before that pipeline was measured)
         inp = res.get("in_process", {}).get(PIPELINES[label][2], {}).get("ms_per_token")
         pipe = res.get("pipeline", {}).get(label, {}).get("ms_per_token")
         ratio = res.get("ratio", {}).get(label)
@@ -256,7 +260,7 @@ def table(res: dict) -> str:
                      f"{_ms(inp)}, {_ms(pipe)}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
                      + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")))
     for side, label, name in (("in_process", "eagle", "in process"), ("pipeline", "eagle", "pipeline"),
-                              ("pipeline", "colocated", "colocated")):
+                              ("pipeline", "colocated", "colocated"), ("pipeline", "direct", "direct drafts")):
         r = res.get(side, {}).get(label, {}).get("round_ms")
         if r and r.get("wall") is not None:
             rows.append((f"  EAGLE round {name}: wall (draft + verify) ms",

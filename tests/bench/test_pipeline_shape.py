@@ -1,6 +1,6 @@
 """`aerie bench --shape S --pipeline` (services/bench/pipeline_shape.py) end to end on the CPU with the
-tiny shape: a random checkpoint written to disk, the in-process engine on it, then three real `aerie up`
-pipelines (separate processes, gRPC, Redis; one with --colocate) on it; the JSON the docs read (no speed
+tiny shape: a random checkpoint written to disk, the in-process engine on it, then four real `aerie up`
+pipelines (separate processes, gRPC, Redis; one with --colocate, one with --direct-drafts) on it; the JSON the docs read (no speed
 asserted)."""
 
 import json
@@ -21,22 +21,23 @@ def test_pipeline_shape_bench_streams_the_in_process_tokens_through_aerie_up(tmp
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["shape"] == "tiny" and res["device"] == "cpu" and res["dtype"] == "fp32" and res["complete"]
-    for side, labels in (("in_process", ("plain", "eagle")), ("pipeline", ("plain", "eagle", "colocated"))):
+    for side, labels in (("in_process", ("plain", "eagle")), ("pipeline", ("plain", "eagle", "colocated", "direct"))):
         for label in labels:
             r = res[side][label]
             assert r["ms_per_token"] > 0 and len(r["runs_ms_per_token"]) == 1, (side, label)
             assert len(r["token_ids"]) == 6, (side, label)  # ignore_eos: every token asked for
-    for side, label in (("in_process", "eagle"), ("pipeline", "eagle"), ("pipeline", "colocated")):
+    for side, label in (("in_process", "eagle"), ("pipeline", "eagle"), ("pipeline", "colocated"), ("pipeline", "direct")):
         split = res[side][label]["round_ms"]  # tree rounds after the first: their stats' draft and verify
         assert split["draft"] > 0 and split["verify"] > 0 and split["wall"] > 0, (side, label)
     # greedy through the services == in process (and plain == EAGLE: lossless), on the same checkpoint
-    assert res["same_tokens"] == {"plain": True, "eagle": True, "colocated": True}
+    assert res["same_tokens"] == {"plain": True, "eagle": True, "colocated": True, "direct": True}
     assert res["in_process"]["plain"]["token_ids"] == res["in_process"]["eagle"]["token_ids"]
-    assert min(res["ratio"].values()) > 0 and set(res["ratio"]) == {"plain", "eagle", "colocated"}
+    assert min(res["ratio"].values()) > 0 and set(res["ratio"]) == {"plain", "eagle", "colocated", "direct"}
     printed = table(res)
     assert "same tokens" in printed and "TOKENS DIFFER" not in printed and printed in proc.stdout
     assert "EAGLE round pipeline: wall (draft + verify) ms" in printed
     assert "EAGLE round colocated: wall (draft + verify) ms" in printed
+    assert "EAGLE round direct drafts: wall (draft + verify) ms" in printed
 
 
 def test_a_failed_start_says_why(tmp_path, monkeypatch):
