@@ -189,9 +189,13 @@ class Budget:
             self.load.observe_draft(seconds - self.costs.draft_seconds(params, commit_rows))
 
     def observe_verify(self, plan: RoundPlan, seconds: float) -> None:
-        """The verify (or decode) call of a round planned as `plan` took `seconds`."""
+        """The verify (or decode) call of a round planned as `plan` took `seconds` (a plain plan's:
+        the board's plain extra, LoadBoard)."""
         if self.load is not None and self.fixed is None and plan.verify_s > 0:
-            self.load.observe_verify(seconds - plan.verify_s)
+            if plan.tree is None and not plan.chain:
+                self.load.observe_plain(seconds - plan.verify_s)
+            else:
+                self.load.observe_verify(seconds - plan.verify_s)
 
     def _plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load) -> RoundPlan:
         """`_choose`, then probing: after `probe_gap` rounds without drafting, draft one token (and
@@ -285,7 +289,9 @@ class Budget:
         n_max = (self.fixed or self.largest).size + chain + 1
         c = self.costs
         fv = batch_verify_table(c, load.rows, n_max) if load.sequences else verify_table(c, n_max)
-        tv = (0.0,) + tuple(f + load.draft_s + load.verify_extra for f in fv[1:])
+        # a plain step (1 row) is charged the plain rounds' extra once measured, every tree the tree rounds'
+        plain = load.verify_extra if load.plain_extra is None else load.plain_extra
+        tv = (0.0,) + tuple(f + load.draft_s + (plain if n == 1 else load.verify_extra) for n, f in enumerate(fv[1:], 1))
         return _Times(fv, tv, [chain_accept(stats.chain, n) for n in range(chain + 1)])
 
     def _fixed_plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load, t: _Times

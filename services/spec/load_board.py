@@ -6,6 +6,7 @@ as the budget sees them when it plans one sequence's round.
     load = board.others(key)                   # -> Load: what the others asked for
     board.post(key, rows, tokens, draft_s)     # this sequence's latest plan
     board.observe_draft(s); board.observe_verify(s)   # measured latency beyond the cost model
+    board.observe_plain(s)                     # ... of a plain round (a Decode, in runs where they run)
     board.leave(key)
 
 Thread-safe; pure (no I/O).
@@ -31,6 +32,9 @@ class Load:
     draft_s: float = 0.0  # their draft seconds per round
     draft_extra: float = 0.0  # measured: a draft's latency beyond the cost model's compute, seconds
     verify_extra: float = 0.0  # measured: a round's verify latency beyond the modelled forward, seconds
+    # measured: a plain round's (a Decode: in plain runs through the services, chained by the
+    # verifier) latency beyond the modelled forward; None until one was measured (verify_extra then)
+    plain_extra: float | None = None
 
 
 def same_load(a: Load, b: Load, tolerance: float = 0.1) -> bool:
@@ -42,7 +46,9 @@ def same_load(a: Load, b: Load, tolerance: float = 0.1) -> bool:
 
     return (a.sequences == b.sequences and abs(a.rows - b.rows) < 1e-3 and abs(a.tokens - b.tokens) < 1e-3
             and near(a.draft_s, b.draft_s) and near(a.draft_extra, b.draft_extra)
-            and near(a.verify_extra, b.verify_extra))
+            and near(a.verify_extra, b.verify_extra)
+            and (a.plain_extra is None) == (b.plain_extra is None)
+            and (a.plain_extra is None or near(a.plain_extra, b.plain_extra)))
 
 
 class LoadBoard:
@@ -51,8 +57,11 @@ class LoadBoard:
     draft takes than the cost model's compute for it (the draft call's round trip, the drafter's
     queue, catching up the draft KV) and how much longer a verify call takes than the modelled
     forward (the verify call's round trip, the batch's gathering, a batch forward's per-sequence
-    attention). The calibrated curves are one sequence's forward in process; these extras are what
-    the services add on this machine, and the chooser charges them (Budget._choose).
+    attention), that of tree rounds and that of plain rounds apart: through the services a plain
+    round is a Decode, and in plain runs the verifier chains them without a round trip each, where a
+    tree round is a call of its own. The calibrated curves are one sequence's forward in process;
+    these extras are what the services add on this machine, and the chooser charges them
+    (Budget._choose).
     Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
 
     def __init__(self, alpha: float = 0.1) -> None:
@@ -61,25 +70,33 @@ class LoadBoard:
         self.alpha = alpha
         self._draft_extra: float | None = None  # None until measured
         self._verify_extra: float | None = None
+        self._plain_extra: float | None = None
         self.realized: float | None = None  # the latest AcceptanceStats.realized of a greedy sequence
         #                                     here (None until one drafted): where new ones start
 
     def others(self, key: str) -> Load:
         with self._lock:
             rest = [v for k, v in self._plans.items() if k != key]
-            de, ve = self._draft_extra or 0.0, self._verify_extra or 0.0
+            de, ve, pe = self._draft_extra or 0.0, self._verify_extra or 0.0, self._plain_extra
         return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
-                    de, ve)
+                    de, ve, pe)
 
     def observe_draft(self, excess_s: float) -> None:
         """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""
         self._observe("_draft_extra", excess_s)
 
     def observe_verify(self, excess_s: float) -> None:
-        """One verify (or decode) call's measured seconds minus the modelled batch forward. The draft
+        """One tree round's verify call's measured seconds minus the modelled batch forward. The draft
         extra is forgotten slowly meanwhile (by alpha / 16 per call): measured under another load
         (a burst of catch-up drafts), it must not rule out drafting, and probing, for good."""
-        self._observe("_verify_extra", excess_s)
+        self._observe_round("_verify_extra", excess_s)
+
+    def observe_plain(self, excess_s: float) -> None:
+        """One plain round's measured seconds minus the modelled batch forward (as observe_verify)."""
+        self._observe_round("_plain_extra", excess_s)
+
+    def _observe_round(self, name: str, excess_s: float) -> None:
+        self._observe(name, excess_s)
         with self._lock:
             if self._draft_extra:
                 self._draft_extra *= 1.0 - self.alpha / 16

@@ -307,3 +307,25 @@ def test_a_sequence_joins_the_board_before_its_first_plan() -> None:
     assert board.rows() == {"a": 1.0, "b": 5.0}
     board.leave("b")
     assert board.others("a").sequences == 0
+
+
+def test_plain_rounds_and_tree_rounds_measure_their_own_extra() -> None:
+    """Through the services a plain round is a Decode (the verifier chains them in plain runs) and a
+    tree round a call of its own: the board keeps their latencies apart, a plain step is charged the
+    plain rounds' extra once one was measured (the tree rounds' before), and trees the tree rounds'."""
+    board = LoadBoard(alpha=1.0)
+    b = budget(board)
+    s = b.new_stats()
+    board.observe_draft(0.004)
+    board.observe_verify(5.0)  # tree rounds: 5 s beyond the modelled forward of about 1 s
+    assert board.others("me").plain_extra is None
+    assert b.plan(s, key="me").tree is not None  # a plain step charged the same 5 s: a tree still pays
+    board.observe_plain(0.0)  # plain rounds: nothing beyond the model
+    load = board.others("me")
+    assert (load.plain_extra, load.verify_extra) == (0.0, 5.0) and load.draft_extra < 0.004  # (decays here too)
+    plain = b.plan(s, key="me")
+    assert plain.tree is None and plain.chain == 0  # a plain step at ~1 s beats any tree at 6 s and more
+    b.observe_verify(plain, plain.verify_s + 0.2)  # a plain plan's round feeds the plain extra only
+    after = board.others("me")
+    assert abs(after.plain_extra - 0.2) < 1e-9 and after.verify_extra == 5.0
+    assert not same_load(load, replace(load, plain_extra=None))
