@@ -291,7 +291,8 @@ class Budget:
         fv = batch_verify_table(c, load.rows, n_max) if load.sequences else verify_table(c, n_max)
         # a plain step (1 row) is charged the plain rounds' extra once measured, every tree the tree rounds'
         plain = load.verify_extra if load.plain_extra is None else load.plain_extra
-        tv = (0.0,) + tuple(f + load.draft_s + (plain if n == 1 else load.verify_extra) for n, f in enumerate(fv[1:], 1))
+        tv = (0.0,) + tuple(f + load.draft_s + (plain if n == 1 else load.verify_extra)
+                            for n, f in enumerate(fv[1:], 1))
         return _Times(fv, tv, [chain_accept(stats.chain, n) for n in range(chain + 1)])
 
     def _fixed_plan(self, stats: AcceptanceStats, chain: int, commit_rows: float, load: Load, t: _Times
