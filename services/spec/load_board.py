@@ -47,8 +47,8 @@ def same_load(a: Load, b: Load, tolerance: float = 0.1) -> bool:
     return (a.sequences == b.sequences and abs(a.rows - b.rows) < 1e-3 and abs(a.tokens - b.tokens) < 1e-3
             and near(a.draft_s, b.draft_s) and near(a.draft_extra, b.draft_extra)
             and near(a.verify_extra, b.verify_extra)
-            and (a.plain_extra is None) == (b.plain_extra is None)
-            and (a.plain_extra is None or near(a.plain_extra, b.plain_extra)))
+            and (a.plain_extra is None and b.plain_extra is None
+                 or a.plain_extra is not None and b.plain_extra is not None and near(a.plain_extra, b.plain_extra)))
 
 
 class LoadBoard:
