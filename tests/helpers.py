@@ -211,3 +211,21 @@ def require_triton():
             pytest.fail(f"triton is missing ({e}): the test extra installs it: pip install -e '.[test]'", pytrace=False)
         pytest.skip(f"triton has no wheels for {sys.platform}", allow_module_level=True)
     return triton
+
+
+class InProcessPlainRun:
+    """A run of plain steps over an in-process verifier's decode calls (DecodeRun's interface: the
+    engine's run path without gRPC)."""
+
+    def __init__(self, verifier, seq_id: str, token: int, round_index: int, steps: int, keep_features: bool) -> None:
+        self.verifier, self.seq_id, self.token, self.round_index = verifier, seq_id, token, round_index
+        self.left, self.keep_features = steps, keep_features
+
+    def __next__(self) -> int:
+        assert self.left > 0, "the engine read past its run"
+        self.token = self.verifier.decode(self.seq_id, self.token, self.round_index, keep_features=self.keep_features)
+        self.round_index, self.left = self.round_index + 1, self.left - 1
+        return self.token
+
+    def close(self) -> None:
+        self.left = 0

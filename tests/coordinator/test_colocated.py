@@ -274,23 +274,3 @@ def test_verify_run_chains_rounds_and_a_verify_repeats_any_of_them(colocated, sp
         list(split.verifier_stub().VerifyRun(request, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--draft" in e.value.details()
 
-
-def test_a_local_run_never_goes_past_a_single_verify_answered_again(colocated):
-    """As tests/coordinator/test_direct_drafts.py's test of the same name, with the verifier's own head."""
-    stub = colocated.verifier_stub()
-    first = list(stub.Prefill(vpb.VerifierPrefillRequest(sequence_id="g", prompt_ids=list(PROMPT), capacity=128,
-                                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"]), timeout=60))
-    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
-    head = colocated.drafter.drafter
-    head.start("g", 128, False)
-    tree = head.draft("g", torch.tensor([*PROMPT[1:], first[0].first_token]), features, TREE)
-    single = vpb.VerifyRequest(sequence_id="g", round_index=1, tree=codec.encode_tree(tree))
-    single.next_draft.round_index = 2
-    single.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
-    answer = stub.Verify(single, timeout=60)
-    assert answer.HasField("next_tree") and answer.round_index == 0
-    run = vpb.VerifyRunRequest(sequence_id="g", round_index=1, tree=single.tree, rounds=8, max_tokens=40,
-                               next_draft=single.next_draft)
-    assert [untimed(a) for a in stub.VerifyRun(run, timeout=60)] == [untimed(answer)]
-    stub.Release(_release("g"), timeout=60)
-    head.release("g")

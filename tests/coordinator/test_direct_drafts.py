@@ -15,8 +15,8 @@ from services.rpc import codec
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
-from tests.coordinator.test_colocated import (DRAFT_DTYPE, N, PROMPT, counter, generate, rounds,  # noqa: F401
-                                             target_greedy, untimed)
+from tests.coordinator.test_colocated import (DRAFT_DTYPE, N, PROMPT, colocated, counter, generate,  # noqa: F401
+                                             rounds, split, target_greedy, untimed)
 from tests.helpers import VOCAB
 from tests.pipeline import TREE, start_pipeline, wait_until
 
@@ -25,13 +25,6 @@ def direct_counter(outcome: str) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value("aerie_direct_drafts_total", {"service": "verifier", "outcome": outcome}) or 0.0
-
-
-@pytest.fixture(scope="module")
-def split(model_dirs, redis_url):
-    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -242,19 +235,23 @@ def test_unreached_drafters_are_tried_again_after_their_retry_time():
     assert unreached.reachable("d:1")
 
 
-def test_a_run_never_goes_past_a_single_verify_answered_again(split):
+@pytest.mark.parametrize("where", ["drafter process", "own head"])
+def test_a_run_never_goes_past_a_single_verify_answered_again(split, colocated, where):
     """A VerifyRun whose first round was a single Verify (its answer given again, no round index) ends
-    there: a run computes a round only after one of its own, so the coordinator's engine, which
-    holds a run's trees only for the rounds a run answered, never meets a round verified with a tree
-    it did not send (services/engine/engine.py, "Tree runs")."""
-    stub, tree = _verifier_sequence(split, "f")
-    single = vpb.VerifyRequest(sequence_id="f", round_index=1, tree=codec.encode_tree(tree))
-    single.next_draft.round_index, single.next_draft.drafter = 2, split.addresses["drafter"]
+    there, with the drafter in another process or the verifier's own head: a run computes a round
+    only after one of its own, so the coordinator's engine, which holds a run's trees only for the
+    rounds a run answered, never meets a round verified with a tree it did not send
+    (services/engine/engine.py, "Tree runs")."""
+    p, seq_id = (split, "f") if where == "drafter process" else (colocated, "g")
+    stub, tree = _verifier_sequence(p, seq_id)
+    single = vpb.VerifyRequest(sequence_id=seq_id, round_index=1, tree=codec.encode_tree(tree))
+    single.next_draft.round_index = 2
+    single.next_draft.drafter = p.addresses["drafter"] if p is split else ""
     single.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
     answer = stub.Verify(single, timeout=60)
     assert answer.HasField("next_tree") and answer.round_index == 0
-    run = vpb.VerifyRunRequest(sequence_id="f", round_index=1, tree=single.tree, rounds=8, max_tokens=40,
+    run = vpb.VerifyRunRequest(sequence_id=seq_id, round_index=1, tree=single.tree, rounds=8, max_tokens=40,
                                next_draft=single.next_draft)
     assert [untimed(a) for a in stub.VerifyRun(run, timeout=60)] == [untimed(answer)]
-    stub.Release(pb.ReleaseRequest(sequence_id="f"), timeout=60)
-    split.drafter.drafter.release("f")
+    stub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=60)
+    p.drafter.drafter.release(seq_id)

@@ -17,7 +17,7 @@ from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
 from services.spec.tree import root_tree
 from tests.coordinator.test_failover import pool, reference, stream  # noqa: F401 (fixtures)
-from tests.helpers import hf_greedy
+from tests.helpers import InProcessPlainRun, hf_greedy
 from verifier_svc.plain_run import RunStep
 from tests.pipeline import count_queued_answers, remote_run, start_pipeline, wait_until
 
@@ -263,23 +263,6 @@ def test_detached_rounds_from_runs_equal_the_target_and_runs_off(detaching, llam
     assert run_rounds() == off_runs
 
 
-class _InProcessRun:
-    """A run over the in-process verifier's decode calls (the engine's run path without gRPC)."""
-
-    def __init__(self, verifier, seq_id: str, token: int, round_index: int, steps: int, keep_features: bool) -> None:
-        self.verifier, self.seq_id, self.token, self.round_index = verifier, seq_id, token, round_index
-        self.left, self.keep_features = steps, keep_features
-
-    def __next__(self) -> int:
-        assert self.left > 0, "the engine read past its run"
-        self.token = self.verifier.decode(self.seq_id, self.token, self.round_index, keep_features=self.keep_features)
-        self.round_index, self.left = self.round_index + 1, self.left - 1
-        return self.token
-
-    def close(self) -> None:
-        self.left = 0
-
-
 class _RunVerifier:
     """The in-process verifier with `decode_run`; records each run's (first round, steps)."""
 
@@ -292,7 +275,7 @@ class _RunVerifier:
 
     def decode_run(self, seq_id, token, round_index, steps, keep_features=False):
         self.runs.append((round_index, steps))
-        return _InProcessRun(self.verifier, seq_id, token, round_index, steps, keep_features)
+        return InProcessPlainRun(self.verifier, seq_id, token, round_index, steps, keep_features)
 
 
 def test_the_budget_after_a_run_is_that_after_single_plain_rounds(model_dirs, monkeypatch):

@@ -19,7 +19,7 @@ from services.spec.acceptance import prior_stats
 from services.spec.budget import Budget, RoundPlan
 from services.spec.cost import CostCurve, CostModel
 from services.spec.tree import TreeParams
-from tests.helpers import VOCAB, hf_greedy
+from tests.helpers import VOCAB, InProcessPlainRun, hf_greedy
 
 LARGE = TreeParams(4, 3, 16)
 SMALL = TreeParams(2, 2, 5)
@@ -98,23 +98,6 @@ def test_without_a_verifier_that_drafts_nothing_changes(llama_pair):
     assert not any(s.stats.drafted_in_verify for s in steps) and not engine.verdict_counts
 
 
-class _PlainRun:
-    """A run of plain steps over the in-process verifier (DecodeRun's interface)."""
-
-    def __init__(self, verifier, seq_id: str, token: int, round_index: int, steps: int, keep_features: bool) -> None:
-        self.verifier, self.seq_id, self.token, self.round_index = verifier, seq_id, token, round_index
-        self.left, self.keep_features = steps, keep_features
-
-    def __next__(self) -> int:
-        assert self.left > 0, "the engine read past its run"
-        self.token = self.verifier.decode(self.seq_id, self.token, self.round_index, keep_features=self.keep_features)
-        self.round_index, self.left = self.round_index + 1, self.left - 1
-        return self.token
-
-    def close(self) -> None:
-        self.left = 0
-
-
 class RunningVerifier(DraftingVerifier):
     """A verifier that drafts too and runs tree rounds (verify_run) as the verifier service does: a
     run verifies each next tree in the run's shape, LOOKAHEAD rounds past the round the engine reads
@@ -144,7 +127,7 @@ class RunningVerifier(DraftingVerifier):
         return _TreeRun(self, seq_id, tree, round_index, next_params, rounds, max_tokens, stop_ids)
 
     def decode_run(self, seq_id, token, round_index, steps, keep_features=False):
-        return _PlainRun(self.verifier, seq_id, token, round_index, steps, keep_features)
+        return InProcessPlainRun(self.verifier, seq_id, token, round_index, steps, keep_features)
 
 
 class _TreeRun:
