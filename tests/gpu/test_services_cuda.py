@@ -6,7 +6,9 @@ previous token is read (QueuedAnswer) stream transformers' greedy tokens; EAGLE 
 sequences at once (the drafter service's batches, DraftGraphs.draft_batch where two share a shape)
 give each sequence transformers' greedy tokens (both passed on an H200, 2026-11-27); a verifier that
 drafts too (verifier --draft, on its CUDA device) drafting each next tree inside the Verify for
-several sequences at once gives the same (written without a GPU: not run on one yet)."""
+several sequences at once gives the same (written without a GPU: not run on one yet); so does a
+verifier that sends each verdict's Draft to the drafter process itself (--direct-drafts; written
+without a GPU too)."""
 
 import pytest
 import torch
@@ -67,5 +69,24 @@ def test_a_verifier_that_drafts_too_on_cuda(model_dirs, redis_url, llama_pair):
         got = run_concurrently(p, [GenerationRequest(prompt, 32, ignore_eos=True) for prompt in prompts])
         for i, prompt in enumerate(prompts):
             assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
+    finally:
+        p.close()
+
+
+def test_direct_drafts_on_cuda(model_dirs, redis_url, llama_pair):
+    from prometheus_client import REGISTRY
+
+    def drafted() -> float:
+        return REGISTRY.get_sample_value("aerie_direct_drafts_total", {"service": "verifier", "outcome": "drafted"}) or 0.0
+
+    p = start_pipeline(model_dirs, redis_url, direct_drafts=True, verifier_overrides={"device": "cuda"})
+    try:
+        assert p.verifier.target.device.type == "cuda" and p.drafter.drafter.head.device.type == "cuda"
+        before = drafted()
+        prompts = [PROMPT, (9, 4, 77, 31), (3, 1, 4, 1, 5)]
+        got = run_concurrently(p, [GenerationRequest(prompt, 32, ignore_eos=True) for prompt in prompts])
+        for i, prompt in enumerate(prompts):
+            assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
+        assert drafted() > before  # the verifier sent the drafts
     finally:
         p.close()
