@@ -175,10 +175,12 @@ class RedisService:
 
 
 def write_state(path: str | None, processes: list) -> None:
-    """{"processes": [{"role", "pid", "address"}]}: what tests and operators use to find what to stop."""
+    """{"processes": [{"role", "pid", "address", "metrics_port"}]}: what tests and operators use to find
+    what to stop (and scrape; metrics_port null: none)."""
     if not path:
         return
-    state = {"processes": [{"role": p.role, "pid": p.proc.pid, "address": p.address} for p in processes]}
+    state = {"processes": [{"role": p.role, "pid": p.proc.pid, "address": p.address,
+                            "metrics_port": getattr(p, "metrics_port", None)} for p in processes]}
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, path)

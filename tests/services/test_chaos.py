@@ -12,7 +12,12 @@ land in overlapped rounds: the greedy streams still equal the undisturbed run to
 seeded sampling streams complete with valid tokens but are not compared, because a fault changes
 which trees are verified (an ahead draft that failed is replaced by a fresh draft; a take-over starts
 a fresh overlap policy), and a sampled token depends on the tree it was drawn against (the
-distribution does not: tests/engine/test_overlap.py)."""
+distribution does not: tests/engine/test_overlap.py).
+
+With direct drafts (`direct`: AERIE_DIRECT_DRAFTS=1, the verifiers send each verdict's Draft to the
+drafter themselves, in runs of tree rounds) the drafter's kill lands inside a run (the verifier's Draft
+fails, the coordinator drafts and fails over) and every stream, sampled ones too, equals the
+undisturbed run (the same Draft calls, sent from another place)."""
 
 import json
 import os
@@ -39,8 +44,9 @@ NEW_TOKENS = 400  # long enough that four faults land mid-stream on a fast machi
 RETRY_S = 240  # how long a stream keeps resuming after UNAVAILABLE
 
 
-def start_up(model_dirs, tmp_path, overlap: bool = False):
-    env = {**os.environ, "AERIE_OVERLAP": "1" if overlap else "0", "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_PROBE_INTERVAL_S": "0.5",
+def start_up(model_dirs, tmp_path, overlap: bool = False, direct: bool = False):
+    env = {**os.environ, "AERIE_OVERLAP": "1" if overlap else "0", "AERIE_DIRECT_DRAFTS": "1" if direct else "0",
+           "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_PROBE_INTERVAL_S": "0.5",
            "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_LEASE_TTL_S": "2",
            # 0: the SIGTERM hands the streams over at once; with a drain window (0.5 s) a fast machine
            # could finish every stream inside it and hand none over (the handover assertion below)
@@ -63,6 +69,19 @@ def start_up(model_dirs, tmp_path, overlap: bool = False):
 
 def processes(state, role):
     return [p for p in json.loads(state.read_text())["processes"] if p["role"] == role]
+
+
+def direct_drafts(process: dict) -> float:
+    """A verifier process's aerie_direct_drafts_total{outcome="drafted"} from its /metrics."""
+    import urllib.request
+
+    host = process["address"].rsplit(":", 1)[0]
+    try:
+        text = urllib.request.urlopen(f"http://{host}:{process['metrics_port']}/metrics", timeout=10).read().decode()
+    except OSError:  # (a process that is gone)
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("aerie_direct_drafts_total{") and 'outcome="drafted"' in line)
 
 
 class Stream:
@@ -120,14 +139,15 @@ class Stream:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tmp_path, overlap):
+@pytest.mark.parametrize("mode", ["serial", "overlap", "direct"])
+def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tmp_path, mode):
+    overlap = mode == "overlap"
     reqs = [GenerationRequest((5 + i, 17, 99, 3, 42, 8 + i), NEW_TOKENS,
                               SamplingParams() if i % 2 == 0 else SamplingParams(0.8, 0.95, 0, 100 + i),
                               ignore_eos=True) for i in range(8)]
     reference = local_engine(model_dirs, draft_dtype="fp32")  # fp32 drafts: see test_failover.DRAFT_DTYPE
     expected = [local_run(reference, r)[0] for r in reqs]
-    up, state = start_up(model_dirs, tmp_path, overlap)
+    up, state = start_up(model_dirs, tmp_path, overlap, direct=mode == "direct")
     report = {}
     try:
         coordinators = [p["address"] for p in processes(state, "coordinator")]
@@ -157,6 +177,8 @@ def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tm
                 continue
             assert s.tokens == expected[i], f"stream {i} differs from the undisturbed run"
         assert sum(s.resumes for s in streams) >= 1  # the coordinator kill really cut streams
+        if mode == "direct":  # the verifiers sent drafts to the drafters themselves
+            assert sum(direct_drafts(v) for v in processes(state, "verifier")) > 0
         handovers = [h for s in streams for h in s.handovers]
         assert handovers, "the SIGTERM handed no stream over"
         assert all(named == received for named, received in handovers), handovers  # nothing held back
