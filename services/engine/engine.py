@@ -82,7 +82,9 @@ answered from what the run computed where it did). With the adaptive budget the 
 shape while a run goes on: the verifier may have verified the run's next tree already (a run queues
 its next round before an answer goes out), so a verdict a run computed (VerifyResult.from_run) holds
 that tree as it is for the next round (`held`; the run is closed) and the plan applies from the first
-round no run computed (a run never computes a round after a single Verify's: verifier_svc).
+round no run computed (a run never computes a round after a single Verify's: verifier_svc). How many
+rounds a closed run computed depends on timing, so a sampling sequence with the adaptive budget
+verifies one round a call (its seed replays the same trees).
 
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
@@ -566,6 +568,8 @@ class Engine:
             run = None
         if run is not None or next_params is None or self.plain_run < 2 or draft.held:
             return run
+        if self.budget.fixed is None and seq.sort_paths:  # sampling: which rounds are held depends on timing,
+            return None  # and a seed must replay the same trees (the budget's batch-1 plans: Engine._plan)
         verify_run = getattr(self.verifier, "verify_run", None)
         left = seq.max_new_tokens - seq.produced - (next_params.depth + 2)  # (a round commits depth + 2 at most)
         if verify_run is None or left < 1 or not isinstance(draft.tree, DraftTree):

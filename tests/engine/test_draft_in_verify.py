@@ -189,3 +189,23 @@ def test_runs_with_plans_that_change_hold_the_runs_trees(llama_pair):
     assert tokens == hf_greedy(hf, PROMPT, 64)
     assert len(verifier.runs) > 1 and engine.verdict_counts["held"] and verifier.answered_again
     assert any(s.tree_run for s in stats) and not verifier.computed  # every round a run computed was used
+
+
+def test_a_sampling_sequence_with_the_adaptive_budget_verifies_one_round_a_call(llama_pair):
+    """Which rounds a closed run computed depends on timing (services), so a sampling sequence with the
+    adaptive budget starts no run: each round one Verify that drafts the next tree, and a seed gives
+    the same tokens again."""
+    from services.spec.sampling import SamplingParams
+
+    hf, target, head = llama_pair
+    outs = []
+    for _ in range(2):
+        drafter = Drafter(head, LARGE)
+        verifier = RunningVerifier(Verifier(target, head.feature_kind), drafter)
+        budget = ScriptedBudget(costs(), prior_stats({"top1_agreement": 0.3}), largest=LARGE, detach=False,
+                                script=(LARGE,) * 3 + (SMALL,) * 3)
+        engine = Engine(verifier, drafter, 512, VOCAB, budget=budget, plain_run=4)
+        req = GenerationRequest(tuple(PROMPT), 32, SamplingParams(0.9, seed=5))
+        outs.append([t for step in engine.generate(req) for t in step.tokens])
+        assert not verifier.runs and verifier.drafted > 3
+    assert outs[0] == outs[1] and len(outs[0]) == 32
