@@ -10,6 +10,9 @@ that verifier:
 "overlap" (asked for by name: a third drafter with `--ahead-branches 2` and a coordinator with
 `--overlap on`, as `aerie up --overlap on` starts them: "adaptive" drafting the next tree ahead while
 one is verified, where its policy says that pays; docs/distributed.md "Drafting ahead").
+"direct" (asked for by name: a coordinator with `--direct-drafts 1` on the fixed-shape drafter: "tree"
+with the verifier sending each verdict's Draft to the drafter, in runs of tree rounds;
+docs/distributed.md "Direct drafts").
 At every level N each method runs N sequences (prompts from the set, greedy, EOS ignored so every
 sequence generates --max-new-tokens), started together; levels and methods interleave so noise hits
 all alike. services/bench/concurrency.py measures; docs/distributed.md explains the policy.
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 HOST = "127.0.0.1"
-METHODS = ("plain", "tree", "adaptive", "overlap")
+METHODS = ("plain", "tree", "adaptive", "overlap", "direct")
 
 
 class Stack:
@@ -68,12 +71,14 @@ class Stack:
                 "--ahead-branches", "2"], work, HOST, 3), deadline)
             self.roles["drafter-overlap"] = self.procs[-1].proc
         self.addresses = {}
+        drafters["direct"] = drafters["tree"]  # (its coordinator: --direct-drafts)
         for i, name in enumerate(METHODS):
-            if name == "overlap" and name not in methods:
+            if name in ("overlap", "direct") and name not in methods:
                 continue
             argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
                              "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
             argv += ["--overlap", "on"] if name == "overlap" else []
+            argv += ["--direct-drafts", "1"] if name == "direct" else []
             self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
             self.roles[f"coordinator-{name}"] = self.procs[-1].proc
 
@@ -167,7 +172,7 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                     cpu, metrics1 = cpu_per_token(cpu0, stack.cpu_seconds(), level), stack.metrics()
                     forwards = forward_shape(batch_totals(metrics0.get("verifier", ""), "verifier"),
                                              batch_totals(metrics1.get("verifier", ""), "verifier"))
-                    drafter = f"drafter-{m}"
+                    drafter = f"drafter-{'tree' if m == 'direct' else m}"  # (direct: the tree's drafter)
                     draft_forwards = forward_shape(batch_totals(metrics0.get(drafter, ""), "drafter"),
                                                    batch_totals(metrics1.get(drafter, ""), "drafter"))
                     detached = metric_delta(metrics0.get(f"coordinator-{m}", ""), metrics1.get(f"coordinator-{m}", ""),
@@ -175,13 +180,16 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                     ahead = {k: metric_delta(metrics0.get(f"coordinator-{m}", ""), metrics1.get(f"coordinator-{m}", ""),
                                              f'aerie_ahead_{k}_total{{service="coordinator"}}') for k in ("rounds", "hits")}
                     coord = f"coordinator-{m}"
+                    in_verify = {k: metric_delta(metrics0.get(coord, ""), metrics1.get(coord, ""),
+                                                 f'aerie_{k}_total{{service="coordinator"}}')
+                                 for k in ("drafts_in_verify", "tree_run_rounds")}
                     rounds = round_ms(round_totals(metrics0.get(coord, "")), round_totals(metrics1.get(coord, "")))
                     row = summarize_level(m, n, level)
                     rows.append(row)
                     detail.append({**row, "repeat": rep, **level_detail(level), "cpu_ms_per_token": cpu,
                                    "verifier_forwards": forwards, "drafter_forwards": draft_forwards,
                                    "detached_rounds": detached, "ahead_rounds": ahead["rounds"],
-                                   "ahead_hits": ahead["hits"], "round_ms": rounds})
+                                   "ahead_hits": ahead["hits"], "round_ms": rounds, **in_verify})
                     print(f"[{time.perf_counter() - t0:.0f}s] {m} N={n}: {row['tokens_per_s']:.2f} tok/s "
                           f"(decode {detail[-1]['steady_tokens_per_s']:.2f}), "
                           f"ITL p50 {row['itl_p50_ms']:.0f} ms, nodes/round {detail[-1]['mean_nodes']}, "
@@ -190,6 +198,8 @@ def run_concurrency(args: argparse.Namespace, prompts) -> dict:
                           f"(calls/forward {forwards.get('calls_per_forward', '-')}), "
                           f"drafter forwards {draft_forwards.get('forwards', '-')}, detached rounds {detached}, "
                           f"ahead rounds {ahead['rounds']} (hits {ahead['hits']}), "
+                          f"drafts in verify {in_verify['drafts_in_verify']:g} "
+                          f"(tree run rounds {in_verify['tree_run_rounds']:g}), "
                           f"ms/round draft {rounds.get('draft', 0):.1f} verify {rounds.get('verify', 0):.1f} "
                           f"commit {rounds.get('commit', 0):.1f} round {rounds.get('round', 0):.1f}"
                           + (f", errors {level.errors[:2]}" if level.errors else ""), flush=True)
