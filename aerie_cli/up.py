@@ -82,10 +82,11 @@ def add_pipeline_flags(p: argparse.ArgumentParser, g) -> None:
                         "Verify; docs/distributed.md): on = a per-sequence policy turns it off where it cannot pay, "
                         "always = whenever a guess can hit (measurements) (default: AERIE_OVERLAP, else off: it "
                         "did not pay on the CPUs measured)")
-    g.add_argument("--direct-drafts", action="store_true", default=None,
+    g.add_argument("--direct-drafts", action=argparse.BooleanOptionalAction, default=None,
                    help="the verifiers send each verdict's Draft straight to the sequence's drafter and answer with "
-                        "the next tree (one Verify call an EAGLE round, and runs of tree rounds); "
-                        "the coordinators' --direct-drafts (default: AERIE_DIRECT_DRAFTS, else off)")
+                        "the next tree (one Verify call an EAGLE round, and runs of tree rounds); the coordinators' "
+                        "--direct-drafts; --no-direct-drafts: the coordinator sends each Draft (default: "
+                        "AERIE_DIRECT_DRAFTS, else on)")
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING or ERROR, for every service (default: AERIE_LOG_LEVEL, else INFO)")
     ports = p.add_argument_group("internal ports (default 0: any free port, printed at start-up)")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # name -> (aerie up --colocate, more `aerie up` flags)
-PIPELINES = {"split": (False, ()), "colocated": (True, ()), "colocated_no_runs": (True, ("--plain-run", "0")),
+PIPELINES = {"split": (False, ("--no-direct-drafts",)), "colocated": (True, ()), "colocated_no_runs": (True, ("--plain-run", "0")),
              "direct": (False, ("--direct-drafts",)), "direct_no_runs": (False, ("--direct-drafts", "--plain-run", "0"))}
 
 

@@ -122,7 +122,8 @@ def main() -> None:
         args.prompts = args.prompts or str(root / "prompts.jsonl")
         model = ["--tree-tokens", "16", "--tree-depth", "3", "--tree-top-k", "4"] if args.tiny_tree == "fixed" else []
     model += ["--dtype", args.dtype] + (["--target", args.target] if args.target else []) + ["--draft", args.draft]
-    env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_OVERLAP": "0"}
+    # the split pipeline unless --up-args ask for direct drafts (`aerie up`'s default since the sixth session)
+    env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_OVERLAP": "0", "AERIE_DIRECT_DRAFTS": "0"}
     argv = ["--port", "0", "--http-port", "0", *model, *args.up_args.split()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     names = ["serial", *(["serial-baseline"] if args.baseline_up_args is not None else []),

@@ -85,7 +85,8 @@ def main() -> None:
     from services.rpc.coordinator_client import RemoteEngine, RemoteSession
 
     set_torch_threads()
-    env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING"}
+    # the split pipeline unless --up-args ask for direct drafts (`aerie up`'s default since the sixth session)
+    env = {**os.environ, "AERIE_LOG_LEVEL": "WARNING", "AERIE_DIRECT_DRAFTS": "0"}
     lines: list[str] = []
     up = start_up(["--port", "0", "--http-port", "0", *args.up_args.split()], env, lines)
     try:

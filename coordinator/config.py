@@ -227,6 +227,11 @@ def overlap_mode(text: str | bool) -> str:
     return "on" if _on_off(text) else "off"
 
 
+def on_off(text: str | bool) -> bool:
+    """A switch's value: 1/0, true/false, on/off, yes/no (argparse.ArgumentTypeError otherwise)."""
+    return _on_off(text)
+
+
 def _on_off(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text

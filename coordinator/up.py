@@ -40,7 +40,7 @@ from services.engine.local import DraftSpec, resolve_draft
 from services.errors import AerieError
 from services.rpc.config import ConfigError
 from services.rpc.api_tokens import MIN_TOKEN_CHARS as MIN_API_KEY_CHARS
-from coordinator.config import overlap_mode
+from coordinator.config import on_off, overlap_mode
 from coordinator.redis_server import redact, start_redis, stop_process, stop_processes
 
 
@@ -208,7 +208,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags `aerie up`/`aerie serve` forward to every service of `role` when given: --log-level,
     --max-num-seqs (each service's --max-sequences), --kv-budget-mb, --max-model-len and
     --gpu-memory-utilization (verifiers), --max-queued-requests, --queue-timeout-s,
-    --served-model-name (one or more names), --plain-run, --direct-drafts and --overlap (coordinators; drafters then reserve the
+    --served-model-name (one or more names), --plain-run, --direct-drafts (always: on unless
+    --no-direct-drafts or AERIE_DIRECT_DRAFTS=0) and --overlap (coordinators; drafters then reserve the
     ahead tree's rows, --ahead-branches 2). Without --kv-budget-mb, M > 1 verifiers on this host split the KV share: each takes
     AERIE_KV_BUDGET_SHARE (0.5) / M of the memory free at its start, so together they never promise
     more than the share of the host's free memory."""
@@ -227,6 +228,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if role == "verifier" and getattr(args, "gpu_memory_utilization", None) is not None:
         out += ["--gpu-memory-utilization", f"{args.gpu_memory_utilization:g}"]
+    if role == "coordinator":
+        out += ["--direct-drafts", "1" if direct_drafts(args) else "0"]
     if role == "coordinator" and getattr(args, "max_queued_requests", None) is not None:
         out += ["--max-queued-requests", str(args.max_queued_requests)]
     if role == "coordinator" and getattr(args, "queue_timeout_s", None) is not None:
@@ -237,12 +240,24 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--plain-run", str(args.plain_run)]
     if role == "coordinator" and getattr(args, "overlap", None):
         out += ["--overlap", args.overlap]
-    if role == "coordinator" and getattr(args, "direct_drafts", None):
-        out += ["--direct-drafts", "1"]
     overlap = getattr(args, "overlap", None) or overlap_mode(os.environ.get("AERIE_OVERLAP", "off"))
     if role == "drafter" and overlap in ("on", "always") and not os.environ.get("AERIE_AHEAD_BRANCHES"):
         out += ["--ahead-branches", "2"]  # the draft KV's rows for the ahead tree's branches
     return out
+
+
+def direct_drafts(args: argparse.Namespace) -> bool:
+    """Whether `aerie up`/`serve`'s coordinators ask for direct drafts: --direct-drafts /
+    --no-direct-drafts, else AERIE_DIRECT_DRAFTS, else on (the processes share a host: the verifiers
+    reach the drafters, with the same internal token; docs/distributed.md, "Direct drafts")."""
+    value = getattr(args, "direct_drafts", None)
+    if value is None:
+        env = os.environ.get("AERIE_DIRECT_DRAFTS", "").strip()
+        try:
+            value = on_off(env) if env else True
+        except argparse.ArgumentTypeError:
+            raise ConfigError(f"AERIE_DIRECT_DRAFTS must be 1 or 0; got {env!r}") from None
+    return bool(value)
 
 
 def coordinator_slots(args: argparse.Namespace) -> int:

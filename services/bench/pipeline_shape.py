@@ -49,7 +49,7 @@ READY = "ready: aerie generate --coordinator "
 TREE = (4, 3, 16)  # top_k, depth, tokens: the fixed tree both sides draft
 # through the services: label -> (draft, `aerie up --colocate`, the in-process label it is compared with,
 # more `aerie up` flags)
-PIPELINES = {"eagle": ("head", False, "eagle", ()), "colocated": ("head", True, "eagle", ()),
+PIPELINES = {"eagle": ("head", False, "eagle", ("--no-direct-drafts",)), "colocated": ("head", True, "eagle", ()),
              "direct": ("head", False, "eagle", ("--direct-drafts",)), "plain": ("none", False, "plain", ())}
 
 

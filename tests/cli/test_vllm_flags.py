@@ -271,21 +271,41 @@ def test_serve_forwards_max_model_len_and_gpu_memory_utilization():
 
 def test_serve_forwards_the_queue_bounds():
     args = parse("serve", "org/m", "--max-num-seqs", "4", "--max-queued-requests", "16", "--queue-timeout-s", "30")
-    assert role_flags(args, "coordinator") == ["--max-sequences", "4", "--max-queued-requests", "16",
-                                               "--queue-timeout-s", "30"]
+    assert role_flags(args, "coordinator") == ["--max-sequences", "4", "--direct-drafts", "1",
+                                               "--max-queued-requests", "16", "--queue-timeout-s", "30"]
 
 
 def test_without_max_num_seqs_the_coordinators_queue_at_what_the_pools_hold(monkeypatch):
     """The verifiers and drafters hold 64 sequences each by default: the coordinators admit that many
     (split between them) and queue the rest, instead of a full verifier refusing them."""
     monkeypatch.delenv("AERIE_MAX_SEQUENCES", raising=False)
-    assert role_flags(parse("serve", "org/m"), "coordinator") == ["--max-sequences", "64"]
+    monkeypatch.delenv("AERIE_DIRECT_DRAFTS", raising=False)
+    direct = ["--direct-drafts", "1"]  # (aerie up's default: test_aerie_up_asks_for_direct_drafts)
+    assert role_flags(parse("serve", "org/m"), "coordinator") == ["--max-sequences", "64", *direct]
     assert role_flags(parse("up", "--verifiers", "3", "--drafters", "2", "--coordinators", "2"),
-                      "coordinator") == ["--max-sequences", "64"]  # 64 x min(3, 2) / 2
-    assert role_flags(parse("up", "--verifiers", "2", "--drafters", "0"), "coordinator") == ["--max-sequences", "128"]
+                      "coordinator") == ["--max-sequences", "64", *direct]  # 64 x min(3, 2) / 2
+    assert role_flags(parse("up", "--verifiers", "2", "--drafters", "0"), "coordinator") == [
+        "--max-sequences", "128", *direct]
     assert "--max-sequences" not in role_flags(parse("serve", "org/m"), "verifier")  # its own default
     monkeypatch.setenv("AERIE_MAX_SEQUENCES", "10")  # every service's, as the user set it
-    assert role_flags(parse("serve", "org/m"), "coordinator") == []
+    assert role_flags(parse("serve", "org/m"), "coordinator") == direct
+
+
+def test_aerie_up_asks_for_direct_drafts(monkeypatch):
+    """`aerie up`/`serve` start their coordinators with direct drafts (the processes share a host):
+    --no-direct-drafts or AERIE_DIRECT_DRAFTS=0 turn them off, a bad value is named."""
+    from coordinator.up import direct_drafts
+
+    monkeypatch.delenv("AERIE_DIRECT_DRAFTS", raising=False)
+    assert direct_drafts(parse("up")) and direct_drafts(parse("serve", "org/m", "--direct-drafts"))
+    assert not direct_drafts(parse("up", "--no-direct-drafts"))
+    monkeypatch.setenv("AERIE_DIRECT_DRAFTS", "0")
+    assert not direct_drafts(parse("up")) and direct_drafts(parse("up", "--direct-drafts"))
+    assert "--direct-drafts" in role_flags(parse("up"), "coordinator") and "--direct-drafts" not in role_flags(
+        parse("up"), "verifier")
+    monkeypatch.setenv("AERIE_DIRECT_DRAFTS", "maybe")
+    with pytest.raises(ConfigError, match="AERIE_DIRECT_DRAFTS must be 1 or 0; got 'maybe'"):
+        direct_drafts(parse("up"))
 
 
 def test_several_served_model_names():
