@@ -1,6 +1,6 @@
 """Direct drafts (coordinator --direct-drafts, verifier_svc/direct_draft.py): the verifier sends each
 verdict's Draft straight to the sequence's drafter in another process and answers with the next tree,
-one Verify call an EAGLE round (and with a fixed tree, runs of tree rounds: VerifyRun). Over real gRPC
+one Verify call an EAGLE round (and runs of tree rounds: VerifyRun). Over real gRPC
 servers and a real Redis: greedy output equals the target's and the trees, acceptance and seeded
 samples equal the split pipeline's (the same Draft calls, sent from another place); a drafter that
 stops mid-run moves the sequence and its rounds draft directly again at the new drafter; an
