@@ -428,6 +428,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         if colocate:
             print("colocated    each verifier serves the draft head too: one Verify call per EAGLE round drafts "
                   "the next tree (docs/distributed.md, \"One process for both roles\")", flush=True)
+        elif drafters and direct_drafts(args):
+            print("drafts       direct: each verifier sends its verdict's Draft to the drafter itself, one Verify "
+                  "call per EAGLE round (--no-direct-drafts: the coordinator sends them; docs/distributed.md, "
+                  "\"Direct drafts\")", flush=True)
         elif not drafters:
             print("no draft head: plain decoding (pass --draft DIR for speculative decoding)", flush=True)
         print(f"ready: aerie generate --coordinator {coordinators[0].address} --prompt 'Hello'   (Ctrl-C stops)",

@@ -38,8 +38,10 @@ def test_up_then_generate_then_sigterm(model_dirs, capsys):
             assert time.monotonic() < deadline, lines
             lines.append(line.strip())
         roles = {line.split()[0]: line for line in lines[:-1]}
-        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "gateway", "http", "security"}, lines
+        assert set(roles) == {"redis", "verifier", "drafter", "coordinator", "gateway", "http", "security",
+                              "drafts"}, lines
         assert roles["security"].startswith("security     local mode: loopback only")
+        assert roles["drafts"].startswith("drafts       direct: each verifier sends")  # aerie up's default
         address = re.search(r"--coordinator (\S+)", lines[-1]).group(1)
         pids = [int(p) for p in re.findall(r"pid (\d+)", "\n".join(lines))]
         pids = sorted(set(pids))  # the http line names the gateway's pid again
