@@ -71,17 +71,28 @@ def processes(state, role):
     return [p for p in json.loads(state.read_text())["processes"] if p["role"] == role]
 
 
-def direct_drafts(process: dict) -> float:
-    """A verifier process's aerie_direct_drafts_total{outcome="drafted"} from its /metrics."""
+def scraped(process: dict, name: str, label: str = "") -> float:
+    """The sum of a process's `name{...}` samples (with `label` among their labels) on its /metrics;
+    0 for a process that is gone."""
     import urllib.request
 
     host = process["address"].rsplit(":", 1)[0]
     try:
         text = urllib.request.urlopen(f"http://{host}:{process['metrics_port']}/metrics", timeout=10).read().decode()
-    except OSError:  # (a process that is gone)
+    except OSError:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("aerie_direct_drafts_total{") and 'outcome="drafted"' in line)
+               if line.startswith(name + "{") and label in line)
+
+
+def direct_drafts(process: dict) -> float:
+    """A verifier process's direct drafts that drafted."""
+    return scraped(process, "aerie_direct_drafts_total", 'outcome="drafted"')
+
+
+def running(process: dict) -> float:
+    """The sequences a coordinator process runs now."""
+    return scraped(process, "aerie_sequences_in_flight", 'service="coordinator"')
 
 
 class Stream:
@@ -160,8 +171,10 @@ def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tm
             while sum(len(s.tokens) for s in streams) < total * (k + 1) / 6:
                 assert any(s.thread.is_alive() for s in streams), "the streams ended before the faults"
                 time.sleep(0.01)
-            # the drain hits the coordinator the streams moved to after the first coordinator's kill
-            victim = processes(state, "coordinator")[1] if role == "drain" else processes(state, role)[0]
+            # the drain hits the coordinator that runs the most sequences now (after the first coordinator's
+            # kill the other took them over; after Redis's, whose leases lapse meanwhile, either may hold them)
+            victim = (max(processes(state, "coordinator"), key=running) if role == "drain"
+                      else processes(state, role)[0])
             t_kill = time.monotonic()
             os.kill(victim["pid"], signal.SIGTERM if role == "drain" else signal.SIGKILL)
             report[role] = {"t": t_kill}
