@@ -137,7 +137,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
     g.add_argument("--retrieval", action="store_true", default=env("AERIE_RETRIEVAL"),
                    help="join retrieved chains (suffix index over prompt + output) to the drafts; "
                         "with no drafters: retrieval drafts only (AERIE_RETRIEVAL=1; default: off)")
-    g.add_argument("--direct-drafts", type=_on_off, default=env("AERIE_DIRECT_DRAFTS", "0"),
+    g.add_argument("--direct-drafts", type=on_off, default=env("AERIE_DIRECT_DRAFTS", "0"),
                    help="verifiers send each verdict's Draft straight to the sequence's drafter and answer with "
                         "the next tree: one Verify call an EAGLE round, and runs of tree rounds "
                         "(VerifyRun); verifiers must reach the drafters (AERIE_DIRECT_DRAFTS, 0; docs/distributed.md)")
@@ -208,7 +208,7 @@ def add_flags(p: argparse.ArgumentParser, with_service: bool = True) -> None:
                         "health NOT_SERVING (AERIE_REDIS_PING_TIMEOUT_S, 1)")
     g.add_argument("--lease-ttl-s", type=float, default=env("AERIE_LEASE_TTL_S", 10.0),
                    help="another coordinator takes over a sequence whose lease is this old (AERIE_LEASE_TTL_S, 10)")
-    g.add_argument("--discover", type=_on_off, default=env("AERIE_DISCOVER", "1"),
+    g.add_argument("--discover", type=on_off, default=env("AERIE_DISCOVER", "1"),
                    help="also use drafters and verifiers registered in Redis (AERIE_DISCOVER, 1; 0 = only the "
                         "static lists)")
     g.add_argument("--discover-interval-s", type=float, default=env("AERIE_DISCOVER_INTERVAL_S", 1.0),
@@ -224,15 +224,11 @@ def overlap_mode(text: str | bool) -> str:
     """--overlap / AERIE_OVERLAP: 1/0 (and the other on/off spellings) or "always"."""
     if str(text).lower() in OVERLAP_MODES:
         return str(text).lower()
-    return "on" if _on_off(text) else "off"
+    return "on" if on_off(text) else "off"
 
 
 def on_off(text: str | bool) -> bool:
     """A switch's value: 1/0, true/false, on/off, yes/no (argparse.ArgumentTypeError otherwise)."""
-    return _on_off(text)
-
-
-def _on_off(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
     if text.lower() in ("1", "true", "on", "yes"):
@@ -266,10 +262,10 @@ def from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resolve_interval_s=args.resolve_interval_s, tokenizer=args.tokenizer,
         served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]), http_port=args.http_port,
         retrieval=args.retrieval is True or str(args.retrieval or "") not in ("", "0", "False"),  # flag or env
-        overlap=overlap_mode(args.overlap), plain_run=args.plain_run, direct_drafts=_on_off(args.direct_drafts),
+        overlap=overlap_mode(args.overlap), plain_run=args.plain_run, direct_drafts=on_off(args.direct_drafts),
         verifier_wait_s=args.verifier_wait_s,
         probe_interval_s=args.probe_interval_s, finished_ttl_s=args.finished_ttl_s,
-        redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=_on_off(args.discover),
+        redis_retry_s=args.redis_retry_s, redis_ping_timeout_s=args.redis_ping_timeout_s, lease_ttl_s=args.lease_ttl_s, discover=on_off(args.discover),
         discover_interval_s=args.discover_interval_s, max_sequences_per_client=args.max_sequences_per_client,
         trusted_proxies=args.trusted_proxies, rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst, http_limits=http_limits.from_args(args))

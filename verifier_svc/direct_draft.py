@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.errors import InvalidRequest
 from services.rpc import codec
 from services.rpc.channel import call_metadata, open_aio_channel
 from services.rpc.config import ServiceConfig
@@ -54,8 +55,6 @@ class NextDraftTo:
 
 def check_address(address: str) -> str:
     """NextDraft.drafter: a host:port (InvalidRequest names a bad one)."""
-    from services.errors import InvalidRequest
-
     host, _, port = address.rpartition(":")
     if len(address) > MAX_ADDRESS or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(
             c.isspace() for c in address):

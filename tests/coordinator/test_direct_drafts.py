@@ -211,6 +211,7 @@ def test_a_drafter_the_verifier_cannot_reach_gets_no_more_direct_drafts(model_di
                        service_overrides={"internal_token_file": str(tmp_path / "internal")})
     try:
         p.verifier._direct = DirectDrafts(p.service, Security(internal_token="wrong"))
+        p.coordinator.sequences.unreached.retry_s = 3600.0  # (no retry inside the test, however slow the machine)
         failed_before, drafted_before = direct_counter("failed"), direct_counter("drafted")
         for _ in range(2):
             tokens, messages = generate(p)
