@@ -46,6 +46,7 @@ AHEAD = "specdec.ahead"  # the next tree was drafted ahead during this round's v
 AHEAD_HIT = "specdec.ahead_hit"  # this round's tree was drafted ahead (the previous guess hit)
 SAVED_S = "specdec.saved_s"  # draft seconds this round did not wait for
 SERVICE = "aerie.service"
+DRAFTER = "aerie.drafter"  # a drafter's address (the verifier's next_draft span)
 PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASON = "gen_ai.response.finish_reasons"

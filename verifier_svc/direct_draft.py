@@ -17,7 +17,10 @@ other sequences goes on while a drafter drafts. A drafter that fails, is too slo
 deadline or cannot be reached leaves the answer as a plain Verify's (no next_tree, the features
 kept): the coordinator then drafts with a Draft call at the same index (the drafter's idempotency
 answers it if the first one ran) and fails over as usual. Calls carry this process's bearer token and
-present its certificate (services/rpc/security.py); trace context is not propagated on them.
+present its certificate (services/rpc/security.py). With tracing on, each Draft runs under a
+`next_draft` CLIENT span (specdec.round_index: the round the tree is for; aerie.drafter: the address)
+below the Verify's (or VerifyRun's) server span, and carries its `traceparent`: the drafter's Draft
+server span joins the request's trace, after the verify on the timeline.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services import telemetry
 from services.errors import InvalidRequest
 from services.rpc import codec
 from services.rpc.channel import call_metadata, open_aio_channel
@@ -97,13 +101,18 @@ class DirectDrafts:
         if nxt.params is not None:
             request.tree.CopyFrom(codec.encode_tree_params(nxt.params))
         t0 = time.perf_counter()
-        try:
-            drafted = await self._stub(nxt.drafter).Draft(request, timeout=max(timeout_s, 0.001),
-                                                          metadata=self.metadata)
-        except grpc.aio.AioRpcError as e:
-            log.info("sequence %s: the next draft at drafter %s failed (%s: %s); its coordinator drafts with a "
-                     "Draft call", seq_id, nxt.drafter, e.code().name, e.details())
-            return False
+        attributes = {telemetry.SEQ_ID: seq_id, telemetry.ROUND_INDEX: nxt.index, telemetry.DRAFTER: nxt.drafter}
+        with telemetry.start_span("next_draft", kind="client", attributes=attributes) as span:
+            metadata = list(self.metadata)
+            telemetry.inject(metadata)  # (the next_draft span's context; nothing when tracing is off)
+            try:
+                drafted = await self._stub(nxt.drafter).Draft(request, timeout=max(timeout_s, 0.001),
+                                                              metadata=metadata)
+            except grpc.aio.AioRpcError as e:
+                telemetry.record_error(span, e)
+                log.info("sequence %s: the next draft at drafter %s failed (%s: %s); its coordinator drafts with a "
+                         "Draft call", seq_id, nxt.drafter, e.code().name, e.details())
+                return False
         response.next_tree.CopyFrom(drafted.tree)
         response.next_draft_seconds = time.perf_counter() - t0
         response.drafter_busy = drafted.busy

@@ -46,7 +46,8 @@ RELEASE_TIMEOUT_S = 10.0
 
 class Phases(Protocol):
     def phase(self, round_index: int, name: str) -> ContextManager:
-        """Context for the `name` ('draft' | 'verify') call of round `round_index`."""
+        """Context for the `name` call of round `round_index`: 'draft', 'draft_ahead', 'verify', or the
+        start of a run of rounds from it ('verify_run', 'decode_run': the stream's opening only)."""
 
 
 class _NoPhases:
@@ -315,7 +316,9 @@ class PlainRun(_RunStream):
                  keep_features: bool) -> None:
         request = vpb.DecodeRunRequest(sequence_id=seq_id, round_index=round_index, token=token, steps=steps,
                                        keep_features=keep_features)
-        super().__init__(rv, seq_id, rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps))
+        with rv.phases.phase(round_index, "decode_run"):  # (its traceparent: the call's server span joins the trace)
+            call = rv.client.stub.DecodeRun(request, timeout=rv.client.timeout_s * steps)
+        super().__init__(rv, seq_id, call)
         self.keep_features = keep_features
         self.round_index = round_index  # the round of the next token
         self.left = steps  # tokens not read yet
@@ -365,7 +368,9 @@ class TreeRun(_RunStream):
         request = vpb.VerifyRunRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree),
                                        rounds=rounds, max_tokens=max_tokens, stop_ids=sorted(stop_ids),
                                        next_draft=next_draft.encode())
-        super().__init__(rv, seq_id, rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds))
+        with rv.phases.phase(round_index, "verify_run"):  # (its traceparent: the call's server span joins the trace)
+            call = rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds)
+        super().__init__(rv, seq_id, call)
         self.rounds = rounds
         self.round_index = round_index  # the round of the next answer
         self.next_index = next_draft.index  # the Drafter index of the next answer's draft

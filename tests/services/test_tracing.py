@@ -143,3 +143,64 @@ def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, 
         assert ahead.kind == trace.SpanKind.CLIENT and ahead.end_time <= kids["commit"].start_time
         (server,) = children[ahead.context.span_id]
         assert server.name == "aerie.v1.Drafter/DraftAhead" and server.kind == trace.SpanKind.SERVER
+
+
+def test_direct_drafts_join_the_trace_below_the_verifiers_call(pipeline, exporter, model_dirs, redis_url):
+    """With direct drafts (coordinator --direct-drafts) the verifier sends each verdict's Draft: a
+    `next_draft` CLIENT span below its Verify (or VerifyRun) server span, the drafter's Draft server
+    span below that, all in the request's trace, and each after the verify it follows."""
+    _, _, drafter = pipeline.add_service("drafter", model_dirs)  # (the fail-over test stopped one)
+    _, address = pipeline.add_coordinator(redis_url, drafters=(drafter,), discover=False, direct_drafts=True)
+    exporter.clear()
+    session = RemoteSession(address, None, "", timeout_s=60)
+    with trace.get_tracer("test").start_as_current_span("client") as client:
+        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 32, ignore_eos=True)))
+    session.close()
+    trace_id = client.get_span_context().trace_id
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    by_id = {s.context.span_id: s for s in spans}
+    assert all(s.parent is not None and s.parent.span_id in by_id for s in spans if s.name != "client")
+    children: dict[int, list] = {}
+    for s in spans:
+        if s.parent is not None:
+            children.setdefault(s.parent.span_id, []).append(s)
+    nexts = [s for s in spans if s.name == "next_draft"]
+    assert len(nexts) >= 3 and sum(st.stats.drafted_in_verify for st in steps) >= len(nexts) - 1
+    assert len({s.attributes[telemetry.ROUND_INDEX] for s in nexts}) == len(nexts)  # one per round
+    for s in nexts:
+        caller = by_id[s.parent.span_id]
+        assert s.kind == trace.SpanKind.CLIENT and s.status.is_ok
+        assert caller.name in ("aerie.v1.Verifier/Verify", "aerie.v1.Verifier/VerifyRun")
+        assert caller.attributes[telemetry.SERVICE] == "verifier"
+        assert s.attributes[telemetry.DRAFTER] == drafter and s.attributes[telemetry.ROUND_INDEX] >= 2
+        (server,) = children[s.context.span_id]
+        assert server.name == "aerie.v1.Drafter/Draft" and server.kind == trace.SpanKind.SERVER
+        assert server.attributes[telemetry.SERVICE] == "drafter" and s.start_time <= server.start_time
+    # the runs of tree rounds (VerifyRun, --plain-run 16) too: their server spans under a verify_run span
+    runs = [s for s in spans if s.name == "aerie.v1.Verifier/VerifyRun"]
+    assert runs and all(by_id[s.parent.span_id].name == "verify_run" for s in runs)
+    assert any(by_id[s.parent.span_id].name == "aerie.v1.Verifier/VerifyRun" for s in nexts)
+    # every Draft the drafter ran for this request hangs under the coordinator's draft or a next_draft
+    drafts = [s for s in spans if s.name == "aerie.v1.Drafter/Draft"]
+    assert {by_id[s.parent.span_id].name for s in drafts} <= {"draft", "next_draft"}
+
+
+def test_plain_runs_join_the_trace(pipeline, exporter, redis_url):
+    """Plain decoding in runs (DecodeRun, --plain-run 16): each run's server span hangs under a
+    `decode_run` CLIENT span of the round it starts from, in the request's trace."""
+    _, address = pipeline.add_coordinator(redis_url, drafters=(), discover=False)
+    exporter.clear()
+    session = RemoteSession(address, None, "", timeout_s=60)
+    with trace.get_tracer("test").start_as_current_span("client") as client:
+        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 40, ignore_eos=True)))
+    session.close()
+    assert len(steps) == 40  # one token a round, the prefill's included
+    trace_id = client.get_span_context().trace_id
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    by_id = {s.context.span_id: s for s in spans}
+    runs = [s for s in spans if s.name == "aerie.v1.Verifier/DecodeRun"]
+    assert len(runs) >= 2  # 40 tokens in runs of at most 16 steps
+    for s in runs:
+        opened = by_id[s.parent.span_id]
+        assert s.kind == trace.SpanKind.SERVER and opened.name == "decode_run" and opened.kind == trace.SpanKind.CLIENT
+        assert by_id[opened.parent.span_id].name == "round"
