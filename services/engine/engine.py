@@ -69,8 +69,10 @@ shape (`verify(..., next_draft=params)`), exactly the Draft the engine would sen
 accepted tokens and the bonus with their features); the draft KV then holds those rows, and the next
 round uses that tree, cut to the budget's plan (trim) or left unused for a plain round. One call a
 round instead of a Verify and a Draft; the same trees wherever the plan keeps the round's shape (a
-fixed tree: always). Not with retrieval, drafting ahead or rows waiting for the draft KV (the
-detached rounds' rows): those rounds draft as before.
+fixed tree: always). Not with retrieval, in a round that drafts ahead, or with rows waiting for the
+draft KV (the detached rounds' rows, an ahead hit's): those rounds draft as before. With an overlap
+policy the rounds it declines draft inside the Verify (and run, below); no round of an open run
+drafts ahead, and the policy chooses again after the run.
 
 Tree runs (a verifier role with `verify_run` that drafts inside the Verify, `plain_run` N > 1): the
 verifier runs up to N tree rounds back to back, each verifying the tree it drafted in the round
@@ -482,11 +484,12 @@ class Engine:
 
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
-        ahead = self._launch_ahead(seq_id, seq, draft, round_index)
+        # (a run's rounds draft at the verifier: no ahead draft beside them; the policy chooses again after it)
+        ahead = None if self._in_tree_run(seq_id) else self._launch_ahead(seq_id, seq, draft, round_index)
         t0 = time.perf_counter()
         tree = draft.tree
         hook = self._verdict_hook(seq_id, seq, draft)
-        next_params = self._next_in_verify(seq_id, seq, draft) if hook is None else None
+        next_params = self._next_in_verify(seq_id, seq, draft, ahead) if hook is None else None
         run = self._tree_run(seq_id, seq, draft, round_index, next_params)
         try:
             # (a TreeOnDevice only reaches a verifier that takes it: device_trees; so does a hook)
@@ -534,7 +537,7 @@ class Engine:
             if not seq.sort_paths:  # measured seconds: greedy sequences only (see _launch_ahead)
                 if ahead is not None:
                     policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
-                else:
+                elif run is None:  # (a run's round may have been verified before it was read: no baseline)
                     policy.observe_alone(verify_s)
         # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
         nxt = None
@@ -543,15 +546,17 @@ class Engine:
             nxt = (res.next_tree, res.next_draft_s, next_params or draft.plan.tree or self.drafter.tree, res.from_run)
         return _Verified(tokens, stats, res.features, nxt)
 
-    def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft) -> TreeParams | None:
+    def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft, ahead: _Ahead | None
+                        ) -> TreeParams | None:
         """The shape to draft the next tree in during this round's Verify (module doc, "Drafting inside the
-        Verify"), or None: no verifier that drafts too, retrieval or drafting ahead (their rows and trees
-        are the coordinator's), rows waiting for the draft KV, or a round that may end the request (it
-        can commit depth + 2 tokens: accepted nodes down to depth + 1, and the bonus)."""
+        Verify"), or None: no verifier that drafts too, retrieval or a round that drafts ahead (their rows
+        and trees are the coordinator's), rows waiting for the draft KV (after an ahead hit too), or a
+        round that may end the request (it can commit depth + 2 tokens: accepted nodes down to depth + 1,
+        and the bonus)."""
         params = draft.plan.tree
         drafts_next = getattr(self.verifier, "drafts_next", None)
         if (params is None or drafts_next is None or self.drafter is None or seq.index is not None
-                or seq.policy is not None or seq.pending_tokens
+                or ahead is not None or seq.pending_tokens
                 or seq.max_new_tokens - seq.produced <= params.depth + 2):
             return None
         return params if drafts_next(seq_id) else None
@@ -578,6 +583,11 @@ class Engine:
         if run is not None:
             self._tree_runs[seq_id] = run
         return run
+
+    def _in_tree_run(self, seq_id: str) -> bool:
+        """The sequence's open run of tree rounds has rounds left (the next round is one of them)."""
+        run = self._tree_runs.get(seq_id)
+        return run is not None and run.open and not run.exhausted
 
     def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Ahead | None:
         """Start the ahead draft of the next tree (for round round_index + 1) on the drafter thread, if the

@@ -256,3 +256,39 @@ def test_a_run_never_goes_past_a_single_verify_answered_again(split, colocated, 
     assert [untimed(a) for a in stub.VerifyRun(run, timeout=60)] == [untimed(answer)]
     stub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=60)
     p.drafter.drafter.release(seq_id)
+
+
+def test_drafting_ahead_with_direct_drafts_equals_the_split_pipeline(model_dirs, redis_url, split, target_greedy):
+    """Overlap on (AERIE_OVERLAP) with direct drafts: a round whose policy drafts ahead sends a DraftAhead
+    beside a plain Verify (its next tree: the ahead one on a hit, else the coordinator's Draft); the
+    others' next trees come from the verifier's direct Draft (runs with drafting ahead: tests/engine/
+    test_draft_in_verify.py). A scripted policy fixes which rounds draft ahead: greedy output is the target's and every round (tree, acceptance, ahead,
+    hit) equals the split pipeline's under the same policy; seeded sampling equals it too."""
+    from tests.engine.test_draft_in_verify import ScriptedPolicy
+
+    policy = ScriptedPolicy(ahead_at=frozenset({1, 2, 4, 5, 7}))
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, overlap="on",
+                       plain_run=0)  # (no runs: the policy chooses in every round, as the split one does)
+    split_policy = split.coordinator.sequences.ahead
+    try:
+        p.coordinator.sequences.ahead = split.coordinator.sequences.ahead = policy
+        drafted_before = direct_counter("drafted")
+        tokens, messages = generate(p)
+        assert tokens == target_greedy[:N]
+        stats = rounds(messages)
+        assert sum(s.ahead for s in stats) >= 3 and any(s.ahead_hit for s in stats)
+        assert sum(s.drafted_in_verify for s in stats) >= 3
+        assert direct_counter("drafted") >= drafted_before + sum(s.drafted_in_verify for s in stats)
+        for before, after in zip(stats, stats[1:]):
+            assert not (before.ahead and after.drafted_in_verify)  # an ahead round's next tree is not the Verify's
+        split_tokens, split_messages = generate(split)
+        assert split_tokens == tokens
+        assert [(s.tree_size, s.accept_length, s.ahead, s.ahead_hit) for s in rounds(split_messages)] == \
+            [(s.tree_size, s.accept_length, s.ahead, s.ahead_hit) for s in stats]
+        sampling = SamplingParams(0.9, top_p=0.95, seed=11)
+        sampled = [generate(p, 32, sampling)[0] for _ in range(2)]
+        assert sampled[0] == sampled[1] == generate(split, 32, sampling)[0]
+        wait_until(lambda: p.verifier.num_sequences == 0 and p.drafter.drafter.num_sequences == 0)
+    finally:
+        split.coordinator.sequences.ahead = split_policy
+        p.close()

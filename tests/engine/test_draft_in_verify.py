@@ -18,6 +18,7 @@ from services.engine.verifier import Verifier
 from services.spec.acceptance import prior_stats
 from services.spec.budget import Budget, RoundPlan
 from services.spec.cost import CostCurve, CostModel
+from services.spec.overlap import AheadPolicy
 from services.spec.tree import TreeParams
 from tests.helpers import VOCAB, InProcessPlainRun, hf_greedy
 
@@ -209,3 +210,53 @@ def test_a_sampling_sequence_with_the_adaptive_budget_verifies_one_round_a_call(
         outs.append([t for step in engine.generate(req) for t in step.tokens])
         assert not verifier.runs and verifier.drafted > 3
     assert outs[0] == outs[1] and len(outs[0]) == 32
+
+
+@dataclass
+class ScriptedPolicy(AheadPolicy):
+    """Drafts ahead (a guess of one token) at the choices numbered in `ahead_at` (from 1), not at the others:
+    which rounds overlap is fixed, whatever the seconds."""
+    ahead_at: frozenset = frozenset()
+
+    def choose(self, draft_s, step_s, path_len, busy=0.0, chained=False, measured=False):
+        self._choices += 1
+        return 1 if self._choices in self.ahead_at and path_len else None
+
+
+def overlap_run(llama_pair, policy: AheadPolicy | None, n: int = 64):
+    hf, target, head = llama_pair
+    drafter = Drafter(head, LARGE)
+    verifier = RunningVerifier(Verifier(target, head.feature_kind), drafter)
+    budget = Budget(costs(), prior_stats({"top1_agreement": 0.3}), largest=LARGE, fixed=LARGE)
+    engine = Engine(verifier, drafter, 512, VOCAB, budget=budget, ahead=policy, plain_run=4)
+    tokens, stats = [], []
+    for step in engine.generate(GenerationRequest(tuple(PROMPT), n)):
+        tokens += step.tokens
+        stats += [step.stats] if step.stats.round_index > 0 else []
+    assert tokens == hf_greedy(hf, PROMPT, n)
+    return stats, verifier
+
+
+def test_rounds_that_do_not_draft_ahead_draft_inside_the_verify_and_run(llama_pair):
+    """Drafting ahead with a verifier that drafts too (direct drafts, a colocated head): a round that
+    drafts ahead verifies alone (its next tree is the ahead one or the engine's draft); the others
+    draft inside the Verify and start runs of tree rounds, inside which nothing drafts ahead (the
+    policy chooses again after the run). Greedy output stays the target's."""
+    stats, verifier = overlap_run(llama_pair, ScriptedPolicy(ahead_at=frozenset({1, 3, 4, 7, 9, 12})))
+    assert sum(s.ahead for s in stats) >= 4 and any(s.ahead_hit for s in stats)
+    assert sum(s.drafted_in_verify for s in stats) >= 4 and verifier.runs and any(s.tree_run for s in stats)
+    for before, after in zip(stats, stats[1:]):
+        assert not (before.ahead and after.drafted_in_verify)  # an ahead round's next tree is not the Verify's
+    assert not any(s.ahead and s.tree_run for s in stats)  # no ahead draft beside a run's rounds
+    # the policy chose again once a run ended: an ahead draft after a run's round
+    assert any(before.tree_run and after.ahead for before, after in zip(stats, stats[1:]))
+
+
+def test_a_policy_that_never_drafts_ahead_runs_the_rounds_of_no_policy(llama_pair):
+    """Overlap on but declined every round: the same rounds as without a policy (trees inside the
+    Verify, runs), not the split rounds it made before drafting ahead and direct drafts combined."""
+    with_policy, v1 = overlap_run(llama_pair, ScriptedPolicy())
+    without, v2 = overlap_run(llama_pair, None)
+    assert [(s.tree_size, s.accept_length, s.drafted_in_verify, s.tree_run) for s in with_policy] == \
+        [(s.tree_size, s.accept_length, s.drafted_in_verify, s.tree_run) for s in without]
+    assert v1.runs == v2.runs and sum(s.drafted_in_verify for s in without) > len(without) // 2

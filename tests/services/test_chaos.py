@@ -17,7 +17,9 @@ distribution does not: tests/engine/test_overlap.py).
 With direct drafts (`direct`: AERIE_DIRECT_DRAFTS=1, the verifiers send each verdict's Draft to the
 drafter themselves, in runs of tree rounds) the drafter's kill lands inside a run (the verifier's Draft
 fails, the coordinator drafts and fails over) and every stream, sampled ones too, equals the
-undisturbed run (the same Draft calls, sent from another place)."""
+undisturbed run (the same Draft calls, sent from another place). Both together (`overlap+direct`,
+what `aerie up --overlap on` runs by default): the rounds that draft ahead send a DraftAhead beside a
+plain Verify, the others a direct draft; compared as `overlap`."""
 
 import json
 import os
@@ -150,15 +152,15 @@ class Stream:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["serial", "overlap", "direct"])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "direct", "overlap+direct"])
 def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tmp_path, mode):
-    overlap = mode == "overlap"
+    overlap = mode.startswith("overlap")
     reqs = [GenerationRequest((5 + i, 17, 99, 3, 42, 8 + i), NEW_TOKENS,
                               SamplingParams() if i % 2 == 0 else SamplingParams(0.8, 0.95, 0, 100 + i),
                               ignore_eos=True) for i in range(8)]
     reference = local_engine(model_dirs, draft_dtype="fp32")  # fp32 drafts: see test_failover.DRAFT_DTYPE
     expected = [local_run(reference, r)[0] for r in reqs]
-    up, state = start_up(model_dirs, tmp_path, overlap, direct=mode == "direct")
+    up, state = start_up(model_dirs, tmp_path, overlap, direct=mode.endswith("direct"))
     report = {}
     try:
         coordinators = [p["address"] for p in processes(state, "coordinator")]
