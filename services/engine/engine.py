@@ -485,7 +485,8 @@ class Engine:
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
         # (a run's rounds draft at the verifier: no ahead draft beside them; the policy chooses again after it)
-        ahead = None if self._in_tree_run(seq_id) else self._launch_ahead(seq_id, seq, draft, round_index)
+        in_run = self._in_tree_run(seq_id)
+        ahead = None if in_run else self._launch_ahead(seq_id, seq, draft, round_index)
         t0 = time.perf_counter()
         tree = draft.tree
         hook = self._verdict_hook(seq_id, seq, draft)
@@ -537,8 +538,8 @@ class Engine:
             if not seq.sort_paths:  # measured seconds: greedy sequences only (see _launch_ahead)
                 if ahead is not None:
                     policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
-                elif run is None:  # (a run's round may have been verified before it was read: no baseline)
-                    policy.observe_alone(verify_s)
+                elif not in_run:  # (a single Verify or a run's first round; a later round of a run may
+                    policy.observe_alone(verify_s)  # have been verified before it was read: no baseline)
         # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
         nxt = None
         if res.next_tree is not None:

@@ -260,3 +260,14 @@ def test_a_policy_that_never_drafts_ahead_runs_the_rounds_of_no_policy(llama_pai
     assert [(s.tree_size, s.accept_length, s.drafted_in_verify, s.tree_run) for s in with_policy] == \
         [(s.tree_size, s.accept_length, s.drafted_in_verify, s.tree_run) for s in without]
     assert v1.runs == v2.runs and sum(s.drafted_in_verify for s in without) > len(without) // 2
+
+
+def test_a_learning_policy_measures_its_baseline_in_a_runs_first_round(llama_pair):
+    """A policy that learns its costs drafts ahead only once it has measured a round's verify without an
+    ahead draft. Beside a verifier that drafts too, the rounds without one start runs; a run's first
+    round is such a measurement (its later rounds may have been verified before the engine read them).
+    Without it the policy never had a baseline and never drafted ahead. (Its first choice after the
+    baseline is count-based: contention 0 before any ahead round was measured.)"""
+    stats, verifier = overlap_run(llama_pair, AheadPolicy(contention=0.0))
+    assert verifier.runs and stats[0].tree_run and not stats[0].ahead  # the baseline round started a run
+    assert any(s.ahead for s in stats)
