@@ -576,6 +576,8 @@ class Engine:
             return run
         if self.budget.fixed is None and seq.sort_paths:  # sampling: which rounds are held depends on timing,
             return None  # and a seed must replay the same trees (the budget's batch-1 plans: Engine._plan)
+        if seq.policy is not None and not seq.sort_paths and seq.policy.needs_baseline:
+            return None  # its baseline round: a run would keep the policy from choosing for up to plain_run rounds
         verify_run = getattr(self.verifier, "verify_run", None)
         left = seq.max_new_tokens - seq.produced - (next_params.depth + 2)  # (a round commits depth + 2 at most)
         if verify_run is None or left < 1 or not isinstance(draft.tree, DraftTree):

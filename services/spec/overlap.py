@@ -105,6 +105,12 @@ class AheadPolicy:
                 pays = not pays  # the other choice once: both costs stay measured
         return best if pays else None
 
+    @property
+    def needs_baseline(self) -> bool:
+        """A measured policy has not yet seen a round's verify without an ahead draft (`observe_alone`):
+        until then `choose` says no (module doc), and that round should verify alone, as one call."""
+        return self.enabled and self.learn_cost and self._verify_alone is None
+
     def observe_verdict(self, prefix_hits: list[bool]) -> None:
         """prefix_hits[j-1]: did the top path's first j tokens prefix the committed tokens
         (services/spec/ahead.prefix_hits)? Depths past the path count as misses."""

@@ -222,6 +222,10 @@ class ScriptedPolicy(AheadPolicy):
         self._choices += 1
         return 1 if self._choices in self.ahead_at and path_len else None
 
+    @property
+    def needs_baseline(self) -> bool:
+        return False  # (it measures nothing)
+
 
 def overlap_run(llama_pair, policy: AheadPolicy | None, n: int = 64):
     hf, target, head = llama_pair
@@ -262,12 +266,29 @@ def test_a_policy_that_never_drafts_ahead_runs_the_rounds_of_no_policy(llama_pai
     assert v1.runs == v2.runs and sum(s.drafted_in_verify for s in without) > len(without) // 2
 
 
-def test_a_learning_policy_measures_its_baseline_in_a_runs_first_round(llama_pair):
+def test_a_learning_policy_measures_its_baseline_alone_then_drafts_ahead(llama_pair):
     """A policy that learns its costs drafts ahead only once it has measured a round's verify without an
-    ahead draft. Beside a verifier that drafts too, the rounds without one start runs; a run's first
-    round is such a measurement (its later rounds may have been verified before the engine read them).
-    Without it the policy never had a baseline and never drafted ahead. (Its first choice after the
-    baseline is count-based: contention 0 before any ahead round was measured.)"""
-    stats, verifier = overlap_run(llama_pair, AheadPolicy(contention=0.0))
-    assert verifier.runs and stats[0].tree_run and not stats[0].ahead  # the baseline round started a run
+    ahead draft. Beside a verifier that drafts too, that baseline round is one Verify (with its direct
+    draft), not the start of a run: a run would keep the policy from choosing for up to plain_run
+    rounds (a short request: all of them). Then it drafts ahead. (Its first choice after the baseline
+    is count-based: contention 0 before any ahead round was measured.)"""
+    stats, _ = overlap_run(llama_pair, AheadPolicy(contention=0.0))
+    assert not stats[0].tree_run and not stats[0].ahead and stats[1].drafted_in_verify  # the baseline round
+    assert stats[1].ahead
+
+
+def test_a_runs_first_round_is_a_baseline_too(llama_pair):
+    """A run's first round is a verify without an ahead draft (its later rounds may have been verified
+    before the engine read them: no measurement): a policy that got no baseline elsewhere gets it there."""
+    stats, verifier = overlap_run(llama_pair, ScriptedBaseline(contention=0.0))
+    assert verifier.runs and stats[0].tree_run and not stats[0].ahead  # the first round started a run
     assert any(s.ahead for s in stats)
+
+
+@dataclass
+class ScriptedBaseline(AheadPolicy):
+    """A learning policy whose baseline round is not asked to verify alone (so the first round starts a run)."""
+
+    @property
+    def needs_baseline(self) -> bool:
+        return False
