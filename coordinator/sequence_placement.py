@@ -72,6 +72,7 @@ from services.errors import PREEMPTED
 from services.rpc.clients import NO_PHASES, DrafterClient, NextDraft, Phases, RemoteDrafter, VerifierClient
 from services.rpc.errors import DownstreamError
 from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
+from services.spec.overlap import RunAhead
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams, root_tree
 from coordinator.placement import Pool
@@ -186,6 +187,7 @@ class SequencePlacement:
         self._round = 0  # the engine's latest verify / decode round (main thread): draft spans' round
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows a DraftAhead did not deliver
         self._ahead_failed: DownstreamError | None = None  # a DraftAhead's fail-over, for the next draft
+        self._rebuild = False  # the next draft rebuilds the drafter's KV where it is (a run that drafted ahead)
         self.verifier = _VerifierSide(self)
         self.drafter = _DrafterSide(self) if drafters is not None else None
 
@@ -273,6 +275,7 @@ class SequencePlacement:
                 and (self.drafter_client.address == self.verifier_client.address or self.direct_drafts is not None
                      and self.direct_drafts.reachable(self.drafter_client.address))
                 and self._rd.prefilled(seq_id) and not self._held and self._ahead_failed is None and not self._kept
+                and not self._rebuild
                 and self._lost is None)
 
     def _next_draft(self, seq_id: str, params: TreeParams | None) -> NextDraft | None:
@@ -299,15 +302,21 @@ class SequencePlacement:
         return _PlacedRun(self, seq_id, token, round_index, steps, keep_features)
 
     def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: TreeParams, rounds: int,
-                   max_tokens: int, stop_ids: frozenset[int]) -> _PlacedTreeRun | None:
+                   max_tokens: int, stop_ids: frozenset[int], ahead: RunAhead | None = None) -> _PlacedTreeRun | None:
         """A run of up to `rounds` tree rounds on the verifier that drafts too (RemoteVerifier.verify_run),
         read round by round with fail-over (module doc); None when the sequence's drafter is not its
-        verifier's process now (`drafts_next`)."""
+        verifier's process now (`drafts_next`). `ahead`: drafting ahead in its rounds (`runs_ahead`)."""
         nxt = self._next_draft(seq_id, next_draft)
-        if nxt is None:
+        if nxt is None or ahead is not None and not nxt.drafter:
             return None
         return _PlacedTreeRun(self, seq_id, self._rv.verify_run(seq_id, tree, round_index, nxt, rounds, max_tokens,
-                                                                stop_ids))
+                                                                stop_ids, ahead))
+
+    def runs_ahead(self, seq_id: str) -> bool:
+        """A run of tree rounds can draft ahead at the verifier (VerifyRun with `ahead`): direct drafts to
+        a drafter in another process, with target features (verifier_svc/ahead_run.py)."""
+        return (self.drafts_next(seq_id) and self._kind != "none"
+                and self.drafter_client.address != self.verifier_client.address)  # type: ignore[union-attr]
 
     def take_logprobs(self, seq_id: str):
         """The current verifier's log-probabilities of the latest call's tokens (RemoteVerifier)."""
@@ -397,6 +406,11 @@ class SequencePlacement:
             features = torch.cat([f.to(features.dtype) for _, f in self._held if f.numel()] + [features])
             self._held = []
         failed, self._ahead_failed = self._ahead_failed, None
+        rebuild, self._rebuild = self._rebuild, False
+        if rebuild and failed is None and self._rd is not None:
+            # a run that drafted ahead failed or was left early: the drafter's KV is unknown, and a call the
+            # verifier sent may still arrive (one index past the last answered): rebuild it, numbered past that
+            tokens, features = self._refill(tokens, features, first_index=self._rd.next_index(seq_id) + 1)
         if failed is not None and self._rd is not None:
             if not self._drafter_failed(failed):
                 return root_tree(self.committed[-1])  # degraded: a plain decoding round
@@ -471,11 +485,13 @@ class SequencePlacement:
                              reason or "a drafter is available again", 0.0, 0), label or failover_reason(None))
         return client is not None
 
-    def _refill(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _refill(self, tokens: torch.Tensor, features: torch.Tensor, first_index: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Start the newly placed drafter and return what its first draft sends: every committed row
         (tokens shifted by one) with the verifier's features for them. The caller's features already
-        cover every row only at the first draft after the prefill, with the same feature kind."""
-        move = len(self.moves) - 1
+        cover every row only at the first draft after the prefill, with the same feature kind.
+        `first_index` > 1: a rebuild at the same drafter (no move), its Prefill numbered there."""
+        move = len(self.moves) - 1 if first_index == 1 else None
         t0 = time.perf_counter()
         full = self.prompt + self.committed
         if self._rd.feature_kind != self._kind or len(tokens) != len(full) - 1:
@@ -486,9 +502,10 @@ class SequencePlacement:
         # a replica that was only unreachable (or a restart racing our old release) may still hold
         # the sequence's draft KV under this id: drop it first
         self.drafter_client.release(self.seq_id)
-        self._rd.start(self.seq_id, self._draft_rows, self._draft_sampling)
-        m = self.moves[move]
-        self.moves[move] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(tokens))
+        self._rd.start(self.seq_id, self._draft_rows, self._draft_sampling, first_index)
+        if move is not None:
+            m = self.moves[move]
+            self.moves[move] = Move(m.role, m.old, m.new, m.reason, time.perf_counter() - t0, len(tokens))
         self._event("rebuild", {"aerie.role": "drafter", "aerie.rows": len(tokens),
                                 "aerie.seconds": time.perf_counter() - t0})
         return tokens, features
@@ -624,9 +641,11 @@ class _PlacedTreeRun:
             self.close()
             return p.verify(self.seq_id, tree, round_index, next_draft)
         p._round = round_index
-        if res.next_tree is not None:
+        if res.next_tree is not None or res.pending_rows:  # (next_index follows the run's draft_index)
             p._rd.drafted_elsewhere(self.seq_id, run.next_index - 1, p._rv.busy)  # type: ignore[union-attr]
-        else:
+        if res.ahead_failed:  # the drafter's KV is unknown: the next draft rebuilds it
+            p._rebuild = True
+        elif res.next_tree is None:
             p._missed = run.drafter
         p.committed += res.acceptance.new_tokens
         p._kept = 0
@@ -643,6 +662,10 @@ class _PlacedTreeRun:
 
     def close(self) -> None:
         if self._run is not None:
+            if self._run.ahead is not None and not self._run.finished:
+                # left early: a DraftAhead the verifier sent for the next round may still reach the drafter
+                # (its index, its rows): the next draft rebuilds the drafter's KV
+                self.p._rebuild = True
             self._run.close()
             self._run = None
 
@@ -662,8 +685,11 @@ class _VerifierSide:
     def drafts_next(self, seq_id):
         return self._p.drafts_next(seq_id)
 
-    def verify_run(self, seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids):
-        return self._p.verify_run(seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids)
+    def verify_run(self, seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids, ahead=None):
+        return self._p.verify_run(seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids, ahead)
+
+    def runs_ahead(self, seq_id):
+        return self._p.runs_ahead(seq_id)
 
     def decode(self, seq_id, token, round_index, keep_features=False):
         return self._p.decode(seq_id, token, round_index, keep_features)

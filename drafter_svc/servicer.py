@@ -102,9 +102,12 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             features.add(msg.features)
         if first is None:
             raise InvalidRequest("the Prefill stream carried no message")
+        if first.round_index < 0:
+            raise InvalidRequest(f"round_index must be >= 0 (0: 1); got {first.round_index}")
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features.result(), params)
         return await timed(DRAFT_SECONDS.labels(SERVICE),
-                            self.batcher.call_async(_Work(call, 1, first.max_rows, first.sampling)))
+                            self.batcher.call_async(_Work(call, first.round_index or 1, first.max_rows,
+                                                          first.sampling)))
 
     @rpc_errors
     async def Draft(self, request: dpb.DraftRequest, context) -> dpb.DraftResponse:
@@ -298,7 +301,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
 @dataclass(frozen=True, slots=True)
 class _Work:
     call: DraftCall
-    round_index: int  # 1 for a Prefill (its tree is the one round 1 verifies)
+    round_index: int  # a Prefill's: 1, or past the calls before a rebuild (DrafterPrefillRequest.round_index)
     max_rows: int | None = None  # a Prefill: the draft KV to reserve
     sampling: bool = False  # a Prefill: sampling paths order
     guess: tuple[int, ...] | None = None  # a DraftAhead: the guessed committed tokens

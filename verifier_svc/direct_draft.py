@@ -101,27 +101,43 @@ class DirectDrafts:
         if nxt.params is not None:
             request.tree.CopyFrom(codec.encode_tree_params(nxt.params))
         t0 = time.perf_counter()
-        attributes = {telemetry.SEQ_ID: seq_id, telemetry.ROUND_INDEX: nxt.index, telemetry.DRAFTER: nxt.drafter}
-        with telemetry.start_span("next_draft", kind="client", attributes=attributes) as span:
+        drafted = await self.call(seq_id, nxt.drafter, "Draft", request, timeout_s)
+        if drafted is None:
+            return False
+        take_tree(response, drafted, time.perf_counter() - t0)
+        return True
+
+    async def call(self, seq_id: str, drafter: str, method: str, request, timeout_s: float
+                   ) -> dpb.DraftResponse | None:
+        """One Draft or DraftAhead call (`method`) at `drafter`, with this process's credentials and, with
+        tracing on, under a CLIENT span (next_draft / draft_ahead) whose traceparent it carries; None
+        when it fails (logged: the coordinator drafts)."""
+        attributes = {telemetry.SEQ_ID: seq_id, telemetry.ROUND_INDEX: request.round_index, telemetry.DRAFTER: drafter}
+        name = "next_draft" if method == "Draft" else "draft_ahead"
+        with telemetry.start_span(name, kind="client", attributes=attributes) as span:
             metadata = list(self.metadata)
-            telemetry.inject(metadata)  # (the next_draft span's context; nothing when tracing is off)
+            telemetry.inject(metadata)  # (the span's context; nothing when tracing is off)
             try:
-                drafted = await self._stub(nxt.drafter).Draft(request, timeout=max(timeout_s, 0.001),
-                                                              metadata=metadata)
+                return await getattr(self._stub(drafter), method)(request, timeout=max(timeout_s, 0.001),
+                                                                  metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 telemetry.record_error(span, e)
-                log.info("sequence %s: the next draft at drafter %s failed (%s: %s); its coordinator drafts with a "
-                         "Draft call", seq_id, nxt.drafter, e.code().name, e.details())
-                return False
-        response.next_tree.CopyFrom(drafted.tree)
-        response.next_draft_seconds = time.perf_counter() - t0
-        response.drafter_busy = drafted.busy
-        response.features.Clear()  # [0, F] of the same dtype
-        response.features.dtype = request.features.dtype
-        response.features.shape.extend([0, request.features.shape[1]])
-        return True
+                log.info("sequence %s: the %s at drafter %s failed (%s: %s); its coordinator drafts with a "
+                         "Draft call", seq_id, method, drafter, e.code().name, e.details())
+                return None
 
     async def close(self) -> None:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+
+
+def take_tree(response: vpb.VerifyResponse, drafted: dpb.DraftResponse, seconds: float) -> None:
+    """The drafter's next tree into a Verify's answer; the drafter took the verdict's rows (features [0, F])."""
+    response.next_tree.CopyFrom(drafted.tree)
+    response.next_draft_seconds = seconds
+    response.drafter_busy = drafted.busy
+    dtype, width = response.features.dtype, response.features.shape[1] if len(response.features.shape) > 1 else 0
+    response.features.Clear()  # [0, F] of the same dtype
+    response.features.dtype = dtype
+    response.features.shape.extend([0, width])

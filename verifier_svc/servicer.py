@@ -101,8 +101,10 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
+from services.spec.overlap import RunAhead
 from services.spec.tree import TreeParams
 from verifier_svc.config import AUTO, VerifierConfig
+from verifier_svc.ahead_run import AheadRun, decode_run_ahead
 from verifier_svc.direct_draft import DirectDrafts, NextDraftTo, check_address
 from verifier_svc.plain_run import END, QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
 
@@ -421,12 +423,15 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         the call's deadline."""
         if self._direct is None:
             self._direct = DirectDrafts(self.config.service)
-        remaining = context.time_remaining() if context is not None else None
-        drafted = await self._direct.draft(call.seq_id, call.direct, response,
-                                           DIRECT_DRAFT_TIMEOUT_S if remaining is None else
-                                           min(remaining, DIRECT_DRAFT_TIMEOUT_S))
+        drafted = await self._direct.draft(call.seq_id, call.direct, response, self._draft_timeout(context))
         metrics.DIRECT_DRAFTS.labels(SERVICE, "drafted" if drafted else "failed").inc()
         return drafted
+
+    @staticmethod
+    def _draft_timeout(context) -> float:
+        """A call to the drafter: at most DIRECT_DRAFT_TIMEOUT_S, within the caller's deadline."""
+        remaining = context.time_remaining() if context is not None else None
+        return DIRECT_DRAFT_TIMEOUT_S if remaining is None else min(remaining, DIRECT_DRAFT_TIMEOUT_S)
 
     @rpc_errors
     async def VerifyRun(self, request: vpb.VerifyRunRequest, context):
@@ -441,6 +446,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         stop_ids = frozenset(codec.token_ids(request.stop_ids, self.vocab_size, "stop_ids"))
         tree = codec.decode_tree(request.tree, self.vocab_size, self.config.max_tree_nodes)
         first = self._next_draft_call(VerifyCall(seq_id, tree, request.round_index), request.next_draft, run=True)
+        ahead = decode_run_ahead(request.ahead) if request.HasField("ahead") else None
+        if ahead is not None and not first.drafter:
+            raise InvalidRequest("ahead: drafting ahead inside a run needs the drafter in another process "
+                                 "(next_draft.drafter); a verifier that drafts too drafts on its own model thread")
         made = [0]  # tokens the run's rounds committed
 
         def follow(step: NextDraftVerify, response: vpb.VerifyResponse) -> NextDraftVerify | None:
@@ -453,7 +462,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             return replace(step, tree=codec.decode_tree(response.next_tree, self.vocab_size, self.config.max_tree_nodes),
                            round_index=step.round_index + 1, next_round=step.next_round + 1)
 
-        run = (self._direct_run(first, request.rounds, follow, context) if first.drafter
+        run = (self._direct_run(first, request.rounds, follow, context, ahead) if first.drafter
                else self._local_run(first, request.rounds, follow))
         async for answer in run:
             yield answer
@@ -475,21 +484,36 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         finally:
             chain.cancel()  # the caller went away (or the run ended): queue no further round
 
-    async def _direct_run(self, first: NextDraftVerify, rounds: int, follow, context):
+    async def _direct_run(self, first: NextDraftVerify, rounds: int, follow, context,
+                          ahead: RunAhead | None = None):
         """A run with the sequence's drafter in another process: each round's verdict drafted at the
         drafter (direct_draft.py, on this loop), the next round queued before the answer goes out; a
-        round whose draft failed ends the run (the coordinator drafts)."""
+        round whose draft failed ends the run (the coordinator drafts). With `ahead`, each round's next
+        tree is drafted ahead while the round is verified (ahead_run.py)."""
         step = first
+        if self._direct is None:
+            self._direct = DirectDrafts(self.config.service)
+        drafting = (AheadRun(self._direct, first.seq_id, first.drafter, ahead, first.next_params, first.next_round,
+                             self.vocab_size) if ahead is not None else None)
         pending = asyncio.ensure_future(timed(VERIFY_SECONDS.labels(SERVICE), self.batcher.call_async(step)))
+        launched = drafting.launch(step.tree, self._draft_timeout(context)) if drafting is not None else None
         try:
             for k in range(rounds):
                 response = await pending
-                if not response.HasField("next_tree"):  # (a round answered again from a run may have it)
+                if response.HasField("next_tree"):  # (a round answered again from a run has it)
+                    pass
+                elif drafting is not None:
+                    await drafting.settle(response, launched, self._draft_timeout(context))
+                    metrics.DIRECT_DRAFTS.labels(SERVICE, "drafted" if response.HasField("next_tree") else
+                                                 "failed").inc()
+                else:
                     await self._draft_direct(step, response, context)
                 following = follow(step, response) if k + 1 < rounds else None
                 if following is not None:
                     pending = asyncio.ensure_future(timed(VERIFY_SECONDS.labels(SERVICE),
                                                           self.batcher.call_async(following)))
+                    if drafting is not None:
+                        launched = drafting.launch(following.tree, self._draft_timeout(context))
                 yield response
                 if following is None:
                     return
@@ -497,6 +521,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         finally:
             if not pending.done():  # the caller went away: the round in progress still runs (and is kept)
                 pending.cancel()
+            if launched is not None and not launched.task.done():
+                launched.task.cancel()  # (the coordinator rebuilds the drafter's KV after a run it left)
 
     @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:

@@ -116,10 +116,10 @@ import torch
 from services.engine.roles import DrafterRole, VerifierRole
 from services.errors import InvalidRequest
 from services.spec.acceptance import AcceptanceStats, observe, observe_realized
-from services.spec.ahead import follow, prefix_hits, top_guess, trim, use_ahead
+from services.spec.ahead import chain_past, prefix_hits, top_guess, trim, use_ahead
 from services.spec.budget import Budget, RoundPlan, build_budget
 from services.spec.logprobs import TokenLogprobs
-from services.spec.overlap import AheadPolicy
+from services.spec.overlap import AheadPolicy, RunAhead
 from services.spec.sam import SuffixIndex
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeOnDevice, TreeParams, host_tree, merge_chain, root_tree
@@ -484,14 +484,23 @@ class Engine:
 
     def _tree_round(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Verified:
         """Verify the drafted tree, and feed what was accepted to the acceptance statistics."""
-        # (a run's rounds draft at the verifier: no ahead draft beside them; the policy chooses again after it)
+        # (a run's rounds draft at the verifier: no ahead draft beside them; the policy chooses again after
+        # it. A run that drafts ahead at the verifier carries the choice instead: module doc)
         in_run = self._in_tree_run(seq_id)
-        ahead = None if in_run else self._launch_ahead(seq_id, seq, draft, round_index)
+        choice = None if in_run else self._choose_ahead(seq, draft)
+        run_ahead = self._run_ahead(seq_id, seq, choice)
+        if run_ahead is not None and self._next_in_verify(seq_id, seq, draft, None) is None:
+            run_ahead = None
+        ahead = self._launch_ahead(seq_id, seq, draft, round_index, choice if run_ahead is None else None)
         t0 = time.perf_counter()
         tree = draft.tree
         hook = self._verdict_hook(seq_id, seq, draft)
         next_params = self._next_in_verify(seq_id, seq, draft, ahead) if hook is None else None
-        run = self._tree_run(seq_id, seq, draft, round_index, next_params)
+        run = self._tree_run(seq_id, seq, draft, round_index, next_params, run_ahead)
+        if run is not None and not in_run and run_ahead is not None:
+            seq.run_ahead = run_ahead  # (the run's rounds: RoundStats and the policy's learning)
+        elif not in_run:
+            seq.run_ahead = None
         try:
             # (a TreeOnDevice only reaches a verifier that takes it: device_trees; so does a hook)
             if hook is not None:
@@ -524,20 +533,30 @@ class Engine:
             self.realized = seq.stats.realized
             if self.budget.load is not None:
                 self.budget.load.realized = seq.stats.realized
+        at_verifier = res.ahead_s > 0  # a run that drafted ahead at the verifier did, this round
         stats = RoundStats(round_index, len(tokens), tree.size if draft.plan.drafts else 0,
                            tree.max_depth, draft.draft_s, verify_s, len(draft.chain_nodes),
                            draft.plan.tokens, draft.plan.seconds,
                            chain_accepted=len(set(accepted) & set(draft.chain_nodes)),
-                           eagle_nodes=eagle_size - 1, ahead=ahead is not None,
-                           ahead_s=ahead.ahead_s if ahead else 0.0, ahead_wait_s=wait_s if ahead else 0.0,
+                           eagle_nodes=eagle_size - 1, ahead=ahead is not None or at_verifier,
+                           ahead_s=ahead.ahead_s if ahead else res.ahead_s,
+                           ahead_wait_s=wait_s if ahead else res.ahead_wait_s,
                            ahead_hit=draft.ahead_hit, saved_s=draft.saved_s, drafted_in_verify=draft.in_verify,
                            tree_run=run is not None)
         policy = seq.policy
         if policy is not None and draft.plan.tree is not None:
             policy.observe_verdict(prefix_hits(top_guess(tree, tree.max_depth), tokens))
-            if not seq.sort_paths:  # measured seconds: greedy sequences only (see _launch_ahead)
+            if at_verifier and seq.run_ahead is not None and not res.ahead_failed:
+                # its guess and chain: the top path cut as the verifier cut it (verifier_svc/ahead_run.py)
+                bet = top_guess(tree, min(tree.max_depth, seq.run_ahead.max_guess))
+                if (min(seq.run_ahead.depth, len(bet)) < len(tokens) <= len(bet) + 1
+                        and tokens[:-1] == bet[: len(tokens) - 1]):  # on the bet + the bonus: on the tree?
+                    policy.observe_ahead(res.next_ahead)
+            if not seq.sort_paths:  # measured seconds: greedy sequences only (see _choose_ahead)
                 if ahead is not None:
                     policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
+                elif at_verifier:
+                    policy.observe_wait(res.ahead_s, res.ahead_wait_s)
                 elif not in_run:  # (a single Verify or a run's first round; a later round of a run may
                     policy.observe_alone(verify_s)  # have been verified before it was read: no baseline)
         # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
@@ -545,7 +564,8 @@ class Engine:
         if res.next_tree is not None:
             assert self.drafter is not None  # (a next tree comes from a drafter's process)
             nxt = (res.next_tree, res.next_draft_s, next_params or draft.plan.tree or self.drafter.tree, res.from_run)
-        return _Verified(tokens, stats, res.features, nxt)
+        return _Verified(tokens, stats, res.features, nxt, pending_rows=res.pending_rows,
+                         next_ahead_s=res.ahead_s if res.next_ahead else 0.0)
 
     def _next_in_verify(self, seq_id: str, seq: _SequenceState, draft: _Draft, ahead: _Ahead | None
                         ) -> TreeParams | None:
@@ -563,7 +583,7 @@ class Engine:
         return params if drafts_next(seq_id) else None
 
     def _tree_run(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int,
-                  next_params: TreeParams | None):
+                  next_params: TreeParams | None, ahead: RunAhead | None = None):
         """The sequence's open run of tree rounds, or a new one where this round drafts inside the Verify
         (`next_params`), the budget's shape is fixed (every round verifies the tree the verifier drafted
         before it, as it is) and the verifier runs them (`verify_run`): up to `plain_run` rounds, ending
@@ -582,7 +602,9 @@ class Engine:
         left = seq.max_new_tokens - seq.produced - (next_params.depth + 2)  # (a round commits depth + 2 at most)
         if verify_run is None or left < 1 or not isinstance(draft.tree, DraftTree):
             return None
-        run = verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids)
+        run = (verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids, ahead)
+               if ahead is not None else
+               verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids))
         if run is not None:
             self._tree_runs[seq_id] = run
         return run
@@ -592,10 +614,9 @@ class Engine:
         run = self._tree_runs.get(seq_id)
         return run is not None and run.open and not run.exhausted
 
-    def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int) -> _Ahead | None:
-        """Start the ahead draft of the next tree (for round round_index + 1) on the drafter thread, if the
-        policy says it pays. The pending committed rows go with it (the draft KV takes them now, as a
-        draft would)."""
+    def _choose_ahead(self, seq: _SequenceState, draft: _Draft) -> _Choice | None:
+        """The policy's choice for the round `draft` verifies: the guess to draft the next tree ahead from
+        (and the tree and its top path), or None (no policy, no tree, or drafting ahead does not pay)."""
         policy = seq.policy
         if policy is None or draft.plan.tree is None or draft.tree.size < 2:
             return None
@@ -616,9 +637,28 @@ class Engine:
         if depth is None:
             return None
         guess = self.guesser(tree, depth, seq.produced)[:limit] if self.guesser else path[:depth]
-        if not guess:
+        return _Choice(depth, guess, tree, path, limit) if guess else None
+
+    def _run_ahead(self, seq_id: str, seq: _SequenceState, choice: _Choice | None) -> RunAhead | None:
+        """Drafting ahead inside a run of tree rounds at the verifier (module doc) for this choice, where
+        the verifier can (`runs_ahead`: direct drafts to a drafter in another process), the tree is
+        fixed (a run that drafts ahead is never left for a new shape) and the guess is the top path's."""
+        runs_ahead = getattr(self.verifier, "runs_ahead", None)
+        if (choice is None or runs_ahead is None or self.guesser is not None or self.budget.fixed is None
+                or self.plain_run < 2 or not runs_ahead(seq_id)):
             return None
-        chain, exclude = _chain(tree, guess, path)
+        return RunAhead(choice.depth, choice.limit, seq.policy.branches, seq.sort_paths)  # type: ignore[union-attr]
+
+    def _launch_ahead(self, seq_id: str, seq: _SequenceState, draft: _Draft, round_index: int,
+                      choice: _Choice | None) -> _Ahead | None:
+        """Start the ahead draft of the next tree (for round round_index + 1) on the drafter thread, as
+        the policy chose (`_choose_ahead`; None: not). The pending committed rows go with it (the draft
+        KV takes them now, as a draft would)."""
+        if choice is None:
+            return None
+        params, policy, guess, tree, path = draft.plan.tree, seq.policy, choice.guess, choice.tree, choice.path
+        assert params is not None and policy is not None and self.drafter is not None
+        chain, exclude = chain_past(tree, guess, path)
         tokens = torch.cat(seq.pending_tokens) if seq.pending_tokens else torch.zeros(0, dtype=torch.long)
         features = torch.cat(seq.pending_features) if seq.pending_features else torch.zeros(0)
         seq.pending_tokens.clear()
@@ -680,8 +720,10 @@ class Engine:
         detached: those come with the next Verify) and extend the suffix index; then the next round
         is planned and drafted."""
         assert seq.draft is not None
+        if done.pending_rows:  # (a run that drafts ahead at the verifier says which rows the draft KV lacks)
+            _replace_pending(seq, done)
         if done.next is not None:
-            return self._drafted_in_verify(seq_id, seq, done.next, len(done.tokens))
+            return self._drafted_in_verify(seq_id, seq, done.next, len(done.tokens), done.next_ahead_s)
         queued = self._verdicts.pop(seq_id, None)
         plan = None
         if queued is not None:  # a draft queued from this verdict (no retrieval, no ahead: __init__)
@@ -692,7 +734,7 @@ class Engine:
             self.verdict_counts["dropped"] += 1
             # the draft below writes those rows again (the draft KV's length never moved), planned as
             # just now (a plan counts idle rounds: once a round)
-        if self.drafter:
+        if self.drafter and not done.pending_rows:
             seq.pending_tokens.append(torch.tensor(done.tokens))
             if not seq.draft.detached:
                 assert done.features is not None  # an attached drafter's verify returns the features
@@ -710,15 +752,18 @@ class Engine:
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
     def _drafted_in_verify(self, seq_id: str, seq: _SequenceState,
-                           drafted: tuple[DraftTree, float, TreeParams, bool], rows: int) -> _Draft:
+                           drafted: tuple[DraftTree, float, TreeParams, bool], rows: int, ahead_s: float = 0.0
+                           ) -> _Draft:
         """The next round from the tree the verifier's own head drafted in the Verify (its draft KV took the
         round's `rows` already): the budget plans as after any verdict; the tree is cut to the plan's shape
         (services/spec/ahead.py trim; a plan larger than the tree keeps the tree as drafted), or left
         unused for a plain round. A verdict a run computed (module doc, "Tree runs") holds the tree as it
         is when the plan changes the shape: the verifier may have verified it already, in the run; the run
-        is closed, and the plan applies from the first round a run did not compute."""
+        is closed, and the plan applies from the first round a run did not compute. `ahead_s` > 0: the tree
+        was drafted ahead at the verifier (a hit: no draft waited for, the round's rows still pending)."""
         tree, draft_s, params, from_run = drafted
-        self._observe_draft(params, rows, draft_s)
+        if not ahead_s:
+            self._observe_draft(params, rows, draft_s)
         plan = self._plan(seq_id, seq, 0)
         if from_run and plan.tree != params:
             run = self._tree_runs.pop(seq_id, None)
@@ -735,7 +780,7 @@ class Engine:
         if plan.tree != params:
             tree = trim(tree, plan.tree, seq.sort_paths)
         self.verdict_counts["kept" if plan.tree == params else "trimmed"] += 1
-        return _Draft(tree, plan, [], None, draft_s, in_verify=True)
+        return _Draft(tree, plan, [], None, draft_s, in_verify=True, ahead_hit=ahead_s > 0, saved_s=ahead_s)
 
     def _from_verdict(self, seq_id: str, seq: _SequenceState, verdict: VerdictDraft, rows: int, plan: RoundPlan,
                       draft_s: float) -> _Draft:
@@ -829,22 +874,16 @@ class Engine:
         self._draft_est = draft_s if self._draft_est == 0.0 else 0.8 * self._draft_est + 0.2 * draft_s
 
 
-def _chain(tree: DraftTree, guess: list[int], path: list[int]
-           ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """For a guess on the tree's top path `path`: (chain, exclude). chain: the path past the guess
-    (the verdict may accept more of it before the bonus); exclude[p]: the tree's children of the
-    guessed node (p = 0) and of the chain's p-th node, which the verifier tries before it draws a
-    bonus there (never the bonus). Another guess (an injected guesser's): no chain, no exclusion.
-    Example: tokens [7, 5, 8, 3, 4], parents [-1, 0, 0, 1, 1], path [5, 3], guess [5]
-    -> ((3,), ((3, 4), ()))."""
-    if not guess or guess != path[: len(guess)]:
-        return (), ()
-    parents, toks = tree.parents.tolist(), tree.tokens.tolist()
-    exclude = []
-    for j in range(len(guess), len(path) + 1):
-        node = follow(tree, path[:j])
-        exclude.append(tuple(toks[i] for i in range(1, len(toks)) if parents[i] == node))
-    return tuple(path[len(guess):]), tuple(exclude)
+def _replace_pending(seq: _SequenceState, done: _Verified) -> None:
+    """The rows the draft KV has not taken, as a run that drafts ahead at the verifier says (its
+    features): the last of the rows pending before the round and the round's (the verifier's pending
+    rows are a suffix of the engine's)."""
+    assert done.features is not None
+    n = int(done.features.shape[0])
+    recent = torch.cat([*seq.pending_tokens, torch.tensor(done.tokens, dtype=torch.long)])
+    assert n <= recent.shape[0], (n, recent.shape[0])
+    seq.pending_tokens = [recent[recent.shape[0] - n:]] if n else []
+    seq.pending_features = [done.features] if n else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -856,6 +895,18 @@ class _Verified:
     # the next tree drafted inside the Verify (a verifier that drafts too): (tree, seconds, its shape,
     # whether a run computed the verdict: VerifyResult.from_run)
     next: tuple[DraftTree, float, TreeParams, bool] | None = None
+    pending_rows: bool = False  # `features` are exactly the rows the draft KV has not taken (VerifyResult)
+    next_ahead_s: float = 0.0  # > 0: the next tree was drafted ahead at the verifier (its seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """The overlap policy's choice for a round: guess `depth` tokens (module doc, "Drafting ahead")."""
+    depth: int
+    guess: list[int]  # the guessed committed tokens (the top path's first `depth`, or a guesser's)
+    tree: DraftTree  # the round's tree (on the host)
+    path: list[int]  # its top path, cut at `limit`
+    limit: int  # the longest guess the drafter takes (its tree depth + 2)
 
 
 @dataclass
@@ -872,5 +923,6 @@ class _SequenceState:
     draft: _Draft | None = None  # the planned next round (None: plain decoding, no speculation)
     ahead: _Ahead | None = None  # the ahead draft of the round just verified (until _next_draft)
     policy: AheadPolicy | None = None  # this sequence's copy of the engine's policy (None: no overlap)
+    run_ahead: RunAhead | None = None  # the open run of tree rounds drafts ahead at the verifier so
     verdict_drafts: bool = False  # greedy, no penalty: its next draft may be queued from the verdict
     stop_ids: frozenset[int] = frozenset()  # the token ids that end it (Engine.stop_ids)

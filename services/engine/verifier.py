@@ -101,6 +101,17 @@ class VerifyResult:
     # computed by a run of tree rounds (VerifyRun: its answer, or one answered again): the verifier
     # may have verified next_tree already, as it is (the next round's, in the run)
     from_run: bool = False
+    # a run that drafts ahead at the verifier (VerifyRun with `ahead`; verifier_svc/ahead_run.py): this
+    # round's DraftAhead seconds and the wait for it after the verdict; next_tree is that ahead tree
+    # (next_ahead); `features` are then exactly the rows the drafter's KV has not taken (pending_rows:
+    # they replace the caller's); draft_index: the Drafter index of the drafter's latest answered call;
+    # ahead_failed: the DraftAhead failed (the drafter's KV is unknown)
+    ahead_s: float = 0.0
+    ahead_wait_s: float = 0.0
+    next_ahead: bool = False
+    pending_rows: bool = False
+    draft_index: int = 0
+    ahead_failed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

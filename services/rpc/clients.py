@@ -37,6 +37,7 @@ from services.rpc.stubs import drafter_grpc
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.logprobs import TokenLogprobs
+from services.spec.overlap import RunAhead
 from services.spec.sampling import SamplingParams
 from services.spec.tree import DraftTree, TreeParams
 
@@ -197,12 +198,17 @@ class RemoteVerifier:
     def result(self, response: vpb.VerifyResponse) -> VerifyResult:
         """A Verify's (or a VerifyRun round's) answer: the verdict, the features (the rows Decode calls
         kept first), its logprobs (take_logprobs) and its next tree."""
-        # with a next tree the verifier's head took the round's features: none come back
+        # with a next tree the verifier's head took the round's features: none come back (a run that
+        # drafts ahead says which rows the drafter has not taken: pending_rows)
         with_features = self.feature_kind != "none" and not response.HasField("next_tree")
-        result = codec.decode_verify_result(response, with_features, self._kept)
+        result = codec.decode_verify_result(response, with_features, self._kept, any_rows=response.pending_rows)
         self._kept = 0
         if response.HasField("logprobs"):
             self._logprobs = codec.decode_logprobs(response.logprobs, result.acceptance.new_tokens)
+        if response.pending_rows:
+            result = replace(result, ahead_s=response.ahead_seconds, ahead_wait_s=response.ahead_wait_seconds,
+                             next_ahead=response.next_tree_ahead, pending_rows=True,
+                             draft_index=response.draft_index, ahead_failed=response.ahead_failed)
         if response.HasField("next_tree"):
             self.busy = response.drafter_busy
             result = replace(result, next_tree=codec.decode_tree(response.next_tree, self.vocab_size),
@@ -210,10 +216,11 @@ class RemoteVerifier:
         return result
 
     def verify_run(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: NextDraft,
-                   rounds: int, max_tokens: int, stop_ids: frozenset[int]) -> TreeRun:
+                   rounds: int, max_tokens: int, stop_ids: frozenset[int], ahead: RunAhead | None = None) -> TreeRun:
         """A run of up to `rounds` tree rounds from `round_index` on a verifier that drafts too (the
-        VerifyRun call; its stop rules: max_tokens, stop_ids): read with TreeRun.next, close() cancels."""
-        return TreeRun(self, seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids)
+        VerifyRun call; its stop rules: max_tokens, stop_ids; `ahead`: drafting ahead in its rounds, with
+        the drafter in another process): read with TreeRun.next, close() cancels."""
+        return TreeRun(self, seq_id, tree, round_index, next_draft, rounds, max_tokens, stop_ids, ahead)
 
     def decode(self, seq_id: str, token: int, round_index: int, keep_features: bool = False) -> int:
         request = vpb.DecodeRequest(sequence_id=seq_id, round_index=round_index, token=token,
@@ -364,10 +371,17 @@ class TreeRun(_RunStream):
     DownstreamError (rounds read before stay valid); deadlines as _RunStream's."""
 
     def __init__(self, rv: RemoteVerifier, seq_id: str, tree: DraftTree, round_index: int,
-                 next_draft: NextDraft, rounds: int, max_tokens: int, stop_ids: frozenset[int]) -> None:
+                 next_draft: NextDraft, rounds: int, max_tokens: int, stop_ids: frozenset[int],
+                 ahead: RunAhead | None = None) -> None:
         request = vpb.VerifyRunRequest(sequence_id=seq_id, round_index=round_index, tree=codec.encode_tree(tree),
                                        rounds=rounds, max_tokens=max_tokens, stop_ids=sorted(stop_ids),
                                        next_draft=next_draft.encode())
+        if ahead is not None:
+            request.ahead.CopyFrom(vpb.RunAhead(depth=ahead.depth, max_guess=ahead.max_guess,
+                                                branches=ahead.branches, sort_paths=ahead.sort_paths))
+        self.ahead = ahead
+        self.max_tokens, self.stop_ids = max_tokens, stop_ids
+        self._made, self._stopped = 0, False  # tokens its rounds committed; a round committed a stop id
         with rv.phases.phase(round_index, "verify_run"):  # (its traceparent: the call's server span joins the trace)
             call = rv.client.stub.VerifyRun(request, timeout=rv.client.timeout_s * rounds)
         super().__init__(rv, seq_id, call)
@@ -378,8 +392,13 @@ class TreeRun(_RunStream):
 
     @property
     def exhausted(self) -> bool:
-        """Every round it asked for was read (the verifier ends it there)."""
-        return self._read >= self.rounds
+        """Every round it asked for was read, or its stop rules ended it (the verifier ends it there)."""
+        return self._read >= self.rounds or self._made >= self.max_tokens or self._stopped
+
+    @property
+    def finished(self) -> bool:
+        """The verifier ended it (every round read, or its stop rules): it sends the drafter nothing more."""
+        return self._ended or self.exhausted
 
     def next(self, round_index: int) -> VerifyResult | None:
         rv = self.rv
@@ -394,8 +413,11 @@ class TreeRun(_RunStream):
             raise DownstreamError(grpc.StatusCode.INTERNAL, f"verifier {rv.client.address} answered round "
                                   f"{response.round_index} of {self.seq_id!r}'s run where {round_index} was due")
         result = rv.result(response)
+        new = result.acceptance.new_tokens
+        self._made += len(new)
+        self._stopped = self._stopped or bool(self.stop_ids.intersection(new))
         self.round_index += 1
-        self.next_index += 1
+        self.next_index = response.draft_index + 1 if response.pending_rows else self.next_index + 1
         return result
 
 
@@ -410,7 +432,7 @@ class RemoteDrafter:
         self.tree: TreeParams = codec.decode_tree_params(info.tree)
         self.vocab_size = int(info.vocab_size)
         self._feature_kind = codec.FEATURE_KINDS[info.feature_kind]
-        self._pending: dict[str, tuple[int, bool]] = {}  # started, not yet prefilled
+        self._pending: dict[str, tuple[int, bool, int]] = {}  # started, not yet prefilled: (max_rows, sampling, index)
         self._round: dict[str, int] = {}  # the round the latest tree is for
         self.busy = 0.0  # the drafter's load in its latest answer (DraftResponse.busy, 0..1)
 
@@ -418,8 +440,9 @@ class RemoteDrafter:
     def feature_kind(self) -> FeatureKind:
         return self._feature_kind
 
-    def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
-        self._pending[seq_id] = (max_rows, sampling)
+    def start(self, seq_id: str, max_rows: int, sampling: bool, first_index: int = 1) -> None:
+        """`first_index`: the Prefill's Drafter index (a rebuild numbers past calls still in flight)."""
+        self._pending[seq_id] = (max_rows, sampling, first_index)
 
     def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
               params: TreeParams | None = None, span_round: int | None = None) -> DraftTree:
@@ -427,12 +450,11 @@ class RemoteDrafter:
         count of draft calls (the drafter's idempotency key), not the engine's round; `span_round`:
         the engine's round that verifies the tree, for the tracing span (None: that count)."""
         if seq_id in self._pending:
-            max_rows, sampling = self._pending.pop(seq_id)
-            round_index = 1
+            max_rows, sampling, round_index = self._pending.pop(seq_id)
             self._round[seq_id] = 0  # prefilled (or partly): release must reach the drafter
             with self.phases.phase(span_round or round_index, "draft"):
                 response = self.client.call(self.client.stub.Prefill, self._prefill_messages(
-                    seq_id, max_rows, sampling, tokens, features, params))
+                    seq_id, max_rows, sampling, tokens, features, params, round_index))
         else:
             round_index = self._round.get(seq_id, 0) + 1
             request = dpb.DraftRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
@@ -487,12 +509,13 @@ class RemoteDrafter:
         """The drafter holds the sequence's draft KV (its first draft, the streamed Prefill, was sent)."""
         return seq_id in self._round
 
-    def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features, params):
+    def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features, params, round_index=1):
         # the first message also carries the token ids (<= 10 bytes each as varints)
         chunks = codec.tensor_chunks(features, self.client.chunk_bytes,
                                      self.client.chunk_bytes - 10 * int(tokens.numel()) - 64)
         first = dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=max_rows, sampling=sampling,
-                                          tokens=tokens.tolist(), features=next(chunks))
+                                          tokens=tokens.tolist(), features=next(chunks),
+                                          round_index=round_index if round_index > 1 else 0)
         if params is not None:
             first.tree.CopyFrom(codec.encode_tree_params(params))
         yield first

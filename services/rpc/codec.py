@@ -343,18 +343,20 @@ def encode_verify_result(res: VerifyResult) -> vpb.VerifyResponse:
                               tokens=acc.tokens.tolist(), bonus=acc.bonus, features=encode_tensor(res.features))
 
 
-def decode_verify_result(msg: vpb.VerifyResponse, with_features: bool = True, kept: int = 0) -> VerifyResult:
+def decode_verify_result(msg: vpb.VerifyResponse, with_features: bool = True, kept: int = 0,
+                         any_rows: bool = False) -> VerifyResult:
     """`with_features` False for a sequence whose drafter consumes none (feature kind "none");
     `kept`: rows that Decode calls kept on the verifier since the previous Verify (their features
-    come first)."""
+    come first); `any_rows`: the features may hold any number of rows (a run that drafts ahead: the
+    rows the drafter has not taken)."""
     m = msg.accepted or msg.accept_length  # (an older verifier fills only the deprecated field)
     if len(msg.nodes) != m + 1 or len(msg.tokens) != m + 1:
         raise InvalidRequest(f"verify result has {len(msg.nodes)} nodes and {len(msg.tokens)} tokens for "
                              f"accepted {m}")
     acc = Acceptance(path=msg.path, accepted=m, nodes=torch.tensor(list(msg.nodes), dtype=torch.long),
                      tokens=torch.tensor(list(msg.tokens), dtype=torch.long), bonus=msg.bonus)
-    return VerifyResult(acc, decode_tensor(msg.features, "features",
-                                           shape=(kept + m + 1 if with_features else 0, None)))
+    rows = None if any_rows else kept + m + 1 if with_features else 0
+    return VerifyResult(acc, decode_tensor(msg.features, "features", shape=(rows, None)))
 
 
 # ---- the public API ------------------------------------------------------------------------------

@@ -137,3 +137,21 @@ def prefix_hits(guess_path: list[int], committed: list[int]) -> list[bool]:
     for j in range(1, len(guess_path) + 1):
         out.append(committed[:j] == guess_path[:j] and len(committed) <= j + 1)
     return out
+
+
+def chain_past(tree: DraftTree, guess: list[int], path: list[int]
+               ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """For a guess on the tree's top path `path`: (chain, exclude). chain: the path past the guess
+    (the verdict may accept more of it before the bonus); exclude[p]: the tree's children of the
+    guessed node (p = 0) and of the chain's p-th node, which the verifier tries before it draws a
+    bonus there (never the bonus). Another guess (an injected guesser's): no chain, no exclusion.
+    Example: tokens [7, 5, 8, 3, 4], parents [-1, 0, 0, 1, 1], path [5, 3], guess [5]
+    -> ((3,), ((3, 4), ()))."""
+    if not guess or guess != path[: len(guess)]:
+        return (), ()
+    parents, toks = tree.parents.tolist(), tree.tokens.tolist()
+    exclude = []
+    for j in range(len(guess), len(path) + 1):
+        node = follow(tree, path[:j])
+        exclude.append(tuple(toks[i] for i in range(1, len(toks)) if parents[i] == node))
+    return tuple(path[len(guess):]), tuple(exclude)

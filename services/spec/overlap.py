@@ -35,6 +35,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class RunAhead:
+    """Drafting ahead inside a run of tree rounds at the verifier (VerifyRunRequest.ahead): in every
+    round of the run the guess is the tree's top path's first `depth` tokens, the path cut at
+    `max_guess` (the drafter's tree depth + 2)."""
+    depth: int
+    max_guess: int
+    branches: int = 1  # likely bonuses per attach point (services/spec/ahead_tree.py)
+    sort_paths: bool = False  # the sequence samples
+
+
 @dataclass
 class AheadPolicy:
     max_depth: int = 8  # the deepest guess considered (tokens past the root; the top path bounds it)
@@ -131,6 +142,14 @@ class AheadPolicy:
         slowdown = max(0.0, verify_s - self._verify_alone) if self._verify_alone is not None else 0.0
         frac = min(1.0, (wait_s + slowdown) / ahead_s)
         self.contention = 0.8 * self.contention + 0.2 * frac
+
+    def observe_wait(self, ahead_s: float, wait_s: float) -> None:
+        """A round of a run that drafted ahead at the verifier: only the wait for the ahead draft after
+        the verdict is measured there (the verify's slowdown is not: the run may have verified the round
+        before the engine read it)."""
+        if ahead_s <= 0 or not self.learn_cost:
+            return
+        self.contention = 0.8 * self.contention + 0.2 * min(1.0, wait_s / ahead_s)
 
     def observe_alone(self, verify_s: float) -> None:
         """A tree round without an ahead draft: the verify baseline for `observe_cost`."""

@@ -292,3 +292,35 @@ def test_drafting_ahead_with_direct_drafts_equals_the_split_pipeline(model_dirs,
     finally:
         split.coordinator.sequences.ahead = split_policy
         p.close()
+
+
+def test_runs_that_draft_ahead_at_the_verifier_equal_the_split_pipelines_ahead_drafts(model_dirs, redis_url,
+                                                                                    target_greedy):
+    """Overlap with direct drafts and runs (verifier_svc/ahead_run.py): the coordinator asks for runs of
+    tree rounds that draft ahead; the verifier sends each round's DraftAhead beside its verify and, at
+    the verdict, takes the ahead tree (a hit) or sends the Draft (a miss). With a policy that drafts
+    ahead whenever a guess can hit (`--overlap always`: a guess of one token, every round) every round
+    (tree, acceptance, ahead, hit) equals the split pipeline's, where the coordinator sends the
+    DraftAhead and the Draft itself; seeded sampling too. Greedy output is the target's."""
+    direct = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, overlap="always")
+    split_ahead = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, overlap="always")
+    try:
+        runs_before, drafted_before = counter("tree_run_rounds"), direct_counter("drafted")
+        tokens, messages = generate(direct)
+        assert tokens == target_greedy[:N]
+        stats = rounds(messages)
+        in_runs = counter("tree_run_rounds") - runs_before
+        assert in_runs >= 3 and direct_counter("drafted") > drafted_before  # runs, and the verifier's drafts
+        assert sum(s.ahead for s in stats) >= len(stats) - 1 and sum(s.ahead_hit for s in stats) >= 2
+        assert any(s.ahead_hit and s.saved_s > 0 for s in stats)
+        split_tokens, split_messages = generate(split_ahead)
+        assert split_tokens == tokens and not any(s.drafted_in_verify for s in rounds(split_messages))
+        key = [(s.tree_size, s.accept_length, s.ahead, s.ahead_hit) for s in stats]
+        assert [(s.tree_size, s.accept_length, s.ahead, s.ahead_hit) for s in rounds(split_messages)] == key
+        sampling = SamplingParams(0.9, top_p=0.95, seed=11)
+        sampled = [generate(direct, 32, sampling)[0] for _ in range(2)]
+        assert sampled[0] == sampled[1] == generate(split_ahead, 32, sampling)[0]
+        wait_until(lambda: direct.verifier.num_sequences == 0 and direct.drafter.drafter.num_sequences == 0)
+    finally:
+        direct.close()
+        split_ahead.close()

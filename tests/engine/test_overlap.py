@@ -165,7 +165,7 @@ def test_a_hit_reroots_to_the_fresh_tree_of_its_branch(llama_pair):
 
 
 def test_chain_and_exclusions_follow_the_top_path():
-    from services.engine.engine import _chain
+    from services.spec.ahead import chain_past as _chain
     from services.spec.tree import build_tree
     t = build_tree(torch.tensor([7, 5, 8, 3, 4]), torch.tensor([-1, 0, 0, 1, 1]), torch.zeros(5), False)
     assert _chain(t, [5], [5, 3]) == ((3,), ((3, 4), ()))

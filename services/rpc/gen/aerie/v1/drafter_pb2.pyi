@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterPrefillRequest(_message.Message):
-    __slots__ = ("sequence_id", "max_rows", "sampling", "tokens", "features", "tree")
+    __slots__ = ("sequence_id", "max_rows", "sampling", "tokens", "features", "tree", "round_index")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     max_rows: int
     sampling: bool
     tokens: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
     tree: _common_pb2.TreeParams
-    def __init__(self, sequence_id: _Optional[str] = ..., max_rows: _Optional[int] = ..., sampling: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    round_index: int
+    def __init__(self, sequence_id: _Optional[str] = ..., max_rows: _Optional[int] = ..., sampling: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., round_index: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "tokens", "features", "tree")

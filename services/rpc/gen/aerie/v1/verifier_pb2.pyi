@@ -64,7 +64,7 @@ class NextDraft(_message.Message):
     def __init__(self, round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs", "next_tree", "next_draft_seconds", "drafter_busy", "round_index")
+    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs", "next_tree", "next_draft_seconds", "drafter_busy", "round_index", "ahead_seconds", "ahead_wait_seconds", "next_tree_ahead", "pending_rows", "draft_index", "ahead_failed")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,12 @@ class VerifyResponse(_message.Message):
     NEXT_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_BUSY_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TREE_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PENDING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FAILED_FIELD_NUMBER: _ClassVar[int]
     path: int
     accept_length: int
     accepted: int
@@ -89,7 +95,13 @@ class VerifyResponse(_message.Message):
     next_draft_seconds: float
     drafter_busy: float
     round_index: int
-    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., next_tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft_seconds: _Optional[float] = ..., drafter_busy: _Optional[float] = ..., round_index: _Optional[int] = ...) -> None: ...
+    ahead_seconds: float
+    ahead_wait_seconds: float
+    next_tree_ahead: bool
+    pending_rows: bool
+    draft_index: int
+    ahead_failed: bool
+    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., next_tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft_seconds: _Optional[float] = ..., drafter_busy: _Optional[float] = ..., round_index: _Optional[int] = ..., ahead_seconds: _Optional[float] = ..., ahead_wait_seconds: _Optional[float] = ..., next_tree_ahead: _Optional[bool] = ..., pending_rows: _Optional[bool] = ..., draft_index: _Optional[int] = ..., ahead_failed: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "token", "keep_features")
@@ -104,7 +116,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., token: _Optional[int] = ..., keep_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyRunRequest(_message.Message):
-    __slots__ = ("sequence_id", "round_index", "tree", "next_draft", "rounds", "max_tokens", "stop_ids")
+    __slots__ = ("sequence_id", "round_index", "tree", "next_draft", "rounds", "max_tokens", "stop_ids", "ahead")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +124,7 @@ class VerifyRunRequest(_message.Message):
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     round_index: int
     tree: _common_pb2.DraftTree
@@ -119,7 +132,20 @@ class VerifyRunRequest(_message.Message):
     rounds: int
     max_tokens: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft: _Optional[_Union[NextDraft, _Mapping]] = ..., rounds: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ahead: RunAhead
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft: _Optional[_Union[NextDraft, _Mapping]] = ..., rounds: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Union[RunAhead, _Mapping]] = ...) -> None: ...
+
+class RunAhead(_message.Message):
+    __slots__ = ("depth", "max_guess", "branches", "sort_paths")
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_GUESS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    SORT_PATHS_FIELD_NUMBER: _ClassVar[int]
+    depth: int
+    max_guess: int
+    branches: int
+    sort_paths: bool
+    def __init__(self, depth: _Optional[int] = ..., max_guess: _Optional[int] = ..., branches: _Optional[int] = ..., sort_paths: _Optional[bool] = ...) -> None: ...
 
 class DecodeRunRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "token", "steps", "keep_features")
