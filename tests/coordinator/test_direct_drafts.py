@@ -13,6 +13,7 @@ import torch
 
 from services.rpc import codec
 from services.rpc.stubs import common as pb
+from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
 from tests.coordinator.test_colocated import (DRAFT_DTYPE, N, PROMPT, colocated, counter, generate,  # noqa: F401
@@ -85,13 +86,15 @@ def test_single_verify_calls_without_runs(model_dirs, redis_url, target_greedy):
         p.close()
 
 
-@pytest.fixture()
-def two_drafters(model_dirs, redis_url):
+@pytest.fixture(params=["serial", "ahead"])
+def two_drafters(model_dirs, redis_url, request):
     p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE)
     d2, d2_server, d2_address = p.add_service("drafter", model_dirs, draft_dtype=DRAFT_DTYPE)
     p.replicas = [(p.drafter, p.servers[1][0]), (d2, d2_server)]
     p.coordinator, p.addresses["coordinator"] = p.add_coordinator(
-        redis_url, drafters=(p.addresses["drafter"], d2_address), probe_interval_s=60, direct_drafts=True)
+        redis_url, drafters=(p.addresses["drafter"], d2_address), probe_interval_s=60, direct_drafts=True,
+        overlap="always" if request.param == "ahead" else "off")
+    p.mode = request.param
     yield p
     p.close()
 
@@ -100,7 +103,9 @@ def test_a_drafter_that_stops_mid_run_moves_the_sequence_and_it_drafts_directly_
     """The sequence's drafter stops after round 4 (inside a run of tree rounds): the verifier's Draft
     to it fails, the run ends with a round without a next tree, the coordinator's Draft call fails
     over to the other drafter (refilled from the committed tokens), and the verifier drafts there
-    from then on. No token is lost or changed."""
+    from then on. No token is lost or changed. `ahead` (runs that draft ahead at the verifier,
+    verifier_svc/ahead_run.py): the verifier's DraftAhead (or its Draft) fails, the coordinator rebuilds
+    or moves the sequence, and its runs draft ahead at the other drafter again."""
     p = two_drafters
     failed_before = direct_counter("failed")
 
@@ -117,6 +122,8 @@ def test_a_drafter_that_stops_mid_run_moves_the_sequence_and_it_drafts_directly_
     moved = next(i for i in range(1, len(stats)) if not stats[i].drafted_in_verify)
     assert any(s.drafted_in_verify for s in stats[moved + 1:])
     assert direct_counter("failed") > failed_before
+    if p.mode == "ahead":  # drafting ahead before the stop and after the move
+        assert any(s.ahead for s in stats[:moved]) and any(s.ahead_hit for s in stats[moved + 1:])
 
 
 def _verifier_sequence(p, seq_id: str):
@@ -324,3 +331,86 @@ def test_runs_that_draft_ahead_at_the_verifier_equal_the_split_pipelines_ahead_d
     finally:
         direct.close()
         split_ahead.close()
+
+
+def test_a_failed_draft_ahead_in_a_run_rebuilds_the_drafters_kv_where_it_is(model_dirs, redis_url, target_greedy):
+    """One DraftAhead the verifier sends inside a run fails at the drafter (the drafter itself stays up):
+    the run ends (ahead_failed), the coordinator rebuilds the sequence's draft KV on the same drafter
+    (a Prefill numbered past the failed call: DrafterPrefillRequest.round_index), and the rounds after
+    it draft ahead there again. No token is lost or changed."""
+    from services.errors import InvalidRequest
+
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, overlap="always")
+    head = p.drafter.drafter
+    calls, real = [0], head.draft_ahead
+
+    def fails_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise InvalidRequest("a DraftAhead that fails (test)")
+        return real(*args, **kwargs)
+
+    head.draft_ahead = fails_once
+    prefills = []
+    real_start = head.start
+    head.start = lambda seq_id, *a, **kw: (prefills.append(seq_id), real_start(seq_id, *a, **kw))[1]
+    try:
+        tokens, messages = generate(p, 2 * N)
+        assert tokens == target_greedy
+        assert calls[0] > 3 and len(prefills) == 2  # the first prefill, then the rebuild, same drafter
+        state = p.coordinator.store.get(messages[0].sequence_id)
+        assert state.drafter == messages[0].info.placement.drafter
+        stats = rounds(messages)
+        failed = next(i for i, s in enumerate(stats) if s.ahead and not stats[i + 1].ahead_hit
+                      and not stats[i + 1].drafted_in_verify)
+        assert any(s.ahead_hit for s in stats[failed + 2:])  # drafting ahead (and hitting) again after it
+    finally:
+        p.close()
+
+
+def test_bad_run_ahead_values_are_named_and_a_rebuilt_prefill_refuses_older_calls(split):
+    """VerifyRun's `ahead` is checked before the run starts (INVALID_ARGUMENT naming the field), and
+    needs a drafter in another process; a drafter Prefill numbered past earlier calls
+    (DrafterPrefillRequest.round_index, a rebuild) refuses a call with an older index (a DraftAhead still
+    in flight from before the rebuild) and takes the next one."""
+    stub, tree = _verifier_sequence(split, "ra")
+    base = vpb.VerifyRunRequest(sequence_id="ra", round_index=1, tree=codec.encode_tree(tree), rounds=4,
+                                max_tokens=8, next_draft=vpb.NextDraft(round_index=2, drafter=split.addresses["drafter"]))
+    for ahead, match in ((vpb.RunAhead(depth=0, max_guess=5), "ahead.depth must be in [1, ahead.max_guess = 5]"),
+                         (vpb.RunAhead(depth=6, max_guess=5), "ahead.depth must be in [1, ahead.max_guess = 5]"),
+                         (vpb.RunAhead(depth=1, max_guess=0), "ahead.max_guess must be in [1, 66]"),
+                         (vpb.RunAhead(depth=1, max_guess=5, branches=9), "ahead.branches must be in [0, 8]")):
+        bad = vpb.VerifyRunRequest()
+        bad.CopyFrom(base)
+        bad.ahead.CopyFrom(ahead)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.VerifyRun(bad, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details(), e.value.details()
+    local = vpb.VerifyRunRequest()
+    local.CopyFrom(base)
+    local.next_draft.drafter = ""
+    local.ahead.CopyFrom(vpb.RunAhead(depth=1, max_guess=5))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.VerifyRun(local, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs the drafter in another process" in e.value.details() or "drafts nothing" in e.value.details()
+    # a Prefill numbered 7 (a rebuild): index 5 is older, 8 is the next
+    dstub = split.drafter_stub()
+    features = codec.encode_tensor(torch.zeros(len(PROMPT), split.drafter.feature_size))
+    first = dpb.DrafterPrefillRequest(sequence_id="rb", max_rows=64, tokens=list(PROMPT), features=features,
+                                      round_index=7)
+    assert dstub.Prefill(iter([first]), timeout=60).HasField("tree")
+    step = codec.encode_tensor(torch.zeros(1, split.drafter.feature_size))
+    with pytest.raises(grpc.RpcError) as e:
+        dstub.Draft(dpb.DraftRequest(sequence_id="rb", round_index=5, tokens=[3], features=step), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "round 5" in e.value.details()
+    assert dstub.Draft(dpb.DraftRequest(sequence_id="rb", round_index=8, tokens=[3], features=step),
+                       timeout=60).HasField("tree")
+    bad_first = dpb.DrafterPrefillRequest(sequence_id="rb2", max_rows=64, tokens=list(PROMPT), features=features,
+                                          round_index=-1)
+    with pytest.raises(grpc.RpcError) as e:
+        dstub.Prefill(iter([bad_first]), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "round_index must be >= 0" in e.value.details()
+    for seq_id in ("ra", "rb"):
+        dstub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=60)
+        stub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=60)
