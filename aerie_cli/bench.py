@@ -67,8 +67,8 @@ def register(sub) -> None:
                         "a fixed tree and the adaptive budget through in-process services (default: off)")
     c.add_argument("--concurrency-methods", default="plain,tree,adaptive",
                    help="methods of the concurrency sweep: plain, tree, adaptive, overlap (adaptive drafting "
-                        "ahead: --overlap on), direct (the fixed tree with --direct-drafts) (default: "
-                        "plain,tree,adaptive)")
+                        "ahead: --overlap on), direct (the fixed tree with --direct-drafts), direct-ahead (direct with "
+                        "--overlap on: the verifier drafts ahead in runs) (default: plain,tree,adaptive)")
     c.add_argument("--repeats", type=int, default=1,
                    help="concurrency sweep repeats, and --shape --pipeline's requests a side; the tables show the median "
                         "(default: 1)")

@@ -13,6 +13,9 @@ one is verified, where its policy says that pays; docs/distributed.md "Drafting 
 "direct" (asked for by name: a coordinator with `--direct-drafts 1` on the fixed-shape drafter: "tree"
 with the verifier sending each verdict's Draft to the drafter, in runs of tree rounds;
 docs/distributed.md "Direct drafts").
+"direct-ahead" (asked for by name: "direct" with `--overlap on` on a fixed-shape drafter of its own with
+`--ahead-branches 2`: runs of tree rounds in which the verifier drafts the next tree ahead while one is
+verified, where the policy says that pays; docs/distributed.md "Drafting ahead inside runs").
 At every level N each method runs N sequences (prompts from the set, greedy, EOS ignored so every
 sequence generates --max-new-tokens), started together; levels and methods interleave so noise hits
 all alike. services/bench/concurrency.py measures; docs/distributed.md explains the policy.
@@ -27,7 +30,7 @@ import time
 from pathlib import Path
 
 HOST = "127.0.0.1"
-METHODS = ("plain", "tree", "adaptive", "overlap", "direct")
+METHODS = ("plain", "tree", "adaptive", "overlap", "direct", "direct-ahead")
 
 
 class Stack:
@@ -70,15 +73,20 @@ class Stack:
             drafters["overlap"] = self._start(Service("drafter", common + batch + model + draft + [
                 "--ahead-branches", "2"], work, HOST, 3), deadline)
             self.roles["drafter-overlap"] = self.procs[-1].proc
+        if "direct-ahead" in methods:  # the fixed shape, with the ahead rows reserved
+            drafters["direct-ahead"] = self._start(Service("drafter", common + batch + model + draft + [
+                "--tree-top-k", str(fixed.top_k), "--tree-depth", str(fixed.depth), "--tree-tokens", str(fixed.size),
+                "--ahead-branches", "2"], work, HOST, 4), deadline)
+            self.roles["drafter-direct-ahead"] = self.procs[-1].proc
         self.addresses = {}
         drafters["direct"] = drafters["tree"]  # (its coordinator: --direct-drafts)
         for i, name in enumerate(METHODS):
-            if name in ("overlap", "direct") and name not in methods:
+            if name in ("overlap", "direct", "direct-ahead") and name not in methods:
                 continue
             argv = common + ["--verifiers", verifier, "--drafters", drafters.get(name, ""), "--redis-url", url,
                              "--tokenizer", "none", "--discover", "0", "--rpc-timeout-s", "600"]
-            argv += ["--overlap", "on"] if name == "overlap" else []
-            argv += ["--direct-drafts", "1"] if name == "direct" else []
+            argv += ["--overlap", "on"] if name in ("overlap", "direct-ahead") else []
+            argv += ["--direct-drafts", "1"] if name.startswith("direct") else []
             self.addresses[name] = self._start(Service("coordinator", argv, work, HOST, i + 1), deadline)
             self.roles[f"coordinator-{name}"] = self.procs[-1].proc
 

@@ -97,6 +97,13 @@ with target features either way (the guessed rows are dropped), so only the ahea
 differ from the non-overlapped run: output stays the target's (the verifier checks every token); a
 seed replays the same tokens (the guess and the ahead tree never depend on timing: the round always
 waits for the ahead draft before it looks at it).
+Where the verifier can run tree rounds and draft ahead itself (`runs_ahead`: direct drafts to a drafter
+in another process) and the tree is fixed, a round whose policy drafts ahead starts a run that does
+(RunAhead: the chosen guess depth, for every round of the run; verifier_svc/ahead_run.py) instead of
+drafting ahead from here. Its answers say which rows the draft KV has not taken (`pending_rows`: they
+replace the pending rows here) and whether the next tree was drafted ahead (a hit); the policy learns
+from each of its rounds and chooses again after it. Its baseline round (a measured policy's first
+verify without an ahead draft) is one Verify, not a run.
 """
 
 from __future__ import annotations

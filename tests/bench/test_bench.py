@@ -175,20 +175,24 @@ def test_bench_concurrency_with_drafting_ahead(setup, capsys):
             assert d["ahead_rounds"] == 0
 
 def test_bench_concurrency_with_direct_drafts(setup, capsys):
-    """`--concurrency-methods tree,direct`: the direct method's coordinator (`--direct-drafts 1`) on the
-    fixed-shape drafter; every sequence completes, and the detail counts the rounds whose tree the
-    verifier had drafted at the drafter (none for `tree`)."""
+    """`--concurrency-methods tree,direct,direct-ahead`: the direct methods' coordinators (`--direct-drafts
+    1`; direct-ahead also `--overlap on`, on a fixed-shape drafter with `--ahead-branches 2`); every
+    sequence completes, and the detail counts the rounds whose tree the verifier had drafted at the
+    drafter (none for `tree`) and the rounds drafted ahead (at most one a round)."""
     out_json = setup / "conc-direct.json"
     assert main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "head"), "--dtype", "fp32",
                  "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--concurrency", "1,2",
-                 "--concurrency-methods", "tree,direct", "--json-out", str(out_json)]) == 0
+                 "--concurrency-methods", "tree,direct,direct-ahead", "--json-out", str(out_json)]) == 0
     assert "drafts in verify" in capsys.readouterr().out
     res = json.loads(out_json.read_text())
     assert {(r["method"], r["concurrency"]) for r in res["concurrency"]} == {
-        (m, n) for m in ("tree", "direct") for n in (1, 2)}
+        (m, n) for m in ("tree", "direct", "direct-ahead") for n in (1, 2)}
     for d in res["concurrency_detail"]:
         assert not d["errors"] and d["tokens"] == 12 * d["concurrency"]
-        assert (d["drafts_in_verify"] > 0) == (d["method"] == "direct"), d
+        assert (d["drafts_in_verify"] > 0) == d["method"].startswith("direct"), d
+        assert 0 <= d["ahead_hits"] <= d["ahead_rounds"] <= 11 * d["concurrency"]
+        if d["method"] != "direct-ahead":
+            assert d["ahead_rounds"] == 0
 
 
 def test_round_ms_from_two_coordinator_scrapes():
