@@ -135,6 +135,8 @@ from services.spec.verify import next_rows_on_device
 if TYPE_CHECKING:
     from services.engine.drafter import VerdictDraft
 
+AHEAD_RUN = 4  # rounds of a run that drafts ahead at the verifier, at most (Engine._tree_run)
+
 log = logging.getLogger(__name__)
 
 _seq_counter = itertools.count()
@@ -560,12 +562,15 @@ class Engine:
                         and tokens[:-1] == bet[: len(tokens) - 1]):  # on the bet + the bonus: on the tree?
                     policy.observe_ahead(res.next_ahead)
             if not seq.sort_paths:  # measured seconds: greedy sequences only (see _choose_ahead)
+                # the verifier's own seconds where it reports them (the same clock in runs and single calls;
+                # in a run the engine may read a round the verifier verified long before)
+                own_s = res.verify_s or verify_s
                 if ahead is not None:
-                    policy.observe_cost(ahead.ahead_s, wait_s, verify_s)
+                    policy.observe_cost(ahead.ahead_s, wait_s, own_s)
                 elif at_verifier:
-                    policy.observe_wait(res.ahead_s, res.ahead_wait_s)
-                elif not in_run:  # (a single Verify or a run's first round; a later round of a run may
-                    policy.observe_alone(verify_s)  # have been verified before it was read: no baseline)
+                    policy.observe_cost(res.ahead_s, res.ahead_wait_s, own_s)
+                elif not in_run or res.verify_s > 0:
+                    policy.observe_alone(own_s)
         # a next tree means the draft KV took this round's rows (asked for, or a run's round answered again)
         nxt = None
         if res.next_tree is not None:
@@ -609,7 +614,10 @@ class Engine:
         left = seq.max_new_tokens - seq.produced - (next_params.depth + 2)  # (a round commits depth + 2 at most)
         if verify_run is None or left < 1 or not isinstance(draft.tree, DraftTree):
             return None
-        run = (verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids, ahead)
+        # a run that drafts ahead is at most AHEAD_RUN rounds: the policy chooses again after it (the load it
+        # measures inside the run, e.g. a drafter that many sequences' ahead drafts now keep busy, turns it off)
+        run = (verify_run(seq_id, draft.tree, round_index, next_params, min(self.plain_run, AHEAD_RUN), left,
+                          seq.stop_ids, ahead)
                if ahead is not None else
                verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids))
         if run is not None:

@@ -112,6 +112,7 @@ class VerifyResult:
     pending_rows: bool = False
     draft_index: int = 0
     ahead_failed: bool = False
+    verify_s: float = 0.0  # the verifier's own seconds for this round's verify (over gRPC; 0: not reported)
 
 
 @dataclass(frozen=True, slots=True)

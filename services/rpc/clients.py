@@ -205,6 +205,8 @@ class RemoteVerifier:
         self._kept = 0
         if response.HasField("logprobs"):
             self._logprobs = codec.decode_logprobs(response.logprobs, result.acceptance.new_tokens)
+        if response.verify_seconds > 0:
+            result = replace(result, verify_s=response.verify_seconds)
         if response.pending_rows:
             result = replace(result, ahead_s=response.ahead_seconds, ahead_wait_s=response.ahead_wait_seconds,
                              next_ahead=response.next_tree_ahead, pending_rows=True,

@@ -143,14 +143,6 @@ class AheadPolicy:
         frac = min(1.0, (wait_s + slowdown) / ahead_s)
         self.contention = 0.8 * self.contention + 0.2 * frac
 
-    def observe_wait(self, ahead_s: float, wait_s: float) -> None:
-        """A round of a run that drafted ahead at the verifier: only the wait for the ahead draft after
-        the verdict is measured there (the verify's slowdown is not: the run may have verified the round
-        before the engine read it)."""
-        if ahead_s <= 0 or not self.learn_cost:
-            return
-        self.contention = 0.8 * self.contention + 0.2 * min(1.0, wait_s / ahead_s)
-
     def observe_alone(self, verify_s: float) -> None:
         """A tree round without an ahead draft: the verify baseline for `observe_cost`."""
         v = self._verify_alone

@@ -223,7 +223,8 @@ def untimed(answer: vpb.VerifyResponse) -> vpb.VerifyResponse:
     """The answer without what is measured when it is answered (a replay's seconds and the drafter's load)."""
     out = vpb.VerifyResponse()
     out.CopyFrom(answer)
-    out.next_draft_seconds, out.drafter_busy = 0.0, 0.0
+    out.next_draft_seconds, out.drafter_busy, out.verify_seconds = 0.0, 0.0, 0.0
+    out.ahead_seconds, out.ahead_wait_seconds = 0.0, 0.0
     return out
 
 

@@ -104,8 +104,8 @@ def test_a_drafter_that_stops_mid_run_moves_the_sequence_and_it_drafts_directly_
     to it fails, the run ends with a round without a next tree, the coordinator's Draft call fails
     over to the other drafter (refilled from the committed tokens), and the verifier drafts there
     from then on. No token is lost or changed. `ahead` (runs that draft ahead at the verifier,
-    verifier_svc/ahead_run.py): the verifier's DraftAhead (or its Draft) fails, the coordinator rebuilds
-    or moves the sequence, and its runs draft ahead at the other drafter again."""
+    verifier_svc/ahead_run.py): whichever call meets the stopped drafter (the verifier's DraftAhead or
+    Draft, or the coordinator's), the sequence moves, and its runs draft ahead at the other drafter."""
     p = two_drafters
     failed_before = direct_counter("failed")
 
@@ -121,8 +121,9 @@ def test_a_drafter_that_stops_mid_run_moves_the_sequence_and_it_drafts_directly_
     stats = rounds(messages)
     moved = next(i for i in range(1, len(stats)) if not stats[i].drafted_in_verify)
     assert any(s.drafted_in_verify for s in stats[moved + 1:])
-    assert direct_counter("failed") > failed_before
-    if p.mode == "ahead":  # drafting ahead before the stop and after the move
+    if p.mode == "serial":  # (ahead: the stop may land between two short runs, on the coordinator's own call)
+        assert direct_counter("failed") > failed_before
+    else:  # drafting ahead before the stop and after the move
         assert any(s.ahead for s in stats[:moved]) and any(s.ahead_hit for s in stats[moved + 1:])
 
 

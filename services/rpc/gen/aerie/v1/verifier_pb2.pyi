@@ -64,7 +64,7 @@ class NextDraft(_message.Message):
     def __init__(self, round_index: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs", "next_tree", "next_draft_seconds", "drafter_busy", "round_index", "ahead_seconds", "ahead_wait_seconds", "next_tree_ahead", "pending_rows", "draft_index", "ahead_failed")
+    __slots__ = ("path", "accept_length", "accepted", "nodes", "tokens", "bonus", "features", "logprobs", "next_tree", "next_draft_seconds", "drafter_busy", "round_index", "ahead_seconds", "ahead_wait_seconds", "next_tree_ahead", "pending_rows", "draft_index", "ahead_failed", "verify_seconds")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class VerifyResponse(_message.Message):
     PENDING_ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_INDEX_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FAILED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     path: int
     accept_length: int
     accepted: int
@@ -101,7 +102,8 @@ class VerifyResponse(_message.Message):
     pending_rows: bool
     draft_index: int
     ahead_failed: bool
-    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., next_tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft_seconds: _Optional[float] = ..., drafter_busy: _Optional[float] = ..., round_index: _Optional[int] = ..., ahead_seconds: _Optional[float] = ..., ahead_wait_seconds: _Optional[float] = ..., next_tree_ahead: _Optional[bool] = ..., pending_rows: _Optional[bool] = ..., draft_index: _Optional[int] = ..., ahead_failed: _Optional[bool] = ...) -> None: ...
+    verify_seconds: float
+    def __init__(self, path: _Optional[int] = ..., accept_length: _Optional[int] = ..., accepted: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., next_tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft_seconds: _Optional[float] = ..., drafter_busy: _Optional[float] = ..., round_index: _Optional[int] = ..., ahead_seconds: _Optional[float] = ..., ahead_wait_seconds: _Optional[float] = ..., next_tree_ahead: _Optional[bool] = ..., pending_rows: _Optional[bool] = ..., draft_index: _Optional[int] = ..., ahead_failed: _Optional[bool] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "token", "keep_features")
