@@ -734,5 +734,14 @@ class _DrafterSide:
         rd = self._p._rd
         return rd.busy if rd is not None else 0.0
 
+    @property
+    def sharing(self) -> int:
+        """This coordinator's sequences on the placed drafter (1 with none placed): the overlap policy's
+        `sharing` (their ahead drafts run one at a time there, not batched like their drafts)."""
+        p = self._p
+        if p.drafter_client is None:
+            return 1
+        return max(1, p.drafters.loads().get(p.drafter_client.address, 1))
+
     def release(self, seq_id):
         self._p.release()

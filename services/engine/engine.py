@@ -647,7 +647,8 @@ class Engine:
         step_s = draft_s / (params.depth + 2)  # one head step of the extend + depth + 1 levels
         # the drafter's load (a remote drafter reports it with each answer); sampling: 0, as above
         busy = float(getattr(self.drafter, "busy", 0.0)) if not seq.sort_paths else 0.0
-        depth = policy.choose(draft_s, step_s, len(path), busy=busy, chained=policy.branches > 0,
+        sharing = int(getattr(self.drafter, "sharing", 1)) if not seq.sort_paths else 1  # (a remote drafter's)
+        depth = policy.choose(draft_s, step_s, len(path), busy=busy, sharing=sharing, chained=policy.branches > 0,
                               measured=not seq.sort_paths)
         if depth is None:
             return None

@@ -82,7 +82,7 @@ class AheadPolicy:
         return (self._hits[depth - 1] + w * self.prior_hit) / (self._trials[depth - 1] + w)
 
     def choose(self, draft_s: float, step_s: float, path_len: int, busy: float = 0.0,
-               chained: bool = False, measured: bool = False) -> int | None:
+               chained: bool = False, measured: bool = False, sharing: int = 1) -> int | None:
         """The guess depth to draft ahead at, or None (do not draft ahead). draft_s: the predicted
         seconds of the next tree's draft; step_s: one one-row head step; path_len: tokens on the
         tree's top path (a guess cannot be longer); busy: the drafter's load (0 idle .. 1 saturated).
@@ -91,10 +91,15 @@ class AheadPolicy:
         P(hit at j) = min(1, sum of the prefix rates at j..path_len) x in-tree, and the ahead draft
         costs one more level and a one-row step per chain token.
         measured: the caller reports this round's seconds (observe_cost / observe_alone), so the
-        choice explores (module doc); sampling sequences pass False (nominal seconds, no exploring)."""
+        choice explores (module doc); sampling sequences pass False (nominal seconds, no exploring).
+        sharing: the caller's sequences on the same drafter (n): their ahead drafts run there one at a
+        time, not batched as their drafts are, so a learning policy takes contention >= (n - 1) / n
+        (measured on the CPU: at 4 and 16 sequences drafting ahead lost 15-20% where the measured
+        contention did not see it; docs/distributed.md). A fixed policy (`learn_cost` False) ignores it."""
         if not self.enabled or path_len < 1 or draft_s <= 0:
             return None
-        contention = max(self.contention, min(max(busy, 0.0), 1.0))
+        floor = (sharing - 1) / sharing if self.learn_cost and sharing > 1 else 0.0
+        contention = max(self.contention, min(max(busy, 0.0), 1.0), floor)
         best, best_gain = 1, float("-inf")  # the best depth, paying or not
         top = min(self.max_depth, path_len)
         for j in range(1, top + 1):
@@ -112,7 +117,7 @@ class AheadPolicy:
             self._choices += 1
             if pays and self._verify_alone is None:
                 return None  # the verify baseline first
-            if self.explore_every and self._choices % self.explore_every == 0 and (pays or busy < 0.5):
+            if self.explore_every and self._choices % self.explore_every == 0 and (pays or max(busy, floor) < 0.5):
                 pays = not pays  # the other choice once: both costs stay measured
         return best if pays else None
 

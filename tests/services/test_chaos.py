@@ -7,7 +7,8 @@ and the clients resume on the other one. Every stream completes with exactly the
 undisturbed in-process run: nothing lost, nothing duplicated. The added latency per fault is printed (pytest -s) and written to
 $AERIE_CHAOS_REPORT when set.
 
-With drafting ahead on (`overlap`: AERIE_OVERLAP=1, DraftAhead overlapping every Verify) the faults
+With drafting ahead on (`overlap`: AERIE_OVERLAP=always, DraftAhead overlapping every Verify: a
+learning policy would decline with 8 streams on two drafters) the faults
 land in overlapped rounds: the greedy streams still equal the undisturbed run token for token; the
 seeded sampling streams complete with valid tokens but are not compared, because a fault changes
 which trees are verified (an ahead draft that failed is replaced by a fresh draft; a take-over starts
@@ -47,7 +48,7 @@ RETRY_S = 240  # how long a stream keeps resuming after UNAVAILABLE
 
 
 def start_up(model_dirs, tmp_path, overlap: bool = False, direct: bool = False):
-    env = {**os.environ, "AERIE_OVERLAP": "1" if overlap else "0", "AERIE_DIRECT_DRAFTS": "1" if direct else "0",
+    env = {**os.environ, "AERIE_OVERLAP": "always" if overlap else "0", "AERIE_DIRECT_DRAFTS": "1" if direct else "0",
            "AERIE_TORCH_THREADS": "1", "AERIE_LOG_LEVEL": "WARNING", "AERIE_PROBE_INTERVAL_S": "0.5",
            "AERIE_HEARTBEAT_S": "0.5", "AERIE_HEARTBEAT_TTL_S": "2", "AERIE_LEASE_TTL_S": "2",
            # 0: the SIGTERM hands the streams over at once; with a drain window (0.5 s) a fast machine

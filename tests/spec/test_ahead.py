@@ -57,6 +57,23 @@ def test_policy_turns_overlap_off_when_it_cannot_pay():
     assert q.choose(0.010, 0.001, 3) in (1, 2)
 
 
+def test_a_learning_policy_drafts_ahead_alone_on_a_drafter_not_beside_other_sequences():
+    """Synthetic cost model (draft 10 ms, head step 1 ms, guesses that always hit, no contention
+    measured): alone on its drafter a learning policy drafts ahead; with 4 of its coordinator's
+    sequences there (their ahead drafts run one at a time, not batched) it does not, nor does it
+    explore the other choice. A fixed policy (`--overlap always`) ignores the count."""
+    p = AheadPolicy(contention=0.0)
+    p.observe_alone(0.020)  # (its verify baseline)
+    for _ in range(30):
+        p.observe_verdict([True, True, True])
+        p.observe_ahead(True)
+    kw = dict(measured=True, chained=True)  # (as the engine asks: the ahead tree holds the chain)
+    assert p.choose(0.010, 0.001, 3, **kw) == 1
+    assert all(p.choose(0.010, 0.001, 3, sharing=4, **kw) is None for _ in range(40))
+    assert p.choose(0.010, 0.001, 3, sharing=1, **kw) == 1
+    assert AheadPolicy(contention=0.0, learn_cost=False).choose(0.010, 0.001, 3, sharing=16, chained=True) == 1
+
+
 def test_policy_learns_contention_from_seconds():
     p = AheadPolicy(contention=0.0)
     p.observe_alone(0.020)
