@@ -135,7 +135,7 @@ from services.spec.verify import next_rows_on_device
 if TYPE_CHECKING:
     from services.engine.drafter import VerdictDraft
 
-AHEAD_RUN = 4  # rounds of a run that drafts ahead at the verifier, at most (Engine._tree_run)
+AHEAD_RUN = 8  # rounds of a run that drafts ahead at the verifier, at most (Engine._tree_run)
 
 log = logging.getLogger(__name__)
 
