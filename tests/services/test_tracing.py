@@ -35,6 +35,23 @@ def pipeline(exporter, model_dirs, redis_url):
     p.close()
 
 
+def traced(exporter, address: str, n: int):
+    """One request of `n` tokens (EOS ignored) under a client span: (its steps, the spans of its trace,
+    span id -> its children)."""
+    exporter.clear()
+    session = RemoteSession(address, None, "", timeout_s=60)
+    with trace.get_tracer("test").start_as_current_span("client") as client:
+        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), n, ignore_eos=True)))
+    session.close()
+    trace_id = client.get_span_context().trace_id
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    children: dict[int, list] = {}
+    for s in spans:
+        if s.parent is not None:
+            children.setdefault(s.parent.span_id, []).append(s)
+    return steps, spans, children
+
+
 def test_one_connected_trace_across_three_services(pipeline, exporter):
     exporter.clear()
     session = RemoteSession(pipeline.addresses["coordinator"], None, "", timeout_s=60)
@@ -117,17 +134,7 @@ def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, 
     coordinator, address = pipeline.add_coordinator(redis_url, drafters=(drafter,), discover=False,
                                                     overlap="always")  # draft ahead every round
     assert coordinator.sequences.ahead == AheadPolicy(contention=0.0, learn_cost=False)
-    exporter.clear()
-    session = RemoteSession(address, None, "", timeout_s=60)
-    with trace.get_tracer("test").start_as_current_span("client") as client:
-        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 32, ignore_eos=True)))
-    session.close()
-    trace_id = client.get_span_context().trace_id
-    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
-    children = {}
-    for s in spans:
-        if s.parent is not None:
-            children.setdefault(s.parent.span_id, []).append(s)
+    steps, spans, children = traced(exporter, address, 32)
     rounds = {s.attributes[telemetry.ROUND]: s for s in spans if s.name == "round"}
     last = len(steps) - 1
     assert sum(st.stats.ahead_hit for st in steps) > 0
@@ -151,19 +158,9 @@ def test_direct_drafts_join_the_trace_below_the_verifiers_call(pipeline, exporte
     span below that, all in the request's trace, and each after the verify it follows."""
     _, _, drafter = pipeline.add_service("drafter", model_dirs)  # (the fail-over test stopped one)
     _, address = pipeline.add_coordinator(redis_url, drafters=(drafter,), discover=False, direct_drafts=True)
-    exporter.clear()
-    session = RemoteSession(address, None, "", timeout_s=60)
-    with trace.get_tracer("test").start_as_current_span("client") as client:
-        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 32, ignore_eos=True)))
-    session.close()
-    trace_id = client.get_span_context().trace_id
-    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    steps, spans, children = traced(exporter, address, 32)
     by_id = {s.context.span_id: s for s in spans}
     assert all(s.parent is not None and s.parent.span_id in by_id for s in spans if s.name != "client")
-    children: dict[int, list] = {}
-    for s in spans:
-        if s.parent is not None:
-            children.setdefault(s.parent.span_id, []).append(s)
     nexts = [s for s in spans if s.name == "next_draft"]
     assert len(nexts) >= 3 and sum(st.stats.drafted_in_verify for st in steps) >= len(nexts) - 1
     assert len({s.attributes[telemetry.ROUND_INDEX] for s in nexts}) == len(nexts)  # one per round
@@ -189,14 +186,8 @@ def test_plain_runs_join_the_trace(pipeline, exporter, redis_url):
     """Plain decoding in runs (DecodeRun, --plain-run 16): each run's server span hangs under a
     `decode_run` CLIENT span of the round it starts from, in the request's trace."""
     _, address = pipeline.add_coordinator(redis_url, drafters=(), discover=False)
-    exporter.clear()
-    session = RemoteSession(address, None, "", timeout_s=60)
-    with trace.get_tracer("test").start_as_current_span("client") as client:
-        steps = list(session.engine.generate(GenerationRequest((5, 17, 99, 3), 40, ignore_eos=True)))
-    session.close()
+    steps, spans, _ = traced(exporter, address, 40)
     assert len(steps) == 40  # one token a round, the prefill's included
-    trace_id = client.get_span_context().trace_id
-    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
     by_id = {s.context.span_id: s for s in spans}
     runs = [s for s in spans if s.name == "aerie.v1.Verifier/DecodeRun"]
     assert len(runs) >= 2  # 40 tokens in runs of at most 16 steps
