@@ -44,7 +44,7 @@ from services.spec.tree import DraftTree, TreeParams
 from verifier_svc.direct_draft import DirectDrafts, take_tree
 
 MAX_BRANCHES = 8  # DraftAheadRequest.branches (the drafter caps it at its own --ahead-branches)
-MAX_GUESS = 66  # RunAhead.max_guess: a drafter's tree depth + 2 (services/spec/tree.py MAX_DEPTH + 2)
+MAX_GUESS = 66  # RunAhead.max_guess (a drafter's tree depth + 2) at most: a bound on the request, far above any tree
 
 
 def decode_run_ahead(msg: vpb.RunAhead) -> RunAhead:

@@ -460,6 +460,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if ahead is not None and not first.drafter:
             raise InvalidRequest("ahead: drafting ahead inside a run needs the drafter in another process "
                                  "(next_draft.drafter); a verifier that drafts too drafts on its own model thread")
+        if ahead is not None and first.next_params is None:
+            raise InvalidRequest("ahead: drafting ahead inside a run needs next_draft.tree (the run's shape: each "
+                                 "ahead tree is cut to it)")
         made = [0]  # tokens the run's rounds committed
 
         def follow(step: NextDraftVerify, response: vpb.VerifyResponse) -> NextDraftVerify | None:

@@ -376,7 +376,8 @@ def test_bad_run_ahead_values_are_named_and_a_rebuilt_prefill_refuses_older_call
     in flight from before the rebuild) and takes the next one."""
     stub, tree = _verifier_sequence(split, "ra")
     base = vpb.VerifyRunRequest(sequence_id="ra", round_index=1, tree=codec.encode_tree(tree), rounds=4,
-                                max_tokens=8, next_draft=vpb.NextDraft(round_index=2, drafter=split.addresses["drafter"]))
+                                max_tokens=8, next_draft=vpb.NextDraft(round_index=2, drafter=split.addresses["drafter"],
+                                                                       tree=codec.encode_tree_params(TREE)))
     for ahead, match in ((vpb.RunAhead(depth=0, max_guess=5), "ahead.depth must be in [1, ahead.max_guess = 5]"),
                          (vpb.RunAhead(depth=6, max_guess=5), "ahead.depth must be in [1, ahead.max_guess = 5]"),
                          (vpb.RunAhead(depth=1, max_guess=0), "ahead.max_guess must be in [1, 66]"),
@@ -395,6 +396,13 @@ def test_bad_run_ahead_values_are_named_and_a_rebuilt_prefill_refuses_older_call
         list(stub.VerifyRun(local, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "needs the drafter in another process" in e.value.details() or "drafts nothing" in e.value.details()
+    shapeless = vpb.VerifyRunRequest()
+    shapeless.CopyFrom(base)
+    shapeless.next_draft.ClearField("tree")
+    shapeless.ahead.CopyFrom(vpb.RunAhead(depth=1, max_guess=5))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.VerifyRun(shapeless, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs next_draft.tree" in e.value.details()
     # a Prefill numbered 7 (a rebuild): index 5 is older, 8 is the next
     dstub = split.drafter_stub()
     features = codec.encode_tensor(torch.zeros(len(PROMPT), split.drafter.feature_size))
