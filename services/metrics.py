@@ -89,8 +89,8 @@ TREE_RUN_ROUNDS = Counter("aerie_tree_run_rounds", "Tree rounds whose verdict ca
 DRAFTS_IN_VERIFY = Counter("aerie_drafts_in_verify", "Rounds whose tree was drafted inside the previous round's "
                            "Verify (a verifier that drafts too: no Draft call of their own)", ["service"])
 DIRECT_DRAFTS = Counter("aerie_direct_drafts", "Next drafts a verifier sent straight to the sequence's drafter "
-                        "(coordinator --direct-drafts), by outcome: drafted, or failed (the coordinator drafts)",
-                        ["service", "outcome"])
+                        "(coordinator --direct-drafts), by outcome: drafted, ahead (a run's DraftAhead hit: its "
+                        "tree, no Draft), or failed (the coordinator drafts)", ["service", "outcome"])
 AHEAD_HITS = Counter("aerie_ahead_hits", "Rounds that verified a tree drafted ahead (the guess hit: no draft "
                      "waited for)", ["service"])
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])

@@ -517,8 +517,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                     pass
                 elif drafting is not None:
                     await drafting.settle(response, launched, self._draft_timeout(context))
-                    metrics.DIRECT_DRAFTS.labels(SERVICE, "drafted" if response.HasField("next_tree") else
-                                                 "failed").inc()
+                    outcome = ("ahead" if response.next_tree_ahead else "drafted" if response.HasField("next_tree")
+                               else "failed")
+                    metrics.DIRECT_DRAFTS.labels(SERVICE, outcome).inc()
                 else:
                     await self._draft_direct(step, response, context)
                 following = follow(step, response) if k + 1 < rounds else None

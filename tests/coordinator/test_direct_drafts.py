@@ -314,12 +314,15 @@ def test_runs_that_draft_ahead_at_the_verifier_equal_the_split_pipelines_ahead_d
     split_ahead = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, overlap="always")
     try:
         runs_before, drafted_before = counter("tree_run_rounds"), direct_counter("drafted")
+        ahead_before = direct_counter("ahead")
         tokens, messages = generate(direct)
         assert tokens == target_greedy[:N]
         stats = rounds(messages)
         in_runs = counter("tree_run_rounds") - runs_before
         assert in_runs >= 3 and direct_counter("drafted") > drafted_before  # runs, and the verifier's drafts
         assert sum(s.ahead for s in stats) >= len(stats) - 1 and sum(s.ahead_hit for s in stats) >= 2
+        # the verifier counts its hits; the coordinator's own ahead drafts (outside runs) hit too
+        assert 1 <= direct_counter("ahead") - ahead_before <= sum(s.ahead_hit for s in stats)
         assert any(s.ahead_hit and s.saved_s > 0 for s in stats)
         split_tokens, split_messages = generate(split_ahead)
         assert split_tokens == tokens and not any(s.drafted_in_verify for s in rounds(split_messages))
