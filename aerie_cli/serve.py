@@ -75,6 +75,9 @@ def _serve_model_service(args: argparse.Namespace, role: str, config_mod, server
     async def on_stop() -> None:
         for reg in registrations:
             await asyncio.to_thread(reg.stop)
+        close_channels = getattr(servicer, "close_channels", None)  # (a verifier's channels to drafters)
+        if close_channels is not None:
+            await close_channels()
         servicer.close()
 
     asyncio.run(serve_forever(start, config.service, role, on_stop))

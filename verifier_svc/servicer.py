@@ -272,6 +272,13 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.idle = IdleSequences(config.idle_ttl_s)  # KV of a sequence nobody touches is reaped
         self.reaper = Reaper(SERVICE, self.idle, lambda seq_id: self.batcher.run(self._release, seq_id))
 
+    async def close_channels(self) -> None:
+        """Close the channels direct drafts opened to drafters (on the event loop that opened them: the
+        server's, at its stop); a later direct draft opens them again."""
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            await direct.close()
+
     def close(self) -> None:
         self.reaper.stop()
         self.batcher.close()

@@ -68,6 +68,21 @@ def test_greedy_equals_the_target_and_the_split_pipeline(direct, split, target_g
     wait_until(lambda: direct.verifier.num_sequences == 0 and direct.drafter.drafter.num_sequences == 0)
 
 
+def test_the_verifiers_channels_to_drafters_close_and_open_again(direct, target_greedy):
+    """At its stop a verifier closes the channels its direct drafts opened (aerie_cli/serve.py on_stop);
+    a direct draft after that opens them again."""
+    generate(direct, 16)
+    drafts = direct.verifier._direct
+    assert drafts is not None and drafts._stubs
+    channels = [channel for channel, _ in drafts._stubs.values()]
+    direct.loop.run(direct.verifier.close_channels())
+    assert direct.verifier._direct is None and not drafts._stubs
+    assert all(c.get_state() == grpc.ChannelConnectivity.SHUTDOWN for c in channels)
+    before = direct_counter("drafted")
+    tokens, _ = generate(direct)
+    assert tokens == target_greedy[:N] and direct_counter("drafted") > before
+
+
 def test_seeded_sampling_equals_the_split_pipeline(direct, split):
     sampling = SamplingParams(0.9, top_p=0.95, seed=11)
     runs = [generate(direct, 32, sampling)[0] for _ in range(2)]
