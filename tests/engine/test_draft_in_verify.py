@@ -218,7 +218,7 @@ class ScriptedPolicy(AheadPolicy):
     which rounds overlap is fixed, whatever the seconds."""
     ahead_at: frozenset = frozenset()
 
-    def choose(self, draft_s, step_s, path_len, busy=0.0, chained=False, measured=False):
+    def choose(self, draft_s, step_s, path_len, busy=0.0, chained=False, measured=False, sharing=1):
         self._choices += 1
         return 1 if self._choices in self.ahead_at and path_len else None
 
