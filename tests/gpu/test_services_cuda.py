@@ -8,7 +8,8 @@ give each sequence transformers' greedy tokens (both passed on an H200, 2026-11-
 drafts too (verifier --draft, on its CUDA device) drafting each next tree inside the Verify for
 several sequences at once gives the same (written without a GPU: not run on one yet); so does a
 verifier that sends each verdict's Draft to the drafter process itself (--direct-drafts; written
-without a GPU too)."""
+without a GPU too), and one that drafts the next tree ahead at the drafter inside runs (--overlap
+always; written without a GPU, its body run on the CPU before it was committed)."""
 
 import pytest
 import torch
@@ -88,5 +89,33 @@ def test_direct_drafts_on_cuda(model_dirs, redis_url, llama_pair):
         for i, prompt in enumerate(prompts):
             assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
         assert drafted() > before  # the verifier sent the drafts
+    finally:
+        p.close()
+
+
+def ahead_counter() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("aerie_direct_drafts_total", {"service": "verifier", "outcome": "ahead"}) or 0.0
+
+
+def check_drafting_ahead_inside_runs(p, hf) -> None:
+    """One sequence at a time (the policy weighs the others on its drafter): transformers' greedy tokens,
+    rounds drafted ahead at the verifier, and DraftAhead hits the verifier counted."""
+    before = ahead_counter()
+    for prompt in (PROMPT, (9, 4, 77, 31)):
+        tokens, reason, _ = remote_run(p, GenerationRequest(prompt, 32, ignore_eos=True))
+        assert tokens == hf_greedy(hf, list(prompt), 32) and reason == "length", prompt
+    assert ahead_counter() > before  # the verifier's DraftAheads hit
+
+
+def test_drafting_ahead_inside_runs_on_cuda(model_dirs, redis_url, llama_pair):
+    """--direct-drafts with --overlap always (verifier_svc/ahead_run.py): the verifier sends each round's
+    DraftAhead to the drafter process beside its verify on the GPU, and takes the ahead tree on a hit."""
+    p = start_pipeline(model_dirs, redis_url, direct_drafts=True, overlap="always",
+                       verifier_overrides={"device": "cuda"})
+    try:
+        assert p.verifier.target.device.type == "cuda" and p.drafter.drafter.head.device.type == "cuda"
+        check_drafting_ahead_inside_runs(p, llama_pair[0])
     finally:
         p.close()
