@@ -112,6 +112,7 @@ class Stream:
         self.handovers: list[tuple[int, int]] = []  # a draining coordinator's end: (Resume index it named, received)
         self.error = None
         self.unavailable: list[str] = []  # every UNAVAILABLE this stream retried (for the failure message)
+        self.attached = ""  # the coordinator whose call it reads now ("": none)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -121,8 +122,10 @@ class Stream:
         # take on a loaded machine (not a fixed count: 10 quick retries can all land inside one restart)
         give_up = time.monotonic() + RETRY_S
         while not self.finish and time.monotonic() < give_up:
-            channel = open_channel(self.coordinators[attempt % len(self.coordinators)], 4 * 1024 * 1024)
+            address = self.coordinators[attempt % len(self.coordinators)]
+            channel = open_channel(address, 4 * 1024 * 1024)
             stub = coordinator_grpc.CoordinatorStub(channel)
+            self.attached = address
             try:
                 if not self.sequence_id:
                     call = stub.Generate(cpb.GenerateRequest(
@@ -149,6 +152,7 @@ class Stream:
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
             finally:
+                self.attached = ""
                 channel.close()
 
 
@@ -174,10 +178,12 @@ def test_chaos_every_stream_completes_with_the_undisturbed_tokens(model_dirs, tm
             while sum(len(s.tokens) for s in streams) < total * (k + 1) / 6:
                 assert any(s.thread.is_alive() for s in streams), "the streams ended before the faults"
                 time.sleep(0.01)
-            # the drain hits the coordinator that runs the most sequences now (after the first coordinator's
-            # kill the other took them over; after Redis's, whose leases lapse meanwhile, either may hold them)
-            victim = (max(processes(state, "coordinator"), key=running) if role == "drain"
-                      else processes(state, role)[0])
+            # the drain hits the coordinator that serves the most client streams now, then the one that runs
+            # the most sequences (after Redis's kill, whose leases lapse meanwhile, a coordinator may run
+            # sequences whose client streams read from the other one: draining it hands no stream over)
+            victim = (max(processes(state, "coordinator"),
+                          key=lambda p: (sum(s.attached == p["address"] for s in streams), running(p)))
+                      if role == "drain" else processes(state, role)[0])
             t_kill = time.monotonic()
             os.kill(victim["pid"], signal.SIGTERM if role == "drain" else signal.SIGKILL)
             report[role] = {"t": t_kill}
