@@ -498,13 +498,17 @@ class Engine:
         in_run = self._in_tree_run(seq_id)
         choice = None if in_run else self._choose_ahead(seq, draft)
         run_ahead = self._run_ahead(seq_id, seq, choice)
-        if run_ahead is not None and self._next_in_verify(seq_id, seq, draft, None) is None:
+        in_verify = self._next_in_verify(seq_id, seq, draft, None) if run_ahead is not None else None
+        if in_verify is None:
             run_ahead = None
         ahead = self._launch_ahead(seq_id, seq, draft, round_index, choice if run_ahead is None else None)
         t0 = time.perf_counter()
         tree = draft.tree
         hook = self._verdict_hook(seq_id, seq, draft)
-        next_params = self._next_in_verify(seq_id, seq, draft, ahead) if hook is None else None
+        if run_ahead is not None:  # (asked above: no ahead draft from here, so the same answer)
+            next_params = in_verify
+        else:
+            next_params = self._next_in_verify(seq_id, seq, draft, ahead) if hook is None else None
         run = self._tree_run(seq_id, seq, draft, round_index, next_params, run_ahead)
         if run is not None and not in_run and run_ahead is not None:
             seq.run_ahead = run_ahead  # (the run's rounds: RoundStats and the policy's learning)
