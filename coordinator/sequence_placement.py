@@ -68,7 +68,7 @@ import torch
 
 from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
-from services.errors import PREEMPTED
+from services.errors import PREEMPTED, ROWS_MISSING
 from services.rpc.clients import NO_PHASES, DrafterClient, NextDraft, Phases, RemoteDrafter, VerifierClient
 from services.rpc.errors import DownstreamError
 from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
@@ -187,7 +187,9 @@ class SequencePlacement:
         self._round = 0  # the engine's latest verify / decode round (main thread): draft spans' round
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows a DraftAhead did not deliver
         self._ahead_failed: DownstreamError | None = None  # a DraftAhead's fail-over, for the next draft
-        self._rebuild = False  # the next draft rebuilds the drafter's KV where it is (a run that drafted ahead)
+        # the next draft says where its rows go in the drafter's KV and is numbered past a call still in flight
+        # (a run that drafted ahead was left early, or its DraftAhead failed: that call may still add rows)
+        self._realign = False
         self.verifier = _VerifierSide(self)
         self.drafter = _DrafterSide(self) if drafters is not None else None
 
@@ -275,7 +277,7 @@ class SequencePlacement:
                 and (self.drafter_client.address == self.verifier_client.address or self.direct_drafts is not None
                      and self.direct_drafts.reachable(self.drafter_client.address))
                 and self._rd.prefilled(seq_id) and not self._held and self._ahead_failed is None and not self._kept
-                and not self._rebuild
+                and not self._realign
                 and self._lost is None)
 
     def _next_draft(self, seq_id: str, params: TreeParams | None) -> NextDraft | None:
@@ -406,11 +408,14 @@ class SequencePlacement:
             features = torch.cat([f.to(features.dtype) for _, f in self._held if f.numel()] + [features])
             self._held = []
         failed, self._ahead_failed = self._ahead_failed, None
-        rebuild, self._rebuild = self._rebuild, False
-        if rebuild and failed is None and self._rd is not None:
-            # a run that drafted ahead failed or was left early: the drafter's KV is unknown, and a call the
-            # verifier sent may still arrive (one index past the last answered): rebuild it, numbered past that
-            tokens, features = self._refill(tokens, features, first_index=self._rd.next_index(seq_id) + 1)
+        realign, self._realign = self._realign, False
+        first_row = None
+        if realign and failed is None and self._rd is not None:
+            # a run that drafted ahead failed or was left early: a DraftAhead the verifier sent (one index past
+            # the last answered) may have added some of these rows, or may still arrive. Number this call past
+            # it (the drafter then refuses it) and say where its rows go (the drafter drops any it added)
+            self._rd.skip_index(seq_id)
+            first_row = len(self.prompt) + len(self.committed) - 1 - len(tokens)
         if failed is not None and self._rd is not None:
             if not self._drafter_failed(failed):
                 return root_tree(self.committed[-1])  # degraded: a plain decoding round
@@ -421,7 +426,7 @@ class SequencePlacement:
             tokens, features = self._refill(tokens, features)
         while True:
             try:
-                tree = self._rd.draft(seq_id, tokens, features, params, self._round + 1)
+                tree = self._rd.draft(seq_id, tokens, features, params, self._round + 1, first_row)
                 if self._missed and self._missed == self.drafter_client.address and self.direct_drafts is not None:
                     self.direct_drafts.unreached(self._missed)  # it answers here, not to the verifier
                 self._missed = ""
@@ -429,17 +434,25 @@ class SequencePlacement:
             except Exception as e:  # noqa: BLE001 - is_failover decides
                 if not is_failover(e):
                     raise
-                if not self._drafter_failed(e):
+                if first_row is not None and isinstance(e, DownstreamError) and ROWS_MISSING in str(e):
+                    # the KV lacks rows counted as taken: rebuild it on the same drafter, past any call in flight
+                    log.warning("sequence %s: %s; rebuilding its draft KV", seq_id, e)
+                    tokens, features = self._refill(tokens, features, first_index=self._rd.next_index(seq_id) + 1)
+                elif not self._drafter_failed(e):
                     return root_tree(self.committed[-1])  # degraded: a plain decoding round
-                tokens, features = self._refill(tokens, features)
+                else:
+                    tokens, features = self._refill(tokens, features)
+                first_row = None  # (a refill's Prefill sends every row)
 
     def draft_ahead(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor, guess: list[int],
                     params: TreeParams | None = None, round_index: int | None = None, branches: int | None = None,
                     exclude: tuple[tuple[int, ...], ...] = (), chain: tuple[int, ...] = ()) -> DraftTree | None:
         """The ahead tree (RemoteDrafter.draft_ahead) or None: no drafter, its first draft not sent,
-        the guess does not fit, or the call failed over (see the module doc). On the drafter thread."""
+        the guess does not fit, the call failed over (see the module doc), or the next draft realigns the
+        drafter's KV (a run that drafted ahead was left: its DraftAhead may be in flight at the index this
+        call would take). On the drafter thread."""
         rd = self._rd
-        if rd is None or not rd.prefilled(seq_id):
+        if rd is None or not rd.prefilled(seq_id) or self._realign:
             if tokens.numel():
                 self._held.append((tokens, features))
             return None
@@ -643,8 +656,8 @@ class _PlacedTreeRun:
         p._round = round_index
         if res.next_tree is not None or res.pending_rows:  # (next_index follows the run's draft_index)
             p._rd.drafted_elsewhere(self.seq_id, run.next_index - 1, p._rv.busy)  # type: ignore[union-attr]
-        if res.ahead_failed:  # the drafter's KV is unknown: the next draft rebuilds it
-            p._rebuild = True
+        if res.ahead_failed:  # the failed call may still add its rows: the next draft realigns the drafter's KV
+            p._realign = True
         elif res.next_tree is None:
             p._missed = run.drafter
         p.committed += res.acceptance.new_tokens
@@ -664,8 +677,8 @@ class _PlacedTreeRun:
         if self._run is not None:
             if self._run.ahead is not None and not self._run.finished:
                 # left early: a DraftAhead the verifier sent for the next round may still reach the drafter
-                # (its index, its rows): the next draft rebuilds the drafter's KV
-                self.p._rebuild = True
+                # (its index, its rows): the next draft realigns the drafter's KV (`draft`, first_row)
+                self.p._realign = True
             self._run.close()
             self._run = None
 

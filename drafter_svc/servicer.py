@@ -120,7 +120,10 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         features = codec.decode_tensor(request.features, "features", dtype=self.dtype,
                                        shape=(len(tokens), self.feature_size))
         params = self._params(request)
-        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, params)
+        first_row = request.first_row if request.HasField("first_row") else None
+        if first_row is not None and first_row < 0:
+            raise InvalidRequest(f"first_row must be >= 0; got {first_row}")
+        call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features, params, first_row)
         return await timed(DRAFT_SECONDS.labels(SERVICE), self.batcher.call_async(_Work(call, request.round_index)))
 
     def check_next(self, round_index: int, params: TreeParams | None) -> None:

@@ -47,6 +47,15 @@ class SequencePreempted(SequenceNotFound):
 PREEMPTED = "was preempted on this verifier"
 
 
+class DraftRowsMissing(SequenceNotFound):
+    """A Draft's `first_row` lies past the rows the sequence's draft KV holds: rows its caller counts
+    as taken never reached it. NOT_FOUND at the edge (the KV is not the one the caller knows); the
+    message holds ROWS_MISSING, which the coordinator reads to rebuild the KV on the same drafter."""
+
+
+ROWS_MISSING = "lacks rows before the call's first row"
+
+
 class CapacityExceeded(AerieError):
     """Over a configured capacity: sequences, prompt length, KV slots (RESOURCE_EXHAUSTED)."""
 

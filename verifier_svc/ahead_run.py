@@ -22,8 +22,9 @@ latest call the drafter answered (`draft_index`); the coordinator continues from
 ends. Calls go one at a time per sequence from this coroutine, so the drafter always takes them in
 index order. A Draft that fails leaves its rows in `features` (the coordinator's Draft at the same
 index is answered by the drafter's replay if it ran); a DraftAhead that fails sets `ahead_failed`
-(the rows it carried may or may not be in the KV: the coordinator rebuilds the drafter's KV). Either
-ends the run (no next tree).
+and leaves the rows it carried in `features` too (they may or may not be in the KV: the coordinator's
+Draft, numbered past the failed call, says where its rows go, `first_row`). Either ends the run (no
+next tree).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class _Launched:
     """A DraftAhead in flight: what it bet on, and the call."""
     guess: list[int]
     task: asyncio.Future  # -> (DraftResponse | None, seconds)
+    rows: list[int]  # the pending rows it carried
+    features: torch.Tensor | None  # [len(rows), F] their features (None: no rows)
 
 
 class AheadRun:
@@ -95,6 +98,7 @@ class AheadRun:
         if self.params is not None:
             request.tree.CopyFrom(codec.encode_tree_params(self.params))
         self.index += 1
+        rows, features = self.pending_tokens, self.pending_features
         self.pending_tokens, self.pending_features = [], None  # (sent: taken, unless the call fails)
 
         async def call():
@@ -102,7 +106,7 @@ class AheadRun:
             answer = await self.drafts.call(self.seq_id, self.drafter, "DraftAhead", request, timeout_s)
             return answer, time.perf_counter() - t0
 
-        return _Launched(guess, asyncio.ensure_future(call()))
+        return _Launched(guess, asyncio.ensure_future(call()), rows, features if rows else None)
 
     async def settle(self, response: vpb.VerifyResponse, launched: _Launched | None, timeout_s: float) -> None:
         """Complete `response` (the verdict of the round `launched` was sent beside): its next tree, the
@@ -115,8 +119,10 @@ class AheadRun:
             answer, seconds = await launched.task
             response.ahead_seconds = seconds
             response.ahead_wait_seconds = time.perf_counter() - t0
-            if answer is None:  # the rows it carried may or may not be in the KV
+            if answer is None:  # the rows it carried may or may not be in the KV: the coordinator's to send
                 response.ahead_failed = True
+                if launched.features is not None:
+                    response.features.CopyFrom(codec.encode_tensor(torch.cat([launched.features, features])))
                 response.draft_index = self.answered
                 return
             self.answered = self.index - 1

@@ -542,7 +542,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             if not pending.done():  # the caller went away: the round in progress still runs (and is kept)
                 pending.cancel()
             if launched is not None and not launched.task.done():
-                launched.task.cancel()  # (the coordinator rebuilds the drafter's KV after a run it left)
+                launched.task.cancel()  # (the coordinator's next Draft realigns the drafter's KV: first_row)
 
     @rpc_errors
     async def Decode(self, request: vpb.DecodeRequest, context) -> vpb.DecodeResponse:

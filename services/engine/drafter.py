@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.draft_graphs import BATCHES, EXTEND_WIDTHS, PendingCandidates
-from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequenceNotFound
+from services.errors import (
+    ROWS_MISSING,
+    AerieError,
+    CapacityExceeded,
+    DraftRowsMissing,
+    InvalidRequest,
+    KVBudgetExceeded,
+    SequenceNotFound,
+)
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVRows
 from services.model.paged_kv import PagedCache, PagedKVPool
@@ -69,6 +77,9 @@ class DraftCall:
     tokens: torch.Tensor  # [n] newly committed tokens shifted by one (last = the root)
     features: torch.Tensor  # [n, F] target features of the rows before them
     params: TreeParams | None = None  # this round's shape (None = the drafter's largest)
+    # the draft KV row tokens[0] goes to: rows past it are dropped first (a DraftAhead its caller left
+    # took them: the same rows); None: after the rows the KV holds. Fewer rows: DraftRowsMissing
+    first_row: int | None = None
 
 
 class Drafter:
@@ -209,6 +220,8 @@ class Drafter:
                     raise InvalidRequest(
                         f"features must have shape [{n}, {f}]; got {list(call.features.shape)}")
                 cache, rows = self._caches[call.seq_id], self._rows[call.seq_id]
+                if call.first_row is not None:
+                    self._realign(call.seq_id, cache, call.first_row)
                 if cache.length + n + params.draft_rows > rows:  # checked here: fails alone
                     raise CapacityExceeded(
                         f"draft KV of sequence {call.seq_id!r} holds {rows} rows; {cache.length} used, "
@@ -471,6 +484,18 @@ class Drafter:
                                    tuple(exclude), sort_paths)
         finally:
             cache.truncate(stable)  # guessed rows came from draft features: never keep them
+
+    @staticmethod
+    def _realign(seq_id: str, cache: KVRows, first_row: int) -> None:
+        """Drop the draft KV's rows from `first_row` on (DraftCall.first_row); DraftRowsMissing when it
+        holds fewer. The call's rows then rebuild `_last` (a draft call has at least one)."""
+        if first_row < 0:
+            raise InvalidRequest(f"first_row must be >= 0; got {first_row}")
+        if first_row > cache.length:
+            raise DraftRowsMissing(f"draft KV of sequence {seq_id!r} {ROWS_MISSING}: it holds {cache.length} "
+                                   f"rows, first_row is {first_row}")
+        if first_row < cache.length:
+            cache.truncate(first_row)
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)

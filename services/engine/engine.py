@@ -98,12 +98,14 @@ differ from the non-overlapped run: output stays the target's (the verifier chec
 seed replays the same tokens (the guess and the ahead tree never depend on timing: the round always
 waits for the ahead draft before it looks at it).
 Where the verifier can run tree rounds and draft ahead itself (`runs_ahead`: direct drafts to a drafter
-in another process) and the tree is fixed, a round whose policy drafts ahead starts a run that does
-(RunAhead: the chosen guess depth, for every round of the run; verifier_svc/ahead_run.py) instead of
-drafting ahead from here. Its answers say which rows the draft KV has not taken (`pending_rows`: they
-replace the pending rows here) and whether the next tree was drafted ahead (a hit); the policy learns
-from each of its rounds and chooses again after it. Its baseline round (a measured policy's first
-verify without an ahead draft) is one Verify, not a run.
+in another process), a round whose policy drafts ahead starts a run that does (RunAhead: the chosen
+guess depth, for every round of the run; verifier_svc/ahead_run.py) instead of drafting ahead from
+here: with a fixed tree, and with the adaptive budget for greedy sequences (a run left for a new
+shape holds its next tree, as above, and its DraftAhead in flight costs nothing: the next Draft says
+where its rows go in the draft KV). Its answers say which rows the draft KV has not taken
+(`pending_rows`: they replace the pending rows here) and whether the next tree was drafted ahead (a
+hit); the policy learns from each of its rounds and chooses again after it. Its baseline round (a
+measured policy's first verify without an ahead draft) is one Verify, not a run.
 """
 
 from __future__ import annotations
@@ -661,11 +663,13 @@ class Engine:
 
     def _run_ahead(self, seq_id: str, seq: _SequenceState, choice: _Choice | None) -> RunAhead | None:
         """Drafting ahead inside a run of tree rounds at the verifier (module doc) for this choice, where
-        the verifier can (`runs_ahead`: direct drafts to a drafter in another process), the tree is
-        fixed (a run that drafts ahead is never left for a new shape) and the guess is the top path's."""
+        the verifier can (`runs_ahead`: direct drafts to a drafter in another process) and the guess is
+        the top path's; with the adaptive budget, for greedy sequences (a sampling one's rounds are
+        single calls: `_tree_run`). A run left early for a new shape leaves a DraftAhead in flight: the
+        next Draft says where its rows go in the draft KV (the placement's `first_row`)."""
         runs_ahead = getattr(self.verifier, "runs_ahead", None)
-        if (choice is None or runs_ahead is None or self.guesser is not None or self.budget.fixed is None
-                or self.plain_run < 2 or not runs_ahead(seq_id)):
+        if (choice is None or runs_ahead is None or self.guesser is not None
+                or self.budget.fixed is None and seq.sort_paths or self.plain_run < 2 or not runs_ahead(seq_id)):
             return None
         return RunAhead(choice.depth, choice.limit, seq.policy.branches, seq.sort_paths)  # type: ignore[union-attr]
 

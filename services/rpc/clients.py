@@ -447,10 +447,12 @@ class RemoteDrafter:
         self._pending[seq_id] = (max_rows, sampling, first_index)
 
     def draft(self, seq_id: str, tokens: torch.Tensor, features: torch.Tensor,
-              params: TreeParams | None = None, span_round: int | None = None) -> DraftTree:
+              params: TreeParams | None = None, span_round: int | None = None,
+              first_row: int | None = None) -> DraftTree:
         """`params`: this round's shape (None = the drafter's largest). The round index sent is the
         count of draft calls (the drafter's idempotency key), not the engine's round; `span_round`:
-        the engine's round that verifies the tree, for the tracing span (None: that count)."""
+        the engine's round that verifies the tree, for the tracing span (None: that count);
+        `first_row`: the draft KV row tokens[0] goes to (DraftRequest.first_row; a Prefill ignores it)."""
         if seq_id in self._pending:
             max_rows, sampling, round_index = self._pending.pop(seq_id)
             self._round[seq_id] = 0  # prefilled (or partly): release must reach the drafter
@@ -463,6 +465,8 @@ class RemoteDrafter:
                                        features=codec.encode_tensor(features))
             if params is not None:
                 request.tree.CopyFrom(codec.encode_tree_params(params))
+            if first_row is not None:
+                request.first_row = first_row
             with self.phases.phase(span_round or round_index, "draft"):
                 response = self.client.call(self.client.stub.Draft, request)
         self._round[seq_id] = round_index
@@ -501,6 +505,11 @@ class RemoteDrafter:
     def next_index(self, seq_id: str) -> int:
         """The idempotency index of the sequence's next draft call (its first after the Prefill: 2)."""
         return self._round.get(seq_id, 0) + 1
+
+    def skip_index(self, seq_id: str) -> None:
+        """Number the next call one past its index: a call another process sent at that index may still
+        reach the drafter (a run's DraftAhead), which then refuses it as older than ours."""
+        self._round[seq_id] = self.next_index(seq_id)
 
     def drafted_elsewhere(self, seq_id: str, round_index: int, busy: float) -> None:
         """A draft at `round_index` ran inside a Verify (the same process: a verifier that drafts too)."""

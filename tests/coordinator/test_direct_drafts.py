@@ -352,11 +352,14 @@ def test_runs_that_draft_ahead_at_the_verifier_equal_the_split_pipelines_ahead_d
         split_ahead.close()
 
 
-def test_a_failed_draft_ahead_in_a_run_rebuilds_the_drafters_kv_where_it_is(model_dirs, redis_url, target_greedy):
-    """One DraftAhead the verifier sends inside a run fails at the drafter (the drafter itself stays up):
-    the run ends (ahead_failed), the coordinator rebuilds the sequence's draft KV on the same drafter
-    (a Prefill numbered past the failed call: DrafterPrefillRequest.round_index), and the rounds after
-    it draft ahead there again. No token is lost or changed."""
+@pytest.mark.parametrize("when", ["before", "after", "lost"])
+def test_a_failed_draft_ahead_in_a_run_costs_no_rebuild(model_dirs, redis_url, target_greedy, when):
+    """One DraftAhead the verifier sends inside a run fails (the drafter itself stays up), before its
+    rows reach the draft KV or after (the answer lost): the run ends (ahead_failed, the rows it carried
+    back in the answer), the coordinator's next Draft is numbered past it and says where its rows go
+    (`first_row`: the drafter drops the rows the failed call added), no rebuild, and the rounds after
+    it draft ahead there again. `lost`: the KV also lost a row counted as taken: that Draft answers
+    ROWS_MISSING and the coordinator rebuilds the KV on the same drafter. No token is lost or changed."""
     from services.errors import InvalidRequest
 
     p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, overlap="always")
@@ -366,17 +369,30 @@ def test_a_failed_draft_ahead_in_a_run_rebuilds_the_drafters_kv_where_it_is(mode
     def fails_once(*args, **kwargs):
         calls[0] += 1
         if calls[0] == 3:
+            if when == "after":
+                real(*args, **kwargs)  # its rows are in the KV now
+            if when == "lost":
+                cache = head._caches[args[0]]
+                cache.truncate(cache.length - 1)
             raise InvalidRequest("a DraftAhead that fails (test)")
         return real(*args, **kwargs)
 
     head.draft_ahead = fails_once
-    prefills = []
-    real_start = head.start
+    prefills, first_rows = [], []
+    real_start, real_many = head.start, head.draft_many
     head.start = lambda seq_id, *a, **kw: (prefills.append(seq_id), real_start(seq_id, *a, **kw))[1]
+
+    def many(drafts, *a, **kw):
+        first_rows.extend(d.first_row for d in drafts if d.first_row is not None)
+        return real_many(drafts, *a, **kw)
+
+    head.draft_many = many
     try:
         tokens, messages = generate(p, 2 * N)
         assert tokens == target_greedy
-        assert calls[0] > 3 and len(prefills) == 2  # the first prefill, then the rebuild, same drafter
+        # the first prefill only (no rebuild), or the rebuild after ROWS_MISSING
+        assert calls[0] > 3 and len(prefills) == (2 if when == "lost" else 1)
+        assert len(first_rows) == 1  # the coordinator's Draft after the failed call
         state = p.coordinator.store.get(messages[0].sequence_id)
         assert state.drafter == messages[0].info.placement.drafter
         stats = rounds(messages)
@@ -385,6 +401,83 @@ def test_a_failed_draft_ahead_in_a_run_rebuilds_the_drafters_kv_where_it_is(mode
         assert any(s.ahead_hit for s in stats[failed + 2:])  # drafting ahead (and hitting) again after it
     finally:
         p.close()
+
+
+def test_runs_that_draft_ahead_with_the_adaptive_budget_leave_for_a_new_shape_without_a_rebuild(
+        model_dirs, redis_url, target_greedy, monkeypatch):
+    """With the adaptive budget (scripted here: its plans change the shape every few rounds, as measured
+    costs do) the coordinator asks for runs that draft ahead too. A plan that changes the shape inside
+    such a run leaves it (the run's next tree held as it is: tests/engine/test_draft_in_verify.py) with
+    the run's DraftAhead for the next round possibly in flight: the next Draft is numbered past it and
+    says where its rows go (`first_row`), never a rebuild. Greedy output is the target's."""
+    from services.spec.acceptance import prior_stats
+    from services.spec.tree import TreeParams
+    from tests.engine.test_draft_in_verify import ScriptedBudget, costs
+
+    small = TreeParams(2, 2, 5)
+    script = (TREE,) * 6 + (small,) * 4 + (TREE,) * 7 + (small,) * 3 + (TREE,) * 20
+    monkeypatch.setattr(codec, "decode_budget", lambda *a: ScriptedBudget(
+        costs(), prior_stats({"top1_agreement": 0.3}), largest=TREE, detach=False, script=script))
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, overlap="always")
+    head = p.drafter.drafter
+    prefills, first_rows = [], []
+    real_start, real_many = head.start, head.draft_many
+    head.start = lambda seq_id, *a, **kw: (prefills.append(seq_id), real_start(seq_id, *a, **kw))[1]
+
+    def many(drafts, *a, **kw):
+        first_rows.extend(d.first_row for d in drafts if d.first_row is not None)
+        return real_many(drafts, *a, **kw)
+
+    head.draft_many = many
+    try:
+        in_runs, ahead_before = counter("tree_run_rounds"), direct_counter("ahead")
+        tokens, messages = generate(p, 2 * N)
+        assert tokens == target_greedy
+        stats = rounds(messages)
+        assert counter("tree_run_rounds") - in_runs >= 3 and direct_counter("ahead") > ahead_before  # hits in runs
+        assert any(1 < s.tree_size <= small.size for s in stats)  # the small plans applied
+        assert len(prefills) == 1 and len(first_rows) >= 2  # runs left for a new shape; no rebuild
+        # after each, the next rounds draft ahead inside a run again
+        assert sum(s.ahead and s.drafted_in_verify for s in stats) >= len(stats) // 2
+    finally:
+        p.close()
+
+
+def test_a_draft_with_first_row_drops_the_rows_a_draft_ahead_added(split):
+    """DraftRequest.first_row: a Draft whose rows start before the end of the draft KV (a DraftAhead its
+    caller left added some of them) drops the rows from there first, and grows the tree a KV that never
+    saw the DraftAhead grows; rows missing before it answer NOT_FOUND naming both counts; a negative
+    value is INVALID_ARGUMENT."""
+    dstub = split.drafter_stub()
+    width = split.drafter.feature_size
+    g = torch.Generator().manual_seed(3)
+    prompt_features = codec.encode_tensor(torch.randn(len(PROMPT), width, generator=g))
+    rows = torch.randn(3, width, generator=g)
+    for seq_id in ("fa", "fb"):
+        first = dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=64, tokens=list(PROMPT), features=prompt_features)
+        assert dstub.Prefill(iter([first]), timeout=60).HasField("tree")
+    ahead = dpb.DraftAheadRequest(sequence_id="fa", round_index=2, tokens=[7, 9], guess=[11],
+                                  features=codec.encode_tensor(rows[:2]))
+    dstub.DraftAhead(ahead, timeout=60)
+    caches = split.drafter.drafter._caches
+    assert caches["fa"].length == len(PROMPT) + 2  # the DraftAhead's rows
+    realigned = dstub.Draft(dpb.DraftRequest(sequence_id="fa", round_index=3, tokens=[7, 9, 12], first_row=len(PROMPT),
+                                             features=codec.encode_tensor(rows)), timeout=60)
+    fresh = dstub.Draft(dpb.DraftRequest(sequence_id="fb", round_index=2, tokens=[7, 9, 12],
+                                         features=codec.encode_tensor(rows)), timeout=60)
+    assert realigned.tree == fresh.tree and caches["fa"].length == caches["fb"].length
+    one = codec.encode_tensor(rows[:1])
+    with pytest.raises(grpc.RpcError) as e:
+        dstub.Draft(dpb.DraftRequest(sequence_id="fa", round_index=4, tokens=[5], features=one,
+                                     first_row=caches["fa"].length + 5), timeout=60)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    assert "lacks rows before the call's first row" in e.value.details() and "first_row is" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        dstub.Draft(dpb.DraftRequest(sequence_id="fa", round_index=4, tokens=[5], features=one, first_row=-1),
+                    timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first_row must be >= 0; got -1" in e.value.details()
+    for seq_id in ("fa", "fb"):
+        dstub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=60)
 
 
 def test_bad_run_ahead_values_are_named_and_a_rebuilt_prefill_refuses_older_calls(split):

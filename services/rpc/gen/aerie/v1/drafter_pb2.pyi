@@ -26,18 +26,20 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., max_rows: _Optional[int] = ..., sampling: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., round_index: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("sequence_id", "round_index", "tokens", "features", "tree")
+    __slots__ = ("sequence_id", "round_index", "tokens", "features", "tree", "first_row")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     round_index: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
     tree: _common_pb2.TreeParams
-    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    first_row: int
+    def __init__(self, sequence_id: _Optional[str] = ..., round_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., first_row: _Optional[int] = ...) -> None: ...
 
 class DraftAheadRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "tokens", "features", "guess", "tree", "branches", "chain", "exclude", "exclude_sizes")
