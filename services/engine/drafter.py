@@ -106,6 +106,13 @@ class Drafter:
         # committed rows + one tree expansion: a draft's limit (the KV adds the ahead draft's slack)
         self._rows: dict[str, int] = {}
         self._last: dict[str, torch.Tensor] = {}  # [H] head output of the last committed row (draft_ahead)
+        # the latest eager expansion of each sequence (the tree in flight's): its root's index (the draft KV
+        # length when its root row was the last) and its head outputs by token path from the root (the
+        # root's, the chain's, every expanded node's). draft_ahead feeds them to the guess's and the chain's
+        # rows: one head step for all of them instead of one each (only with ahead_branches > 0: a drafter
+        # that drafts ahead; the static and batched graphs record nothing)
+        self._flight: dict[str, tuple[int, int, dict[tuple[int, ...], torch.Tensor]]] = {}  # (root's index, root, ...)
+        self.reuse_flight = True  # False: draft_ahead runs the guess's and the chain's rows one by one
         self.pool: PagedKVPool | None = None
         self.graphs = None
         # the extension inside the draft graph (DraftGraphs.draft); off after it failed once on a device
@@ -232,6 +239,7 @@ class Drafter:
             seen.add(call.seq_id)
             valid.append(i)
             shapes.append(params)
+            self._flight.pop(call.seq_id, None)  # (the eager expansion below records a new one)
         if len(valid) == 1 and self._static(calls[valid[0]].seq_id, shapes[0]):
             call = calls[valid[0]]
             results[valid[0]] = self._draft_static(call, shapes[0], on_device)
@@ -250,10 +258,13 @@ class Drafter:
                 caches = [self._caches[calls[valid[j]].seq_id] for j in eager]
                 lasts = extend_many(self.head, caches, [calls[valid[j]].features.to(dev) for j in eager],
                                     [calls[valid[j]].tokens.to(dev) for j in eager])  # (tree.grow_trees)
-                cands = expand_many(self.head, caches, lasts, [shapes[j] for j in eager])
-                for j, last, cand in zip(eager, lasts, cands, strict=True):
+                records = [{} for _ in eager] if self.ahead_branches else None
+                cands = expand_many(self.head, caches, lasts, [shapes[j] for j in eager], records)
+                for n, (j, last, cand) in enumerate(zip(eager, lasts, cands, strict=True)):
                     call = calls[valid[j]]
                     self._last[call.seq_id] = last
+                    if records is not None:
+                        self._flight[call.seq_id] = (caches[n].length, int(call.tokens[-1]), records[n])
                     results[valid[j]] = rerank(cand, int(call.tokens[-1]), shapes[j], self._sort_paths[call.seq_id])
         return results  # type: ignore[return-value]
 
@@ -373,6 +384,7 @@ class Drafter:
         copied = mark(rows.tokens.device)
         pending, last = self.graphs.draft_counted(cache, features, rows.tokens, rows.count, params, width, keys)
         self._last[seq_id] = last
+        self._flight.pop(seq_id, None)
         root = rows.tokens[rows.count - 1]  # [1] the bonus: the tree's root, on the device
         sort_paths = self._sort_paths[seq_id]
 
@@ -420,10 +432,12 @@ class Drafter:
         """Grow the ahead tree from a guessed verdict (services/spec/ahead.py) while the current tree
         is verified. tokens [n] / features [n, F]: committed rows the draft KV has not seen (n may be
         0: the KV is current); they are committed to the draft KV like a `draft` call's. Then each
-        guessed token gets a row fed with the head's own predicted feature of the row before it (one
-        one-row head step each), the tree is expanded from the last guessed row and rooted at the
-        guess's last token, and the guessed rows are dropped: the draft KV again holds only committed
-        rows with target features.
+        guessed token gets a row fed with the head's own predicted feature of the row before it, the
+        tree is expanded from the last guessed row and rooted at the guess's last token, and the
+        guessed rows are dropped: the draft KV again holds only committed rows with target features.
+        The guess and the chain are a path of the tree in flight, which this drafter expanded: where
+        its expansion recorded the head outputs along that path (`_flight`), they are the rows'
+        predicted features and every row goes in one head step (causal); else one head step a row.
         `branches` (None: this drafter's `ahead_branches`; capped by it and by the free KV rows):
         > 0 grows a fresh-sized subtree of shape `params` under each of that many likely bonuses at
         the root and at each node of `chain` (the tree in flight's top path past the guess, a path
@@ -444,6 +458,7 @@ class Drafter:
             raise InvalidRequest(f"branches must be >= 0; got {branches}")
         dev = self.head.device
         n = int(tokens.shape[0])
+        flight = self._flight.pop(seq_id, None)  # (this call's expansion records the next one)
         if cache.length + n > self._rows[seq_id]:
             raise CapacityExceeded(f"draft KV of sequence {seq_id!r} holds {self._rows[seq_id]} rows; "
                                    f"{cache.length} used, {n} committed rows requested")
@@ -471,19 +486,47 @@ class Drafter:
         if not branches and params.draft_rows > free:
             return None
         stable = cache.length
+        rows = [*guess, *chain]  # row (predicted feature of the previous row, token): the guess, then the chain
+        known = self._flight_features(flight, tokens, stable, rows) if self.reuse_flight else None
+        record: dict[tuple[int, ...], torch.Tensor] | None = {} if self.ahead_branches else None
         try:
-            for tok in guess:  # row (predicted feature of the previous row, guessed token)
-                last = self.head(last[None], torch.tensor([tok], device=dev), cache)[0]
+            if known is not None:  # every row's predicted feature: one head step for all of them
+                out = self.head(torch.stack([last, *known]), torch.tensor(rows, device=dev), cache)  # [j + m, H]
+                last, lasts = out[len(guess) - 1], list(out[len(guess) - 1:])
+            else:
+                for tok in guess:
+                    last = self.head(last[None], torch.tensor([tok], device=dev), cache)[0]
+                lasts = [last]
+                for tok in chain:
+                    lasts.append(self.head(lasts[-1][None], torch.tensor([tok], device=dev), cache)[0])
             sort_paths = self._sort_paths[seq_id]
             if not branches:
-                return rerank(expand(self.head, cache, last, params), guess[-1], params, sort_paths)
-            lasts = [last]
-            for tok in chain:  # the chain's rows, like guessed rows
-                lasts.append(self.head(lasts[-1][None], torch.tensor([tok], device=dev), cache)[0])
+                return rerank(expand(self.head, cache, last, params, record), guess[-1], params, sort_paths)
             return expand_branches(self.head, cache, torch.stack(lasts), guess[-1], list(chain), params, branches,
-                                   tuple(exclude), sort_paths)
+                                   tuple(exclude), sort_paths, record)
         finally:
             cache.truncate(stable)  # guessed rows came from draft features: never keep them
+            if record:
+                self._flight[seq_id] = (stable + len(guess), guess[-1], record)
+
+    @staticmethod
+    def _flight_features(flight: tuple[int, int, dict[tuple[int, ...], torch.Tensor]] | None, tokens: torch.Tensor,
+                         length: int, rows: list[int]) -> list[torch.Tensor] | None:
+        """The predicted features of rows[1:] (each the head output of the path before it) from the
+        tree in flight's recorded expansion, or None: none recorded, fewer than two rows, or a path it
+        does not hold. `length`: the draft KV's rows (its last row's token is the new root); `tokens`:
+        this call's committed rows, which end with the path from the expansion's root to the new root
+        (none: the same root)."""
+        if flight is None or len(rows) < 2:
+            return None
+        root_at, root, record = flight
+        n = int(tokens.shape[0])
+        back = length - root_at  # committed tokens after the expansion's root
+        if not 0 <= back <= n or back < n and int(tokens[n - back - 1]) != root:
+            return None
+        bridge = tuple(tokens[n - back:].tolist()) if back else ()
+        known = [record.get((*bridge, *rows[:i])) for i in range(1, len(rows))]
+        return None if any(h is None for h in known) else known  # type: ignore[return-value]
 
     @staticmethod
     def _realign(seq_id: str, cache: KVRows, first_row: int) -> None:
@@ -500,6 +543,7 @@ class Drafter:
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
         self._last.pop(seq_id, None)
+        self._flight.pop(seq_id, None)
         self._sort_paths.pop(seq_id, None)
         self._rows.pop(seq_id, None)
         slot = self._slots.pop(seq_id, None)

@@ -69,12 +69,13 @@ def _branches(head: DraftHead, lp: torch.Tensor, params: TreeParams, branches: i
 
 def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: int, chain: list[int],
                     params: TreeParams, branches: int, exclude: tuple[tuple[int, ...], ...],
-                    sort_paths: bool) -> DraftTree:
+                    sort_paths: bool, record: dict[tuple[int, ...], torch.Tensor] | None = None) -> DraftTree:
     """The ahead tree rooted at `root` (module doc). The cache ends with the guess's rows and then
     one row per chain token; lasts [m + 1, H]: the head outputs of the guess's last row and of each
     chain row (attach points 0..m); exclude[p]: tokens that are no branch at attach point p (missing
     entries: none). Needs `ahead_rows(params, (m + 1) * branches)` free cache rows;
-    they are dropped again."""
+    they are dropped again. `record` (a dict, filled): token path from `root` -> that node's head
+    output [H], for the root, the chain and every node expanded (tree.expand_many's records)."""
     k, m, stop = params.top_k, len(chain), params.stop_logprob
     dev = lasts.device
     start = cache.length  # the first tree row; attach point p's row is at start - m - 1 + p
@@ -96,6 +97,10 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
     # [F, m + tree rows + F]: chain row c is visible to attach points p > c; then tree ancestors
     mask = torch.cat((torch.arange(m, device=dev)[None, :] < f_att[:, None],
                       torch.eye(nb, dtype=torch.bool, device=dev)), dim=1)
+    if record is not None:
+        for p in range(m + 1):
+            record[tuple(chain[:p])] = lasts[p]
+        f_path = [tuple(chain[:p]) + (t,) for t, p in zip(b_tok, b_att, strict=True)]
     tokens, scores, parents, branch_of = [], [], [], []  # per level [F * K]: the candidates
     next_id = nb
     try:
@@ -103,6 +108,9 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
             if f_ids.numel() == 0 or (stop > float("-inf") and (f_score - base[f_branch]).max().item() < stop):
                 break
             out = head(f_hidden, f_ids, cache, start - m + f_att + i, mask)  # [F, H]
+            if record is not None:
+                for path, row in zip(f_path, out, strict=True):
+                    record[path] = row
             child = torch.topk(head.log_probs(out), k, dim=-1)  # [F, K]
             cu = (child.values + f_score[:, None]).reshape(-1)  # [F * K] cumulative log-prob
             toks = head.to_target(child.indices).reshape(-1)
@@ -114,6 +122,8 @@ def expand_branches(head: DraftHead, cache: KVRows, lasts: torch.Tensor, root: i
             sel = _beams(cu, cand_branch, base, nb, k, stop)
             rows = sel // k
             f_hidden, f_ids, f_score, f_branch = out[rows], toks[sel], cu[sel], cand_branch[sel]
+            if record is not None:
+                f_path = [f_path[r] + (t,) for r, t in zip(rows.tolist(), f_ids.tolist(), strict=True)]
             f_node, f_att = next_id + sel, f_att[rows]
             mask = torch.cat((mask[rows], torch.eye(int(sel.shape[0]), dtype=torch.bool, device=dev)), dim=1)
             next_id += int(cu.shape[0])

@@ -215,10 +215,11 @@ def extend_many(head: DraftHead, caches: list[KVRows], features: list[torch.Tens
     return [out[b - 1] for b in offsets[1:]]
 
 
-def expand(head: DraftHead, cache: KVRows, last: torch.Tensor, params: TreeParams) -> Candidates:
+def expand(head: DraftHead, cache: KVRows, last: torch.Tensor, params: TreeParams,
+           record: dict[tuple[int, ...], torch.Tensor] | None = None) -> Candidates:
     """Grow `params.depth` levels from `last` [H], the head output of the last committed row.
-    The draft cache is left exactly as it was found."""
-    return expand_many(head, [cache], [last], [params])[0]
+    The draft cache is left exactly as it was found. `record`: see `expand_many`."""
+    return expand_many(head, [cache], [last], [params], None if record is None else [record])[0]
 
 
 class _Beam:
@@ -228,7 +229,7 @@ class _Beam:
     and each level's candidates are K children per frontier node, in frontier order."""
 
     def __init__(self, head: DraftHead, cache: KVRows, last: torch.Tensor, lp: torch.Tensor,
-                 params: TreeParams) -> None:
+                 params: TreeParams, record: dict[tuple[int, ...], torch.Tensor] | None = None) -> None:
         k = params.top_k
         device = last.device
         self.cache, self.params, self.k = cache, params, k
@@ -243,6 +244,12 @@ class _Beam:
         self.tree_mask = self._eye(self.sel.shape[0])  # [F, tree rows so far + F]: ancestors and itself
         self.block_start, self.total = 0, k  # where the frontier's block starts; candidates so far
         self.done = False
+        # `record`: token path from the root -> that node's head output [H] (the root's and every expanded
+        # node's: Drafter.draft_ahead feeds them to a guess's rows instead of running them one by one)
+        self.record = record
+        if record is not None:
+            record[()] = last
+            self.paths = [(t,) for t in self.cur_ids.tolist()]  # the frontier's paths
 
     @property
     def width(self) -> int:
@@ -270,6 +277,9 @@ class _Beam:
     def grow(self, head: DraftHead, i: int, out: torch.Tensor, lp: torch.Tensor) -> None:
         """out [F, H] the head outputs of this level's frontier, lp [F, V_draft] their log-probs."""
         k = self.k
+        if self.record is not None:
+            for path, row in zip(self.paths, out, strict=True):
+                self.record[path] = row
         self.parents_list.append(self.sel + 1 + self.block_start)  # 1 + flat index of each expanded node
         child = torch.topk(lp, k, dim=-1)  # [F, K]
         cu = child.values + self.scores[:, None]  # [F, K] cumulative log-prob
@@ -279,6 +289,8 @@ class _Beam:
         rows = self.sel // k  # which expanded node each survivor hangs from
         self.cur_hidden = out[rows]
         self.cur_ids = head.to_target(child.indices.view(-1)[self.sel])
+        if self.record is not None:
+            self.paths = [self.paths[r] + (t,) for r, t in zip(rows.tolist(), self.cur_ids.tolist(), strict=True)]
         self.tokens_list.append(head.to_target(child.indices))
         self.scores_list.append(cu)
         self.tree_mask = torch.cat((self.tree_mask[rows], self._eye(self.width)), dim=1)
@@ -291,13 +303,16 @@ class _Beam:
 
 
 def expand_many(head: DraftHead, caches: list[KVRows], lasts: list[torch.Tensor],
-                params: list[TreeParams]) -> list[Candidates]:
+                params: list[TreeParams], records: list[dict] | None = None) -> list[Candidates]:
     """`expand` for many sequences: each level is ONE head step over the frontiers of every
     sequence still expanding (each with its own top_k, depth and stop, its own KV and tree mask),
     and one log-prob projection over all their rows. Each sequence's candidates are what `expand`
-    alone gives it (fp32: up to the GEMM's rounding). The draft caches are left as they were found."""
+    alone gives it (fp32: up to the GEMM's rounding). The draft caches are left as they were found.
+    `records[i]` (a dict, filled): token path from sequence i's root -> that node's head output [H],
+    for the root (path ()) and every node the expansion ran through the head (a host read per level)."""
     lp0 = head.log_probs(torch.stack(lasts))  # [B, V_draft]
-    beams = [_Beam(head, c, last, lp, p) for c, last, lp, p in zip(caches, lasts, lp0, params, strict=True)]
+    beams = [_Beam(head, c, last, lp, p, r) for c, last, lp, p, r in
+             zip(caches, lasts, lp0, params, records or [None] * len(caches), strict=True)]
     device = lasts[0].device
     try:
         for i in range(max(p.depth for p in params)):

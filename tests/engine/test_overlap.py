@@ -114,6 +114,91 @@ def test_draft_ahead_leaves_only_committed_rows(llama_pair):
     assert tree2 is not None and d._caches["s"].length == length + 1  # the committed row stays
 
 
+def _deepest_path(tree) -> list[int]:
+    """The tokens of a deepest root-to-leaf path of `tree` (without the root)."""
+    parents, depth = tree.parents.tolist(), [0] * tree.size
+    for i in range(1, tree.size):
+        depth[i] = depth[parents[i]] + 1
+    node, path = max(range(tree.size), key=lambda i: depth[i]), []
+    while node:
+        path.append(int(tree.tokens[node]))
+        node = parents[node]
+    return path[::-1]
+
+
+def test_an_ahead_draft_feeds_its_rows_the_tree_in_flights_recorded_features(llama_pair):
+    """The guess and the chain are a path of the tree in flight: the drafter recorded the head outputs
+    along it when it expanded that tree, so their rows go in one head step (each fed the recorded
+    output of the path before it) instead of one step a row, and grow the same ahead tree as the rows
+    run one by one (the same inputs; fp32 up to the GEMM's rounding). After a hit (the verdict's rows
+    pending, ending at a branch of the ahead tree) the next ahead draft finds its path in the ahead
+    tree's own record. A path the record lacks runs row by row."""
+    from services.spec.ahead import chain_past
+
+    _, _, head = llama_pair
+    f = head.config.feature_size
+    torch.manual_seed(5)
+    feats = torch.randn(3, f)
+    steps = [0]
+    forward = head.forward
+
+    def counted(*a, **kw):
+        steps[0] += 1
+        return forward(*a, **kw)
+
+    trees = {}
+    for reuse in (True, False):
+        d = Drafter(head, SHAPE, ahead_branches=2)
+        d.reuse_flight = reuse
+        d.start("s", 96, sampling=False)
+        flight = d.draft("s", torch.tensor([4, 9, 21]), feats, TreeParams(1, 3, 5))  # a chain: a deep path
+        path = _deepest_path(flight)
+        assert len(path) == 4
+        guess = path[:1]
+        chain, exclude = chain_past(flight, guess, path)
+        head.forward, steps[0] = counted, 0
+        try:
+            trees[reuse] = d.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), guess, SHAPE,
+                                         exclude=exclude, chain=chain)
+        finally:
+            del head.forward
+        trees[reuse, "steps"] = steps[0]
+        assert d._caches["s"].length == 3
+        if reuse:
+            kept = d
+    on, off = trees[True], trees[False]
+    assert on.tokens.tolist() == off.tokens.tolist() and on.parents.tolist() == off.parents.tolist()
+    assert torch.allclose(on.scores, off.scores, atol=1e-4)
+    assert trees[False, "steps"] - trees[True, "steps"] == len(path) - 1  # one step for the path's rows
+    # a hit at a branch of the root: the verdict's rows pending, the next guess a path below the bonus
+    parents = on.parents.tolist()
+    branch = next(i for i in range(2, on.size) if parents[i] == 0)
+    verdict = guess + [int(on.tokens[branch])]
+    nxt = use_ahead(on, guess, verdict, False)
+    assert nxt is not None
+    path = _deepest_path(nxt)
+    assert len(path) >= 2
+    chain, exclude = chain_past(nxt, path[:1], path)
+    head.forward, steps[0] = counted, 0
+    try:
+        tree = kept.draft_ahead("s", torch.tensor(verdict), torch.randn(len(verdict), f), path[:1], SHAPE,
+                                exclude=exclude, chain=chain)
+    finally:
+        del head.forward
+    assert tree is not None and int(tree.tokens[0]) == path[0] and kept._caches["s"].length == 3 + len(verdict)
+    walked = steps[0]
+    kept.reuse_flight = False  # the same call with the path's rows one by one: len(path) - 1 steps more
+    kept._caches["s"].truncate(3)
+    kept.draft("s", torch.tensor(verdict), torch.randn(len(verdict), f), SHAPE)  # (a flight without the path)
+    head.forward, steps[0] = counted, 0
+    try:
+        kept.draft_ahead("s", torch.zeros(0, dtype=torch.long), torch.zeros(0), path[:1], SHAPE,
+                         exclude=exclude, chain=chain)
+    finally:
+        del head.forward
+    assert steps[0] - walked == len(path) - 1 - 1  # (the extension of the verdict's rows: one step less here)
+
+
 def test_a_hit_reroots_to_the_fresh_tree_of_its_branch(llama_pair):
     """The ahead tree (two branches at the root and at the one chain node, the in-flight children
     excluded) rerooted at any branch is the tree a fresh draft from that branch grows when its rows
