@@ -258,7 +258,7 @@ class Drafter:
                 caches = [self._caches[calls[valid[j]].seq_id] for j in eager]
                 lasts = extend_many(self.head, caches, [calls[valid[j]].features.to(dev) for j in eager],
                                     [calls[valid[j]].tokens.to(dev) for j in eager])  # (tree.grow_trees)
-                records = [{} for _ in eager] if self.ahead_branches else None
+                records: list[dict] | None = [{} for _ in eager] if self.ahead_branches else None
                 cands = expand_many(self.head, caches, lasts, [shapes[j] for j in eager], records)
                 for n, (j, last, cand) in enumerate(zip(eager, lasts, cands, strict=True)):
                     call = calls[valid[j]]

@@ -311,8 +311,8 @@ def expand_many(head: DraftHead, caches: list[KVRows], lasts: list[torch.Tensor]
     `records[i]` (a dict, filled): token path from sequence i's root -> that node's head output [H],
     for the root (path ()) and every node the expansion ran through the head (a host read per level)."""
     lp0 = head.log_probs(torch.stack(lasts))  # [B, V_draft]
-    beams = [_Beam(head, c, last, lp, p, r) for c, last, lp, p, r in
-             zip(caches, lasts, lp0, params, records or [None] * len(caches), strict=True)]
+    each: list[dict | None] = list(records) if records is not None else [None] * len(caches)
+    beams = [_Beam(head, c, last, lp, p, r) for c, last, lp, p, r in zip(caches, lasts, lp0, params, each, strict=True)]
     device = lasts[0].device
     try:
         for i in range(max(p.depth for p in params)):
