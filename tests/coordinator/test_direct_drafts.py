@@ -352,6 +352,22 @@ def test_runs_that_draft_ahead_at_the_verifier_equal_the_split_pipelines_ahead_d
         split_ahead.close()
 
 
+def watch_drafts(head) -> tuple[list[str], list[int]]:
+    """Lists the drafter's (services.engine.drafter.Drafter) calls fill from now on: the sequences it
+    starts (a Prefill: the first, or a rebuild) and the `first_row` of each draft that carries one."""
+    prefills: list[str] = []
+    first_rows: list[int] = []
+    real_start, real_many = head.start, head.draft_many
+    head.start = lambda seq_id, *a, **kw: (prefills.append(seq_id), real_start(seq_id, *a, **kw))[1]
+
+    def many(drafts, *a, **kw):
+        first_rows.extend(d.first_row for d in drafts if d.first_row is not None)
+        return real_many(drafts, *a, **kw)
+
+    head.draft_many = many
+    return prefills, first_rows
+
+
 @pytest.mark.parametrize("when", ["before", "after", "lost"])
 def test_a_failed_draft_ahead_in_a_run_costs_no_rebuild(model_dirs, redis_url, target_greedy, when):
     """One DraftAhead the verifier sends inside a run fails (the drafter itself stays up), before its
@@ -378,15 +394,7 @@ def test_a_failed_draft_ahead_in_a_run_costs_no_rebuild(model_dirs, redis_url, t
         return real(*args, **kwargs)
 
     head.draft_ahead = fails_once
-    prefills, first_rows = [], []
-    real_start, real_many = head.start, head.draft_many
-    head.start = lambda seq_id, *a, **kw: (prefills.append(seq_id), real_start(seq_id, *a, **kw))[1]
-
-    def many(drafts, *a, **kw):
-        first_rows.extend(d.first_row for d in drafts if d.first_row is not None)
-        return real_many(drafts, *a, **kw)
-
-    head.draft_many = many
+    prefills, first_rows = watch_drafts(head)
     try:
         tokens, messages = generate(p, 2 * N)
         assert tokens == target_greedy
@@ -420,15 +428,7 @@ def test_runs_that_draft_ahead_with_the_adaptive_budget_leave_for_a_new_shape_wi
         costs(), prior_stats({"top1_agreement": 0.3}), largest=TREE, detach=False, script=script))
     p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, direct_drafts=True, overlap="always")
     head = p.drafter.drafter
-    prefills, first_rows = [], []
-    real_start, real_many = head.start, head.draft_many
-    head.start = lambda seq_id, *a, **kw: (prefills.append(seq_id), real_start(seq_id, *a, **kw))[1]
-
-    def many(drafts, *a, **kw):
-        first_rows.extend(d.first_row for d in drafts if d.first_row is not None)
-        return real_many(drafts, *a, **kw)
-
-    head.draft_many = many
+    prefills, first_rows = watch_drafts(head)
     try:
         in_runs, ahead_before = counter("tree_run_rounds"), direct_counter("ahead")
         tokens, messages = generate(p, 2 * N)
