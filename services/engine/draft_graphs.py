@@ -280,15 +280,20 @@ class DraftGraphs:
         its draft), or left on the device with that copy queued (`on_device`)."""
         return _pending(packed, c) if on_device else _split(packed.cpu(), c)
 
-    def warm_up(self, params: TreeParams, keys: int = MIN_KEYS) -> WarmUp:
+    def warm_up(self, params: TreeParams, keys: int = MIN_KEYS, max_batch: int = 1) -> WarmUp:
         """Before any request: the shapes of `params` (the drafter's own tree) at every extension width
-        and the expansion alone, over the first key bucket, each captured (or, graphs off, run once
-        eagerly: the head's fused stages compile). Every write goes to the trash page."""
+        and the expansion alone, over the first key bucket, and with `max_batch` > 1 the batched drafts
+        (`draft_batch`) of every batch bucket up to it (the bucket that holds it; BATCHES[-1] at most)
+        at every extension width: each captured (or, graphs off, run once eagerly: the head's fused
+        stages compile). Every write goes to the trash page."""
         t0 = time.perf_counter()
         held = graph_pool_bytes(self._mempool)
+        top = bucket(min(max_batch, BATCHES[-1]), BATCHES) if max_batch > 1 else 1
+        shapes = [(width, params.top_k, params.depth, keys, 1) for width in (0, *EXTEND_WIDTHS)]
+        shapes += [(width, params.top_k, params.depth, keys, b) for b in BATCHES if b <= (top or 1)
+                   for width in EXTEND_WIDTHS]
         done = 0
-        for width in (0, *EXTEND_WIDTHS):
-            shape = (width, params.top_k, params.depth, keys, 1)
+        for shape in shapes:
             if shape in self._graphs or shape in self._warm:
                 continue
             if self.graphs_on:

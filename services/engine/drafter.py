@@ -141,11 +141,13 @@ class Drafter:
     def warm_up(self, max_sequences: int = 0) -> WarmUp | None:
         """Before the first request (CUDA only: None elsewhere): the draft graphs of the drafter's own
         tree (`DraftGraphs.warm_up`: every extension width and the expansion alone, the first key
-        bucket). The adaptive budget's other shapes are captured when first asked for.
-        (`max_sequences`: the start-up hook's signature, services/model/runner.py warm_up_at_start.)"""
+        bucket), and where `max_sequences` (the start-up hook's: services/model/runner.py
+        warm_up_at_start) allows batches, the batched drafts of that tree up to it. The adaptive
+        budget's other shapes are captured when first asked for."""
         if self.graphs is None or self.tree.depth < 1:
             return None
-        return self.graphs.warm_up(self.tree)
+        batch = min(max_sequences, self.max_sequences) if self.batch_in_graph else 1
+        return self.graphs.warm_up(self.tree, max_batch=batch)
 
     def start(self, seq_id: str, max_rows: int, sampling: bool) -> None:
         """Reserve a draft KV for up to `max_rows` committed rows plus one tree expansion."""

@@ -284,6 +284,44 @@ def replayed_graphs(drafter, monkeypatch):
     drafter.graphs.graphs_on = True
 
 
+def test_start_up_warm_up_prepares_the_batched_drafts_too(llama_pair, monkeypatch):
+    """Where the start-up hook allows batches (max_sequences > 1) the warm-up also prepares the batched
+    drafts of the drafter's tree (DraftGraphs.draft_batch) for every batch bucket up to the one that
+    holds max_sequences, at every extension width: graphs off, each run once eagerly, only the trash
+    page written, nothing twice; with graphs (a capture stood in for: ReplayedFn) captured then, so
+    that a later batch of that shape captures nothing, and its trees are those of a drafter that
+    captured on first use."""
+    head = llama_pair[2]
+    shape = TreeParams(4, 3, 16)
+    pool, _ = scattered_pool(head)
+    dg = DraftGraphs(head, pool, graphs=False, max_keys=2048)
+    before = (pool.k.clone(), pool.v.clone())
+    assert dg.warm_up(shape, max_batch=3).shapes == 1 + len(EXTEND_WIDTHS) + 2 * len(EXTEND_WIDTHS)  # B 2, 4
+    for arena, old in zip((pool.k, pool.v), before, strict=True):
+        changed = (arena != old).any(-1).any(1).any(0).nonzero().flatten().tolist()
+        assert changed and set(changed) <= set(range(PAGE))  # the trash page only
+    assert dg.warm_up(shape, max_batch=4).shapes == 0
+    assert dg.warm_up(shape, max_batch=64).shapes == 2 * len(EXTEND_WIDTHS)  # B 8 and 16
+    warmed, cold = static_drafter(head, shape), static_drafter(head, shape)
+    for d in (warmed, cold):
+        replayed_graphs(d, monkeypatch)
+    assert warmed.warm_up(8).shapes == 1 + len(EXTEND_WIDTHS) + 3 * len(EXTEND_WIDTHS)
+    captured = warmed.graphs.captures
+    g = torch.Generator().manual_seed(6)
+    f = head.config.feature_size
+    for d in (warmed, cold):
+        for i in range(3):
+            d.start(f"s{i}", 64, sampling=False)
+    for r in range(3):
+        calls = [DraftCall(f"s{i}", torch.randint(0, VOCAB, (1 + (i + r) % 4,), generator=g),
+                           torch.randn(1 + (i + r) % 4, f, generator=g), shape) for i in range(3)]
+        got, want = warmed.draft_many(calls), cold.draft_many(copy.deepcopy(calls))
+        for a, b in zip(got, want, strict=True):
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    assert warmed.graphs.batched == cold.graphs.batched == 9
+    assert warmed.graphs.captures == captured and cold.graphs.captures > 0  # the warm-up's graphs replayed
+
+
 @pytest.mark.parametrize("graphs", ["static", "replayed"])
 @pytest.mark.parametrize("name", ["llama_pair", "eagle3_pair"])
 def test_a_batch_of_sequences_drafts_each_one_s_own_draft(name, graphs, request, monkeypatch):
