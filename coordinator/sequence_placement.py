@@ -416,6 +416,7 @@ class SequencePlacement:
             # it (the drafter then refuses it) and say where its rows go (the drafter drops any it added)
             self._rd.skip_index(seq_id)
             first_row = len(self.prompt) + len(self.committed) - 1 - len(tokens)
+            self._event("realign", {"aerie.role": "drafter", "aerie.first_row": first_row, "aerie.rows": len(tokens)})
         if failed is not None and self._rd is not None:
             if not self._drafter_failed(failed):
                 return root_tree(self.committed[-1])  # degraded: a plain decoding round

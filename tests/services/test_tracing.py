@@ -122,6 +122,34 @@ def test_a_failover_is_an_event_on_its_round_span(pipeline, exporter, model_dirs
     assert any(e.attributes["aerie.role"] == "drafter" and e.attributes["aerie.rows"] > 4 for e in rebuilds)
 
 
+def test_a_realigned_draft_is_an_event_on_its_round_span(pipeline, exporter, model_dirs, redis_url):
+    """A DraftAhead that fails inside a run (direct drafts, `--overlap always`): the coordinator's next
+    Draft realigns the drafter's KV (DraftRequest.first_row) rather than rebuilding it: a "realign"
+    event (role, first_row, rows) on a round span, and no rebuild."""
+    from services.errors import InvalidRequest
+
+    servicer, _, drafter = pipeline.add_service("drafter", model_dirs)
+    head = servicer.drafter
+    calls, real = [0], head.draft_ahead
+
+    def fails_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise InvalidRequest("a DraftAhead that fails (test)")
+        return real(*args, **kwargs)
+
+    head.draft_ahead = fails_once
+    _, address = pipeline.add_coordinator(redis_url, drafters=(drafter,), discover=False, direct_drafts=True,
+                                          overlap="always")
+    steps, spans, _ = traced(exporter, address, 40)
+    assert steps[-1].finish_reason == "length" and calls[0] > 3
+    events = [e for s in spans if s.name == "round" for e in s.events]
+    (realign,) = [e for e in events if e.name == "realign"]
+    assert realign.attributes["aerie.role"] == "drafter" and realign.attributes["aerie.rows"] >= 1
+    assert realign.attributes["aerie.first_row"] > 4  # past the prompt's rows
+    assert not [e for e in events if e.name == "rebuild"]
+
+
 def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, model_dirs, redis_url):
     """With overlap on (AERIE_OVERLAP), round k+1's tree is drafted ahead during round k: a
     `draft_ahead` CLIENT span (with the drafter's DraftAhead server span below it) under round k+1
