@@ -412,26 +412,15 @@ def test_drafter_warm_up_captures_the_batched_drafts_too(llama_pair):
     with the capture stood in for, tests/spec/test_extend_static.py): besides the 6 graphs above, the
     batched drafts of its tree for batch buckets 2 and 4 at every extension width (10 graphs); three
     sequences drafted together afterwards replay them without a capture and give a cold drafter's trees."""
-    from services.engine.drafter import DraftCall
+    from tests.spec.test_extend_static import draft_three_together
 
     _, target, head = llama_pair
     t, h = on_cuda(target, head)
     warm, cold = Drafter(h, SHAPES["16/3/4"]), Drafter(h, SHAPES["16/3/4"])
     done = warm.warm_up(3)
     assert (done.shapes, done.graphs, warm.graphs.captures) == (16, True, 16)
-    g = torch.Generator().manual_seed(6)
-    f = h.config.feature_size
-    for d in (warm, cold):
-        for i in range(3):
-            d.start(f"s{i}", 64, sampling=False)
-    for r in range(3):
-        calls = [DraftCall(f"s{i}", torch.randint(0, VOCAB, (1 + (i + r) % 4,), generator=g),
-                           torch.randn(1 + (i + r) % 4, f, generator=g).to(h.dtype), SHAPES["16/3/4"])
-                 for i in range(3)]  # (on the host, as the drafter service decodes them)
-        got, want = warm.draft_many(calls), cold.draft_many(copy.deepcopy(calls))
-        for a, b in zip(got, want, strict=True):
-            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-    assert warm.graphs.batched == cold.graphs.batched == 9 and warm.graphs.captures == 16
+    draft_three_together(warm, cold, SHAPES["16/3/4"])
+    assert warm.graphs.captures == 16
 
 
 def test_device_trees_queue_the_verify_behind_the_draft_without_a_host_read(llama_pair):

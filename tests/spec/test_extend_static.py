@@ -307,19 +307,27 @@ def test_start_up_warm_up_prepares_the_batched_drafts_too(llama_pair, monkeypatc
         replayed_graphs(d, monkeypatch)
     assert warmed.warm_up(8).shapes == 1 + len(EXTEND_WIDTHS) + 3 * len(EXTEND_WIDTHS)
     captured = warmed.graphs.captures
+    draft_three_together(warmed, cold, shape)
+    assert warmed.graphs.captures == captured and cold.graphs.captures > 0  # the warm-up's graphs replayed
+
+
+def draft_three_together(warmed, cold, shape: TreeParams) -> None:
+    """Three sequences drafted together (one batch a round, 1-4 new rows each: batch bucket 4) by a
+    warmed-up drafter and a cold one, three rounds: the same trees (the CUDA test runs this too,
+    tests/gpu/test_cuda.py)."""
     g = torch.Generator().manual_seed(6)
-    f = head.config.feature_size
+    f = warmed.head.config.feature_size
     for d in (warmed, cold):
         for i in range(3):
             d.start(f"s{i}", 64, sampling=False)
     for r in range(3):
         calls = [DraftCall(f"s{i}", torch.randint(0, VOCAB, (1 + (i + r) % 4,), generator=g),
-                           torch.randn(1 + (i + r) % 4, f, generator=g), shape) for i in range(3)]
+                           torch.randn(1 + (i + r) % 4, f, generator=g).to(warmed.head.dtype), shape)
+                 for i in range(3)]  # (on the host, as the drafter service decodes them)
         got, want = warmed.draft_many(calls), cold.draft_many(copy.deepcopy(calls))
         for a, b in zip(got, want, strict=True):
             assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
     assert warmed.graphs.batched == cold.graphs.batched == 9
-    assert warmed.graphs.captures == captured and cold.graphs.captures > 0  # the warm-up's graphs replayed
 
 
 @pytest.mark.parametrize("graphs", ["static", "replayed"])
