@@ -49,6 +49,10 @@ def register(sub) -> None:
                      help="--shape: instead, plain and EAGLE decoding through `aerie up` (separate processes, gRPC, "
                           "Redis) against the in-process engine on the same random checkpoint written to a temporary "
                           "directory (services/bench/pipeline_shape.py; --max-new-tokens a request, --repeats)")
+    gpu.add_argument("--pipelines", default=None,
+                     help="--shape --pipeline: comma list of eagle,colocated,colocated-host,direct,plain, measured in that "
+                          "order (colocated-host: --colocate with AERIE_DEVICE_ROUND=0) (default: eagle,colocated,direct,"
+                          "plain)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -299,6 +303,8 @@ def _shape_bench(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bf16" if dev.startswith("cuda") else "fp32")
     if args.pipeline:
         return _pipeline_shape_bench(args, dev, dtype_name)
+    if args.pipelines is not None:
+        raise InvalidRequest("--pipelines picks the pipelines of --pipeline: give both")
     cfg = GpuBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
                          legacy=not args.no_legacy, paged=args.paged_attention)
     def write(res: dict) -> None:  # after each group of measurements: a run cut short keeps what it measured
@@ -313,12 +319,19 @@ def _shape_bench(args: argparse.Namespace) -> int:
 
 def _pipeline_shape_bench(args: argparse.Namespace, dev: str, dtype_name: str) -> int:
     """`--shape S --pipeline`: the pipeline against the in-process engine on a random checkpoint."""
-    from services.bench.pipeline_shape import PipelineBenchConfig, run_pipeline_bench, table
+    from services.bench.pipeline_shape import (DEFAULT_PIPELINES, PIPELINES, PipelineBenchConfig,
+                                               run_pipeline_bench, table)
 
     if args.repeats < 1:
         raise InvalidRequest(f"--repeats must be >= 1; got {args.repeats}")
+    pipelines = DEFAULT_PIPELINES
+    if args.pipelines is not None:
+        pipelines = tuple(name.strip() for name in args.pipelines.split(",") if name.strip())
+        unknown = [name for name in pipelines if name not in PIPELINES]
+        if unknown or not pipelines:
+            raise InvalidRequest(f"--pipelines must name some of {', '.join(PIPELINES)}; got {args.pipelines!r}")
     res = run_pipeline_bench(PipelineBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens,
-                                                 args.max_new_tokens, args.repeats))
+                                                 args.max_new_tokens, args.repeats, pipelines=pipelines))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=2)

@@ -26,11 +26,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from services.engine.batcher import Batcher
-from services.engine.drafter import DraftCall, Drafter
+from services.engine.drafter import DraftCall, Drafter, VerdictDraft
 from services.errors import AerieError, InvalidRequest
 from services.spec.cost import CostCurve
 from services.spec.ahead_tree import ahead_rows
-from services.spec.tree import TreeParams
+from services.spec.tree import TreeOnDevice, TreeParams
+from services.spec.verify import NextRows
 from services.metrics import DRAFT_SECONDS, SEQUENCES_IN_FLIGHT
 from services.rpc import codec
 from services.rpc.errors import rpc_errors
@@ -64,7 +65,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.feature_size = head.feature_size
         self.dtype = drafter.head.feature_dtype  # the target's features (the draft may run in bf16/int8)
         self.max_rows = max_context + config.max_tree_nodes  # the server's cap, never the caller's
-        self._last: dict[str, tuple[int, dpb.DraftResponse]] = {}  # sequence id -> latest (round, tree)
+        self._last: dict[str, tuple[int, dpb.DraftResponse | QueuedDraft]] = {}  # sequence id -> latest (round, tree)
         # the Drafter, `_last` and the load meter: the worker thread's, and a verifier's model thread's
         # when it drafts too (draft_next)
         self._lock = threading.Lock()
@@ -147,6 +148,40 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             results = [e] * len(work)
         DRAFT_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
         return results
+
+    def queue_from_verdict(self, seq_id: str, rows: NextRows, features: torch.Tensor, params: TreeParams,
+                           round_index: int) -> VerdictDraft | None:
+        """A verifier that drafts too, in a device round (verifier_svc/device_round.py): the next tree
+        queued from the verdict still on the device (`Drafter.draft_from_verdict`; rows: its NextRows,
+        features [W, F] their nodes' target features), for the Draft call at `round_index`; None where
+        it cannot (that round answered already or older: the host path replays it; a draft that does
+        not fit the static code). The draft KV takes the rows only with `commit_verdict`."""
+        with self._lock:
+            last = self._last.get(seq_id)
+            if last is not None and round_index <= last[0]:
+                return None
+            t0 = self.load.clock()
+            try:
+                return self.drafter.draft_from_verdict(seq_id, rows, features.to(self.dtype), params)
+            finally:
+                self.load.ran(t0, self.load.clock(), {seq_id})
+
+    def commit_verdict(self, seq_id: str, verdict: VerdictDraft, rows: int, round_index: int) -> QueuedDraft:
+        """The host read the verdict a `queue_from_verdict` drafted from (its `rows`: the accepted
+        tokens and the bonus): the draft KV keeps them, and the tree is the answer of the Draft call at
+        `round_index` (a repeated one gets it: the same idempotency as `draft_next`'s)."""
+        assert verdict.tree is not None  # (ranked: draft_from_verdict's default)
+        with self._lock:
+            self.drafter.commit(seq_id, rows)
+            queued = QueuedDraft(verdict.tree)
+            self._last[seq_id] = (round_index, queued)
+            self.idle.touch(seq_id)
+            return queued
+
+    def busy(self, seq_id: str) -> float:
+        """The drafter's load as `seq_id` sees it (DraftResponse.busy)."""
+        with self._lock:
+            return self.load.busy(seq_id)
 
     @rpc_errors
     async def DraftAhead(self, request: dpb.DraftAheadRequest, context) -> dpb.DraftResponse:
@@ -247,7 +282,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                         self.idle.touch(seq_id)
                     last = self._last.get(seq_id)
                     if last is not None and w.round_index == last[0]:
-                        results[i] = last[1]
+                        results[i] = last[1].response() if isinstance(last[1], QueuedDraft) else last[1]
                         continue
                     if last is not None and w.round_index < last[0]:
                         raise InvalidRequest(f"round {w.round_index} of sequence {seq_id!r} is older than its "
@@ -299,6 +334,22 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             self.drafter.release(seq_id)
             SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
             return self.drafter.num_sequences < before
+
+
+class QueuedDraft:
+    """A tree queued from a verdict on the device (`commit_verdict`): `response()` waits for its
+    candidates and encodes it, once (any thread; a Draft call repeated at its round too)."""
+
+    def __init__(self, tree: TreeOnDevice) -> None:
+        self.tree = tree
+        self._response: dpb.DraftResponse | None = None
+        self._lock = threading.Lock()
+
+    def response(self) -> dpb.DraftResponse:
+        with self._lock:
+            if self._response is None:
+                self._response = dpb.DraftResponse(tree=codec.encode_tree(self.tree.host()))
+        return self._response
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,9 @@ DRAFTS_IN_VERIFY = Counter("aerie_drafts_in_verify", "Rounds whose tree was draf
 DIRECT_DRAFTS = Counter("aerie_direct_drafts", "Next drafts a verifier sent straight to the sequence's drafter "
                         "(coordinator --direct-drafts), by outcome: drafted, ahead (a run's DraftAhead hit: its "
                         "tree, no Draft), or failed (the coordinator drafts)", ["service", "outcome"])
+DEVICE_ROUNDS = Counter("aerie_device_rounds", "Tree rounds of a verifier that drafts too whose next tree was "
+                        "queued from the verdict on the device (a run's device round), by outcome: kept, or dropped "
+                        "(the host read another verdict: drafted after it)", ["service", "outcome"])
 AHEAD_HITS = Counter("aerie_ahead_hits", "Rounds that verified a tree drafted ahead (the guess hit: no draft "
                      "waited for)", ["service"])
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])

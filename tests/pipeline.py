@@ -36,6 +36,7 @@ from services.spec.tree import TreeParams
 from verifier_svc.config import VerifierConfig
 from verifier_svc.server import create_server as create_verifier
 from verifier_svc.server import load_servicer as load_verifier
+from verifier_svc.servicer import VerifierServicer
 
 TREE = TreeParams(top_k=4, depth=3, size=16)
 HOST = "127.0.0.1"
@@ -185,11 +186,14 @@ def head_config(service: ServiceConfig, dirs: ModelDirs, tree: TreeParams, max_s
 def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with_drafter: bool = True,
                    max_sequences: int = 8, max_prompt_tokens: int = 64, max_message_bytes: int = 4 * 1024 * 1024,
                    idle_ttl_s: float = 600.0, draft_dtype: str | None = None, service_overrides: dict | None = None,
-                   verifier_overrides: dict | None = None, colocate: bool = False, **coordinator_overrides) -> Pipeline:
+                   verifier_overrides: dict | None = None, colocate: bool = False, paged: bool = False,
+                   **coordinator_overrides) -> Pipeline:
     """`service_overrides`: ServiceConfig fields every server shares (TLS files, tokens: tests/security);
     `verifier_overrides`: VerifierConfig fields; `max_sequences` is the verifier's and drafter's (a
     coordinator's: `coordinator_max_sequences=N` among the coordinator overrides). `colocate`: the
-    verifier serves the head too (verifier --draft) and is the coordinator's drafter: no drafter server."""
+    verifier serves the head too (verifier --draft) and is the coordinator's drafter: no drafter server.
+    `paged` (with `colocate`): the verifier's KV paged and the head drafting from the static code, both
+    eagerly: the GPU's device rounds on the CPU (paged_colocated)."""
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes, **(service_overrides or {}))
     head = head_config(service, dirs, tree, max_sequences, idle_ttl_s, draft_dtype) if colocate else None
@@ -197,6 +201,8 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
                              max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s, drafter=head,
                              **(verifier_overrides or {}))
     verifier = load_verifier(vconfig)
+    if paged:
+        verifier = paged_colocated(verifier)
     vserver, vport = loop.run(create_verifier(f"{HOST}:0", vconfig, verifier))
     p = Pipeline(loop, verifier, None, None, {"verifier": f"{HOST}:{vport}"}, service)  # type: ignore[arg-type]
     p.servers.append((vserver, verifier))
@@ -215,6 +221,29 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
         coordinator_overrides["max_sequences"] = coordinator_overrides.pop("coordinator_max_sequences")
     p.coordinator, p.addresses["coordinator"] = p.add_coordinator(redis, **coordinator_overrides)
     return p
+
+
+def paged_colocated(servicer: VerifierServicer) -> VerifierServicer:
+    """A verifier that drafts too, made again with what a GPU gives it (a paged KV pool whose steps run
+    the static-shape forward, a head drafting from the static draft code: tests/spec/test_tree_static.py
+    static_drafter), both run eagerly on the CPU: its runs keep their rounds on the device
+    (verifier_svc/device_round.py) as on a GPU. `servicer` is stopped; the new one serves its head."""
+    from services.engine.draft_graphs import DraftGraphs
+    from services.model.paged_kv import PagedKVPool
+    from services.model.runner import ModelRunner
+
+    drafter = servicer.drafter_servicer
+    assert drafter is not None, "colocate=True"
+    head = drafter.drafter
+    c = head.head.config
+    head.pool = PagedKVPool(1, c.num_kv_heads, c.head_dim, 8192, head.head.dtype, head.head.device, page_size=8)
+    head.graphs = DraftGraphs(head.head, head.pool, graphs=False, max_keys=2048)
+    target = servicer.target
+    runner = ModelRunner(target, PagedKVPool.for_model(target, 4096), graphs=False)
+    servicer.reaper.stop()
+    servicer.batcher.close()
+    return VerifierServicer(target, servicer.config, servicer.target_path, servicer.eos_token_ids,
+                            servicer.verify_cost, runner=runner, drafter=drafter)
 
 
 def wait_until(predicate, timeout: float = 60.0) -> None:
@@ -255,19 +284,19 @@ def remote_run(pipeline, req: GenerationRequest) -> tuple[list[int], str | None,
 
 
 def count_queued_answers(monkeypatch) -> list:
-    """Counts the verifier service's run steps answered with a QueuedAnswer (the token read off the
+    """Counts the verifier service's run steps answered with a QueuedToken (the token read off the
     model thread: verifier_svc/plain_run.py): the returned list gets each one made from now on."""
     import verifier_svc.servicer as servicer_module
-    from verifier_svc.plain_run import QueuedAnswer
+    from verifier_svc.plain_run import QueuedToken
 
     made: list = []
 
-    class Counted(QueuedAnswer):
+    class Counted(QueuedToken):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(servicer_module, "QueuedAnswer", Counted)
+    monkeypatch.setattr(servicer_module, "QueuedToken", Counted)
     return made
 
 

@@ -12,9 +12,9 @@ waits for the stream or for the coordinator. A cancel stops the run after the st
 already queued still runs; its answer is kept for a retry like every step's).
 
 Queued steps (`RunStep.on_device`: a greedy sequence without a penalty or logprobs on a local runner,
-where the servicer queues runs: on a GPU): a step's token stays on the device (a `QueuedAnswer`), the
+where the servicer queues runs: on a GPU): a step's token stays on the device (a `QueuedToken`), the
 next step is queued with it as its input before anything is read, and the token is read off the model
-thread (`QueuedAnswer.response`, which waits for its own step's copy only, not for the steps queued
+thread (`QueuedToken.response`, which waits for its own step's copy only, not for the steps queued
 after it): the model thread launches step k + 1 while the device still computes step k, as the
 in-process runs do (services/engine/plain_run.py).
 
@@ -26,6 +26,7 @@ module knows nothing about gRPC beyond the response it passes along.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -49,28 +50,44 @@ def check_steps(steps: int) -> None:
 @dataclass(frozen=True, slots=True)
 class RunStep(DecodeCall):
     """One step of a DecodeRun: a DecodeCall whose answer is kept per round (RunAnswers); with
-    `on_device`, a QueuedAnswer."""
+    `on_device`, a QueuedToken."""
 
 
 class QueuedAnswer:
-    """A queued run step's answer: `token` [1] long on the device (the next step's input), and its copy
-    to the host queued behind the step; `response()` waits for that copy (not for the steps queued
-    after it) and builds the step's response with `build(token)`, once (any thread; a replay too)."""
+    """A run step's answer whose values are still on their way from the device: `response()` waits
+    for them (not for the steps queued after this one) and builds the response, once (any thread; a
+    replay too). QueuedToken: a plain step's token; a tree round's next tree: verifier_svc/device_round.py."""
+
+    def __init__(self) -> None:
+        self._response: object | None = None
+        self._lock = threading.Lock()
+        self.started = 0.0  # perf_counter when the chain submitted the step (its latency metric)
+
+    def response(self) -> object:
+        with self._lock:
+            if self._response is None:
+                self._response = self._resolve()
+        return self._response
+
+    def _resolve(self) -> object:
+        raise NotImplementedError
+
+
+class QueuedToken(QueuedAnswer):
+    """A queued plain step's answer: `token` [1] long on the device (the next step's input), and its
+    copy to the host queued behind the step; the response is `build(token)`."""
 
     def __init__(self, token: torch.Tensor, build: Callable[[int], object]) -> None:
+        super().__init__()
         self.token = token
         self._host = to_host_queued(token)
         self._copied = mark(token.device)
         self._build = build
-        self._response: object | None = None
-        self.started = 0.0  # perf_counter when the chain submitted the step (its latency metric)
 
-    def response(self) -> object:
-        if self._response is None:
-            if self._copied is not None:
-                self._copied.synchronize()
-            self._response = self._build(int(self._host[0]))
-        return self._response
+    def _resolve(self) -> object:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._build(int(self._host[0]))
 
 
 class RunAnswers:
@@ -101,7 +118,7 @@ END = object()  # RunChain.next_answer: the run ended before its `steps` (`follo
 
 def next_decode(step: RunStep, response: object) -> RunStep:
     """A DecodeRun's next step: the same sequence at the next round, fed the step's token."""
-    token = response.token if isinstance(response, QueuedAnswer) else int(response.token)  # type: ignore[attr-defined]
+    token = response.token if isinstance(response, QueuedToken) else int(response.token)  # type: ignore[attr-defined]
     return RunStep(step.seq_id, token, step.round_index + 1, step.keep_features, on_device=step.on_device)
 
 

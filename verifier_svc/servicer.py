@@ -84,6 +84,7 @@ from services.engine.kv_shares import ANONYMOUS, KVShares
 from services.engine.step_cost import AUTO_RATIO, StepBudget, StepCost, pair_flops
 from services.engine.step_scheduler import step_rows
 from services.engine.drafter import DraftCall
+from services.engine.local import device_round
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall, VerifyResult, merge_prefill)
 from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequencePreempted
@@ -102,11 +103,12 @@ from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
 from services.spec.overlap import RunAhead
-from services.spec.tree import TreeParams
+from services.spec.tree import TreeOnDevice, TreeParams, tree_on_device
 from verifier_svc.config import AUTO, VerifierConfig
 from verifier_svc.ahead_run import AheadRun, decode_run_ahead
+from verifier_svc.device_round import DeviceRounds, QueuedVerify
 from verifier_svc.direct_draft import DirectDrafts, NextDraftTo, check_address
-from verifier_svc.plain_run import END, QueuedAnswer, RunAnswers, RunChain, RunStep, check_steps
+from verifier_svc.plain_run import END, QueuedAnswer, QueuedToken, RunAnswers, RunChain, RunStep, check_steps
 
 log = logging.getLogger("aerie.verifier")
 
@@ -133,6 +135,7 @@ class NextDraftVerify(VerifyCall):
     next_params: TreeParams | None = None  # its shape (None: the head's largest)
     run: bool = False  # a round of a VerifyRun (its answer is kept per round, RunAnswers)
     drafter: str = ""  # the sequence's drafter in another process (host:port; verifier_svc/direct_draft.py); "": here
+    device: bool = False  # a run's device round (verifier_svc/device_round.py): its tree a TreeOnDevice
 
     @property
     def direct(self) -> NextDraftTo:
@@ -249,6 +252,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self.prefill_chunk = config.prefill_chunk  # the RPC's chunk; steps slice it (Slice)
         self.verifier = Verifier(target, "hidden", config.max_sequences, self.runner, config.kv_growth_rows,
                                  on_preempt=self._preempted, on_grow=self.shares.hold)
+        # a verifier that drafts too keeps its runs' tree rounds on the device where it can (AERIE_DEVICE_ROUND)
+        self.device_rounds = (DeviceRounds(drafter, self.verifier)  # type: ignore[arg-type]
+                              if drafter is not None and device_round() is not False else None)
         self._rebuilds_waiting: set[str] = set()  # preempted sequences whose Prefill waits for KV
         self._kind: dict[str, str] = {}  # sequence id -> the feature kind its drafter needs
         self.group = runner if getattr(runner, "world", 1) > 1 else None  # a TP group: its `alive` drives health
@@ -472,15 +478,21 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                                  "ahead tree is cut to it)")
         made = [0]  # tokens the run's rounds committed
 
-        def follow(step: NextDraftVerify, response: vpb.VerifyResponse) -> NextDraftVerify | None:
+        def follow(step: NextDraftVerify, answer: vpb.VerifyResponse | QueuedVerify) -> NextDraftVerify | None:
+            queued = answer if isinstance(answer, QueuedVerify) else None  # a device round's: its tree on the device
+            response: vpb.VerifyResponse = queued.verdict if queued is not None else answer
             new = [*response.tokens[1:], response.bonus]
             made[0] += len(new)
-            if made[0] >= request.max_tokens or stop_ids.intersection(new) or not response.HasField("next_tree"):
+            if made[0] >= request.max_tokens or stop_ids.intersection(new) or (
+                    queued is None and not response.HasField("next_tree")):
                 return None
             if not response.round_index:  # a single Verify's answer, given again: its caller has left the run
                 return None  # (a run computes a round only after a round of its own: the engine's shapes rule)
-            return replace(step, tree=codec.decode_tree(response.next_tree, self.vocab_size, self.config.max_tree_nodes),
-                           round_index=step.round_index + 1, next_round=step.next_round + 1)
+            tree = (queued.tree if queued is not None
+                    else codec.decode_tree(response.next_tree, self.vocab_size, self.config.max_tree_nodes))
+            if step.device and not isinstance(tree, TreeOnDevice):  # (a round drafted on the host)
+                tree = tree_on_device(tree, self.device_rounds.device)  # type: ignore[union-attr]
+            return replace(step, tree=tree, round_index=step.round_index + 1, next_round=step.next_round + 1)
 
         run = (self._direct_run(first, request.rounds, follow, context, ahead) if first.drafter
                else self._local_run(first, request.rounds, follow))
@@ -489,9 +501,11 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
 
     async def _local_run(self, first: NextDraftVerify, rounds: int, follow):
         """A run with this process's head: the model thread drafts each next tree and queues the next
-        round itself (RunChain with `follow`)."""
+        round itself (RunChain with `follow`); device rounds where the sequence can (device_round.py)."""
+        if self.device_rounds is not None and self.device_rounds.takes(first.seq_id):
+            first = replace(self.device_rounds.first(first), device=True)
         chain = RunChain(self.batcher, asyncio.get_running_loop(), first, rounds,
-                         VERIFY_SECONDS.labels(SERVICE).observe, follow)  # type: ignore[arg-type]
+                         VERIFY_SECONDS.labels(SERVICE).observe, follow)
         chain.start()
         try:
             for _ in range(rounds):
@@ -644,6 +658,9 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             todo.append(i)
         if todo:
             run = [c.part() if isinstance(c, Slice) else c for c in (calls[i] for i in todo)]
+            if self.device_rounds is not None:  # (a run's device rounds: the next draft queued from the verdict)
+                run = [self.device_rounds.hooked(c, c.next_params, c.next_round)
+                       if isinstance(c, NextDraftVerify) and c.device else c for c in run]
             drafts: list[tuple[int, VerifyResult]] = []
             for i, out in zip(todo, self.verifier.run(run)):
                 call = calls[i]
@@ -653,20 +670,32 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 if isinstance(call, NextDraftVerify) and not call.drafter and isinstance(out, VerifyResult):
                     drafts.append((i, out))  # (a direct draft's runs on the event loop: Verify)
             if drafts:
-                self._draft_next([calls[i] for i, _ in drafts], [out for _, out in drafts],
-                                 [results[i] for i, _ in drafts])
+                answers = self._draft_next([calls[i] for i, _ in drafts], [out for _, out in drafts],
+                                           [results[i] for i, _ in drafts])
+                for (i, _), answer in zip(drafts, answers, strict=True):
+                    results[i] = answer
         return results
 
-    def _draft_next(self, calls: list, outs: list[VerifyResult], responses: list[vpb.VerifyResponse]) -> None:
+    def _draft_next(self, calls: list, outs: list[VerifyResult], responses: list[vpb.VerifyResponse]) -> list:
         """This batch's next drafts (the Verify calls that asked), in one batch of this process's head,
         right after the forward: for each, the Draft the coordinator would send after the verdict (the
         accepted tokens and the bonus, the features of the root and the accepted nodes), its tree added
         to the Verify's answer (the stored one too: a repeated Verify gets it again). None where Decode
         calls kept rows since the previous Verify (their tokens are the coordinator's to send) or the
-        draft failed (a head that lost the sequence): the coordinator then drafts with a Draft call."""
-        todo = [(c, o, r) for c, o, r in zip(calls, outs, responses) if o.features.shape[0] == len(o.acceptance.new_tokens)]
+        draft failed (a head that lost the sequence): the coordinator then drafts with a Draft call.
+        A device round whose draft was queued from its verdict answers with a QueuedVerify instead
+        (device_round.py; stored as the round's answer). Returns each call's answer."""
+        answers: list = list(responses)
+        for k, (c, o, r) in enumerate(zip(calls, outs, responses)):
+            queued = self.device_rounds.answer(c.seq_id, c.next_round, o, r) if c.device and self.device_rounds else None
+            if queued is not None:
+                answers[k] = queued
+                self._run_answers.keep(c.seq_id, c.round_index, queued)
+                self._last[c.seq_id] = (c.round_index, queued)
+        todo = [(c, o, r) for c, o, r, a in zip(calls, outs, responses, answers)
+                if a is r and o.features.shape[0] == len(o.acceptance.new_tokens)]
         if not todo:
-            return
+            return answers
         assert self.drafter_servicer is not None  # (Verify checked)
         t0 = time.perf_counter()
         drafted = self.drafter_servicer.draft_next(
@@ -683,6 +712,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             response.drafter_busy = d.busy
             # the head took the features here: none travel (the coordinator has no rows to send now)
             response.features.CopyFrom(codec.encode_tensor(o.features[:0]))
+        return answers
 
     def _splittable(self, call: Call) -> bool:
         """A prefill call may be sliced unless it is a chunk sent again (answered from its stored answer)."""
@@ -731,7 +761,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 response.round_index = call.round_index
         elif isinstance(call, RunStep) and isinstance(out, torch.Tensor):  # a queued step: read off this thread
             round_index = call.round_index
-            response = QueuedAnswer(out, lambda token: vpb.DecodeResponse(token=token, round_index=round_index))
+            response = QueuedToken(out, lambda token: vpb.DecodeResponse(token=token, round_index=round_index))
         elif isinstance(call, RunStep):
             response = vpb.DecodeResponse(token=out, logprobs=logprobs, round_index=call.round_index)
         else:
@@ -768,6 +798,8 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         kind = self._kind.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self._run_answers.forget(seq_id)
+        if self.device_rounds is not None:
+            self.device_rounds.forget(seq_id)
         self._chunks.pop(seq_id, None)
         self._slices.pop(seq_id, None)
         self._prefilling.discard(seq_id)
@@ -806,7 +838,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._check(seq_id)
         ran = self._run_answers.get(seq_id, round_index)
         if ran is not None:
-            if isinstance(call, VerifyCall) != isinstance(ran, vpb.VerifyResponse):
+            if isinstance(call, VerifyCall) != isinstance(ran, (vpb.VerifyResponse, QueuedVerify)):
                 raise InvalidRequest(f"round {round_index} of sequence {seq_id!r} was a "
                                      f"{'plain step' if isinstance(call, VerifyCall) else 'tree round'} of a run here; "
                                      f"a {'Verify' if isinstance(call, VerifyCall) else 'Decode'} cannot repeat it")

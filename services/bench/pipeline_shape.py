@@ -16,6 +16,8 @@ GPU_PIPELINE=1).
    `--direct-drafts` (separate drafters; each verifier sends its verdict's Draft itself), then `aerie up
    --draft none` (plain decoding: no drafter), each request through the coordinator's gRPC stream
    (`RemoteSession`). The colocated and direct pipelines are compared with the in-process EAGLE engine.
+   `pipelines` picks them (`aerie bench --pipelines`), among them `colocated-host`: `--colocate` with
+   AERIE_DEVICE_ROUND=0 (the colocated rounds on the host: the A/B of verifier_svc/device_round.py).
 
 Each side decodes the same `prompt`-token prompt (random ids) `repeats` times after a warm-up
 request, `tokens` new tokens each, ignoring EOS. ms/token is the decode time after the first
@@ -48,9 +50,14 @@ import torch
 READY = "ready: aerie generate --coordinator "
 TREE = (4, 3, 16)  # top_k, depth, tokens: the fixed tree both sides draft
 # through the services: label -> (draft, `aerie up --colocate`, the in-process label it is compared with,
-# more `aerie up` flags)
-PIPELINES = {"eagle": ("head", False, "eagle", ("--no-direct-drafts",)), "colocated": ("head", True, "eagle", ()),
-             "direct": ("head", False, "eagle", ("--direct-drafts",)), "plain": ("none", False, "plain", ())}
+# more `aerie up` flags, more environment); colocated-host: the colocated pipeline without its device
+# rounds (verifier_svc/device_round.py), each round's next tree drafted and read on the host
+PIPELINES = {"eagle": ("head", False, "eagle", ("--no-direct-drafts",), {}),
+             "colocated": ("head", True, "eagle", (), {}),
+             "colocated-host": ("head", True, "eagle", (), {"AERIE_DEVICE_ROUND": "0"}),
+             "direct": ("head", False, "eagle", ("--direct-drafts",), {}),
+             "plain": ("none", False, "plain", (), {})}
+DEFAULT_PIPELINES = ("eagle", "colocated", "direct", "plain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,7 @@ class PipelineBenchConfig:
     tokens: int = 64
     repeats: int = 3
     startup_timeout_s: float = 600.0
+    pipelines: tuple[str, ...] = DEFAULT_PIPELINES  # PIPELINES' labels, measured in this order
 
 
 def write_checkpoint(shape: str, device: str, dtype: str, root: Path) -> tuple[Path, Path]:
@@ -156,9 +164,10 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         _free(cfg.device)
 
         res["pipeline"] = {}
-        for label, (draft, colocate, _, extra) in PIPELINES.items():
+        for label in cfg.pipelines:
+            draft, colocate, _, extra, env = PIPELINES[label]
             with AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
-                         colocate, extra) as address:
+                         colocate, extra, env) as address:
                 res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
         base = {label: res["in_process"][PIPELINES[label][2]] for label in res["pipeline"]}
@@ -190,7 +199,7 @@ class AerieUp:
     `log_path` (its tail is raised with a failure to start)."""
 
     def __init__(self, cfg: PipelineBenchConfig, target: Path, draft: str, log_path: Path,
-                 colocate: bool = False, extra: tuple[str, ...] = ()) -> None:
+                 colocate: bool = False, extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         top_k, depth, size = TREE
         self.argv = [sys.executable, "-m", "aerie_cli", "up", "--target", str(target), "--draft", draft,
                      "--dtype", cfg.dtype, "--device", cfg.device, "--port", "0", "--http-port", "0",
@@ -198,12 +207,13 @@ class AerieUp:
                      "--tree-top-k", str(top_k), "--tree-depth", str(depth), "--tree-tokens", str(size),
                      *(["--colocate"] if colocate else []), *extra]
         self.log_path, self.timeout_s = log_path, cfg.startup_timeout_s
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         deadline = time.monotonic() + self.timeout_s
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # `aerie up` prints where everything listens, then the ready line
@@ -248,10 +258,11 @@ def table(res: dict) -> str:
             ("tokens a request, repeats", f"{res['tokens']}, {res['repeats']}")]
     names = {"plain": "plain decoding", "eagle": f"EAGLE, tree {res['tree']} (a round a token)",
              "colocated": "EAGLE, verifier --draft (aerie up --colocate)",
+             "colocated-host": "EAGLE, --colocate, AERIE_DEVICE_ROUND=0 (rounds on the host)",
              "direct": "EAGLE, direct drafts (aerie up --direct-drafts)"}
     for label, name in names.items():
-        if label not in res.get("pipeline", {}) and label in ("colocated", "direct"):
-            continue  # (a result from before that pipeline was measured)
+        if label not in res.get("pipeline", {}) and label != "plain" and label != "eagle":
+            continue  # (not measured in this run)
         inp = res.get("in_process", {}).get(PIPELINES[label][2], {}).get("ms_per_token")
         pipe = res.get("pipeline", {}).get(label, {}).get("ms_per_token")
         ratio = res.get("ratio", {}).get(label)
@@ -260,7 +271,8 @@ def table(res: dict) -> str:
                      f"{_ms(inp)}, {_ms(pipe)}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
                      + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")))
     for side, label, name in (("in_process", "eagle", "in process"), ("pipeline", "eagle", "pipeline"),
-                              ("pipeline", "colocated", "colocated"), ("pipeline", "direct", "direct drafts")):
+                              ("pipeline", "colocated", "colocated"), ("pipeline", "colocated-host", "colocated, host"),
+                              ("pipeline", "direct", "direct drafts")):
         r = res.get(side, {}).get(label, {}).get("round_ms")
         if r and r.get("wall") is not None:
             rows.append((f"  EAGLE round {name}: wall (draft + verify) ms",

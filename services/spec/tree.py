@@ -40,8 +40,9 @@ It does not talk to the target or decide acceptance (`verify.py`).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import torch
@@ -49,6 +50,7 @@ import torch
 from services.errors import InvalidRequest
 from services.model.eagle_head import DraftHead
 from services.model.kv_cache import KVRows
+from services.model.transfer import to_device_queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +159,13 @@ class TreeOnDevice:
     reads, so the verify can be queued behind the draft before the host has the candidates; `host()`
     is the same tree on the host (it waits for the candidates' copy and runs `rerank` there, once).
     The first `host().size` nodes are the host tree's, node for node; with dynamic depth the rest pad
-    the tree and are never accepted. In-process only (one device)."""
+    the tree and are never accepted. In one process only (one device: the in-process engine, a
+    verifier that drafts too)."""
 
     static: StaticTree
-    resolve: Callable[[], DraftTree]  # the host tree (called once, by `host`)
+    resolve: Callable[[], DraftTree]  # the host tree (called once, by `host`: any thread)
     _host: DraftTree | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -181,9 +185,21 @@ class TreeOnDevice:
         return int(self.static.tokens.shape[0])
 
     def host(self) -> DraftTree:
-        if self._host is None:
-            self._host = self.resolve()
+        with self._lock:
+            if self._host is None:
+                self._host = self.resolve()
         return self._host
+
+
+def tree_on_device(tree: DraftTree, device: torch.device) -> TreeOnDevice:
+    """A host tree as a TreeOnDevice on `device` (its structure copied there; `host()` is `tree`): for
+    a round whose next draft is queued from its verdict (next_rows_on_device reads the structure)."""
+    parents = tree.parents.clone()
+    parents[0] = 0  # (the root's parent is itself on the device)
+    static = StaticTree(tokens=to_device_queued(tree.tokens, device), parents=to_device_queued(parents, device),
+                        depths=to_device_queued(tree.depths, device), mask=to_device_queued(tree.mask, device),
+                        real=torch.ones(tree.size, dtype=torch.bool, device=device))
+    return TreeOnDevice(static, lambda: tree, tree)
 
 
 def host_tree(tree: DraftTree | TreeOnDevice) -> DraftTree:

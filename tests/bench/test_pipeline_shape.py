@@ -53,3 +53,36 @@ def test_a_failed_start_says_why(tmp_path, monkeypatch):
         message = str(e)
     assert "did not become ready (exit code " in message
     assert "no-such-target" in message.split(":\n", 1)[1]  # the log's tail names what was missing
+
+
+def test_pipelines_picks_the_pipelines_measured(tmp_path):
+    """`--pipelines colocated-host`: that pipeline alone (`--colocate` with AERIE_DEVICE_ROUND=0 in its
+    environment), the in-process sides as always; an unknown name is refused naming it."""
+    out = tmp_path / "pipeline.json"
+    argv = [sys.executable, "-m", "aerie_cli", "bench", "--shape", "tiny", "--device", "cpu", "--pipeline",
+            "--max-new-tokens", "4", "--prompt-tokens", "8", "--repeats", "1", "--json-out", str(out)]
+    proc = subprocess.run([*argv, "--pipelines", "colocated-host"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["pipeline"]) == {"colocated-host"} and res["same_tokens"] == {"colocated-host": True}
+    assert "EAGLE, --colocate, AERIE_DEVICE_ROUND=0 (rounds on the host)" in table(res)
+    bad = subprocess.run([*argv, "--pipelines", "colocated,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--pipelines must name some of eagle, colocated, colocated-host" in bad.stderr
+    assert "'colocated,nope'" in bad.stderr
+
+
+def test_an_aerie_up_gets_its_pipeline_s_environment(tmp_path):
+    """colocated-host's AERIE_DEVICE_ROUND=0 reaches the `aerie up` it starts (on top of this process's)."""
+    from services.bench import pipeline_shape
+
+    env = pipeline_shape.PIPELINES["colocated-host"][4]
+    assert env == {"AERIE_DEVICE_ROUND": "0"}
+    cfg = pipeline_shape.PipelineBenchConfig("tiny", "cpu", "fp32", startup_timeout_s=60)
+    up = pipeline_shape.AerieUp(cfg, tmp_path / "no-such-target", "none", tmp_path / "up.log", env=env)
+    up.argv = [sys.executable, "-c", "import os, sys; sys.stderr.write('device round ' + os.environ['AERIE_DEVICE_ROUND'])"]
+    try:
+        with up:
+            raise AssertionError("ready without a ready line")
+    except RuntimeError as e:
+        assert "device round 0" in str(e)

@@ -47,7 +47,7 @@ def plain(model_dirs, redis_url, request):
 
 @pytest.fixture
 def queued_answers(monkeypatch):
-    """Counts the run steps answered with a QueuedAnswer (the token read off the model thread)."""
+    """Counts the run steps answered with a QueuedToken (the token read off the model thread)."""
     return count_queued_answers(monkeypatch)
 
 

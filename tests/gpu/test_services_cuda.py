@@ -2,7 +2,7 @@
 scripts/gpu_check.sh installs them from .whl/, which scripts/gpu_wheels.sh fills): the verifier and
 drafter services of `aerie up` on the GPU (their default device there), through real gRPC servers on
 loopback and a real Redis, fp32: plain runs whose greedy steps are queued on the device before the
-previous token is read (QueuedAnswer) stream transformers' greedy tokens; EAGLE rounds with several
+previous token is read (QueuedToken) stream transformers' greedy tokens; EAGLE rounds with several
 sequences at once (the drafter service's batches, DraftGraphs.draft_batch where two share a shape)
 give each sequence transformers' greedy tokens (both passed on an H200, 2026-11-27); a verifier that
 drafts too (verifier --draft, on its CUDA device) drafting each next tree inside the Verify for
@@ -70,6 +70,27 @@ def test_a_verifier_that_drafts_too_on_cuda(model_dirs, redis_url, llama_pair):
         got = run_concurrently(p, [GenerationRequest(prompt, 32, ignore_eos=True) for prompt in prompts])
         for i, prompt in enumerate(prompts):
             assert got[i] == hf_greedy(llama_pair[0], list(prompt), 32), i
+    finally:
+        p.close()
+
+
+def test_device_rounds_of_a_verifier_that_drafts_too_on_cuda(model_dirs, redis_url, llama_pair):
+    """Its runs keep their tree rounds on the GPU (verifier_svc/device_round.py): one sequence at a time
+    (each in runs of tree rounds), transformers' greedy tokens in fp32, the next trees queued from the
+    verdicts and kept (none dropped)."""
+    from prometheus_client import REGISTRY
+
+    def rounds(outcome: str) -> float:
+        return REGISTRY.get_sample_value("aerie_device_rounds_total", {"service": "verifier", "outcome": outcome}) or 0.0
+
+    p = start_pipeline(model_dirs, redis_url, colocate=True, verifier_overrides={"device": "cuda"})
+    try:
+        assert p.verifier.device_rounds is not None
+        kept, dropped = rounds("kept"), rounds("dropped")
+        for prompt in (PROMPT, (9, 4, 77, 31)):
+            assert remote_run(p, GenerationRequest(prompt, 40, ignore_eos=True))[0] == hf_greedy(
+                llama_pair[0], list(prompt), 40)
+        assert rounds("kept") - kept >= 8 and rounds("dropped") == dropped
     finally:
         p.close()
 
