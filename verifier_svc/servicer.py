@@ -30,7 +30,9 @@ before the answer reaches the caller (here: RunChain with a `follow` of its own;
 `_direct_run`), until `rounds`, max_tokens, a stop id, a round that drafted nothing, or a round that
 was a single Verify's answer given again (a run computes a round only after one of its own: the
 engine holds a run's trees only for those). Every round it ran is kept (RunAnswers): a Verify at one
-of them, a broken stream's retry, gets its answer again.
+of them, a broken stream's retry, gets its answer again. A verifier that drafts too keeps a greedy
+run's rounds on the device where it can (verifier_svc/device_round.py: the next tree queued from the
+verdict, the next round queued before the draft is read; the answer a QueuedVerify).
 
 DecodeRun (verifier_svc/plain_run.py): a run of plain steps, each an ordinary decode call through
 the batcher, the next queued by the model thread as soon as the previous token is known (on a GPU,

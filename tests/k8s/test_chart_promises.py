@@ -37,7 +37,7 @@ CONTRACT = {
 # them through <component>.extraEnv). Anything else the code reads must be mapped by the chart.
 NOT_SET_BY_CHART = {
     "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
-    "AERIE_DEVICE_ROUND": "the in-process engine's round on one GPU (aerie generate/bench): never in the services",
+    "AERIE_DEVICE_ROUND": "a switch for measurements (default on: the round on the GPU in process and in a verifier that drafts too)",
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
     "AERIE_COST_DIR": "where measured cost curves are cached; a fresh pod measures its device (seconds)",
     "AERIE_RECALIBRATE": "force a new cost measurement; a fresh pod measures anyway",
