@@ -234,22 +234,30 @@ def _release(seq_id: str):
     return pb.ReleaseRequest(sequence_id=seq_id)
 
 
+def verify_run_request(p, seq_id: str, rounds: int, max_tokens: int) -> tuple[vpb.VerifyRunRequest, torch.Tensor]:
+    """`seq_id` prefilled on `p`'s verifier that drafts too, its head started and its first tree drafted
+    there: (the VerifyRun request of its first round, the prompt's features [len(PROMPT), F])."""
+    prefill = vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=list(PROMPT), capacity=128,
+                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"])
+    first = list(p.verifier_stub().Prefill(prefill, timeout=60))
+    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
+    head = p.drafter.drafter
+    head.start(seq_id, 128, False)
+    tree = head.draft(seq_id, torch.tensor([*PROMPT[1:], first[0].first_token]), features, TREE)
+    request = vpb.VerifyRunRequest(sequence_id=seq_id, round_index=1, tree=codec.encode_tree(tree), rounds=rounds,
+                                   max_tokens=max_tokens)
+    request.next_draft.round_index = 2
+    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    return request, features
+
+
 def test_verify_run_chains_rounds_and_a_verify_repeats_any_of_them(colocated, split):
     """The VerifyRun call itself: each round verifies the tree drafted in the round before, answers
     carry their round and next tree, the run stops at max_tokens; a Verify at any round it ran gets that
     round's answer again (a broken stream's retry), and bad requests are refused naming the value."""
     stub = colocated.verifier_stub()
-    prefill = vpb.VerifierPrefillRequest(sequence_id="r", prompt_ids=list(PROMPT), capacity=128,
-                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"])
-    first = list(stub.Prefill(prefill, timeout=60))
-    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
+    request, _ = verify_run_request(colocated, "r", 8, 6)
     head = colocated.drafter.drafter
-    head.start("r", 128, False)
-    tree = head.draft("r", torch.tensor([*PROMPT[1:], first[0].first_token]), features, TREE)
-    request = vpb.VerifyRunRequest(sequence_id="r", round_index=1, tree=codec.encode_tree(tree), rounds=8,
-                                   max_tokens=6)
-    request.next_draft.round_index = 2
-    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
     answers = list(stub.VerifyRun(request, timeout=60))
     made = [len(a.tokens) for a in answers]  # (tokens[1:] and the bonus: as many as tokens)
     assert [a.round_index for a in answers] == list(range(1, len(answers) + 1))
@@ -257,7 +265,7 @@ def test_verify_run_chains_rounds_and_a_verify_repeats_any_of_them(colocated, sp
     for a, b in itertools.pairwise(answers):  # each round verified the tree the round before drafted
         assert b.tokens[0] == a.bonus and codec.decode_tree(a.next_tree, VOCAB).tokens[0] == a.bonus
     again = vpb.VerifyRequest(sequence_id="r", round_index=len(answers), tree=answers[-2].next_tree) \
-        if len(answers) > 1 else vpb.VerifyRequest(sequence_id="r", round_index=1, tree=codec.encode_tree(tree))
+        if len(answers) > 1 else vpb.VerifyRequest(sequence_id="r", round_index=1, tree=request.tree)
     assert stub.Verify(again, timeout=60) == answers[-1]  # a retry: the run's answer, never run twice
     with pytest.raises(grpc.RpcError) as e:
         stub.Decode(vpb.DecodeRequest(sequence_id="r", round_index=len(answers), token=5), timeout=60)

@@ -15,7 +15,7 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.verify import NextRows
-from tests.coordinator.test_colocated import DRAFT_DTYPE, N, PROMPT, generate, rounds
+from tests.coordinator.test_colocated import DRAFT_DTYPE, N, PROMPT, generate, rounds, verify_run_request
 from tests.helpers import VOCAB, hf_greedy
 from tests.pipeline import TREE, start_pipeline
 
@@ -60,6 +60,8 @@ def on_device(model_dirs, redis_url):
 
 
 def test_device_rounds_give_the_target_s_tokens_and_the_host_rounds(on_device, host_rounds, target_greedy):
+    """Through the coordinator (runs of tree rounds): transformers' greedy tokens, and each round's tree
+    size and accepted tokens those of the same verifier with device rounds off; none dropped."""
     kept, dropped = device_rounds("kept"), device_rounds("dropped")
     tokens, messages = generate(on_device)
     assert tokens == target_greedy[:N]
@@ -96,17 +98,7 @@ def test_a_repeated_verify_or_draft_gets_a_device_round_s_answer(on_device):
     queued, every answer carries its next tree; a Verify repeating the last round and the Draft call
     its next tree stands for get the same tree again (never drafted twice)."""
     stub = on_device.verifier_stub()
-    prefill = vpb.VerifierPrefillRequest(sequence_id="d", prompt_ids=list(PROMPT), capacity=128,
-                                         feature_kind=codec.WIRE_FEATURE_KINDS["hidden"])
-    first = list(stub.Prefill(prefill, timeout=60))
-    features = codec.decode_tensor(first[0].features, "features", shape=(len(PROMPT), None))
-    head = on_device.drafter.drafter
-    head.start("d", 128, False)
-    tree = head.draft("d", torch.tensor([*PROMPT[1:], first[0].first_token]), features, TREE)
-    request = vpb.VerifyRunRequest(sequence_id="d", round_index=1, tree=codec.encode_tree(tree), rounds=6,
-                                   max_tokens=64)
-    request.next_draft.round_index = 2
-    request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+    request, features = verify_run_request(on_device, "d", 6, 64)
     kept = device_rounds("kept")
     answers = list(stub.VerifyRun(request, timeout=60))
     assert [a.round_index for a in answers] == list(range(1, 7)) and device_rounds("kept") - kept == 6
@@ -120,4 +112,4 @@ def test_a_repeated_verify_or_draft_gets_a_device_round_s_answer(on_device):
                          features=codec.encode_tensor(torch.zeros(1, features.shape[1]))), timeout=60)
     assert draft.tree == answers[-1].next_tree
     stub.Release(pb.ReleaseRequest(sequence_id="d"), timeout=60)
-    head.release("d")
+    on_device.drafter.drafter.release("d")
