@@ -9,7 +9,11 @@ over the requests.
         --tokens 64 --prompt 64 [--out FILE.json]
 
 The tiny shape's rounds take a few ms on the CPU, as a large model's do on a GPU, so the services'
-per-round costs (transits, hand-offs, encoding) weigh there as they would on a GPU.
+per-round costs (transits, hand-offs, encoding) weigh there as they would on a GPU. With
+AERIE_PAGED_KV=1 (and AERIE_KV_BUDGET_MB=256: the paged arena is allocated at start) every side runs
+the GPU's code paths eagerly: the in-process engine's rounds on the device (device trees, verdict
+drafts) and the colocated verifier's device rounds, against `colocated_host` (AERIE_DEVICE_ROUND=0):
+the host work each adds to a round, on this CPU.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-# name -> (aerie up --colocate, more `aerie up` flags)
-PIPELINES = {"split": (False, ("--no-direct-drafts",)), "colocated": (True, ()), "colocated_no_runs": (True, ("--plain-run", "0")),
-             "direct": (False, ("--direct-drafts",)), "direct_no_runs": (False, ("--direct-drafts", "--plain-run", "0"))}
+# name -> (aerie up --colocate, more `aerie up` flags, more environment); colocated_host: the colocated
+# runs without device rounds (they run where the KV is paged: a GPU, or the CPU with AERIE_PAGED_KV=1)
+PIPELINES = {"split": (False, ("--no-direct-drafts",), {}), "colocated": (True, (), {}),
+             "colocated_host": (True, (), {"AERIE_DEVICE_ROUND": "0"}),
+             "colocated_no_runs": (True, ("--plain-run", "0"), {}),
+             "direct": (False, ("--direct-drafts",), {}), "direct_no_runs": (False, ("--direct-drafts", "--plain-run", "0"), {})}
 
 
 def main() -> None:
@@ -61,8 +68,8 @@ def main() -> None:
     pipelines = {name: PIPELINES[name] for name in ("split", *args.pipelines.split(","))}
     runs: dict[str, list] = {name: [] for name in ("in_process", *pipelines)}
     with ExitStack() as stack:
-        for name, (colocate, extra) in pipelines.items():
-            address = stack.enter_context(AerieUp(cfg, target, str(head), root / f"{name}.log", colocate, extra))
+        for name, (colocate, extra, env) in pipelines.items():
+            address = stack.enter_context(AerieUp(cfg, target, str(head), root / f"{name}.log", colocate, extra, env))
             sides[name] = lambda a=address: remote_stream(a, request)
         for generate in sides.values():
             timed_stream(generate)  # warm-up

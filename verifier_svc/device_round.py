@@ -25,6 +25,7 @@ round gets the same answer (RunAnswers). AERIE_DEVICE_ROUND=0 turns device round
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import TypeVar
@@ -37,19 +38,24 @@ from services.engine.drafter import VerdictDraft
 from services.engine.verifier import Verifier, VerifyCall, VerifyResult
 from services.rpc import codec
 from services.rpc.stubs import verifier as vpb
-from services.spec.tree import TreeOnDevice, TreeParams, tree_on_device
+from services.spec.tree import StaticTree, TreeOnDevice, TreeParams, tree_on_device
 from services.spec.verify import next_rows_on_device
 from verifier_svc.plain_run import QueuedAnswer
 
 log = logging.getLogger("aerie.verifier")
 SERVICE = "verifier"
+# the longest the thread reading a device round's answer waits for the model thread to build it (a
+# safety net: the model thread builds it within the next round's forward, or lets go at once)
+TURN_TIMEOUT_S = 5.0
 Round = TypeVar("Round", bound=VerifyCall)
 
 
 class QueuedVerify(QueuedAnswer):
     """A device round's answer: `verdict` (the VerifyResponse without its next tree yet) and `tree`,
     the next round's tree on the device; `response()` adds the next tree once its candidates are on
-    the host (QueuedAnswer: any thread, once)."""
+    the host (QueuedAnswer: any thread, once). When the run queued the round after it, the model
+    thread builds it while that round's forward runs (DeviceRounds' hook: nothing else competes with
+    it for the interpreter then), and the thread that reads answers waits for that (`wait_turn`)."""
 
     def __init__(self, verdict: vpb.VerifyResponse, draft: QueuedDraft, seconds: float, busy: float) -> None:
         super().__init__()
@@ -58,6 +64,25 @@ class QueuedVerify(QueuedAnswer):
         self._draft = draft
         self._seconds = seconds
         self._busy = busy
+        self._turn = threading.Event()  # set: the model thread built the response, or leaves it to others
+
+    def followed(self, queued: bool) -> None:
+        if not queued:
+            self._turn.set()
+
+    def wait_turn(self) -> None:
+        self._turn.wait(TURN_TIMEOUT_S)
+
+    def built(self) -> None:
+        """On the model thread: build the response now, and let the reader have it."""
+        try:
+            self.response()
+        finally:
+            self._turn.set()
+
+    def release(self) -> None:
+        """The model thread will not build it (its next round ended before its hook): the reader does."""
+        self._turn.set()
 
     def _resolve(self) -> vpb.VerifyResponse:
         self.verdict.next_tree.CopyFrom(self._draft.response().tree)
@@ -75,6 +100,7 @@ class DeviceRounds:
         self.device: torch.device = drafter.drafter.head.device
         self.on = True  # off after queuing a draft failed once (an optimisation only: logged)
         self._queued: dict[str, tuple[VerdictDraft, float]] = {}  # seq id -> its round's queued draft, seconds
+        self._answered: dict[str, QueuedVerify] = {}  # seq id -> its latest device round's answer, not built yet
 
     def takes(self, seq_id: str) -> bool:
         """Whether `seq_id`'s run can keep its rounds on the device (module doc)."""
@@ -95,23 +121,38 @@ class DeviceRounds:
         self._queued.pop(seq_id, None)
 
         def hook(argmax: torch.Tensor, features: torch.Tensor) -> None:
-            if not self.on:
-                return
-            t0 = time.perf_counter()
             try:
-                width = self.drafter.drafter.next_width(shape)
-                if width is None:
-                    return
-                rows = next_rows_on_device(static, argmax, width)
-                queued = self.drafter.queue_from_verdict(seq_id, rows, features[rows.nodes], shape, next_round)
-            except Exception:  # the round goes on, and drafts after its verdict
-                log.exception("queuing the next draft from the verdict failed; this verifier drafts after verdicts now")
-                self.on = False
-                return
-            if queued is not None:
-                self._queued[seq_id] = (queued, time.perf_counter() - t0)
+                self._queue(seq_id, static, argmax, features, shape, next_round)
+            finally:  # the round before's answer, while this round's forward runs
+                self.settle(seq_id)
 
         return replace(call, on_forward=hook)
+
+    def _queue(self, seq_id: str, static: StaticTree, argmax: torch.Tensor, features: torch.Tensor,
+               shape: TreeParams, next_round: int) -> None:
+        if not self.on:
+            return
+        t0 = time.perf_counter()
+        try:
+            width = self.drafter.drafter.next_width(shape)
+            if width is None:
+                return
+            rows = next_rows_on_device(static, argmax, width)
+            queued = self.drafter.queue_from_verdict(seq_id, rows, features[rows.nodes], shape, next_round)
+        except Exception:  # the round goes on, and drafts after its verdict
+            log.exception("queuing the next draft from the verdict failed; this verifier drafts after verdicts now")
+            self.on = False
+            return
+        if queued is not None:
+            self._queued[seq_id] = (queued, time.perf_counter() - t0)
+
+    def settle(self, seq_id: str) -> None:
+        """Build `seq_id`'s latest device round's answer (its next tree: the tree of the round now
+        running, whose candidates the host has by now) on this thread, if still owed; called by the
+        next round's hook once its draft is queued, and after that round (its hook may not have run)."""
+        answered = self._answered.pop(seq_id, None)
+        if answered is not None:
+            answered.built()
 
     def answer(self, seq_id: str, next_round: int, out: VerifyResult, response: vpb.VerifyResponse
                ) -> QueuedVerify | None:
@@ -129,7 +170,12 @@ class DeviceRounds:
         draft = self.drafter.commit_verdict(seq_id, verdict, len(tokens), next_round)
         response.features.CopyFrom(codec.encode_tensor(out.features[:0]))  # the head took them here
         metrics.DEVICE_ROUNDS.labels(SERVICE, "kept").inc()
-        return QueuedVerify(response, draft, seconds, self.drafter.busy(seq_id))
+        answered = QueuedVerify(response, draft, seconds, self.drafter.busy(seq_id))
+        self._answered[seq_id] = answered
+        return answered
 
     def forget(self, seq_id: str) -> None:
         self._queued.pop(seq_id, None)
+        answered = self._answered.pop(seq_id, None)
+        if answered is not None:
+            answered.release()

@@ -72,6 +72,13 @@ class QueuedAnswer:
     def _resolve(self) -> object:
         raise NotImplementedError
 
+    def followed(self, queued: bool) -> None:
+        """The chain's word, on the model thread, once it knows: `queued` whether a next step was
+        queued after this one (a QueuedVerify then lets the model thread build it: device_round.py)."""
+
+    def wait_turn(self) -> None:
+        """Before a thread other than the model thread calls `response()` (RunChain.next_answer)."""
+
 
 class QueuedToken(QueuedAnswer):
     """A queued plain step's answer: `token` [1] long on the device (the next step's input), and its
@@ -193,6 +200,8 @@ class RunChain:
                 following = self.follow(step, response)
                 if following is not None:
                     self._submit(following, k + 1)  # before the answer goes out
+            if isinstance(response, QueuedAnswer):
+                response.followed(following is not None)
             self._deliver(error if error is not None else response)
             if error is None and following is None and k + 1 < self.steps and not self.cancelled:
                 self._deliver(END)
@@ -208,6 +217,11 @@ class RunChain:
         item = await self.answers.get()
         if isinstance(item, QueuedAnswer):
             queued = item
-            item = await self.loop.run_in_executor(None, queued.response)
+
+            def read() -> object:
+                queued.wait_turn()
+                return queued.response()
+
+            item = await self.loop.run_in_executor(None, read)
             self.observe(time.perf_counter() - queued.started)
         return item

@@ -93,7 +93,7 @@ from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, 
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.kv_pool import KVPool
-from services.model.runner import ModelRunner, pool_for, warm_up_at_start
+from services.model.runner import ModelRunner, paged_default, pool_for, warm_up_at_start
 from services.model.target import TargetModel
 from services.rpc import codec
 from services.rpc.config import ConfigError
@@ -223,7 +223,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         # (AERIE_MAX_SEQUENCE_ROWS / AERIE_MAX_TREE_NODES), never by the caller
         self.max_capacity = config.max_sequence_rows or self.max_context + config.max_tree_nodes
         # one runner (one KV pool) and one Verifier for every sequence, whatever features it returns
-        if runner is None and target.device.type == "cuda":
+        if runner is None and paged_default(target.device):  # CUDA (the CPU with AERIE_PAGED_KV=1)
             # the paged arena is allocated once, at start: size it by the KV budget itself
             budget = kv_budget_rows(config, KVPool.for_model(target).bytes_per_row, str(target.device))
             runner = ModelRunner(target, pool_for(target, budget))
@@ -658,13 +658,22 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 results[i] = e
                 continue
             todo.append(i)
+        if not todo and self.device_rounds is not None:  # (replays only: answers owed are built now)
+            for c in calls:
+                self.device_rounds.settle(c.seq_id)
         if todo:
             run = [c.part() if isinstance(c, Slice) else c for c in (calls[i] for i in todo)]
             if self.device_rounds is not None:  # (a run's device rounds: the next draft queued from the verdict)
                 run = [self.device_rounds.hooked(c, c.next_params, c.next_round)
                        if isinstance(c, NextDraftVerify) and c.device else c for c in run]
             drafts: list[tuple[int, VerifyResult]] = []
-            for i, out in zip(todo, self.verifier.run(run)):
+            try:
+                outs = self.verifier.run(run)
+            finally:
+                if self.device_rounds is not None:  # answers still owed from the rounds before: built now
+                    for c in calls:                  # (a round's hook built its sequence's already)
+                        self.device_rounds.settle(c.seq_id)
+            for i, out in zip(todo, outs):
                 call = calls[i]
                 if isinstance(call, Slice) and isinstance(out, BaseException) and call.start > 0:
                     self._release(call.seq_id)  # a prompt is never left partly prefilled by a failed slice

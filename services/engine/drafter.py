@@ -119,13 +119,15 @@ class Drafter:
         self.extend_in_graph = True
         # several sequences' drafts in one static draft (_draft_batch); off after it failed once on a device
         self.batch_in_graph = True
-        if head.device.type == "cuda":
+        from services.model.runner import paged_default
+
+        if paged_default(head.device):  # CUDA (on the CPU with AERIE_PAGED_KV=1: the same code, eagerly)
             from services.engine.draft_graphs import DraftGraphs
             from services.model.runner import graphs_default
 
             c = head.config
             per_row = 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=head.dtype).element_size()
-            free = torch.cuda.mem_get_info(head.device)[0]
+            free = torch.cuda.mem_get_info(head.device)[0] if head.device.type == "cuda" else 1 << 30
             rows = max(4096, min(max_sequences * 8192, int(free * 0.1) // per_row))
             self.pool = PagedKVPool(1, c.num_kv_heads, c.head_dim, rows, head.dtype, head.device)
             self.graphs = DraftGraphs(head, self.pool, graphs=graphs_default(head.device))

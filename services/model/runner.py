@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from services.errors import CapacityExceeded
+from services.errors import CapacityExceeded, InvalidRequest
 from services.model.kv_pool import KVPool
 from services.model.paged_kv import PagedKVPool
 from services.model.step import Step, StepOutput
@@ -40,6 +40,7 @@ GRAPHS_ENV = "AERIE_CUDA_GRAPHS"
 
 
 WARM_UP_ENV = "AERIE_GRAPH_WARMUP"
+PAGED_ENV = "AERIE_PAGED_KV"  # 1: paged KV and the static-shape paths on the CPU too (paged_default)
 
 
 def _on_cuda_unless_off(device: torch.device, env: str) -> bool:
@@ -73,10 +74,23 @@ def graphs_default(device: torch.device) -> bool:
     return _on_cuda_unless_off(device, GRAPHS_ENV)
 
 
+def paged_default(device: torch.device) -> bool:
+    """Paged KV (and the static-shape code over it: the target's uniform forward, the head's static
+    drafts, the rounds kept on the device): on CUDA; on the CPU only with AERIE_PAGED_KV=1, which runs
+    the GPU's code paths eagerly there (to measure their host work, and in tests)."""
+    if device.type == "cuda":
+        return True
+    value = os.environ.get(PAGED_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise InvalidRequest(f"{PAGED_ENV} must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
 def pool_for(target: TargetModel, max_rows: int | None = None, paged: bool | None = None) -> KVPool:
     """The KV pool a runner of `target` uses: paged on CUDA (its arena sized by `max_rows`, default
-    half the free memory), contiguous slots on the CPU (`paged` forces either)."""
-    if paged if paged is not None else target.device.type == "cuda":
+    half the free memory), contiguous slots on the CPU (`paged` forces either; AERIE_PAGED_KV=1:
+    paged there too, paged_default)."""
+    if paged if paged is not None else paged_default(target.device):
         return PagedKVPool.for_model(target, max_rows)
     return KVPool.for_model(target, max_rows)
 

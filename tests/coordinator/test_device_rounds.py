@@ -93,15 +93,29 @@ def test_a_verdict_read_otherwise_drops_the_queued_draft(on_device, target_greed
     assert device_rounds("kept") == kept and device_rounds("dropped") - dropped >= len(rounds(messages)) // 2
 
 
-def test_a_repeated_verify_or_draft_gets_a_device_round_s_answer(on_device):
+def test_a_repeated_verify_or_draft_gets_a_device_round_s_answer(on_device, monkeypatch):
     """A VerifyRun of device rounds called directly: each round verifies the tree the round before
-    queued, every answer carries its next tree; a Verify repeating the last round and the Draft call
-    its next tree stands for get the same tree again (never drafted twice)."""
+    queued, every answer carries its next tree, built on the model thread while the next round's
+    forward runs (the last by the thread that reads it: no round follows); a Verify repeating the last
+    round and the Draft call its next tree stands for get the same tree again (never drafted twice)."""
+    import threading
+
+    from verifier_svc.device_round import QueuedVerify
+
+    built_on: list[str] = []
+    resolve = QueuedVerify._resolve
+
+    def recorded(self):
+        built_on.append(threading.current_thread().name)
+        return resolve(self)
+
+    monkeypatch.setattr(QueuedVerify, "_resolve", recorded)
     stub = on_device.verifier_stub()
     request, features = verify_run_request(on_device, "d", 6, 64)
     kept = device_rounds("kept")
     answers = list(stub.VerifyRun(request, timeout=60))
     assert [a.round_index for a in answers] == list(range(1, 7)) and device_rounds("kept") - kept == 6
+    assert built_on[:5] == ["verifier-batcher"] * 5 and len(built_on) == 6 and built_on[5] != "verifier-batcher"
     for a, b in zip(answers, answers[1:]):  # each round verified the tree the round before queued
         assert b.tokens[0] == a.bonus and codec.decode_tree(a.next_tree, VOCAB).tokens[0] == a.bonus
         assert codec.decode_tree(a.next_tree, VOCAB).size == TREE.size and not a.features.data

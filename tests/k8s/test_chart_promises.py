@@ -38,6 +38,7 @@ CONTRACT = {
 NOT_SET_BY_CHART = {
     "AERIE_TORCH_THREADS": "torch intra-op threads; torch's default follows the CPU limit",
     "AERIE_DEVICE_ROUND": "a switch for measurements (default on: the round on the GPU in process and in a verifier that drafts too)",
+    "AERIE_PAGED_KV": "the GPU's paged paths run eagerly on the CPU (measurements, tests); CUDA pods are paged anyway",
     "AERIE_COORDINATOR": "client side: the default --coordinator of `aerie generate`, not a service setting",
     "AERIE_COST_DIR": "where measured cost curves are cached; a fresh pod measures its device (seconds)",
     "AERIE_RECALIBRATE": "force a new cost measurement; a fresh pod measures anyway",

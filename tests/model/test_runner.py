@@ -117,3 +117,30 @@ def test_step_is_picklable() -> None:
     step = Step((StepEntry(3, ids(5, 1), depth + 7, mask),), want_taps=True)
     again = pickle.loads(pickle.dumps(step))
     assert again.entries[0].slot == 3 and torch.equal(again.entries[0].tree_mask, mask) and again.rows == 5
+
+
+def test_aerie_paged_kv_runs_the_gpu_s_paged_paths_on_the_cpu(target, llama_pair, monkeypatch) -> None:
+    """AERIE_PAGED_KV=1: on the CPU the runner's pool is paged (its short steps take the static-shape
+    forward, so it takes trees on the device) and a drafter drafts from the static code, as on CUDA;
+    unset or 0: neither; anything else is refused naming the value."""
+    from services.engine.drafter import Drafter
+    from services.errors import InvalidRequest
+    from services.model.paged_kv import PagedKVPool
+    from services.model.runner import paged_default, pool_for
+    from services.spec.tree import TreeParams
+
+    head = llama_pair[2]
+    cpu = torch.device("cpu")
+    for value, paged in ((None, False), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv("AERIE_PAGED_KV", raising=False)
+        else:
+            monkeypatch.setenv("AERIE_PAGED_KV", value)
+        assert paged_default(cpu) is paged
+        runner = ModelRunner(target, pool_for(target, 4096))
+        assert isinstance(runner.pool, PagedKVPool) is paged and (runner.uniform is not None) is paged
+        assert runner.uniform is None or not runner.uniform.graphs_on  # (never CUDA graphs on the CPU)
+        assert (Drafter(head, TreeParams(4, 3, 16)).graphs is not None) is paged, value
+    monkeypatch.setenv("AERIE_PAGED_KV", "yes")
+    with pytest.raises(InvalidRequest, match="AERIE_PAGED_KV must be 0 or 1; got 'yes'"):
+        paged_default(cpu)
