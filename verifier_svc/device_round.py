@@ -5,7 +5,7 @@ Without them each round of a colocated run (verifier_svc/servicer.py `_local_run
 twice: for the verdict, then, after drafting from it, for the next tree's candidates, which are
 encoded and decoded again before the next round is queued: the device idles through the draft's
 host work. With them, for a greedy sequence without a penalty or logprobs on a paged local runner
-whose head drafts from the static code (a GPU, or the CPU's paged arenas in tests):
+whose head drafts from the static code (a GPU; the CPU with AERIE_PAGED_KV=1 runs the same eagerly):
 
     round k queued (its tree a TreeOnDevice)
       -> on_forward: the verdict walked on the device (next_rows_on_device), the next tree queued from
@@ -13,7 +13,10 @@ whose head drafts from the static code (a GPU, or the CPU's paged arenas in test
       -> the host reads the verdict (its argmax copied ahead of the draft); when its rows are the
          queued draft's, the draft KV keeps them (commit_verdict) and the answer is a QueuedVerify
       -> RunChain queues round k + 1 with the queued tree, still on the device, before anything waits
-         for the draft; the answer's next tree is read and encoded off the model thread
+         for the draft; round k + 1's hook, once its forward and next draft are queued, reads and
+         encodes round k's next tree (`settle`) while the device computes: the thread that streams
+         answers waits for it instead of doing it beside the model thread (the last round of a run's
+         answer: that thread builds it)
 
 so the device runs verify, draft, verify, ... while the host does each round's bookkeeping. A verdict
 the host reads otherwise (rows kept from Decode calls, a draft that does not fit the static code)

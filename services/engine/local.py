@@ -32,7 +32,8 @@ DRAFT_DTYPES = ("fp32", "bf16", "int8")  # the default: services.device.default_
 PLAIN_RUN_ENV = "AERIE_PLAIN_RUN"  # plain rounds per run on a GPU (0 = one step a round), as the coordinator's
 LOCAL_PLAIN_RUN = 16
 # 0: every EAGLE round reads its tree and verdict back on the host (Engine device_trees / verdict_drafts
-# off); default on where the in-process engine can keep the round on the device (a GPU): docs/gpu.md
+# off, and a verifier that drafts too runs no device rounds: verifier_svc/device_round.py); default on
+# where the round can stay on the device (a GPU): docs/gpu.md
 DEVICE_ROUND_ENV = "AERIE_DEVICE_ROUND"
 # The trained head for the default model, shipped in the repository (issue: default model).
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
