@@ -39,6 +39,7 @@ from drafter_svc.servicer import DrafterServicer, QueuedDraft
 from services import metrics
 from services.engine.drafter import VerdictDraft
 from services.engine.verifier import Verifier, VerifyCall, VerifyResult
+from services.errors import AerieError
 from services.rpc import codec
 from services.rpc.stubs import verifier as vpb
 from services.spec.tree import StaticTree, TreeOnDevice, TreeParams, tree_on_device
@@ -142,6 +143,9 @@ class DeviceRounds:
                 return
             rows = next_rows_on_device(static, argmax, width)
             queued = self.drafter.queue_from_verdict(seq_id, rows, features[rows.nodes], shape, next_round)
+        except AerieError as e:  # the sequence's draft KV is gone (released, reaped): this round drafts
+            log.info("sequence %s: no draft queued from its verdict (%s)", seq_id, e)  # after its verdict
+            return
         except Exception:  # the round goes on, and drafts after its verdict
             log.exception("queuing the next draft from the verdict failed; this verifier drafts after verdicts now")
             self.on = False

@@ -93,6 +93,30 @@ def test_a_verdict_read_otherwise_drops_the_queued_draft(on_device, target_greed
     assert device_rounds("kept") == kept and device_rounds("dropped") - dropped >= len(rounds(messages)) // 2
 
 
+def test_a_draft_kv_gone_drafts_after_the_verdict_and_keeps_device_rounds_on(on_device, target_greedy, monkeypatch):
+    """The drafter has lost the sequence when a round's hook queues its draft (released or reaped
+    meanwhile; here: refused twice as SequenceNotFound): those rounds draft after their verdict (the
+    host path, which refills or fails as before), device rounds stay on for the next rounds and the
+    other sequences, and the tokens are the target's."""
+    from drafter_svc.servicer import DrafterServicer
+    from services.errors import SequenceNotFound
+
+    queue = DrafterServicer.queue_from_verdict
+    refused = [0]
+
+    def lost(self, seq_id, *args):
+        if refused[0] < 2:
+            refused[0] += 1
+            raise SequenceNotFound(f"sequence {seq_id!r} is not on this drafter")
+        return queue(self, seq_id, *args)
+
+    monkeypatch.setattr(DrafterServicer, "queue_from_verdict", lost)
+    kept = device_rounds("kept")
+    tokens, messages = generate(on_device)
+    assert tokens == target_greedy[:N] and refused[0] == 2
+    assert on_device.verifier.device_rounds.on and device_rounds("kept") - kept >= len(rounds(messages)) // 2 - 2
+
+
 def test_a_repeated_verify_or_draft_gets_a_device_round_s_answer(on_device, monkeypatch):
     """A VerifyRun of device rounds called directly: each round verifies the tree the round before
     queued, every answer carries its next tree, built on the model thread while the next round's
