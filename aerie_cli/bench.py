@@ -53,6 +53,9 @@ def register(sub) -> None:
                      help="--shape --pipeline: comma list of eagle,colocated,colocated-host,direct,plain, measured in that "
                           "order (colocated-host: --colocate with AERIE_DEVICE_ROUND=0) (default: eagle,colocated,direct,"
                           "plain)")
+    gpu.add_argument("--interleave", action="store_true",
+                     help="--shape --pipeline: start every pipeline at once and take their requests in turn (an A/B "
+                          "that the machine's drift or the order of the starts cannot favour; needs the memory of all)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -303,8 +306,8 @@ def _shape_bench(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bf16" if dev.startswith("cuda") else "fp32")
     if args.pipeline:
         return _pipeline_shape_bench(args, dev, dtype_name)
-    if args.pipelines is not None:
-        raise InvalidRequest("--pipelines picks the pipelines of --pipeline: give both")
+    if args.pipelines is not None or args.interleave:
+        raise InvalidRequest("--pipelines and --interleave are --pipeline's: give it too")
     cfg = GpuBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens, args.max_new_tokens, batches, hf=not args.no_hf,
                          legacy=not args.no_legacy, paged=args.paged_attention)
     def write(res: dict) -> None:  # after each group of measurements: a run cut short keeps what it measured
@@ -331,7 +334,8 @@ def _pipeline_shape_bench(args: argparse.Namespace, dev: str, dtype_name: str) -
         if unknown or not pipelines:
             raise InvalidRequest(f"--pipelines must name some of {', '.join(PIPELINES)}; got {args.pipelines!r}")
     res = run_pipeline_bench(PipelineBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens,
-                                                 args.max_new_tokens, args.repeats, pipelines=pipelines))
+                                                 args.max_new_tokens, args.repeats, pipelines=pipelines,
+                                                 interleave=args.interleave))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=2)

@@ -12,7 +12,8 @@
 # Everything lands in OUT_DIR: pytest.txt, bench-*.json/.txt, pipeline-*.json/.txt, env.txt. GPU_BENCH_ARGS adds
 # bench flags (e.g. --no-legacy); GPU_TEST_FILTER (a pytest -k expression) picks tests, GPU_TESTS=0 skips them;
 # GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT / GPU_BENCH_TOKENS / GPU_CHECK_SHAPES (empty: no benchmark) /
-# GPU_PIPELINE_TIMEOUT tune it; GPU_PIPELINES picks the pipelines (aerie bench --pipelines, e.g. colocated,colocated-host). Uses the python that has torch
+# GPU_PIPELINE_TIMEOUT tune it; GPU_PIPELINES picks the pipelines (aerie bench --pipelines, e.g. colocated,colocated-host),
+# GPU_PIPELINE_ARGS adds flags (e.g. --interleave: those pipelines up at once, their requests in turn). Uses the python that has torch
 # with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +52,7 @@ for shape in $SHAPES; do
 done
 if [ -n "${GPU_PIPELINE:-}" ]; then
   timeout "${GPU_PIPELINE_TIMEOUT:-360}" "$PY" -m aerie_cli bench --shape "$GPU_PIPELINE" --device cuda --pipeline \
-    --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --repeats 3 ${GPU_PIPELINES:+--pipelines "$GPU_PIPELINES"} \
+    --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --repeats 3 ${GPU_PIPELINES:+--pipelines "$GPU_PIPELINES"} ${GPU_PIPELINE_ARGS:-} \
     --json-out "$OUT_DIR/pipeline-$GPU_PIPELINE.json" 2>&1 \
     | tee "$OUT_DIR/pipeline-$GPU_PIPELINE.txt"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc

@@ -18,6 +18,8 @@ GPU_PIPELINE=1).
    (`RemoteSession`). The colocated and direct pipelines are compared with the in-process EAGLE engine.
    `pipelines` picks them (`aerie bench --pipelines`), among them `colocated-host`: `--colocate` with
    AERIE_DEVICE_ROUND=0 (the colocated rounds on the host: the A/B of verifier_svc/device_round.py).
+   They run one after another, or with `interleave` (`--interleave`) all up at once, their requests
+   taken in turn, so that the machine's drift or the order of the `aerie up`s favours none of them.
 
 Each side decodes the same `prompt`-token prompt (random ids) `repeats` times after a warm-up
 request, `tokens` new tokens each, ignoring EOS. ms/token is the decode time after the first
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +73,7 @@ class PipelineBenchConfig:
     repeats: int = 3
     startup_timeout_s: float = 600.0
     pipelines: tuple[str, ...] = DEFAULT_PIPELINES  # PIPELINES' labels, measured in this order
+    interleave: bool = False  # all of them up at once, their requests in turn (else one after another)
 
 
 def write_checkpoint(shape: str, device: str, dtype: str, root: Path) -> tuple[Path, Path]:
@@ -123,7 +127,23 @@ def ms_per_token(generate: Callable[[], Iterator], repeats: int) -> dict:
     tokens of the first (every stream decodes the same request greedily); a round's median wall,
     draft and verify ms over every stream's rounds."""
     timed_stream(generate)
-    runs = [timed_stream(generate) for _ in range(repeats)]
+    return summary([timed_stream(generate) for _ in range(repeats)])
+
+
+def interleaved(sides: dict[str, Callable[[], Iterator]], repeats: int) -> dict[str, dict]:
+    """`ms_per_token` of every side, their streams taken in turn (a warm-up of each, then each side's
+    request once a repeat): a slower stretch of the machine falls on every side alike."""
+    for generate in sides.values():
+        timed_stream(generate)
+    runs: dict[str, list[Stream]] = {label: [] for label in sides}
+    for _ in range(repeats):
+        for label, generate in sides.items():
+            runs[label].append(timed_stream(generate))
+    return {label: summary(rs) for label, rs in runs.items()}
+
+
+def summary(runs: list[Stream]) -> dict:
+    """ms_per_token's dict of these streams."""
     per = [r.seconds * 1e3 / max(r.decoded, 1) for r in runs]
     parts = [p for r in runs for p in r.parts_ms]
     round_ms = {name: statistics.median(p[i] for p in parts) if parts else None
@@ -144,6 +164,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     name = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "cpu"
     res: dict = {"shape": cfg.shape, "device": name, "dtype": cfg.dtype, "prompt": cfg.prompt,
                  "tokens": cfg.tokens, "repeats": cfg.repeats, "tree": f"{size}/{depth}/{top_k}",
+                 "interleave": cfg.interleave,
                  "torch": torch.__version__}
     prompt = random_prompt(hf_config(cfg.shape).vocab_size, cfg.prompt, 0)
     request = GenerationRequest(prompt, cfg.tokens, ignore_eos=True)
@@ -164,10 +185,17 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         _free(cfg.device)
 
         res["pipeline"] = {}
-        for label in cfg.pipelines:
-            draft, colocate, _, extra, env = PIPELINES[label]
-            with AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
-                         colocate, extra, env) as address:
+        if cfg.interleave:  # every pipeline up at once, their requests in turn
+            with ExitStack() as stack:
+                sides = {}
+                for label in cfg.pipelines:
+                    address = stack.enter_context(_up(cfg, label, target_dir, head_dir, root))
+                    sides[label] = lambda a=address: remote_stream(a, request)
+                res["pipeline"] = interleaved(sides, cfg.repeats)
+            for label, r in res["pipeline"].items():
+                log(f"pipeline, {label}: {r['ms_per_token']:.2f} ms/token (interleaved)")
+        for label in cfg.pipelines if not cfg.interleave else ():
+            with _up(cfg, label, target_dir, head_dir, root) as address:
                 res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
         base = {label: res["in_process"][PIPELINES[label][2]] for label in res["pipeline"]}
@@ -180,6 +208,13 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         return res
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _up(cfg: PipelineBenchConfig, label: str, target_dir: Path, head_dir: Path, root: Path) -> AerieUp:
+    """The `aerie up` of pipeline `label` on the checkpoint."""
+    draft, colocate, _, extra, env = PIPELINES[label]
+    return AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
+                   colocate, extra, env)
 
 
 def remote_stream(address: str, request) -> Iterator:
@@ -255,7 +290,8 @@ def _free(device: str) -> None:
 def table(res: dict) -> str:
     """The result as a table: ms/token in process and through the pipeline, and their ratio."""
     rows = [("device", res["device"]), ("shape / dtype / prompt", f"{res['shape']} / {res['dtype']} / {res['prompt']}"),
-            ("tokens a request, repeats", f"{res['tokens']}, {res['repeats']}")]
+            ("tokens a request, repeats", f"{res['tokens']}, {res['repeats']}"
+             + ("; the pipelines up at once, their requests in turn" if res.get("interleave") else ""))]
     names = {"plain": "plain decoding", "eagle": f"EAGLE, tree {res['tree']} (a round a token)",
              "colocated": "EAGLE, verifier --draft (aerie up --colocate)",
              "colocated-host": "EAGLE, --colocate, AERIE_DEVICE_ROUND=0 (rounds on the host)",

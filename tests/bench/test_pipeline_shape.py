@@ -56,17 +56,21 @@ def test_a_failed_start_says_why(tmp_path, monkeypatch):
 
 
 def test_pipelines_picks_the_pipelines_measured(tmp_path):
-    """`--pipelines colocated-host`: that pipeline alone (`--colocate` with AERIE_DEVICE_ROUND=0 in its
-    environment), the in-process sides as always; an unknown name is refused naming it."""
+    """`--pipelines colocated-host,plain --interleave`: those pipelines alone (colocated-host: `--colocate`
+    with AERIE_DEVICE_ROUND=0 in its environment), both up at once, the in-process sides as always; an
+    unknown name is refused naming it."""
     out = tmp_path / "pipeline.json"
     argv = [sys.executable, "-m", "aerie_cli", "bench", "--shape", "tiny", "--device", "cpu", "--pipeline",
             "--max-new-tokens", "4", "--prompt-tokens", "8", "--repeats", "1", "--json-out", str(out)]
-    proc = subprocess.run([*argv, "--pipelines", "colocated-host"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([*argv, "--pipelines", "colocated-host,plain", "--interleave"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    assert set(res["pipeline"]) == {"colocated-host"} and res["same_tokens"] == {"colocated-host": True}
+    assert set(res["pipeline"]) == {"colocated-host", "plain"} and res["interleave"]
+    assert res["same_tokens"] == {"colocated-host": True, "plain": True}
+    assert all(len(res["pipeline"][label]["runs_ms_per_token"]) == 1 for label in res["pipeline"])
     assert "EAGLE, --colocate, AERIE_DEVICE_ROUND=0 (rounds on the host)" in table(res)
+    assert "the pipelines up at once, their requests in turn" in table(res) and "(interleaved)" in proc.stdout
     bad = subprocess.run([*argv, "--pipelines", "colocated,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--pipelines must name some of eagle, colocated, colocated-host" in bad.stderr
     assert "'colocated,nope'" in bad.stderr
