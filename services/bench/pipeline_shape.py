@@ -26,7 +26,9 @@ request, `tokens` new tokens each, ignoring EOS. ms/token is the decode time aft
 streamed token (the prefill's) divided by the tokens after it, the median over the repeats: the
 same measure on both sides, taken where a client sees the tokens arrive. Random weights accept
 nothing, so an EAGLE "token" here is a round: its cost, never a speed-up. `ratio` = in process /
-pipeline ms (1.0 = the split costs nothing); `same_tokens`: whether the pipeline streamed the
+pipeline ms (1.0 = the split costs nothing); `device_rounds`: a colocated verifier's
+aerie_device_rounds_total (kept, dropped) after its requests, warm-up included (0 where its rounds
+stayed on the host); `same_tokens`: whether the pipeline streamed the
 in-process engine's greedy tokens (it should: the same forward code, one sequence); `round_ms`: a
 round's median wall, draft and verify ms as each round's stats say (through the pipeline the
 coordinator's draft and verify calls, transit included; the wall beyond them is the commit, the
@@ -39,9 +41,11 @@ import gc
 import os
 import shutil
 import statistics
+import re
 import subprocess
 import sys
 import tempfile
+import urllib.request
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -188,15 +192,20 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         if cfg.interleave:  # every pipeline up at once, their requests in turn
             with ExitStack() as stack:
                 sides = {}
-                for label in cfg.pipelines:
-                    address = stack.enter_context(_up(cfg, label, target_dir, head_dir, root))
+                ups = {label: _up(cfg, label, target_dir, head_dir, root) for label in cfg.pipelines}
+                for label, up in ups.items():
+                    address = stack.enter_context(up)
                     sides[label] = lambda a=address: remote_stream(a, request)
                 res["pipeline"] = interleaved(sides, cfg.repeats)
+                for label, up in ups.items():
+                    res["pipeline"][label]["device_rounds"] = device_rounds(up)
             for label, r in res["pipeline"].items():
                 log(f"pipeline, {label}: {r['ms_per_token']:.2f} ms/token (interleaved)")
         for label in cfg.pipelines if not cfg.interleave else ():
-            with _up(cfg, label, target_dir, head_dir, root) as address:
+            up = _up(cfg, label, target_dir, head_dir, root)
+            with up as address:
                 res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
+                res["pipeline"][label]["device_rounds"] = device_rounds(up)
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
         base = {label: res["in_process"][PIPELINES[label][2]] for label in res["pipeline"]}
         res["ratio"] = {label: base[label]["ms_per_token"] / res["pipeline"][label]["ms_per_token"]
@@ -215,6 +224,19 @@ def _up(cfg: PipelineBenchConfig, label: str, target_dir: Path, head_dir: Path, 
     draft, colocate, _, extra, env = PIPELINES[label]
     return AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
                    colocate, extra, env)
+
+
+def device_rounds(up: AerieUp) -> dict[str, float] | None:
+    """The verifier's aerie_device_rounds_total by outcome (verifier_svc/device_round.py), from its
+    /metrics; None when `aerie up` printed no verifier metrics URL."""
+    url = up.metrics.get("verifier")
+    if url is None:
+        return None
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    counts = {"kept": 0.0, "dropped": 0.0}
+    for m in re.finditer(r'^aerie_device_rounds_total\{[^}]*outcome="(\w+)"[^}]*\} ([0-9.e+-]+)$', text, re.M):
+        counts[m.group(1)] = counts.get(m.group(1), 0.0) + float(m.group(2))
+    return counts
 
 
 def remote_stream(address: str, request) -> Iterator:
@@ -244,6 +266,7 @@ class AerieUp:
         self.log_path, self.timeout_s = log_path, cfg.startup_timeout_s
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
+        self.metrics: dict[str, str] = {}  # role -> the /metrics URL of its first process (`aerie up`'s lines)
 
     def __enter__(self) -> str:
         self.log = open(self.log_path, "w+")
@@ -253,6 +276,9 @@ class AerieUp:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # `aerie up` prints where everything listens, then the ready line
             self.log.write(line)
+            m = re.match(r"^(coordinator|verifier|drafter)\s+\S+ \(pid \d+, metrics (\S+)\)", line)
+            if m:
+                self.metrics.setdefault(m.group(1), m.group(2))
             if line.startswith(READY):
                 return line[len(READY):].split()[0]
             if time.monotonic() > deadline:
@@ -303,9 +329,12 @@ def table(res: dict) -> str:
         pipe = res.get("pipeline", {}).get(label, {}).get("ms_per_token")
         ratio = res.get("ratio", {}).get(label)
         same = res.get("same_tokens", {}).get(label)
+        counted = res.get("pipeline", {}).get(label, {}).get("device_rounds") if PIPELINES[label][1] else None
         rows.append((f"{name}: ms/token in process, pipeline (in process / pipeline)",
                      f"{_ms(inp)}, {_ms(pipe)}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
-                     + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")))
+                     + ("" if same is None else "; same tokens" if same else "; TOKENS DIFFER")
+                     + ("" if counted is None else
+                        f"; device rounds kept {counted['kept']:.0f}, dropped {counted['dropped']:.0f}")))
     for side, label, name in (("in_process", "eagle", "in process"), ("pipeline", "eagle", "pipeline"),
                               ("pipeline", "colocated", "colocated"), ("pipeline", "colocated-host", "colocated, host"),
                               ("pipeline", "direct", "direct drafts")):

@@ -4,6 +4,7 @@ pipelines (separate processes, gRPC, Redis; one with --colocate, one with --dire
 asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,21 +57,27 @@ def test_a_failed_start_says_why(tmp_path, monkeypatch):
 
 
 def test_pipelines_picks_the_pipelines_measured(tmp_path):
-    """`--pipelines colocated-host,plain --interleave`: those pipelines alone (colocated-host: `--colocate`
-    with AERIE_DEVICE_ROUND=0 in its environment), both up at once, the in-process sides as always; an
-    unknown name is refused naming it."""
+    """`--pipelines colocated,colocated-host --interleave` with AERIE_PAGED_KV=1 (the GPU's paths on the
+    CPU): those pipelines alone, both up at once, the in-process sides as always; the colocated one's
+    rounds were device rounds and colocated-host's (AERIE_DEVICE_ROUND=0 in its environment) were not,
+    as their verifiers' /metrics say; an unknown name is refused naming it."""
     out = tmp_path / "pipeline.json"
     argv = [sys.executable, "-m", "aerie_cli", "bench", "--shape", "tiny", "--device", "cpu", "--pipeline",
-            "--max-new-tokens", "4", "--prompt-tokens", "8", "--repeats", "1", "--json-out", str(out)]
-    proc = subprocess.run([*argv, "--pipelines", "colocated-host,plain", "--interleave"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+            "--max-new-tokens", "16", "--prompt-tokens", "8", "--repeats", "1", "--json-out", str(out)]  # (runs: > 5 left)
+    env = {**os.environ, "AERIE_PAGED_KV": "1", "AERIE_KV_BUDGET_MB": "64"}
+    proc = subprocess.run([*argv, "--pipelines", "colocated,colocated-host", "--interleave"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    assert set(res["pipeline"]) == {"colocated-host", "plain"} and res["interleave"]
-    assert res["same_tokens"] == {"colocated-host": True, "plain": True}
+    assert set(res["pipeline"]) == {"colocated", "colocated-host"} and res["interleave"]
+    assert res["same_tokens"] == {"colocated": True, "colocated-host": True}
     assert all(len(res["pipeline"][label]["runs_ms_per_token"]) == 1 for label in res["pipeline"])
     assert "EAGLE, --colocate, AERIE_DEVICE_ROUND=0 (rounds on the host)" in table(res)
     assert "the pipelines up at once, their requests in turn" in table(res) and "(interleaved)" in proc.stdout
+    assert res["pipeline"]["colocated-host"]["device_rounds"] == {"kept": 0.0, "dropped": 0.0}
+    kept = res["pipeline"]["colocated"]["device_rounds"]["kept"]
+    assert kept >= 2 and res["pipeline"]["colocated"]["device_rounds"]["dropped"] == 0
+    assert f"device rounds kept {kept:.0f}, dropped 0" in table(res)
     bad = subprocess.run([*argv, "--pipelines", "colocated,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--pipelines must name some of eagle, colocated, colocated-host" in bad.stderr
     assert "'colocated,nope'" in bad.stderr
