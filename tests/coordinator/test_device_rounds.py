@@ -66,7 +66,7 @@ def test_device_rounds_give_the_target_s_tokens_and_the_host_rounds(on_device, h
     tokens, messages = generate(on_device)
     assert tokens == target_greedy[:N]
     made = device_rounds("kept") - kept
-    # every round of a run but its first (its tree came from the caller, on the host) was a device round
+    # the rounds of runs were device rounds (the last few of a request are single calls: not in a run)
     assert made >= len(rounds(messages)) // 2 and device_rounds("dropped") == dropped
     host_kept = device_rounds("kept")
     host_tokens, host_messages = generate(host_rounds)
