@@ -78,9 +78,13 @@ class QueuedVerify(QueuedAnswer):
         self._turn.wait(TURN_TIMEOUT_S)
 
     def built(self) -> None:
-        """On the model thread: build the response now, and let the reader have it."""
+        """On the model thread: build the response now, and let the reader have it (a failure is the
+        reader's to meet: its `response()` tries again and the run's stream gets the error; the model
+        thread goes on with its round)."""
         try:
             self.response()
+        except Exception:  # noqa: BLE001 (logged here, raised to the reader)
+            log.exception("building a device round's answer failed; its reader tries again")
         finally:
             self._turn.set()
 
