@@ -19,7 +19,6 @@ the host work each adds to a round, on this CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from report import emit  # noqa: E402  (bench/)
 
 
 # name -> (aerie up --colocate, more `aerie up` flags, more environment); colocated_host: the colocated
@@ -88,9 +89,7 @@ def main() -> None:
     for name in pipelines:
         report[name]["in_process_ratio"] = report["in_process"]["ms_per_round"] / report[name]["ms_per_round"]
         report[name]["over_split"] = report["split"]["ms_per_round"] / report[name]["ms_per_round"]
-    print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

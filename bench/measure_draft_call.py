@@ -15,7 +15,6 @@ the same checkpoint and dtype). Milliseconds, median after `--warm` calls.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from report import emit  # (bench/)
 
 
 def timed(fn, n: int, warm: int) -> float:
@@ -113,9 +114,7 @@ def main() -> None:
     report["config"] = {"rows": args.rows, "calls": calls, "draft_dtype": default_draft_dtype("cpu"),
                         "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                         "load_average": os.getloadavg()}
-    print(json.dumps(report, indent=1))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    emit(report, args.json_out)
 
 
 if __name__ == "__main__":

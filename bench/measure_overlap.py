@@ -21,7 +21,6 @@ gets AERIE_TORCH_THREADS threads (the report says how many) and so does the in-p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from up_process import start_up  # noqa: E402  (bench/)
+from report import emit  # noqa: E402  (bench/)
 
 
 def coordinator_address(lines: list[str]) -> str:
@@ -212,9 +212,7 @@ def main() -> None:
                         "pinned": args.pin,
                         "modes": modes, "up_args": args.up_args, "baseline_up_args": args.baseline_up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
                         "load_average": os.getloadavg()}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

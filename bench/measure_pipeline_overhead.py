@@ -14,7 +14,6 @@ process spent per round (contention on a small machine: the processes share its 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from up_process import start_up  # noqa: E402  (bench/)
+from report import emit  # noqa: E402  (bench/)
 
 HISTOGRAMS = ("aerie_verify_seconds", "aerie_draft_seconds", "aerie_commit_seconds", "aerie_prefill_seconds")
 
@@ -189,9 +189,7 @@ def main() -> None:
     report["thread_cpu_ms_per_round"] = {
         r: {t: round(1e3 * v / rounds, 2) for t, v in sorted(ts.items(), key=lambda kv: -kv[1]) if v > 0}
         for r, ts in threads.items()}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ Test modules import the fixtures they use: `from tests.pipeline import model_dir
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
 import threading
 import time
@@ -27,6 +29,7 @@ from drafter_svc.server import load_servicer as load_drafter
 from services.engine.engine import Engine, GenerationRequest
 from services.engine.local import build_local_engine
 from services.model.head_checkpoint import save_head
+from services.model.runner import PAGED_ENV
 from services.rpc import server as rpc_server
 from services.rpc.channel import open_channel
 from services.rpc.coordinator_client import RemoteSession
@@ -36,7 +39,6 @@ from services.spec.tree import TreeParams
 from verifier_svc.config import VerifierConfig
 from verifier_svc.server import create_server as create_verifier
 from verifier_svc.server import load_servicer as load_verifier
-from verifier_svc.servicer import VerifierServicer
 
 TREE = TreeParams(top_k=4, depth=3, size=16)
 HOST = "127.0.0.1"
@@ -192,17 +194,16 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
     `verifier_overrides`: VerifierConfig fields; `max_sequences` is the verifier's and drafter's (a
     coordinator's: `coordinator_max_sequences=N` among the coordinator overrides). `colocate`: the
     verifier serves the head too (verifier --draft) and is the coordinator's drafter: no drafter server.
-    `paged` (with `colocate`): the verifier's KV paged and the head drafting from the static code, both
-    eagerly: the GPU's device rounds on the CPU (paged_colocated)."""
+    `paged`: the verifier (and its head, with `colocate`) loaded with AERIE_PAGED_KV=1, the GPU's paged
+    paths run eagerly on the CPU (a 64 MiB KV budget unless the overrides give one): device rounds."""
     loop = LoopThread()
     service = ServiceConfig(host=HOST, max_message_bytes=max_message_bytes, **(service_overrides or {}))
     head = head_config(service, dirs, tree, max_sequences, idle_ttl_s, draft_dtype) if colocate else None
+    overrides = {**({"kv_budget_mb": 64.0} if paged else {}), **(verifier_overrides or {})}
     vconfig = VerifierConfig(service, target=str(dirs.target), dtype="fp32", max_sequences=max_sequences,
-                             max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s, drafter=head,
-                             **(verifier_overrides or {}))
-    verifier = load_verifier(vconfig)
-    if paged:
-        verifier = paged_colocated(verifier)
+                             max_prompt_tokens=max_prompt_tokens, idle_ttl_s=idle_ttl_s, drafter=head, **overrides)
+    with paged_kv(paged):
+        verifier = load_verifier(vconfig)
     vserver, vport = loop.run(create_verifier(f"{HOST}:0", vconfig, verifier))
     p = Pipeline(loop, verifier, None, None, {"verifier": f"{HOST}:{vport}"}, service)  # type: ignore[arg-type]
     p.servers.append((vserver, verifier))
@@ -223,27 +224,19 @@ def start_pipeline(dirs: ModelDirs, redis: str, *, tree: TreeParams = TREE, with
     return p
 
 
-def paged_colocated(servicer: VerifierServicer) -> VerifierServicer:
-    """A verifier that drafts too, made again with what a GPU gives it (a paged KV pool whose steps run
-    the static-shape forward, a head drafting from the static draft code: tests/spec/test_tree_static.py
-    static_drafter), both run eagerly on the CPU: its runs keep their rounds on the device
-    (verifier_svc/device_round.py) as on a GPU. `servicer` is stopped; the new one serves its head."""
-    from services.engine.draft_graphs import DraftGraphs
-    from services.model.paged_kv import PagedKVPool
-    from services.model.runner import ModelRunner
-
-    drafter = servicer.drafter_servicer
-    assert drafter is not None, "colocate=True"
-    head = drafter.drafter
-    c = head.head.config
-    head.pool = PagedKVPool(1, c.num_kv_heads, c.head_dim, 8192, head.head.dtype, head.head.device, page_size=8)
-    head.graphs = DraftGraphs(head.head, head.pool, graphs=False, max_keys=2048)
-    target = servicer.target
-    runner = ModelRunner(target, PagedKVPool.for_model(target, 4096), graphs=False)
-    servicer.reaper.stop()
-    servicer.batcher.close()
-    return VerifierServicer(target, servicer.config, servicer.target_path, servicer.eos_token_ids,
-                            servicer.verify_cost, runner=runner, drafter=drafter)
+@contextlib.contextmanager
+def paged_kv(on: bool):
+    """AERIE_PAGED_KV=1 while the block runs (`on`): what it builds takes the GPU's paged paths on the
+    CPU (services/model/runner.py paged_default); the variable as it was afterwards."""
+    before = os.environ.get(PAGED_ENV)
+    if on:
+        os.environ[PAGED_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(PAGED_ENV, None)
+        if before is not None:
+            os.environ[PAGED_ENV] = before
 
 
 def wait_until(predicate, timeout: float = 60.0) -> None:

@@ -127,7 +127,7 @@ class Drafter:
 
             c = head.config
             per_row = 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=head.dtype).element_size()
-            free = torch.cuda.mem_get_info(head.device)[0] if head.device.type == "cuda" else 1 << 30
+            free = torch.cuda.mem_get_info(head.device)[0] if head.device.type == "cuda" else 1 << 30  # CPU: 1 GiB
             rows = max(4096, min(max_sequences * 8192, int(free * 0.1) // per_row))
             self.pool = PagedKVPool(1, c.num_kv_heads, c.head_dim, rows, head.dtype, head.device)
             self.graphs = DraftGraphs(head, self.pool, graphs=graphs_default(head.device))

@@ -1,9 +1,9 @@
 """Device rounds (verifier_svc/device_round.py): a verifier that drafts too keeps its runs' tree rounds
 on the device, each next tree queued from the verdict before the host reads it and the next round
 queued with it before anything waits for the draft (as the in-process engine's verdict drafts). Here on
-the CPU with the GPU's paths run eagerly (paged KV and the static-shape forward, the head's static draft
-code: tests/pipeline.py paged_colocated), over real gRPC and a real Redis: the tokens are the target's
-and every round (tree, acceptance) is the host rounds' (the same verifier made without them), a
+the CPU with the GPU's paths run eagerly (paged KV and the static-shape forward, the head's static
+draft code: AERIE_PAGED_KV=1 at the verifier's load, tests/pipeline.py), over real gRPC and a real
+Redis: the tokens are the target's and every round (tree, acceptance) is the host rounds' (the same verifier made without them), a
 verdict the host reads otherwise drops the queued draft, a repeated Verify or Draft gets a device
 round's answer again, and AERIE_DEVICE_ROUND=0 turns them off. Nothing here depends on timing."""
 
