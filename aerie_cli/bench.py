@@ -56,6 +56,10 @@ def register(sub) -> None:
     gpu.add_argument("--interleave", action="store_true",
                      help="--shape --pipeline: start every pipeline at once and take their requests in turn (an A/B "
                           "that the machine's drift or the order of the starts cannot favour; needs the memory of all)")
+    gpu.add_argument("--profile", default=None, metavar="DIR",
+                     help="--shape --pipeline: sample each service process with py-spy while its requests run (every "
+                          "thread, and the one holding the interpreter lock): raw stacks in DIR, a summary per thread "
+                          "in the table and the JSON (services/bench/service_profile.py; needs py-spy)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,
@@ -327,6 +331,10 @@ def _pipeline_shape_bench(args: argparse.Namespace, dev: str, dtype_name: str) -
 
     if args.repeats < 1:
         raise InvalidRequest(f"--repeats must be >= 1; got {args.repeats}")
+    if args.profile:
+        from services.bench.service_profile import find_py_spy
+
+        find_py_spy()  # (before minutes of checkpoint and start-up)
     pipelines = DEFAULT_PIPELINES
     if args.pipelines is not None:
         pipelines = tuple(name.strip() for name in args.pipelines.split(",") if name.strip())
@@ -335,7 +343,7 @@ def _pipeline_shape_bench(args: argparse.Namespace, dev: str, dtype_name: str) -
             raise InvalidRequest(f"--pipelines must name some of {', '.join(PIPELINES)}; got {args.pipelines!r}")
     res = run_pipeline_bench(PipelineBenchConfig(args.shape, dev, dtype_name, args.prompt_tokens,
                                                  args.max_new_tokens, args.repeats, pipelines=pipelines,
-                                                 interleave=args.interleave))
+                                                 interleave=args.interleave, profile=args.profile))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=2)

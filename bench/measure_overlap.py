@@ -93,6 +93,10 @@ def main() -> None:
     p.add_argument("--baseline-up-args", default=None,
                    help="start one more serial pipeline with these extra `aerie up` flags (e.g. '--plain-run 0'), "
                         "named serial-baseline, in the same interleaved run (an A/B of a flag)")
+    p.add_argument("--baseline", default=None,
+                   help="start the serial-baseline pipeline from this checkout's code (its .venv's python, "
+                        "else this interpreter run from that directory): an A/B of code, e.g. --baseline "
+                        "/tmp/base '--baseline-up-args=--overlap always' against this tree's overlap-always")
     p.add_argument("--in-process-ahead", default="",
                    help="comma list of overlap modes (on,always) to run the in-process engine with too")
     p.add_argument("--pin", action="store_true",
@@ -101,6 +105,8 @@ def main() -> None:
                         "the in-process engine runs and on the others while it waits for a pipeline")
     p.add_argument("--out", default=None, help="JSON here")
     args = p.parse_args()
+    if args.baseline and args.baseline_up_args is None:
+        p.error("--baseline needs --baseline-up-args (the baseline pipeline's flags; '' for the serial one)")
     load_start = os.getloadavg()
 
     from aerie_cli.flags import set_torch_threads
@@ -132,7 +138,10 @@ def main() -> None:
     ups = {"serial": start_up(argv, env, lines["serial"])}
     try:
         if args.baseline_up_args is not None:
-            ups["serial-baseline"] = start_up([*argv, *args.baseline_up_args.split()], env, lines["serial-baseline"])
+            python = Path(args.baseline) / ".venv/bin/python" if args.baseline else None
+            ups["serial-baseline"] = start_up([*argv, *args.baseline_up_args.split()], env, lines["serial-baseline"],
+                                              str(python) if python is not None and python.exists() else sys.executable,
+                                              args.baseline)
         for m in modes:
             ups[f"overlap-{m}"] = start_up([*argv, "--overlap", m], env, lines[f"overlap-{m}"])
         sessions = {name: RemoteSession(coordinator_address(lines[name]), None, "", None) for name in ups}
@@ -197,6 +206,8 @@ def main() -> None:
     if args.baseline_up_args is not None:
         report["serial-baseline_vs_in_process"] = ratio("serial-baseline", "in_process")
         report["serial_vs_serial-baseline"] = ratio("serial", "serial-baseline")
+        for m in modes:
+            report[f"overlap-{m}_vs_serial-baseline"] = ratio(f"overlap-{m}", "serial-baseline")
     for m in modes:
         report[f"overlap-{m}_vs_serial"] = ratio(f"overlap-{m}", "serial")
         report[f"overlap-{m}_vs_in_process"] = ratio(f"overlap-{m}", "in_process")
@@ -210,7 +221,8 @@ def main() -> None:
                         "max_new_tokens": args.max_new_tokens,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
                         "pinned": args.pin,
-                        "modes": modes, "up_args": args.up_args, "baseline_up_args": args.baseline_up_args, "cpus": os.cpu_count(), "load_average_start": load_start,
+                        "modes": modes, "up_args": args.up_args, "baseline_up_args": args.baseline_up_args,
+                        "baseline": args.baseline, "cpus": os.cpu_count(), "load_average_start": load_start,
                         "load_average": os.getloadavg()}
     emit(report, args.out)
 

@@ -13,7 +13,8 @@
 # bench flags (e.g. --no-legacy); GPU_TEST_FILTER (a pytest -k expression) picks tests, GPU_TESTS=0 skips them;
 # GPU_TEST_TIMEOUT / GPU_BENCH_TIMEOUT / GPU_BENCH_TOKENS / GPU_CHECK_SHAPES (empty: no benchmark) /
 # GPU_PIPELINE_TIMEOUT tune it; GPU_PIPELINES picks the pipelines (aerie bench --pipelines, e.g. colocated,colocated-host),
-# GPU_PIPELINE_ARGS adds flags (e.g. --interleave: those pipelines up at once, their requests in turn). Uses the python that has torch
+# GPU_PIPELINE_ARGS adds flags (e.g. --interleave: those pipelines up at once, their requests in turn); GPU_PROFILE=1
+# samples every service with py-spy meanwhile (--profile OUT_DIR/profile; its wheel is in .whl/). Uses the python that has torch
 # with CUDA ($PYTHON, default python3), from the repository root, without installing aerie.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # machine's own packages, so the services' GPU tests run (without them they skip, saying why)
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/aerie-site .whl/*.whl \
-    && export PYTHONPATH=/tmp/aerie-site${PYTHONPATH:+:$PYTHONPATH}
+    && export PYTHONPATH=/tmp/aerie-site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/aerie-site/bin:$PATH  # (bin: py-spy)
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'transformers', transformers.__version__)"
@@ -53,6 +54,7 @@ done
 if [ -n "${GPU_PIPELINE:-}" ]; then
   timeout "${GPU_PIPELINE_TIMEOUT:-360}" "$PY" -m aerie_cli bench --shape "$GPU_PIPELINE" --device cuda --pipeline \
     --max-new-tokens "${GPU_BENCH_TOKENS:-64}" --repeats 3 ${GPU_PIPELINES:+--pipelines "$GPU_PIPELINES"} ${GPU_PIPELINE_ARGS:-} \
+    ${GPU_PROFILE:+--profile "$OUT_DIR/profile"} \
     --json-out "$OUT_DIR/pipeline-$GPU_PIPELINE.json" 2>&1 \
     | tee "$OUT_DIR/pipeline-$GPU_PIPELINE.txt"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench_rc=$rc

