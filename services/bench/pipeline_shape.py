@@ -32,7 +32,9 @@ stayed on the host); `same_tokens`: whether the pipeline streamed the
 in-process engine's greedy tokens (it should: the same forward code, one sequence); `round_ms`: a
 round's median wall, draft and verify ms as each round's stats say (through the pipeline the
 coordinator's draft and verify calls, transit included; the wall beyond them is the commit, the
-stream and the engine's own work), where a GPU round's extra time goes.
+stream and the engine's own work), where a GPU round's extra time goes. With `profile` (a folder;
+`aerie bench --profile DIR`) py-spy samples each service process while its pipeline's requests run
+(services/bench/service_profile.py): `profile` in each pipeline's result, rows in the table.
 """
 
 from __future__ import annotations
