@@ -59,7 +59,7 @@ def register(sub) -> None:
     gpu.add_argument("--profile", default=None, metavar="DIR",
                      help="--shape --pipeline: sample each service process with py-spy while its requests run (every "
                           "thread, and the one holding the interpreter lock): raw stacks in DIR, a summary per thread "
-                          "in the table and the JSON (services/bench/service_profile.py; needs py-spy)")
+                          "in the table and the JSON (services/bench/service_profile.py; needs py-spy) (default: no profile)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="first N prompts of each category (0 = all)")
     p.add_argument("--categories", default=None,

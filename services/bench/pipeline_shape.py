@@ -32,7 +32,9 @@ stayed on the host); `same_tokens`: whether the pipeline streamed the
 in-process engine's greedy tokens (it should: the same forward code, one sequence); `round_ms`: a
 round's median wall, draft and verify ms as each round's stats say (through the pipeline the
 coordinator's draft and verify calls, transit included; the wall beyond them is the commit, the
-stream and the engine's own work), where a GPU round's extra time goes. With `profile` (a folder;
+stream and the engine's own work), where a GPU round's extra time goes; its `wall_mean` and
+`slow_extra` (`summary`) say what the median leaves out: a run's first round and the single calls at
+the request's end cost more than the rounds inside a run. With `profile` (a folder;
 `aerie bench --profile DIR`) py-spy samples each service process while its pipeline's requests run
 (services/bench/service_profile.py): `profile` in each pipeline's result, rows in the table.
 """
@@ -151,11 +153,20 @@ def interleaved(sides: dict[str, Callable[[], Iterator]], repeats: int) -> dict[
 
 
 def summary(runs: list[Stream]) -> dict:
-    """ms_per_token's dict of these streams."""
+    """ms_per_token's dict of these streams. `round_ms`: the median over every stream's rounds of the
+    wall between two streamed rounds (`wall`), of draft and verify; `wall_mean`: the median over the
+    streams of their mean wall (what ms/token x tokens a round comes to), and `slow_extra`: the ms a
+    round, on average, that the rounds slower than 1.3x the median wall take beyond it (a run's first
+    round, the single calls that may end a request: where the mean and the median part)."""
     per = [r.seconds * 1e3 / max(r.decoded, 1) for r in runs]
     parts = [p for r in runs for p in r.parts_ms]
     round_ms = {name: statistics.median(p[i] for p in parts) if parts else None
                 for i, name in enumerate(("wall", "draft", "verify"))}
+    walls = [[p[0] for p in r.parts_ms] for r in runs if r.parts_ms]
+    median = round_ms["wall"]
+    round_ms["wall_mean"] = statistics.median(statistics.mean(w) for w in walls) if walls else None
+    round_ms["slow_extra"] = (statistics.median(sum(x - median for x in w if x > 1.3 * median) / len(w) for w in walls)
+                              if walls and median is not None else None)
     return {"ms_per_token": statistics.median(per), "runs_ms_per_token": per, "token_ids": runs[0].tokens,
             "round_ms": round_ms}
 
@@ -363,7 +374,9 @@ def table(res: dict) -> str:
         r = res.get(side, {}).get(label, {}).get("round_ms")
         if r and r.get("wall") is not None:
             rows.append((f"  EAGLE round {name}: wall (draft + verify) ms",
-                         f"{r['wall']:.2f} ({r['draft']:.2f} + {r['verify']:.2f})"))
+                         f"{r['wall']:.2f} ({r['draft']:.2f} + {r['verify']:.2f})"
+                         + (f"; mean {r['wall_mean']:.2f}, slow rounds' extra {r['slow_extra']:.2f} a round"
+                            if r.get("wall_mean") is not None else "")))
     from services.bench.service_profile import profile_rows
 
     for label, r in res.get("pipeline", {}).items():

@@ -30,6 +30,7 @@ def test_pipeline_shape_bench_streams_the_in_process_tokens_through_aerie_up(tmp
     for side, label in (("in_process", "eagle"), ("pipeline", "eagle"), ("pipeline", "colocated"), ("pipeline", "direct")):
         split = res[side][label]["round_ms"]  # tree rounds after the first: their stats' draft and verify
         assert split["draft"] > 0 and split["verify"] > 0 and split["wall"] > 0, (side, label)
+        assert split["wall_mean"] > 0 and split["slow_extra"] >= 0, (side, label)
     # greedy through the services == in process (and plain == EAGLE: lossless), on the same checkpoint
     assert res["same_tokens"] == {"plain": True, "eagle": True, "colocated": True, "direct": True}
     assert res["in_process"]["plain"]["token_ids"] == res["in_process"]["eagle"]["token_ids"]
@@ -108,3 +109,17 @@ def test_an_aerie_up_gets_its_pipeline_s_environment(tmp_path):
             raise AssertionError("ready without a ready line")
     except RuntimeError as e:
         assert "device round 0" in str(e)
+
+
+def test_the_round_summary_says_what_the_median_leaves_out():
+    """`summary` (services/bench/pipeline_shape.py): the median wall hides a run's first round and the
+    single calls at a request's end; `wall_mean` and `slow_extra` show them (hand-made streams)."""
+    from services.bench.pipeline_shape import Stream, summary
+
+    # ten 10 ms rounds and two 20 ms ones (a run boundary, a last single call): 11.67 ms a round
+    walls = [10.0] * 5 + [20.0] + [10.0] * 5 + [20.0]
+    stream = Stream(seconds=sum(walls) / 1e3, decoded=len(walls), tokens=[1] * 13,
+                    parts_ms=[(w, 1.0, 8.0) for w in walls])
+    r = summary([stream, stream])["round_ms"]
+    assert r["wall"] == 10.0 and r["draft"] == 1.0 and r["verify"] == 8.0
+    assert abs(r["wall_mean"] - 140 / 12) < 1e-9 and abs(r["slow_extra"] - 20 / 12) < 1e-9
