@@ -52,8 +52,7 @@ import tempfile
 import urllib.request
 import time
 from collections.abc import Callable, Iterator
-from typing import ContextManager
-from contextlib import ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,7 +247,7 @@ def _up(cfg: PipelineBenchConfig, label: str, target_dir: Path, head_dir: Path, 
                    colocate, extra, env)
 
 
-def profiling(cfg: PipelineBenchConfig, label: str, pids: dict[str, int]) -> ContextManager:
+def profiling(cfg: PipelineBenchConfig, label: str, pids: dict[str, int]) -> AbstractContextManager:
     """py-spy on `pids` while the block runs where `cfg.profile` asks (-> the ServiceProfiles, else None)."""
     if cfg.profile is None:
         return nullcontext()

@@ -10,8 +10,8 @@ the thread holding the interpreter lock. Each writes its raw stacks (`{label}-{r
 `{label}-{role}-gil.raw`: flamegraph.pl or speedscope read them). Per thread the summary gives
 `samples` (on a CPU or in Python code), `active` (those not parked in a known wait: a lock, a
 condition, a selector, a queue), `gil` (holding the interpreter lock), their `*_share` of the
-window (samples / (seconds x RATE)), and where each goes (`top`, `top_gil`: aerie's two innermost
-frames of each stack, else its leaf). A thread far more `active` than `gil` is in native code that
+window (samples / (seconds x RATE)), and where each goes (`top`, `top_gil`: `where`, aerie's two
+innermost frames of a stack, or the leaf in aerie's innermost frame where the leaf is not aerie's). A thread far more `active` than `gil` is in native code that
 released the lock (torch's kernels, a gRPC call) or waiting to take it; two threads of one process
 whose `gil` shares add up to near 1 contend for it (what the ninth session's H200 run suspected of
 the colocated verifier: docs/gpu.md). `py-spy` comes from PATH or this interpreter's directory
@@ -37,14 +37,15 @@ TOP = 12  # frames listed per thread
 REPO = str(Path(__file__).resolve().parents[2]) + "/"
 PACKAGES = ("services/", "verifier_svc/", "drafter_svc/", "coordinator/", "gateway/", "aerie_cli/")
 # leaves of a thread that waits (threading, selectors, queues, futures, gRPC's poller)
-WAITS = re.compile(r"^(wait|_wait_for_tstate_lock|select|poll|epoll|get|_worker|_poll_wrapper|acquire|sleep|"
+WAITS = re.compile(r"^(wait|_wait_for_tstate_lock|select|poll|epoll|_worker|_poll_wrapper|acquire|sleep|"
                    r"Condition\.wait|Event\.wait|Thread\.run|EpollSelector\.select|_PollLikeSelector\.select|"
                    r"SimpleQueue\.get|Queue\.get) ")
 
 
 def find_py_spy() -> str:
     """The py-spy executable, or InvalidRequest saying how to get it."""
-    found = shutil.which("py-spy") or next((str(p) for p in [Path(sys.executable).parent / "py-spy"] if p.exists()), None)
+    beside = Path(sys.executable).parent / "py-spy"  # (a virtual environment's, not on PATH)
+    found = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
     if found is None:
         raise InvalidRequest("--profile needs py-spy (pip install py-spy; on a GPU machine without a network "
                              "scripts/gpu_wheels.sh carries its wheel in .whl/)")
