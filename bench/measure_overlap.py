@@ -30,12 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from up_process import start_up  # noqa: E402  (bench/)
+from up_process import coordinator_address, start_up, stop_all  # noqa: E402  (bench/)
 from report import emit  # noqa: E402  (bench/)
-
-
-def coordinator_address(lines: list[str]) -> str:
-    return next(m.group(1) for line in lines if (m := re.match(r"^coordinator\s+(\S+) \(pid", line)))
 
 
 def pin_process(pid: int, cpus: set[int]) -> None:
@@ -194,9 +190,7 @@ def main() -> None:
         for s in sessions.values():
             s.close()
     finally:
-        for up in ups.values():
-            up.terminate()
-            up.wait(60)
+        stop_all(ups)
         tmp.cleanup()
     report: dict = {name: summary(r) for name, r in runs.items()}
     def ratio(a: str, b: str) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import emit  # noqa: E402  (bench/)
-from up_process import start_up  # noqa: E402  (bench/)
+from up_process import coordinator_address, start_up, stop_all  # noqa: E402  (bench/)
 
 
 def kind(stats) -> str:
@@ -66,9 +65,7 @@ def main() -> None:
     try:
         for name, flags in pipelines.items():
             ups[name] = start_up(["--port", "0", "--http-port", "0", *model, *flags.split()], env, lines[name])
-        address = {name: next(m.group(1) for line in lines[name] if (m := re.match(r"^coordinator\s+(\S+)", line)))
-                   for name in ups}
-        sessions = {name: RemoteSession(address[name], None, "", None) for name in ups}
+        sessions = {name: RemoteSession(coordinator_address(lines[name]), None, "", None) for name in ups}
         local = build_local_engine(args.target, args.draft, args.dtype, None)
         prompts = load_prompts(args.prompts, local.tokenizer, args.limit, args.per_category)
         sides = {"in_process": lambda req: local.engine.generate(req),
@@ -89,9 +86,7 @@ def main() -> None:
         for s in sessions.values():
             s.close()
     finally:
-        for up in ups.values():
-            up.terminate()
-            up.wait(60)
+        stop_all(ups)
     report: dict = {}
     for side, kinds in rounds.items():
         report[side] = {"seconds": round(seconds[side], 3), "kinds": {

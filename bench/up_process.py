@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -21,3 +22,15 @@ def start_up(argv: list[str], env: dict[str, str], lines: list[str] | None = Non
             lines.append(line.rstrip("\n"))
         if line.startswith("ready:"):
             return up
+
+
+def coordinator_address(lines: list[str]) -> str:
+    """The coordinator's HOST:PORT from the lines `start_up` collected."""
+    return next(m.group(1) for line in lines if (m := re.match(r"^coordinator\s+(\S+) \(pid", line)))
+
+
+def stop_all(ups) -> None:
+    """Stop every `aerie up` of `ups` (a dict of start_up's processes) and wait for each."""
+    for up in ups.values():
+        up.terminate()
+        up.wait(60)
