@@ -84,7 +84,11 @@ answered from what the run computed where it did). With the adaptive budget the 
 shape while a run goes on: the verifier may have verified the run's next tree already (a run queues
 its next round before an answer goes out), so a verdict a run computed (VerifyResult.from_run) holds
 that tree as it is for the next round (`held`; the run is closed) and the plan applies from the first
-round no run computed (a run never computes a round after a single Verify's: verifier_svc). How many
+round no run computed (a run never computes a round after a single Verify's: verifier_svc). The
+budget's dynamic-depth threshold (`TreeParams.stop_logprob`) moves with every verdict; a plan that
+changes only it is the run's shape (`TreeParams.shape`): the run goes on with the threshold of its
+first round (its trees are verified as the verifier drafted them), and the plan's threshold applies
+from the first round no run computed. (Closing the run at every new threshold closed every run.) How many
 rounds a closed run computed depends on timing, so a sampling sequence with the adaptive budget
 verifies one round a call (its seed replays the same trees).
 
@@ -538,7 +542,9 @@ class Engine:
             verify_s = max(verify_s - res.next_draft_s, 0.0)
         tree = host_tree(tree)  # (the verifier waited for it already)
         seq.ahead = ahead
-        self.budget.observe_verify(draft.plan, verify_s)
+        # a run's round costs the verifier's own seconds (its hops hidden; the engine may read a round the
+        # run verified long before: its wait is not the round's cost)
+        self.budget.observe_verify(draft.plan, res.verify_s if run is not None and res.verify_s > 0 else verify_s)
         tokens = res.acceptance.new_tokens
         accepted = res.acceptance.nodes.tolist()
         eagle_size = tree.size if draft.eagle_size is None else draft.eagle_size
@@ -783,12 +789,16 @@ class Engine:
         (services/spec/ahead.py trim; a plan larger than the tree keeps the tree as drafted), or left
         unused for a plain round. A verdict a run computed (module doc, "Tree runs") holds the tree as it
         is when the plan changes the shape: the verifier may have verified it already, in the run; the run
-        is closed, and the plan applies from the first round a run did not compute. `ahead_s` > 0: the tree
-        was drafted ahead at the verifier (a hit: no draft waited for, the round's rows still pending)."""
+        is closed, and the plan applies from the first round a run did not compute. A plan that changes
+        only the dynamic-depth threshold (`TreeParams.shape` the same) keeps the run and its threshold.
+        `ahead_s` > 0: the tree was drafted ahead at the verifier (a hit: no draft waited for, the round's
+        rows still pending)."""
         tree, draft_s, params, from_run = drafted
         if not ahead_s:
             self._observe_draft(params, rows, draft_s)
         plan = self._plan(seq_id, seq, 0)
+        if from_run and plan.tree is not None and plan.tree.shape == params.shape:
+            plan = replace(plan, tree=params)  # the run's threshold for its rounds (module doc, "Tree runs")
         if from_run and plan.tree != params:
             run = self._tree_runs.pop(seq_id, None)
             if run is not None:
@@ -801,9 +811,9 @@ class Engine:
             self.verdict_counts["plain"] += 1
             return self._draft(seq_id, seq, seq.root, plan=plan)
         assert int(tree.tokens[0]) == seq.root, (int(tree.tokens[0]), seq.root)  # rooted at the bonus
-        if plan.tree != params:
-            tree = trim(tree, plan.tree, seq.sort_paths)
-        self.verdict_counts["kept" if plan.tree == params else "trimmed"] += 1
+        cut = trim(tree, plan.tree, seq.sort_paths) if plan.tree != params else tree
+        self.verdict_counts["kept" if cut is tree else "trimmed"] += 1  # (a new threshold may cut nothing)
+        tree = cut
         return _Draft(tree, plan, [], None, draft_s, in_verify=True, ahead_hit=ahead_s > 0, saved_s=ahead_s)
 
     def _from_verdict(self, seq_id: str, seq: _SequenceState, verdict: VerdictDraft, rows: int, plan: RoundPlan,

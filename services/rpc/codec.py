@@ -398,7 +398,8 @@ def encode_stats(s: RoundStats, commit_s: float = 0.0) -> cpb.RoundStats:
                           tree_max_depth=s.tree_max_depth, tree_depth=s.tree_max_depth,  # (deprecated copy)
                           draft_s=s.draft_s, verify_s=s.verify_s, commit_s=commit_s,
                           ahead=s.ahead, ahead_s=s.ahead_s, ahead_wait_s=s.ahead_wait_s, ahead_hit=s.ahead_hit,
-                          saved_s=s.saved_s, drafted_in_verify=s.drafted_in_verify)
+                          saved_s=s.saved_s, drafted_in_verify=s.drafted_in_verify, detached=s.detached,
+                          run=s.run, tree_run=s.tree_run)
 
 
 def decode_stats(msg: cpb.RoundStats) -> RoundStats:
@@ -406,4 +407,5 @@ def decode_stats(msg: cpb.RoundStats) -> RoundStats:
                       tree_max_depth=msg.tree_max_depth or msg.tree_depth,  # (an older coordinator: tree_depth)
                       draft_s=msg.draft_s, verify_s=msg.verify_s, ahead=msg.ahead, ahead_s=msg.ahead_s,
                       ahead_wait_s=msg.ahead_wait_s, ahead_hit=msg.ahead_hit, saved_s=msg.saved_s,
-                      drafted_in_verify=msg.drafted_in_verify)
+                      drafted_in_verify=msg.drafted_in_verify, detached=msg.detached, run=msg.run,
+                      tree_run=msg.tree_run)

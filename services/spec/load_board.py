@@ -15,10 +15,12 @@ Thread-safe; pure (no I/O).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 
-from services.spec.acceptance import ema
+EXTRAS = ("_draft_extra", "_verify_extra", "_plain_extra")  # LoadBoard's measured latencies
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,8 @@ def same_load(a: Load, b: Load, tolerance: float = 0.1) -> bool:
 
 class LoadBoard:
     """The sequences that share one verifier's forwards (continuous batching), each with its latest
-    plan, and two latencies measured on the rounds they run (EMAs, weight `alpha`): how much longer a
+    plan, and two latencies measured on the rounds they run (each the median of its latest `window`
+    observations, never below 0): how much longer a
     draft takes than the cost model's compute for it (the draft call's round trip, the drafter's
     queue, catching up the draft KV) and how much longer a verify call takes than the modelled
     forward (the verify call's round trip, the batch's gathering, a batch forward's per-sequence
@@ -62,12 +65,18 @@ class LoadBoard:
     tree round is a call of its own. The calibrated curves are one sequence's forward in process;
     these extras are what the services add on this machine, and the chooser charges them
     (Budget._choose).
+    A median, not a mean: single rounds cost far more than a steady round's extra (a service's first
+    draft, a draft that catches the draft KV up after plain rounds, the first Verify after a run was
+    closed, which waits for the run's step in flight); an EMA of them kept the budget plain for
+    hundreds of rounds after a service's first request (docs/benchmarks.md, "The board's extras").
+    Observations are kept as measured (a round from a run can wait less than the model's forward).
     Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
 
-    def __init__(self, alpha: float = 0.1) -> None:
+    def __init__(self, window: int = 9, decay: float = 1 / 160) -> None:
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[float, float, float]] = {}  # key -> (rows, tokens, draft_s)
-        self.alpha = alpha
+        self.decay = decay  # the draft extra's share forgotten per verify or plain round (observe_verify)
+        self._seen: dict[str, deque[float]] = {name: deque(maxlen=window) for name in EXTRAS}
         self._draft_extra: float | None = None  # None until measured
         self._verify_extra: float | None = None
         self._plain_extra: float | None = None
@@ -87,27 +96,26 @@ class LoadBoard:
 
     def observe_verify(self, excess_s: float) -> None:
         """One tree round's verify call's measured seconds minus the modelled batch forward. The draft
-        extra is forgotten slowly meanwhile (by alpha / 16 per call): measured under another load
-        (a burst of catch-up drafts), it must not rule out drafting, and probing, for good."""
-        self._observe_round("_verify_extra", excess_s)
+        extra is forgotten slowly meanwhile (its observations shrink by `decay` per call): measured
+        under another load (a burst of catch-up drafts), it must not rule out drafting, and probing,
+        for good."""
+        self._observe("_verify_extra", excess_s, decay=True)
 
     def observe_plain(self, excess_s: float) -> None:
         """One plain round's measured seconds minus the modelled batch forward (as observe_verify)."""
-        self._observe_round("_plain_extra", excess_s)
+        self._observe("_plain_extra", excess_s, decay=True)
 
-    def _observe_round(self, name: str, excess_s: float) -> None:
-        self._observe(name, excess_s)
-        with self._lock:
-            if self._draft_extra:
-                self._draft_extra *= 1.0 - self.alpha / 16
-
-    def _observe(self, name: str, x: float) -> None:
+    def _observe(self, name: str, x: float, decay: bool = False) -> None:
         if not math.isfinite(x):
             return
-        x = max(0.0, x)
         with self._lock:
-            old = getattr(self, name)
-            setattr(self, name, x if old is None else ema(old, x, self.alpha))
+            seen = self._seen[name]
+            seen.append(x)
+            setattr(self, name, max(0.0, statistics.median(seen)))
+            draft = self._seen["_draft_extra"]
+            if decay and draft:
+                draft = self._seen["_draft_extra"] = deque((d * (1.0 - self.decay) for d in draft), draft.maxlen)
+                self._draft_extra = max(0.0, statistics.median(draft))
 
     def post(self, key: str, rows: float, tokens: float, draft_s: float) -> None:
         with self._lock:

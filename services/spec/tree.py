@@ -80,6 +80,12 @@ class TreeParams:
         return self.top_k + self.depth * self.top_k ** 2
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        """(top_k, depth, size): the shape without the dynamic-depth threshold, which the adaptive budget
+        moves every round (a run of tree rounds keeps its first: services/engine/engine.py, "Tree runs")."""
+        return self.top_k, self.depth, self.size
+
+    @property
     def draft_rows(self) -> int:
         """Draft-KV rows a tree expansion needs on top of the committed rows."""
         return self.depth * self.top_k

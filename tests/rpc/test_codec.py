@@ -140,6 +140,18 @@ def test_verify_result_carries_accepted_and_reads_an_older_verifiers_accept_leng
         codec.decode_verify_result(vpb.VerifyResponse(accepted=1, nodes=[0, 1, 4], tokens=[7, 8, 9]))
 
 
+def test_a_rounds_kind_crosses_the_api():
+    """What kind of round it was (detached, from a plain run, from a tree run, drafted inside the Verify)
+    reaches a client of the coordinator as the engine recorded it (bench/measure_round_mix.py sorts
+    rounds by it)."""
+    from services.engine.engine import RoundStats
+
+    for kind in ({"detached": True}, {"run": True}, {"tree_run": True, "drafted_in_verify": True}, {}):
+        stats = RoundStats(round_index=2, accept_length=1, tree_size=0, tree_max_depth=0, draft_s=0.0,
+                           verify_s=0.1, **kind)
+        assert codec.decode_stats(codec.encode_stats(stats)) == stats, kind
+
+
 def test_round_index_and_tree_max_depth_fill_the_deprecated_copies_and_read_an_older_peers():
     """RoundStats.round_index / tree_max_depth and Sequence.round_index are new; RoundStats.index /
     tree_depth and Sequence.round (deprecated) are still filled for older clients, and read when an

@@ -138,7 +138,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "tree_max_depth", "draft_s", "verify_s", "commit_s", "ahead", "ahead_s", "ahead_wait_s", "ahead_hit", "saved_s", "drafted_in_verify")
+    __slots__ = ("index", "round_index", "accept_length", "tree_size", "tree_depth", "tree_max_depth", "draft_s", "verify_s", "commit_s", "ahead", "ahead_s", "ahead_wait_s", "ahead_hit", "saved_s", "drafted_in_verify", "detached", "run", "tree_run")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,9 @@ class RoundStats(_message.Message):
     AHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
     SAVED_S_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_IN_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TREE_RUN_FIELD_NUMBER: _ClassVar[int]
     index: int
     round_index: int
     accept_length: int
@@ -169,7 +172,10 @@ class RoundStats(_message.Message):
     ahead_hit: bool
     saved_s: float
     drafted_in_verify: bool
-    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., tree_max_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., ahead: _Optional[bool] = ..., ahead_s: _Optional[float] = ..., ahead_wait_s: _Optional[float] = ..., ahead_hit: _Optional[bool] = ..., saved_s: _Optional[float] = ..., drafted_in_verify: _Optional[bool] = ...) -> None: ...
+    detached: bool
+    run: bool
+    tree_run: bool
+    def __init__(self, index: _Optional[int] = ..., round_index: _Optional[int] = ..., accept_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., tree_depth: _Optional[int] = ..., tree_max_depth: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., ahead: _Optional[bool] = ..., ahead_s: _Optional[float] = ..., ahead_wait_s: _Optional[float] = ..., ahead_hit: _Optional[bool] = ..., saved_s: _Optional[float] = ..., drafted_in_verify: _Optional[bool] = ..., detached: _Optional[bool] = ..., run: _Optional[bool] = ..., tree_run: _Optional[bool] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("drafter", "verifier")
