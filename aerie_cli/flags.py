@@ -23,7 +23,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if ("%(default)" in text or "default:" in text or action.default is argparse.SUPPRESS
+                or not action.option_strings):
             return text
         if action.default is None:
             return text  # the help describes what happens when the flag is absent

@@ -102,6 +102,8 @@ def test_every_flag_has_help_that_shows_its_default():
             text = formatter._get_help_string(action) if action.help else ""
             if "default" not in text.lower() and "required" not in text.lower():
                 missing.append(f"{name} {action.option_strings[0]}: {action.help!r}")
+            if text.count("default:") > 1:  # a help that names its default gets no second one
+                missing.append(f"{name} {action.option_strings[0]} twice: {text!r}")
     assert missing == []
 
 
