@@ -51,7 +51,7 @@ def test_auto_budget_with_retrieval_streams_what_the_in_process_engine_does(pipe
         return remote_run(pipeline, req)
 
     with monkeypatch.context() as m:  # first, on a board that has measured nothing yet
-        m.setattr(LoadBoard, "_observe", lambda self, name, x: None)
+        m.setattr(LoadBoard, "_observe", lambda self, name, x, decay=False: None)
         assert remote() == local_run(local, req)
     tokens, _, _ = remote()
     assert tokens == hf_greedy(hf, list(PROMPT), 40)
