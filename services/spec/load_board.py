@@ -68,7 +68,8 @@ class LoadBoard:
     A median, not a mean: single rounds cost far more than a steady round's extra (a service's first
     draft, a draft that catches the draft KV up after plain rounds, the first Verify after a run was
     closed, which waits for the run's step in flight); an EMA of them kept the budget plain for
-    hundreds of rounds after a service's first request (docs/benchmarks.md, "The board's extras").
+    hundreds of rounds after a service's first request (docs/benchmarks.md, "Tree runs with the
+    adaptive budget, and the board's extras").
     Observations are kept as measured (a round from a run can wait less than the model's forward).
     Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
 
