@@ -34,6 +34,7 @@ from coordinator.round_spans import RoundSpans
 from coordinator.sequence_store import LeaseLost, SequenceStore
 from coordinator.stored_logprobs import to_rows
 from services.rpc.errors import DownstreamError
+from services.spec.load_board import LoadBoard
 
 log = logging.getLogger("aerie.coordinator")
 SERVICE = "coordinator"
@@ -113,6 +114,7 @@ class SequenceRun:
                 commit_s = time.perf_counter() - t0
                 self.spans.end_round(output.stats, commit_s)
                 _observe(output, commit_s)
+                _observe_board(self.engine.budget.load)
                 if output.finish_reason is None and (result.cancel_requested or self.cancelled.is_set()):
                     self.store.finish(self.seq_id, "cancelled", "cancel")
                     output = replace(output, finish_reason="cancel")
@@ -163,6 +165,13 @@ class SequenceRun:
             return
         none = RoundStats(round_index=0, accept_length=0, tree_size=0, tree_max_depth=0, draft_s=0.0, verify_s=0.0)
         self.emit(Committed(RoundOutput([], none, "cancel"), 0.0))
+
+
+def _observe_board(board: LoadBoard | None) -> None:
+    """The budget's measured extras (its verifier's load board) as gauges, after each round."""
+    if board is not None:
+        for kind, seconds in board.extras().items():
+            metrics.BUDGET_EXTRA_SECONDS.labels(SERVICE, board.name, kind).set(seconds)
 
 
 def _observe(output: RoundOutput, commit_s: float) -> None:

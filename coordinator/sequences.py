@@ -206,7 +206,8 @@ class Sequences:
         budget = codec.decode_budget(vinfo, dclient.info() if dclient else None, retrieval)
         if budget is not None and budget.fixed is None:
             with self._lock:
-                board = self._boards.setdefault(placement.verifier_client.address, LoadBoard())
+                address = placement.verifier_client.address
+                board = self._boards.setdefault(address, LoadBoard(name=address))
             budget = replace(budget, load=board)
         ahead = self.ahead if placement.drafter is not None else None
         return vinfo, Engine(placement.verifier, placement.drafter, int(vinfo.max_context), int(vinfo.vocab_size),

@@ -96,6 +96,9 @@ DEVICE_ROUNDS = Counter("aerie_device_rounds", "Tree rounds of a verifier that d
                         "(the host read another verdict: drafted after it)", ["service", "outcome"])
 AHEAD_HITS = Counter("aerie_ahead_hits", "Rounds that verified a tree drafted ahead (the guess hit: no draft "
                      "waited for)", ["service"])
+BUDGET_EXTRA_SECONDS = Gauge("aerie_budget_extra_seconds", "The adaptive budget's measured latency beyond its cost "
+                             "model, per verifier (the load board's median of recent rounds), by kind: draft, verify "
+                             "(tree rounds), plain", ["service", "verifier", "kind"])
 BATCH_QUEUE = Gauge("aerie_batch_queue", "Calls waiting for the next forward when a batch started", ["service"])
 FAILOVERS = Counter("aerie_failovers", "Sequences moved to another replica or coordinator",
                     ["service", "role", "reason"])

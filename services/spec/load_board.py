@@ -73,7 +73,8 @@ class LoadBoard:
     Observations are kept as measured (a round from a run can wait less than the model's forward).
     Thread-safe; one per verifier (in process) or per verifier address (coordinator)."""
 
-    def __init__(self, window: int = 9, decay: float = 1 / 160) -> None:
+    def __init__(self, window: int = 9, decay: float = 1 / 160, name: str = "") -> None:
+        self.name = name  # what it is the board of (the coordinator's: its verifier's address)
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[float, float, float]] = {}  # key -> (rows, tokens, draft_s)
         self.decay = decay  # the draft extra's share forgotten per verify or plain round (observe_verify)
@@ -90,6 +91,13 @@ class LoadBoard:
             de, ve, pe = self._draft_extra or 0.0, self._verify_extra or 0.0, self._plain_extra
         return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
                     de, ve, pe)
+
+    def extras(self) -> dict[str, float]:
+        """The measured extras so far, seconds by kind ('draft', 'verify', 'plain'; a kind not measured
+        yet is left out)."""
+        with self._lock:
+            values = {"draft": self._draft_extra, "verify": self._verify_extra, "plain": self._plain_extra}
+        return {k: v for k, v in values.items() if v is not None}
 
     def observe_draft(self, excess_s: float) -> None:
         """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""

@@ -55,6 +55,17 @@ def test_auto_budget_with_retrieval_streams_what_the_in_process_engine_does(pipe
         assert remote() == local_run(local, req)
     tokens, _, _ = remote()
     assert tokens == hf_greedy(hf, list(PROMPT), 40)
+    # the extras the budget charged are exported per verifier (aerie_budget_extra_seconds)
+    from prometheus_client import REGISTRY
+
+    boards = pipeline.coordinator.sequences._boards
+    assert len(boards) == 1
+    (address, board), = boards.items()
+    measured = board.extras()
+    assert {"draft", "verify"} <= set(measured)  # this run's tree rounds measured both
+    for kind, seconds in measured.items():
+        labels = {"service": "coordinator", "verifier": address, "kind": kind}
+        assert REGISTRY.get_sample_value("aerie_budget_extra_seconds", labels) == seconds, kind
 
 
 def test_a_shape_beyond_the_largest_is_refused(pipeline):
