@@ -1,7 +1,8 @@
 """The rounds of the same requests in process and through `aerie up` pipelines, by kind: how many are
 plain or tree rounds, inside runs (DecodeRun, VerifyRun) or single calls, and the wall between two
 streamed rounds of each kind (what a round of that kind costs the client), the tokens a round and the
-mean tree size. Where the pipeline's time goes against the engine in process, round by round.
+mean tree size; apart, a request's prefill (to its first token) and its first round (whose draft
+takes the prompt's rows first), mean ms. Where the pipeline's time goes against the engine in process, round by round.
 
     AERIE_TORCH_THREADS=1 .venv/bin/python bench/measure_round_mix.py \\
         --prompts ../shared/data/spec_bench_dev.jsonl --per-category 1 --max-new-tokens 48 \\
@@ -35,6 +36,10 @@ def kind(stats) -> str:
     if stats.tree_size <= 1:
         return "plain-run" if stats.run else "detached" if stats.detached else "plain"
     return "tree-run" if stats.tree_run else "tree"
+
+
+def mean_ms(walls: list[float]) -> float | None:
+    return round(1e3 * statistics.mean(walls), 2) if walls else None
 
 
 def main() -> None:
@@ -72,6 +77,7 @@ def main() -> None:
                  **{name: (lambda req, s=sessions[name]: RemoteEngine(s).generate(req)) for name in ups}}
         rounds: dict[str, dict[str, list]] = {side: defaultdict(list) for side in sides}
         seconds = dict.fromkeys(sides, 0.0)
+        starts: dict[str, tuple[list, list]] = {side: ([], []) for side in sides}  # (prefill, first round) walls
         for generate in sides.values():  # warm-up
             list(generate(GenerationRequest(prompts[0].ids, 8)))
         for prompt in prompts:
@@ -79,7 +85,11 @@ def main() -> None:
                 t0 = last = time.perf_counter()
                 for i, out in enumerate(generate(GenerationRequest(prompt.ids, args.max_new_tokens))):
                     now = time.perf_counter()
-                    if i:  # (round 0: the prefill)
+                    if i == 0:  # the prefill and its token
+                        starts[side][0].append(now - last)
+                    elif i == 1:  # the first round: its draft takes the prompt's rows (their features)
+                        starts[side][1].append(now - last)
+                    else:
                         rounds[side][kind(out.stats)].append((now - last, len(out.tokens), out.stats.tree_size))
                     last = now
                 seconds[side] += time.perf_counter() - t0
@@ -89,7 +99,9 @@ def main() -> None:
         stop_all(ups)
     report: dict = {}
     for side, kinds in rounds.items():
-        report[side] = {"seconds": round(seconds[side], 3), "kinds": {
+        report[side] = {"seconds": round(seconds[side], 3),
+                        "prefill_ms": mean_ms(starts[side][0]), "first_round_ms": mean_ms(starts[side][1]),
+                        "kinds": {
             k: {"rounds": len(v), "mean_ms": round(1e3 * statistics.mean(x[0] for x in v), 2),
                 "tokens_per_round": round(statistics.mean(x[1] for x in v), 3),
                 "mean_tree": round(statistics.mean(x[2] for x in v), 2)} for k, v in sorted(kinds.items())}}
