@@ -112,13 +112,14 @@ class Stream:
     decoded: int  # tokens after the first round
     tokens: list[int]  # every token
     parts_ms: list[tuple[float, float, float]]  # per round from round 2 on: (wall, draft, verify) ms
+    in_runs: int = 0  # of those rounds, the ones a run computed (RoundStats.run or tree_run)
 
 
 def timed_stream(generate: Callable[[], Iterator]) -> Stream:
     """Time one generation's stream; each round's draft and verify seconds as its stats say (the
     coordinator's calls, RPC included, through the pipeline)."""
     first_at, first_tokens, tokens, parts = None, 0, [], []
-    last = None
+    last, in_runs = None, 0
     for step in generate():
         now = time.perf_counter()
         tokens += step.tokens
@@ -126,9 +127,10 @@ def timed_stream(generate: Callable[[], Iterator]) -> Stream:
             first_at, first_tokens = now, len(tokens)
         elif step.stats.round_index > 1 and last is not None:  # round 1 was drafted inside the prefill step
             parts.append(((now - last) * 1e3, step.stats.draft_s * 1e3, step.stats.verify_s * 1e3))
+            in_runs += step.stats.run or step.stats.tree_run
         last = now
     assert first_at is not None
-    return Stream(time.perf_counter() - first_at, len(tokens) - first_tokens, tokens, parts)
+    return Stream(time.perf_counter() - first_at, len(tokens) - first_tokens, tokens, parts, in_runs)
 
 
 def ms_per_token(generate: Callable[[], Iterator], repeats: int) -> dict:
@@ -156,7 +158,8 @@ def summary(runs: list[Stream]) -> dict:
     wall between two streamed rounds (`wall`), of draft and verify; `wall_mean`: the median over the
     streams of their mean wall (what ms/token x tokens a round comes to), and `slow_extra`: the ms a
     round, on average, that the rounds slower than 1.3x the median wall take beyond it (a run's first
-    round, the single calls that may end a request: where the mean and the median part)."""
+    round, the single calls that may end a request: where the mean and the median part);
+    `run_share`: the share of those rounds a run computed (plain or tree runs)."""
     per = [r.seconds * 1e3 / max(r.decoded, 1) for r in runs]
     parts = [p for r in runs for p in r.parts_ms]
     round_ms = {name: statistics.median(p[i] for p in parts) if parts else None
@@ -166,6 +169,7 @@ def summary(runs: list[Stream]) -> dict:
     round_ms["wall_mean"] = statistics.median(statistics.mean(w) for w in walls) if walls else None
     round_ms["slow_extra"] = (statistics.median(sum(x - median for x in w if x > 1.3 * median) / len(w) for w in walls)
                               if walls and median is not None else None)
+    round_ms["run_share"] = sum(r.in_runs for r in runs) / len(parts) if parts else None
     return {"ms_per_token": statistics.median(per), "runs_ms_per_token": per, "token_ids": runs[0].tokens,
             "round_ms": round_ms}
 
@@ -375,7 +379,8 @@ def table(res: dict) -> str:
             rows.append((f"  EAGLE round {name}: wall (draft + verify) ms",
                          f"{r['wall']:.2f} ({r['draft']:.2f} + {r['verify']:.2f})"
                          + (f"; mean {r['wall_mean']:.2f}, slow rounds' extra {r['slow_extra']:.2f} a round"
-                            if r.get("wall_mean") is not None else "")))
+                            if r.get("wall_mean") is not None else "")
+                         + (f"; {100 * r['run_share']:.0f}% from runs" if r.get("run_share") is not None else "")))
     from services.bench.service_profile import profile_rows
 
     for label, r in res.get("pipeline", {}).items():

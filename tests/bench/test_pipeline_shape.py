@@ -140,7 +140,9 @@ def test_the_round_summary_says_what_the_median_leaves_out():
     # ten 10 ms rounds and two 20 ms ones (a run boundary, a last single call): 11.67 ms a round
     walls = [10.0] * 5 + [20.0] + [10.0] * 5 + [20.0]
     stream = Stream(seconds=sum(walls) / 1e3, decoded=len(walls), tokens=[1] * 13,
-                    parts_ms=[(w, 1.0, 8.0) for w in walls])
-    r = summary([stream, stream])["round_ms"]
+                    parts_ms=[(w, 1.0, 8.0) for w in walls], in_runs=9)
+    single = Stream(stream.seconds, stream.decoded, stream.tokens, stream.parts_ms)  # no round from a run
+    r = summary([stream, single])["round_ms"]
     assert r["wall"] == 10.0 and r["draft"] == 1.0 and r["verify"] == 8.0
     assert abs(r["wall_mean"] - 140 / 12) < 1e-9 and abs(r["slow_extra"] - 20 / 12) < 1e-9
+    assert r["run_share"] == 9 / 24
