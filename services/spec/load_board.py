@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-EXTRAS = ("_draft_extra", "_verify_extra", "_plain_extra")  # LoadBoard's measured latencies
+EXTRAS = ("draft", "verify", "plain")  # the kinds of LoadBoard's measured latencies
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,53 +78,47 @@ class LoadBoard:
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[float, float, float]] = {}  # key -> (rows, tokens, draft_s)
         self.decay = decay  # the draft extra's share forgotten per verify or plain round (observe_verify)
-        self._seen: dict[str, deque[float]] = {name: deque(maxlen=window) for name in EXTRAS}
-        self._draft_extra: float | None = None  # None until measured
-        self._verify_extra: float | None = None
-        self._plain_extra: float | None = None
+        self._seen: dict[str, deque[float]] = {kind: deque(maxlen=window) for kind in EXTRAS}  # observations
         self.realized: float | None = None  # the latest AcceptanceStats.realized of a greedy sequence
         #                                     here (None until one drafted): where new ones start
 
     def others(self, key: str) -> Load:
+        extras = self.extras()
         with self._lock:
             rest = [v for k, v in self._plans.items() if k != key]
-            de, ve, pe = self._draft_extra or 0.0, self._verify_extra or 0.0, self._plain_extra
         return Load(len(rest), sum(r for r, _, _ in rest), sum(t for _, t, _ in rest), sum(d for _, _, d in rest),
-                    de, ve, pe)
+                    extras.get("draft", 0.0), extras.get("verify", 0.0), extras.get("plain"))
 
     def extras(self) -> dict[str, float]:
         """The measured extras so far, seconds by kind ('draft', 'verify', 'plain'; a kind not measured
-        yet is left out)."""
+        yet is left out): each the median of its window, never below 0."""
         with self._lock:
-            values = {"draft": self._draft_extra, "verify": self._verify_extra, "plain": self._plain_extra}
-        return {k: v for k, v in values.items() if v is not None}
+            return {kind: max(0.0, statistics.median(seen)) for kind, seen in self._seen.items() if seen}
 
     def observe_draft(self, excess_s: float) -> None:
-        """One draft call's measured seconds minus the cost model's compute for it (>= 0 kept)."""
-        self._observe("_draft_extra", excess_s)
+        """One draft call's measured seconds minus the cost model's compute for it."""
+        self._observe("draft", excess_s)
 
     def observe_verify(self, excess_s: float) -> None:
         """One tree round's verify call's measured seconds minus the modelled batch forward. The draft
         extra is forgotten slowly meanwhile (its observations shrink by `decay` per call): measured
         under another load (a burst of catch-up drafts), it must not rule out drafting, and probing,
         for good."""
-        self._observe("_verify_extra", excess_s, decay=True)
+        self._observe("verify", excess_s, decay=True)
 
     def observe_plain(self, excess_s: float) -> None:
         """One plain round's measured seconds minus the modelled batch forward (as observe_verify)."""
-        self._observe("_plain_extra", excess_s, decay=True)
+        self._observe("plain", excess_s, decay=True)
 
-    def _observe(self, name: str, x: float, decay: bool = False) -> None:
+    def _observe(self, kind: str, x: float, decay: bool = False) -> None:
         if not math.isfinite(x):
             return
         with self._lock:
-            seen = self._seen[name]
-            seen.append(x)
-            setattr(self, name, max(0.0, statistics.median(seen)))
-            draft = self._seen["_draft_extra"]
-            if decay and draft:
-                draft = self._seen["_draft_extra"] = deque((d * (1.0 - self.decay) for d in draft), draft.maxlen)
-                self._draft_extra = max(0.0, statistics.median(draft))
+            self._seen[kind].append(x)
+            if decay:
+                draft = self._seen["draft"]
+                for i in range(len(draft)):
+                    draft[i] *= 1.0 - self.decay
 
     def post(self, key: str, rows: float, tokens: float, draft_s: float) -> None:
         with self._lock:

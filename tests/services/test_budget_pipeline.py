@@ -51,7 +51,7 @@ def test_auto_budget_with_retrieval_streams_what_the_in_process_engine_does(pipe
         return remote_run(pipeline, req)
 
     with monkeypatch.context() as m:  # first, on a board that has measured nothing yet
-        m.setattr(LoadBoard, "_observe", lambda self, name, x, decay=False: None)
+        m.setattr(LoadBoard, "_observe", lambda self, kind, x, decay=False: None)
         assert remote() == local_run(local, req)
     tokens, _, _ = remote()
     assert tokens == hf_greedy(hf, list(PROMPT), 40)
@@ -62,7 +62,9 @@ def test_auto_budget_with_retrieval_streams_what_the_in_process_engine_does(pipe
     assert len(boards) == 1
     (address, board), = boards.items()
     measured = board.extras()
-    assert {"draft", "verify"} <= set(measured)  # this run's tree rounds measured both
+    # both on any machine: whatever the calibration, a lone sequence drafts a tree at least at its probe
+    # (after 16 plain rounds; 40 tokens), and that round's draft and verify are measured
+    assert {"draft", "verify"} <= set(measured)
     for kind, seconds in measured.items():
         labels = {"service": "coordinator", "verifier": address, "kind": kind}
         assert REGISTRY.get_sample_value("aerie_budget_extra_seconds", labels) == seconds, kind
