@@ -33,7 +33,7 @@ import torch
 
 from services import metrics
 from services.engine.verifier import PrefillResult, merge_prefill
-from services.rpc.clients import RemoteVerifier
+from services.rpc.clients import NextDraft, RemoteVerifier
 from services.rpc.errors import DownstreamError
 from services.spec.sampling import SamplingParams
 
@@ -55,9 +55,12 @@ class PrefillStopped(Exception):
 
 class ChunkedPrefill:
     def __init__(self, seq_id: str, rows: list[int], sampling: SamplingParams, capacity: int, rebuild: bool,
-                 tries: int, stop: Callable[[], None] = lambda: None) -> None:
+                 tries: int, stop: Callable[[], None] = lambda: None,
+                 next_draft: Callable[[RemoteVerifier], NextDraft | None] | None = None) -> None:
         """rows [L]: the prompt (or, `rebuild`, prompt + committed tokens but the last); `tries` >= 1:
-        calls per chunk before PrefillTimedOut; `stop()` raises PrefillStopped to end the prefill."""
+        calls per chunk before PrefillTimedOut; `stop()` raises PrefillStopped to end the prefill.
+        `next_draft(rv)`: round 1's tree drafted in the prefill on `rv` (VerifierPrefillRequest.next_draft,
+        on every chunk), or None; asked when a verifier starts the prompt from row 0."""
         assert rows and tries >= 1, (len(rows), tries)
         self.seq_id = seq_id
         self.rows = rows
@@ -69,6 +72,8 @@ class ChunkedPrefill:
         self.done = 0  # rows the current verifier holds
         self.parts: list[PrefillResult] = []  # per chunk done: its features [c, F] (and prompt logprobs)
         self.calls = 0  # chunk calls sent (tries included), for logs and tests
+        self.next_draft = next_draft
+        self._next: NextDraft | None = None  # what the chunks on the current verifier carry
 
     def restart(self) -> None:
         """The next run() goes to a verifier that holds none of the rows: start from row 0."""
@@ -79,6 +84,8 @@ class ChunkedPrefill:
         prompt log-probabilities of rows 1..L-1 when sampling.prompt_logprobs asks)."""
         size = rv.prefill_chunk or len(self.rows)
         total = len(self.rows)
+        if self.done == 0:
+            self._next = self.next_draft(rv) if self.next_draft is not None else None
         while self.done < total:
             self.stop()
             start, end = self.done, min(self.done + size, total)
@@ -87,7 +94,7 @@ class ChunkedPrefill:
                 self.calls += 1
                 try:
                     pre = rv.prefill(self.seq_id, part, self.sampling, self.capacity, rebuild=self.rebuild,
-                                     offset=start, prompt_tokens=total)
+                                     offset=start, prompt_tokens=total, next_draft=self._next)
                     break
                 except DownstreamError as e:
                     if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:

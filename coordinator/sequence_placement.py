@@ -69,7 +69,8 @@ import torch
 from services import metrics
 from services.engine.verifier import PrefillResult, VerifyResult
 from services.errors import PREEMPTED, ROWS_MISSING
-from services.rpc.clients import NO_PHASES, DrafterClient, NextDraft, Phases, RemoteDrafter, VerifierClient
+from services.rpc.clients import (NO_PHASES, DrafterClient, NextDraft, Phases, RemoteDrafter, RemoteVerifier,
+                                  VerifierClient)
 from services.rpc.errors import DownstreamError
 from coordinator.prefill import ChunkedPrefill, PrefillTimedOut
 from services.spec.overlap import RunAhead
@@ -224,7 +225,11 @@ class SequencePlacement:
         """Another coordinator took the sequence over: release nothing (it may use the same replicas)."""
         self._abandoned = True
 
-    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int) -> PrefillResult:
+    def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
+                first_draft: TreeParams | None = None) -> PrefillResult:
+        """`first_draft` (asked after `drafts_first`): round 1's tree of that shape drafted in the prefill
+        where the verifier that runs it reaches the sequence's drafter (verifier_svc/first_draft.py;
+        a fail-over to another verifier may not: the result then has no next_tree and the features)."""
         if self._resume is not None:
             (self.prompt, self.committed), self._resume = self._resume, None
             self._sampling, self._capacity = sampling, capacity
@@ -238,11 +243,40 @@ class SequencePlacement:
             self._rv.release(seq_id)
             if self._rd is not None:
                 self.drafter_client.release(seq_id)
+        sent: list[NextDraft | None] = [None]
+
+        def next_draft(rv: RemoteVerifier) -> NextDraft | None:
+            sent[0] = self._first_draft(rv, first_draft)  # asked whenever a verifier starts at row 0
+            return sent[0]
+
         pre = self._prefill_chunks(ChunkedPrefill(seq_id, self.prompt, sampling, capacity, False,
-                                                  self.prefill_tries, self._stop))
+                                                  self.prefill_tries, self._stop, next_draft))
         self._restart = False
         self.committed = [pre.first_token]
+        if pre.next_tree is not None:
+            self._rd.drafted_elsewhere(seq_id, sent[0].index, self._rv.busy)  # type: ignore[union-attr]
+        elif sent[0] is not None and sent[0].drafter:
+            self._missed = sent[0].drafter  # (the engine's Prefill to it says whether the verifier reaches it)
         return pre
+
+    def drafts_first(self, seq_id: str) -> bool:
+        """Round 1's tree can be drafted in the prefill (`prefill(first_draft=...)`): a new sequence (not a
+        take-over's rebuild) whose drafter has no draft KV yet and is the verifier's own process, or any
+        drafter with --direct-drafts."""
+        return (self._resume is None and self._rd is not None and not self._rd.prefilled(seq_id)
+                and self._first_draft(self._rv, TreeParams()) is not None)
+
+    def _first_draft(self, rv: RemoteVerifier, params: TreeParams | None) -> NextDraft | None:
+        """A Prefill's next_draft on `rv` (the drafter's Prefill index 1, the shape, the drafter's address
+        unless it is `rv`'s own process), or None: not asked, or `rv` cannot reach the drafter."""
+        if params is None or self._rd is None or self.drafter_client is None:
+            return None
+        address = self.drafter_client.address
+        if address == rv.client.address:
+            return NextDraft(1, params)
+        if self.direct_drafts is not None and self.direct_drafts.reachable(address):
+            return NextDraft(1, params, address)
+        return None
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int, next_draft: TreeParams | None = None
                ) -> VerifyResult:
@@ -690,8 +724,11 @@ class _VerifierSide:
     def __init__(self, p: SequencePlacement) -> None:
         self._p = p
 
-    def prefill(self, seq_id, prompt, sampling, capacity):
-        return self._p.prefill(seq_id, prompt, sampling, capacity)
+    def prefill(self, seq_id, prompt, sampling, capacity, first_draft=None):
+        return self._p.prefill(seq_id, prompt, sampling, capacity, first_draft)
+
+    def drafts_first(self, seq_id):
+        return self._p.drafts_first(seq_id)
 
     def verify(self, seq_id, tree, round_index, next_draft=None):
         return self._p.verify(seq_id, tree, round_index, next_draft)

@@ -106,9 +106,16 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         if first.round_index < 0:
             raise InvalidRequest(f"round_index must be >= 0 (0: 1); got {first.round_index}")
         call = DraftCall(seq_id, torch.tensor(tokens, dtype=torch.long), features.result(), params)
+        return await self.prefill(call, first.round_index or 1, first.max_rows, first.sampling)
+
+    async def prefill(self, call: DraftCall, round_index: int, max_rows: int, sampling: bool) -> dpb.DraftResponse:
+        """A new draft KV of `max_rows` rows (`sampling`: paths sorted for rejection sampling) that takes
+        call.tokens [n] (prompt[1:] and the first token) with call.features [n, F], and the first tree:
+        the Prefill call, or a verifier that drafts too drafting round 1's tree inside its own Prefill
+        (verifier_svc). A Prefill sent again at the index it ran at gets the same answer."""
+        call = replace(call, features=call.features.to(self.dtype))
         return await timed(DRAFT_SECONDS.labels(SERVICE),
-                            self.batcher.call_async(_Work(call, first.round_index or 1, first.max_rows,
-                                                          first.sampling)))
+                           self.batcher.call_async(_Work(call, round_index, max_rows, sampling)))
 
     @rpc_errors
     async def Draft(self, request: dpb.DraftRequest, context) -> dpb.DraftResponse:
@@ -275,6 +282,11 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             seq_id = w.call.seq_id
             try:
                 if w.max_rows is not None:  # Prefill: a new draft KV
+                    last = self._last.get(seq_id)
+                    if last is not None and w.round_index == last[0]:  # (`_last` goes with the KV)
+                        # sent again (a verifier's call to this drafter that missed its deadline; a retry)
+                        results[i] = last[1].response() if isinstance(last[1], QueuedDraft) else last[1]
+                        continue
                     self.drafter.start(seq_id, w.max_rows, w.sampling)
                     self.idle.touch(seq_id)
                 else:

@@ -87,7 +87,8 @@ AHEAD_ROUNDS = Counter("aerie_ahead_rounds", "Rounds that drafted the next tree 
 TREE_RUN_ROUNDS = Counter("aerie_tree_run_rounds", "Tree rounds whose verdict came from a run of tree rounds "
                           "(VerifyRun on a verifier that drafts too)", ["service"])
 DRAFTS_IN_VERIFY = Counter("aerie_drafts_in_verify", "Rounds whose tree was drafted inside the previous round's "
-                           "Verify (a verifier that drafts too: no Draft call of their own)", ["service"])
+                           "call to the verifier (a Verify; round 1's: the Prefill), by a verifier that drafts too "
+                           "or at the drafter it sent the draft to: no Draft call of their own", ["service"])
 DIRECT_DRAFTS = Counter("aerie_direct_drafts", "Next drafts a verifier sent straight to the sequence's drafter "
                         "(coordinator --direct-drafts), by outcome: drafted, ahead (a run's DraftAhead hit: its "
                         "tree, no Draft), or failed (the coordinator drafts)", ["service", "outcome"])

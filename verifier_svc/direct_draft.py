@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from services import telemetry
 from services.errors import InvalidRequest
@@ -72,6 +73,7 @@ class DirectDrafts:
 
     def __init__(self, service: ServiceConfig, security: Security | None = None) -> None:
         self.max_message_bytes = service.max_message_bytes
+        self.chunk_bytes = service.chunk_bytes  # a Prefill stream's tensor bytes per message
         self.security = security if security is not None else Security.load(service)
         self.metadata = call_metadata(self.security)
         self._stubs: dict[str, tuple[grpc.aio.Channel, drafter_grpc.DrafterStub]] = {}
@@ -107,13 +109,24 @@ class DirectDrafts:
         take_tree(response, drafted, time.perf_counter() - t0)
         return True
 
-    async def call(self, seq_id: str, drafter: str, method: str, request, timeout_s: float
-                   ) -> dpb.DraftResponse | None:
-        """One Draft or DraftAhead call (`method`) at `drafter`, with this process's credentials and, with
+    async def prefill(self, seq_id: str, nxt: NextDraftTo, tokens: torch.Tensor, features: torch.Tensor,
+                      max_rows: int, sampling: bool, timeout_s: float) -> dpb.DraftResponse | None:
+        """Round 1's tree from a prompt prefilled here (verifier_svc/first_draft.py): the drafter's
+        Prefill stream (tokens [L] prompt[1:] and the first token, features [L, F], a draft KV of
+        `max_rows` rows) at `nxt.drafter`, at index `nxt.index`; None when it fails."""
+        messages = codec.drafter_prefill(seq_id, max_rows, sampling, tokens, features, nxt.params, nxt.index,
+                                         self.chunk_bytes)
+        return await self.call(seq_id, nxt.drafter, "Prefill", messages, timeout_s, round_index=nxt.index)
+
+    async def call(self, seq_id: str, drafter: str, method: str, request, timeout_s: float,
+                   round_index: int | None = None) -> dpb.DraftResponse | None:
+        """One Draft, DraftAhead or Prefill call (`method`; a Prefill's `request` is its message
+        iterator, `round_index` its index) at `drafter`, with this process's credentials and, with
         tracing on, under a CLIENT span (next_draft / draft_ahead) whose traceparent it carries; None
         when it fails (logged: the coordinator drafts)."""
-        attributes = {telemetry.SEQ_ID: seq_id, telemetry.ROUND_INDEX: request.round_index, telemetry.DRAFTER: drafter}
-        name = "next_draft" if method == "Draft" else "draft_ahead"
+        index = request.round_index if round_index is None else round_index
+        attributes = {telemetry.SEQ_ID: seq_id, telemetry.ROUND_INDEX: index, telemetry.DRAFTER: drafter}
+        name = "draft_ahead" if method == "DraftAhead" else "next_draft"
         with telemetry.start_span(name, kind="client", attributes=attributes) as span:
             metadata = list(self.metadata)
             telemetry.inject(metadata)  # (the span's context; nothing when tracing is off)

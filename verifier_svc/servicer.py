@@ -76,7 +76,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -89,7 +89,7 @@ from services.engine.drafter import DraftCall
 from services.engine.local import device_round
 from services.engine.verifier import (Call, DecodeCall, PrefillCall, PrefillMoreCall, PrefillResult, Verifier,
                                       VerifyCall, VerifyResult, merge_prefill)
-from services.errors import CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequencePreempted
+from services.errors import AerieError, CapacityExceeded, InvalidRequest, KVBudgetExceeded, SequencePreempted
 from services import metrics
 from services.metrics import PREFILL_SECONDS, SEQUENCES_IN_FLIGHT, VERIFY_SECONDS
 from services.model.kv_pool import KVPool
@@ -110,6 +110,7 @@ from verifier_svc.config import AUTO, VerifierConfig
 from verifier_svc.ahead_run import AheadRun, decode_run_ahead
 from verifier_svc.device_round import DeviceRounds, QueuedVerify
 from verifier_svc.direct_draft import DirectDrafts, NextDraftTo, check_address
+from verifier_svc.first_draft import FirstDrafts
 from verifier_svc.plain_run import END, QueuedAnswer, QueuedToken, RunAnswers, RunChain, RunStep, check_steps
 
 log = logging.getLogger("aerie.verifier")
@@ -128,6 +129,8 @@ class NextDrafter(Protocol):
     def check_next(self, round_index: int, params: TreeParams | None) -> None: ...
 
     def draft_next(self, drafts: list[tuple[DraftCall, int]]) -> list: ...
+
+    async def prefill(self, call: DraftCall, round_index: int, max_rows: int, sampling: bool) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +215,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         process serves too (--draft), which drafts the next tree in a Verify that asks for it."""
         self.drafter_servicer = drafter
         self._direct: DirectDrafts | None = None  # channels to drafters (opened by the first direct draft)
+        self._first = FirstDrafts()  # prompts whose round-1 tree is drafted in their Prefill, until the last chunk
         self.verify_cost = verify_cost
         self.target = target
         self.config = config
@@ -326,6 +330,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         if not total < request.capacity <= self.max_capacity:
             raise InvalidRequest(f"capacity must be in [{total + 1}, {self.max_capacity}] for a {total}-token prompt "
                                  f"(this verifier's limit, AERIE_MAX_SEQUENCE_ROWS); got {request.capacity}")
+        first = self._first_draft(seq_id, request.next_draft, offset) if request.HasField("next_draft") else None
         client = _client(context)
         if offset == 0 and not more:
             work = self._prefill(PrefillCall(seq_id, prompt, sampling, request.capacity, kind), client)
@@ -341,11 +346,61 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
             result = answer
             logprobs = codec.encode_logprobs(self.verifier.take_logprobs(seq_id))  # None unless asked for
         prompt_logprobs = codec.encode_logprobs(result.prompt_logprobs)  # None unless asked for
+        features, drafted, draft_s = result.features, None, 0.0
+        if first is not None:  # round 1's tree here: the prompt's features stay (verifier_svc/first_draft.py)
+            t0 = time.perf_counter()
+            features, drafted = await self._first.take(
+                seq_id, offset, prompt, result.first_token, result.features, more,
+                lambda tokens, rows: self._draft_first(seq_id, first, tokens, rows, request.capacity,
+                                                       not sampling.greedy, context))
+            draft_s = time.perf_counter() - t0
         room = self.config.service.chunk_bytes - (prompt_logprobs.ByteSize() if prompt_logprobs is not None else 0)
-        for i, chunk in enumerate(codec.tensor_chunks(result.features, self.config.service.chunk_bytes, room)):
-            yield vpb.VerifierPrefillResponse(
+        for i, chunk in enumerate(codec.tensor_chunks(features, self.config.service.chunk_bytes, room)):
+            response = vpb.VerifierPrefillResponse(
                 first_token=result.first_token if i == 0 else 0, features=chunk, logprobs=logprobs if i == 0 else None,
                 prompt_logprobs=prompt_logprobs if i == 0 else None)
+            if i == 0 and drafted is not None:
+                response.next_tree.CopyFrom(drafted.tree)
+                response.next_draft_seconds = draft_s
+                response.drafter_busy = drafted.busy
+            yield response
+
+    def _first_draft(self, seq_id: str, nxt: vpb.NextDraft, offset: int) -> NextDraftTo:
+        """A Prefill's next_draft (round 1's tree in the same call), checked before the prefill runs."""
+        params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
+        if nxt.drafter:
+            drafter = check_address(nxt.drafter)
+        elif self.drafter_servicer is None:
+            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head "
+                                 "too, or name the sequence's drafter in next_draft.drafter)")
+        else:
+            self.drafter_servicer.check_next(nxt.round_index, params)
+            drafter = ""
+        if nxt.round_index < 1:
+            raise InvalidRequest(f"next_draft.round_index must be >= 1 (the drafter's Prefill index); "
+                                 f"got {nxt.round_index}")
+        self._first.check(seq_id, offset)
+        return NextDraftTo(nxt.round_index, params, drafter)
+
+    async def _draft_first(self, seq_id: str, nxt: NextDraftTo, tokens: torch.Tensor, features: torch.Tensor,
+                           max_rows: int, sampling: bool, context):
+        """The drafter's Prefill of a prompt prefilled here (tokens [L] prompt[1:] and the first token,
+        features [L, F]): this process's head, or the sequence's drafter (direct_draft.py); None when
+        it failed (logged: the coordinator drafts)."""
+        if nxt.drafter:
+            if self._direct is None:
+                self._direct = DirectDrafts(self.config.service)
+            drafted = await self._direct.prefill(seq_id, nxt, tokens, features, max_rows, sampling,
+                                                 self._draft_timeout(context))
+            metrics.DIRECT_DRAFTS.labels(SERVICE, "drafted" if drafted is not None else "failed").inc()
+            return drafted
+        assert self.drafter_servicer is not None  # (_first_draft checked)
+        try:
+            return await self.drafter_servicer.prefill(DraftCall(seq_id, tokens, features, nxt.params), nxt.index,
+                                                       max_rows, sampling)
+        except AerieError as e:
+            log.info("sequence %s: round 1's draft in its Prefill failed (%s); its coordinator drafts", seq_id, e)
+            return None
 
     async def _prefill(self, call: PrefillCall, client: str) -> PrefillResult:
         """The whole prompt in one forward, or in chunks of the prefill chunk (--prefill-chunk, cut to
@@ -814,6 +869,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         self._chunks.pop(seq_id, None)
         self._slices.pop(seq_id, None)
         self._prefilling.discard(seq_id)
+        self._first.forget(seq_id)
         self.idle.forget(seq_id)
         self.shares.release(seq_id)
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(len(self._kind))

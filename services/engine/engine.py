@@ -70,7 +70,10 @@ accepted tokens and the bonus with their features); the draft KV then holds thos
 round uses that tree, cut to the budget's plan (trim) or left unused for a plain round. One call a
 round instead of a Verify and a Draft; the same trees wherever the plan keeps the round's shape (a
 fixed tree: always). Not with retrieval, in a round that drafts ahead, or with rows waiting for the
-draft KV (the detached rounds' rows, an ahead hit's): those rounds draft as before. With an overlap
+draft KV (the detached rounds' rows, an ahead hit's): those rounds draft as before. Round 1's tree
+likewise comes with the prefill where the role `drafts_first(seq_id)` (the prompt's features then
+never reach the engine): round 1 is planned before the prefill (`prefill(..., first_draft=params)`;
+a plain plan prefills as before). With an overlap
 policy the rounds it declines draft inside the Verify (and run, below); no round of an open run
 drafts ahead, and the policy chooses again after the run.
 
@@ -186,7 +189,7 @@ class RoundStats:
     ahead_hit: bool = False  # this round's tree was drafted ahead (the previous round's guess hit)
     saved_s: float = 0.0  # draft seconds this round did not wait for (its ahead tree's draft time)
     run: bool = False  # a plain round whose token came from a run (DecodeRun; see the module doc)
-    drafted_in_verify: bool = False  # its tree was drafted inside the previous round's Verify (module doc)
+    drafted_in_verify: bool = False  # its tree was drafted inside the previous round's Verify (round 1: the prefill)
     tree_run: bool = False  # a tree round whose verdict came from a run (VerifyRun; module doc, "Tree runs")
 
     @property
@@ -248,7 +251,7 @@ class _Draft:
     detached: bool = False  # a plain step through Decode(keep_features): no tree is verified
     ahead_hit: bool = False  # the tree was drafted ahead (its draft_s is 0: nothing waited for it)
     saved_s: float = 0.0  # that ahead draft's own seconds
-    in_verify: bool = False  # drafted inside the previous round's Verify (a verifier that drafts too)
+    in_verify: bool = False  # drafted inside the previous round's Verify, or the prefill (a verifier that drafts too)
     held: bool = False  # a run's next tree verified as it is, whatever the plan (Engine._drafted_in_verify)
 
 
@@ -407,24 +410,53 @@ class Engine:
     def _prefill(self, req: GenerationRequest, seq_id: str, prompt: torch.Tensor, capacity: int,
                  stop_ids: frozenset[int]) -> tuple[_SequenceState, RoundOutput]:
         """Round 0: the verifier runs the prompt and samples the first root; a speculating engine
-        starts the drafter (the prompt rows wait in `pending`) and plans + drafts round 1."""
+        starts the drafter (the prompt rows wait in `pending`) and plans + drafts round 1, or, where
+        the verifier drafts it in the prefill (`_plan_in_prefill`), plans round 1 first and takes its
+        tree from the prefill's answer (nothing pending: the draft KV took the prompt's rows)."""
+        seq = self._new_sequence(req, -1)  # (its root: the first token)
+        plan = self._plan_in_prefill(seq_id, seq, int(prompt.shape[0]))
         t0 = time.perf_counter()
-        pre = self.verifier.prefill(seq_id, prompt, req.sampling, capacity)
+        if plan is not None and plan.tree is not None:  # round 1's tree drafted in the prefill (module doc)
+            assert self.drafter is not None  # (_plan_in_prefill)
+            self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
+            pre = self.verifier.prefill(seq_id, prompt, req.sampling, capacity,  # type: ignore[call-arg]
+                                        first_draft=plan.tree)
+        else:
+            pre = self.verifier.prefill(seq_id, prompt, req.sampling, capacity)
         verify_s = time.perf_counter() - t0
+        if pre.next_tree is not None:  # (the draft's seconds are round 1's draft_s)
+            verify_s = max(verify_s - pre.next_draft_s, 0.0)
+        seq.root = pre.first_token
         new, reason = check_stop([pre.first_token], 0, req.max_new_tokens, stop_ids)
-        seq = self._new_sequence(req, pre.first_token)
         if reason is None and self.speculates:
-            if self.drafter:
-                self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
+            if self.drafter and pre.next_tree is None:
+                if plan is None or plan.tree is None:
+                    self.drafter.start(seq_id, capacity, sampling=not req.sampling.greedy)
                 seq.pending_tokens.append(torch.cat([prompt[1:], torch.tensor([pre.first_token])]))
                 seq.pending_features.append(pre.features)
             if seq.index is not None:
                 seq.index.extend(req.prompt_ids)
                 seq.index.extend([pre.first_token])
-            seq.draft = self._draft(seq_id, seq, pre.first_token)
+            if pre.next_tree is not None:
+                assert plan is not None and plan.tree is not None and int(pre.next_tree.tokens[0]) == seq.root
+                self._observe_draft(plan.tree, int(prompt.shape[0]), pre.next_draft_s)
+                seq.draft = _Draft(pre.next_tree, plan, [], None, pre.next_draft_s, in_verify=True)
+            else:
+                seq.draft = self._draft(seq_id, seq, pre.first_token, plan=plan)
         seq.produced = len(new)
         logprobs = self._logprobs(req, seq_id, len(new))
         return seq, RoundOutput(new, RoundStats(0, 1, 0, 0, 0.0, verify_s), reason, logprobs, pre.prompt_logprobs)
+
+    def _plan_in_prefill(self, seq_id: str, seq: _SequenceState, rows: int) -> RoundPlan | None:
+        """Round 1's plan, made before the prefill where its tree may be drafted in the prefill (a
+        verifier role with `drafts_first(seq_id)`: module doc, "Drafting inside the Verify"; its tree
+        then comes with the first token), else None (planned after the prefill, as every round).
+        Not with retrieval (its chain needs the first token) or for a request of one token."""
+        drafts_first = getattr(self.verifier, "drafts_first", None)
+        if (drafts_first is None or self.drafter is None or seq.index is not None or seq.max_new_tokens <= 1
+                or not drafts_first(seq_id)):
+            return None
+        return self._plan(seq_id, seq, 0, pending_rows=rows)  # (the prompt's rows wait for the draft KV)
 
     def _logprobs(self, req: GenerationRequest, seq_id: str, n: int) -> TokenLogprobs | None:
         """The target's log-probabilities of the first n tokens the verifier's latest call produced
@@ -876,15 +908,17 @@ class Engine:
         return _Draft(tree, plan, chain_nodes, eagle_size, time.perf_counter() - t0,
                       ahead_hit=use, saved_s=saved_s if use else 0.0)
 
-    def _plan(self, seq_id: str, seq: _SequenceState, chain: int) -> RoundPlan:
+    def _plan(self, seq_id: str, seq: _SequenceState, chain: int, pending_rows: int | None = None) -> RoundPlan:
         """The budget's plan for the next round, given `chain` retrieved tokens. Alone, the rows
         waiting for the draft KV are paid whenever the head next drafts (a sunk cost): the decision
         uses a steady round's extension (root + about one accepted token); in a batch they are
         charged (Budget.plan's pending_rows). With a load board, greedy sequences size their trees
         for the batch; sampling sequences keep the batch-1 choice so that a seed replays the same
         tokens whatever the load."""
+        if pending_rows is None:
+            pending_rows = sum(int(t.shape[0]) for t in seq.pending_tokens)
         return self.budget.plan(seq.stats, chain, commit_rows=2.0, key=seq_id, adapt=not seq.sort_paths,
-                                pending_rows=sum(int(t.shape[0]) for t in seq.pending_tokens))
+                                pending_rows=pending_rows)
 
     def _head_tree(self, seq_id: str, seq: _SequenceState, params: TreeParams, on_device: bool = False
                    ) -> DraftTree | TreeOnDevice:

@@ -76,6 +76,10 @@ class PrefillResult:
     features: torch.Tensor  # [L, F] target features of the prompt rows
     prompt_logprobs: TokenLogprobs | None = None  # sampling.prompt_logprobs set: of the prompt tokens
     #                                               this chunk's rows score (see the module doc)
+    # over gRPC, asked with next_draft (verifier_svc/first_draft.py): round 1's tree, rooted at first_token
+    # (the draft KV took prompt[1:], the first token and the features: `features` is then [0, F]), its seconds
+    next_tree: DraftTree | None = None
+    next_draft_s: float = 0.0
 
 
 def merge_prefill(parts: list[PrefillResult]) -> PrefillResult:
@@ -85,7 +89,8 @@ def merge_prefill(parts: list[PrefillResult]) -> PrefillResult:
         return parts[0]
     lps = [p.prompt_logprobs for p in parts if p.prompt_logprobs is not None]
     return PrefillResult(parts[-1].first_token, torch.cat([p.features for p in parts]),
-                         TokenLogprobs.cat(lps) if len(lps) == len(parts) else None)
+                         TokenLogprobs.cat(lps) if len(lps) == len(parts) else None, parts[-1].next_tree,
+                         parts[-1].next_draft_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,20 +154,26 @@ class RemoteVerifier:
         return out
 
     def prefill(self, seq_id: str, prompt: torch.Tensor, sampling: SamplingParams, capacity: int,
-                rebuild: bool = False, offset: int = 0, prompt_tokens: int = 0) -> PrefillResult:
+                rebuild: bool = False, offset: int = 0, prompt_tokens: int = 0,
+                next_draft: NextDraft | None = None) -> PrefillResult:
         """`rebuild`: prompt + committed tokens of an admitted sequence (a fail-over), not bounded by
         the verifier's max_prompt_tokens. A chunk (coordinator/prefill.py): prompt [c] holds rows
         [offset, offset + c) of a `prompt_tokens`-row prompt (0 = `prompt` is all of it); its own
         deadline; first_token is -1 until the last chunk; features [c, F] of these rows only, and
-        (sampling.prompt_logprobs) the log-probabilities of the prompt tokens these rows score."""
+        (sampling.prompt_logprobs) the log-probabilities of the prompt tokens these rows score.
+        `next_draft` (on every chunk; verifier_svc/first_draft.py): round 1's tree drafted in the call
+        (the last chunk's next_tree; `busy` the drafter's load); features [0, F] then, and a chunk
+        before the last carries none; a draft that failed: the last chunk carries every row's."""
         more = bool(prompt_tokens) and offset + len(prompt) < prompt_tokens
         request = vpb.VerifierPrefillRequest(
             sequence_id=seq_id, prompt_ids=prompt.tolist(), sampling=codec.encode_sampling(sampling),
             capacity=capacity, feature_kind=codec.WIRE_FEATURE_KINDS[self.feature_kind], rebuild=rebuild,
             offset=offset, more=more, prompt_tokens=prompt_tokens)
+        if next_draft is not None:
+            request.next_draft.CopyFrom(next_draft.encode())
         rows = 0 if self.feature_kind == "none" else len(prompt)  # plain decoding gets no features
-        features = codec.TensorAssembler("features", shape=(rows, None))
-        first_token, prompt_logprobs = None, None
+        features = codec.TensorAssembler("features", shape=(None if next_draft is not None else rows, None))
+        first_token, prompt_logprobs, next_tree, next_draft_s = None, None, None, 0.0
         with self.phases.phase(0, "verify"):
             try:
                 metadata = (("aerie-client", self.kv_client),) if self.kv_client else None
@@ -178,10 +184,18 @@ class RemoteVerifier:
                             self._logprobs = codec.decode_logprobs(msg.logprobs, [first_token])
                         if msg.HasField("prompt_logprobs"):
                             prompt_logprobs = codec.decode_logprobs(msg.prompt_logprobs, None)
+                        if msg.HasField("next_tree"):
+                            next_tree = codec.decode_tree(msg.next_tree, self.vocab_size)
+                            next_draft_s, self.busy = msg.next_draft_seconds, msg.drafter_busy
                     features.add(msg.features)
             except grpc.RpcError as e:
                 raise DownstreamError.from_rpc(e, self.client.role, self.client.address) from None
-        return PrefillResult(first_token, features.result(), prompt_logprobs)
+        result = features.result()
+        if next_draft is not None and result.shape[0] not in (0, offset + len(prompt) if not more else 0):
+            raise DownstreamError(grpc.StatusCode.INTERNAL, (
+                f"verifier {self.client.address} answered a chunk at offset {offset} with next_draft with "
+                f"{result.shape[0]} feature rows (expected 0, or {offset + len(prompt)} from the last chunk)"))
+        return PrefillResult(first_token, result, prompt_logprobs, next_tree, next_draft_s)
 
     def verify(self, seq_id: str, tree: DraftTree, round_index: int,
                next_draft: NextDraft | None = None) -> VerifyResult:
@@ -457,8 +471,8 @@ class RemoteDrafter:
             max_rows, sampling, round_index = self._pending.pop(seq_id)
             self._round[seq_id] = 0  # prefilled (or partly): release must reach the drafter
             with self.phases.phase(span_round or round_index, "draft"):
-                response = self.client.call(self.client.stub.Prefill, self._prefill_messages(
-                    seq_id, max_rows, sampling, tokens, features, params, round_index))
+                response = self.client.call(self.client.stub.Prefill, codec.drafter_prefill(
+                    seq_id, max_rows, sampling, tokens, features, params, round_index, self.client.chunk_bytes))
         else:
             round_index = self._round.get(seq_id, 0) + 1
             request = dpb.DraftRequest(sequence_id=seq_id, round_index=round_index, tokens=tokens.tolist(),
@@ -512,26 +526,15 @@ class RemoteDrafter:
         self._round[seq_id] = self.next_index(seq_id)
 
     def drafted_elsewhere(self, seq_id: str, round_index: int, busy: float) -> None:
-        """A draft at `round_index` ran inside a Verify (the same process: a verifier that drafts too)."""
+        """A draft at `round_index` ran inside a Verify, or the drafter's Prefill inside the verifier's
+        (its `start` is then done: nothing pending)."""
+        self._pending.pop(seq_id, None)
         self._round[seq_id] = round_index
         self.busy = busy
 
     def prefilled(self, seq_id: str) -> bool:
         """The drafter holds the sequence's draft KV (its first draft, the streamed Prefill, was sent)."""
         return seq_id in self._round
-
-    def _prefill_messages(self, seq_id, max_rows, sampling, tokens, features, params, round_index=1):
-        # the first message also carries the token ids (<= 10 bytes each as varints)
-        chunks = codec.tensor_chunks(features, self.client.chunk_bytes,
-                                     self.client.chunk_bytes - 10 * int(tokens.numel()) - 64)
-        first = dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=max_rows, sampling=sampling,
-                                          tokens=tokens.tolist(), features=next(chunks),
-                                          round_index=round_index if round_index > 1 else 0)
-        if params is not None:
-            first.tree.CopyFrom(codec.encode_tree_params(params))
-        yield first
-        for chunk in chunks:
-            yield dpb.DrafterPrefillRequest(features=chunk)
 
     def release(self, seq_id: str) -> None:
         self._pending.pop(seq_id, None)

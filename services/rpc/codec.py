@@ -24,6 +24,7 @@ from services.engine.verifier import VerifyResult
 from services.errors import InvalidRequest
 from services.rpc.stubs import common as pb
 from services.rpc.stubs import coordinator as cpb
+from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.cost import CostCurve
 from services.spec.logprobs import TokenLogprobs
@@ -149,6 +150,21 @@ def tensor_chunks(t: torch.Tensor, chunk_bytes: int, first_chunk_bytes: int | No
     yield pb.Tensor(dtype=WIRE_DTYPES[t.dtype], shape=list(t.shape), data=data[:first])
     for offset in range(first, len(data), chunk_bytes):
         yield pb.Tensor(data=data[offset:offset + chunk_bytes])
+
+
+def drafter_prefill(seq_id: str, max_rows: int, sampling: bool, tokens: torch.Tensor, features: torch.Tensor,
+                    params: TreeParams | None, round_index: int, chunk_bytes: int) -> Iterator[dpb.DrafterPrefillRequest]:
+    """The Drafter's Prefill stream: tokens [n] (prompt[1:] and the first token; in the first message, at
+    most 10 bytes each as varints) and features [n, F] in chunks of `chunk_bytes`; `round_index` the
+    call's index (1: sent as 0)."""
+    chunks = tensor_chunks(features, chunk_bytes, chunk_bytes - 10 * int(tokens.numel()) - 64)
+    first = dpb.DrafterPrefillRequest(sequence_id=seq_id, max_rows=max_rows, sampling=sampling, tokens=tokens.tolist(),
+                                      features=next(chunks), round_index=round_index if round_index > 1 else 0)
+    if params is not None:
+        first.tree.CopyFrom(encode_tree_params(params))
+    yield first
+    for chunk in chunks:
+        yield dpb.DrafterPrefillRequest(features=chunk)
 
 
 class TensorAssembler:

@@ -5,7 +5,8 @@ Draft. Over real gRPC and a real Redis: greedy output equals the target's; the t
 seeded samples equal the split pipeline's (a fixed tree: the same Draft calls, made in another
 place; plans that change the shape: tests/engine/test_draft_in_verify.py); a colocated verifier that dies moves
 the sequence, which drafts inside the Verify again on the replacement; a bad next_draft gets
-INVALID_ARGUMENT and a repeated Verify the same next tree. Nothing here depends on timing."""
+INVALID_ARGUMENT and a repeated Verify the same next tree. Round 1's tree comes with the Prefill
+(VerifierPrefillRequest.next_draft), chunked or not. Nothing here depends on timing."""
 
 import itertools
 
@@ -55,6 +56,12 @@ def counter(name: str) -> float:
     return REGISTRY.get_sample_value(f"aerie_{name}_total", {"service": "coordinator"}) or 0.0
 
 
+def prefill_calls() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("aerie_prefill_seconds_count", {"service": "verifier"}) or 0.0
+
+
 @pytest.fixture(scope="module")
 def split(model_dirs, redis_url):
     p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE)
@@ -76,10 +83,11 @@ def test_greedy_equals_the_target_and_the_split_pipeline(colocated, split, targe
     assert messages[0].info.placement.drafter == messages[0].info.placement.verifier == colocated.addresses["verifier"]
     stats = rounds(messages)
     assert all(s.tree_size > 1 for s in stats)  # the fixed tree every round
-    # the first round's tree comes from the drafter's Prefill; every later one from the Verify before it,
-    # but near the end: a round that may end the request (TREE.depth + 2 = 5 tokens or fewer left) drafts nothing
+    # the first round's tree comes with the Prefill (drafted in the verifier's process); every later one from
+    # the Verify before it, but near the end: a round that may end the request (TREE.depth + 2 = 5 tokens or
+    # fewer left) drafts nothing
     left = [N - len(messages[0].tokens) - sum(s.accept_length for s in stats[:i]) for i in range(len(stats))]
-    assert [s.drafted_in_verify for s in stats] == [False] + [n > TREE.depth + 2 for n in left[:-1]]
+    assert [s.drafted_in_verify for s in stats] == [True] + [n > TREE.depth + 2 for n in left[:-1]]
     assert counter("drafts_in_verify") == before + sum(s.drafted_in_verify for s in stats) > before
     # and the rounds ran as a run of tree rounds in the verifier (VerifyRun, up to 16 a call: the
     # coordinator's --plain-run), from the first until the run's tokens reach what leaves a round that
@@ -97,6 +105,21 @@ def test_greedy_equals_the_target_and_the_split_pipeline(colocated, split, targe
     assert [(s.tree_size, s.accept_length) for s in rounds(split_messages)] == [(s.tree_size, s.accept_length)
                                                                                 for s in stats]
     wait_until(lambda: colocated.verifier.num_sequences == 0 and colocated.drafter.drafter.num_sequences == 0)
+
+
+def test_a_prompt_sent_in_chunks_gets_round_ones_tree_with_its_last_chunk(model_dirs, redis_url, target_greedy):
+    """A verifier whose prefill chunk (4 rows) is shorter than the prompt: the coordinator sends the
+    prompt in two calls, both asking for round 1's tree; it comes with the second, and the output is
+    the target's."""
+    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, colocate=True,
+                       verifier_overrides={"prefill_chunk": 4})
+    try:
+        calls = prefill_calls()
+        tokens, messages = generate(p, 12)
+        assert tokens == target_greedy[:12] and prefill_calls() == calls + 2  # (two chunks)
+        assert rounds(messages)[0].drafted_in_verify and rounds(messages)[0].tree_size == TREE.size
+    finally:
+        p.close()
 
 
 def test_the_head_uses_the_verifiers_lm_head(colocated):
@@ -217,6 +240,83 @@ def test_next_draft_is_validated_and_a_repeated_verify_returns_the_same_tree(col
         plain.Verify(ask, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--draft" in e.value.details()
     plain.Release(_release("w"), timeout=60)
+
+
+def _prefill_drafting(seq_id: str, chunk: int = 0, round_index: int = 1) -> list[vpb.VerifierPrefillRequest]:
+    """The Prefill calls of PROMPT for `seq_id` that ask for round 1's tree (next_draft), in chunks of
+    `chunk` rows (0: one call)."""
+    chunk = chunk or len(PROMPT)
+    calls = []
+    for offset in range(0, len(PROMPT), chunk):
+        part = PROMPT[offset:offset + chunk]
+        request = vpb.VerifierPrefillRequest(sequence_id=seq_id, prompt_ids=list(part), capacity=128,
+                                             feature_kind=codec.WIRE_FEATURE_KINDS["hidden"], offset=offset,
+                                             more=offset + len(part) < len(PROMPT), prompt_tokens=len(PROMPT))
+        request.next_draft.round_index = round_index
+        request.next_draft.tree.CopyFrom(codec.encode_tree_params(TREE))
+        calls.append(request)
+    return calls
+
+
+def _rows(answer: list[vpb.VerifierPrefillResponse]) -> int:
+    return codec.decode_tensor(answer[0].features, "features", shape=(None, None)).shape[0]
+
+
+def test_round_one_is_drafted_in_the_prefill(colocated, split):
+    """VerifierPrefillRequest.next_draft on a verifier that drafts too: the answer carries round 1's
+    tree, the one the coordinator's Prefill to the head would have drafted, and no features (they
+    stayed in the process); chunk by chunk, every chunk asks and answers without features, the last
+    one with the tree; a last chunk sent again gets the same tree (the draft KV untouched); a draft
+    that fails (the head holds the id already) answers with every row's features; bad requests are
+    refused naming the value."""
+    stub = colocated.verifier_stub()
+    head = colocated.drafter.drafter
+    for chunk in (0, 2, 4):
+        # the tree the coordinator's first draft makes from a plain prefill's features (chunked alike)
+        plain = []
+        for request in _prefill_drafting(f"p{chunk}", chunk):
+            request.ClearField("next_draft")
+            plain += list(stub.Prefill(request, timeout=60))
+        features = torch.cat([codec.decode_tensor(m.features, "features", shape=(None, None)) for m in plain])
+        first_token = plain[-1].first_token
+        head.start(f"p{chunk}", 128, False)
+        expected = head.draft(f"p{chunk}", torch.tensor([*PROMPT[1:], first_token]), features, TREE)
+        seq_id = f"f{chunk}"
+        answers = [list(stub.Prefill(request, timeout=60)) for request in _prefill_drafting(seq_id, chunk)]
+        assert all(_rows(a) == 0 and not a[0].HasField("next_tree") for a in answers[:-1])
+        last = answers[-1]
+        assert last[0].first_token == first_token and _rows(last) == 0
+        assert last[0].HasField("next_tree") and last[0].next_draft_seconds > 0
+        tree = codec.decode_tree(last[0].next_tree, VOCAB)
+        assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+        assert head._caches[seq_id].length == len(PROMPT)  # prompt[1:] and the first token
+    # the last chunk sent again (its deadline missed): the same tree, nothing drafted twice
+    again = list(stub.Prefill(_prefill_drafting("f4", 4)[-1], timeout=60))
+    assert again[0].next_tree == last[0].next_tree and head._caches["f4"].length == len(PROMPT)
+    # a draft that fails: the head holds "x" already; every row's features come with the last chunk
+    head.start("x", 128, False)
+    answers = [list(stub.Prefill(request, timeout=60)) for request in _prefill_drafting("x", 4)]
+    assert _rows(answers[0]) == 0 and not answers[-1][0].HasField("next_tree") and _rows(answers[-1]) == len(PROMPT)
+    got = codec.decode_tensor(answers[-1][0].features, "features", shape=(len(PROMPT), None))
+    assert torch.equal(got, features)  # (the same chunks as p4's)
+    for seq_id in ("p0", "p2", "p4", "f0", "f2", "f4", "x"):
+        stub.Release(_release(seq_id), timeout=60)
+        head.release(seq_id)
+    # refused before anything runs: next_draft on a later chunk only, index 0, no head
+    first, later = _prefill_drafting("f5", 3)
+    first.ClearField("next_draft")
+    list(stub.Prefill(first, timeout=60))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Prefill(later, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "was not on the chunk at offset 0" in e.value.details()
+    stub.Release(_release("f5"), timeout=60)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Prefill(_prefill_drafting("f6", round_index=0)[0], timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "round_index must be >= 1" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(split.verifier_stub().Prefill(_prefill_drafting("f7")[0], timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--draft" in e.value.details()
+    assert colocated.verifier.num_sequences == 0 and split.verifier.num_sequences == 0
 
 
 def untimed(answer: vpb.VerifyResponse) -> vpb.VerifyResponse:

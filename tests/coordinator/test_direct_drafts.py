@@ -54,10 +54,11 @@ def test_greedy_equals_the_target_and_the_split_pipeline(direct, split, target_g
     assert (placement.drafter, placement.verifier) == (direct.addresses["drafter"], direct.addresses["verifier"])
     stats = rounds(messages)
     assert all(s.tree_size > 1 for s in stats)
-    # every round's tree but the first (the drafter's Prefill) was drafted by the drafter process at the
-    # verifier's request, but near the end (a round that may end the request drafts nothing)
+    # every round's tree was drafted by the drafter process at the verifier's request (the first one by
+    # the drafter's Prefill the verifier sent it with the prompt's features), but near the end (a round
+    # that may end the request drafts nothing)
     left = [N - len(messages[0].tokens) - sum(s.accept_length for s in stats[:i]) for i in range(len(stats))]
-    assert [s.drafted_in_verify for s in stats] == [False] + [n > TREE.depth + 2 for n in left[:-1]]
+    assert [s.drafted_in_verify for s in stats] == [True] + [n > TREE.depth + 2 for n in left[:-1]]
     drafted = sum(s.drafted_in_verify for s in stats)
     assert counter("drafts_in_verify") == before + drafted and direct_counter("drafted") == drafted_before + drafted
     assert 1 < in_run(messages) < len(stats) and counter("tree_run_rounds") == runs_before + in_run(messages)

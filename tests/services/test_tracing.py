@@ -183,7 +183,8 @@ def test_drafting_ahead_spans_run_inside_the_previous_round(pipeline, exporter, 
 def test_direct_drafts_join_the_trace_below_the_verifiers_call(pipeline, exporter, model_dirs, redis_url):
     """With direct drafts (coordinator --direct-drafts) the verifier sends each verdict's Draft: a
     `next_draft` CLIENT span below its Verify (or VerifyRun) server span, the drafter's Draft server
-    span below that, all in the request's trace, and each after the verify it follows."""
+    span below that, all in the request's trace, and each after the verify it follows; round 1's
+    tree alike below its Prefill (the drafter's Prefill)."""
     _, _, drafter = pipeline.add_service("drafter", model_dirs)  # (the fail-over test stopped one)
     _, address = pipeline.add_coordinator(redis_url, drafters=(drafter,), discover=False, direct_drafts=True)
     steps, spans, children = traced(exporter, address, 32)
@@ -192,14 +193,19 @@ def test_direct_drafts_join_the_trace_below_the_verifiers_call(pipeline, exporte
     nexts = [s for s in spans if s.name == "next_draft"]
     assert len(nexts) >= 3 and sum(st.stats.drafted_in_verify for st in steps) >= len(nexts) - 1
     assert len({s.attributes[telemetry.ROUND_INDEX] for s in nexts}) == len(nexts)  # one per round
+    # round 1's tree: the drafter's Prefill, sent by the verifier from inside its own Prefill
+    assert [by_id[s.parent.span_id].name for s in nexts].count("aerie.v1.Verifier/Prefill") == 1
     for s in nexts:
         caller = by_id[s.parent.span_id]
+        first = caller.name == "aerie.v1.Verifier/Prefill"
         assert s.kind == trace.SpanKind.CLIENT and s.status.is_ok
-        assert caller.name in ("aerie.v1.Verifier/Verify", "aerie.v1.Verifier/VerifyRun")
+        assert caller.name in ("aerie.v1.Verifier/Verify", "aerie.v1.Verifier/VerifyRun", "aerie.v1.Verifier/Prefill")
         assert caller.attributes[telemetry.SERVICE] == "verifier"
-        assert s.attributes[telemetry.DRAFTER] == drafter and s.attributes[telemetry.ROUND_INDEX] >= 2
+        assert s.attributes[telemetry.DRAFTER] == drafter
+        assert s.attributes[telemetry.ROUND_INDEX] == 1 if first else s.attributes[telemetry.ROUND_INDEX] >= 2
         (server,) = children[s.context.span_id]
-        assert server.name == "aerie.v1.Drafter/Draft" and server.kind == trace.SpanKind.SERVER
+        assert server.name == ("aerie.v1.Drafter/Prefill" if first else "aerie.v1.Drafter/Draft")
+        assert server.kind == trace.SpanKind.SERVER
         assert server.attributes[telemetry.SERVICE] == "drafter" and s.start_time <= server.start_time
     # the runs of tree rounds (VerifyRun, --plain-run 16) too: their server spans under a verify_run span
     runs = [s for s in spans if s.name == "aerie.v1.Verifier/VerifyRun"]

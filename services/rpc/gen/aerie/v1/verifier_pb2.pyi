@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind", "rebuild", "offset", "more", "prompt_tokens")
+    __slots__ = ("sequence_id", "prompt_ids", "sampling", "capacity", "feature_kind", "rebuild", "offset", "more", "prompt_tokens", "next_draft")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class VerifierPrefillRequest(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -27,19 +28,26 @@ class VerifierPrefillRequest(_message.Message):
     offset: int
     more: bool
     prompt_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., rebuild: _Optional[bool] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    next_draft: NextDraft
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capacity: _Optional[int] = ..., feature_kind: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., rebuild: _Optional[bool] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., next_draft: _Optional[_Union[NextDraft, _Mapping]] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("first_token", "features", "logprobs", "prompt_logprobs")
+    __slots__ = ("first_token", "features", "logprobs", "prompt_logprobs", "next_tree", "next_draft_seconds", "drafter_busy")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TREE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BUSY_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     features: _common_pb2.Tensor
     logprobs: _common_pb2.TokenLogprobs
     prompt_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    next_tree: _common_pb2.DraftTree
+    next_draft_seconds: float
+    drafter_busy: float
+    def __init__(self, first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., next_tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., next_draft_seconds: _Optional[float] = ..., drafter_busy: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sequence_id", "round_index", "tree", "next_draft")
