@@ -16,8 +16,8 @@ from services.rpc.stubs import common as pb
 from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import verifier as vpb
 from services.spec.sampling import SamplingParams
-from tests.coordinator.test_colocated import (DRAFT_DTYPE, N, PROMPT, colocated, counter, generate,  # noqa: F401
-                                             rounds, split, target_greedy, untimed)
+from tests.coordinator.test_colocated import (DRAFT_DTYPE, N, PROMPT, _prefill_drafting, colocated,  # noqa: F401
+                                             counter, generate, rounds, split, target_greedy, untimed)
 from tests.helpers import VOCAB
 from tests.pipeline import TREE, start_pipeline, wait_until
 
@@ -198,6 +198,51 @@ def test_a_direct_next_draft_is_validated_replayed_and_survives_an_unreachable_d
     assert head._caches["d"].length == length  # the draft ran once
     stub.Release(pb.ReleaseRequest(sequence_id="d"), timeout=60)
     head.release("d")
+
+
+def test_round_one_is_drafted_at_the_drafter_the_prefill_names(split):
+    """A Prefill whose next_draft names the sequence's drafter: the verifier sends that drafter its
+    Prefill (the prompt's features) and answers with round 1's tree, the one the coordinator's own
+    Prefill to the drafter gives, and no features; the drafter's Prefill sent again at the same
+    index (a retry) gets the same tree, its KV untouched; an unreachable drafter leaves every row's
+    features in the answer; a bad address is refused before the prefill runs."""
+    stub, expected = _verifier_sequence(split, "g0")  # (the coordinator's way: a plain prefill, then the head)
+    head = split.drafter.drafter
+    trees = {}
+    for seq_id, chunk in (("g1", 0), ("g2", 4)):
+        answers = [list(stub.Prefill(r, timeout=60)) for r in direct_prefill(seq_id, split.addresses["drafter"], chunk)]
+        assert all(not a[0].HasField("next_tree") for a in answers[:-1]) and answers[-1][0].HasField("next_tree")
+        assert all(codec.decode_tensor(a[0].features, "features", shape=(None, None)).shape[0] == 0 for a in answers)
+        tree = codec.decode_tree(answers[-1][0].next_tree, VOCAB)
+        if not chunk:  # (a chunked prefill's features may differ in the last bits)
+            assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+        assert int(tree.tokens[0]) == answers[-1][0].first_token and head._caches[seq_id].length == len(PROMPT)
+        trees[seq_id] = answers[-1][0].next_tree
+    # the drafter's Prefill sent again at index 1: its stored answer
+    features = codec.encode_tensor(torch.zeros(len(PROMPT), split.drafter.feature_size))
+    again = split.drafter_stub().Prefill(iter([dpb.DrafterPrefillRequest(sequence_id="g1", max_rows=128,
+                                                                         tokens=list(PROMPT), features=features)]),
+                                         timeout=60)
+    assert again.tree == trees["g1"]
+    assert head._caches["g1"].length == len(PROMPT)
+    # nobody listens at the drafter: every row's features come back, no tree
+    gone = [list(stub.Prefill(r, timeout=60)) for r in direct_prefill("g3", f"127.0.0.1:{unused_port()}", 4)]
+    assert not gone[-1][0].HasField("next_tree")
+    assert codec.decode_tensor(gone[-1][0].features, "features", shape=(None, None)).shape[0] == len(PROMPT)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Prefill(direct_prefill("g4", "nowhere")[0], timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "next_draft.drafter must be host:port" in e.value.details()
+    for seq_id in ("g0", "g1", "g2", "g3"):
+        stub.Release(pb.ReleaseRequest(sequence_id=seq_id), timeout=60)
+        head.release(seq_id)
+    assert split.verifier.num_sequences == 0
+
+
+def direct_prefill(seq_id: str, drafter: str, chunk: int = 0) -> list[vpb.VerifierPrefillRequest]:
+    calls = _prefill_drafting(seq_id, chunk)
+    for c in calls:
+        c.next_draft.drafter = drafter
+    return calls
 
 
 def test_verify_run_with_a_direct_drafter_chains_rounds(split):
