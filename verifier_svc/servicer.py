@@ -367,20 +367,24 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
 
     def _first_draft(self, seq_id: str, nxt: vpb.NextDraft, offset: int) -> NextDraftTo:
         """A Prefill's next_draft (round 1's tree in the same call), checked before the prefill runs."""
-        params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
-        if nxt.drafter:
-            drafter = check_address(nxt.drafter)
-        elif self.drafter_servicer is None:
-            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head "
-                                 "too, or name the sequence's drafter in next_draft.drafter)")
-        else:
-            self.drafter_servicer.check_next(nxt.round_index, params)
-            drafter = ""
         if nxt.round_index < 1:
             raise InvalidRequest(f"next_draft.round_index must be >= 1 (the drafter's Prefill index); "
                                  f"got {nxt.round_index}")
+        params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
+        drafter = self._drafter_of(nxt, params)
         self._first.check(seq_id, offset)
         return NextDraftTo(nxt.round_index, params, drafter)
+
+    def _drafter_of(self, nxt: vpb.NextDraft, params: TreeParams | None) -> str:
+        """Where a next_draft drafts: its drafter's address, checked, or "" (this verifier's head, which
+        checks the index and the shape); InvalidRequest names the value."""
+        if nxt.drafter:
+            return check_address(nxt.drafter)
+        if self.drafter_servicer is None:
+            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head "
+                                 "too, or name the sequence's drafter in next_draft.drafter)")
+        self.drafter_servicer.check_next(nxt.round_index, params)
+        return ""
 
     async def _draft_first(self, seq_id: str, nxt: NextDraftTo, tokens: torch.Tensor, features: torch.Tensor,
                            max_rows: int, sampling: bool, context):
@@ -484,17 +488,10 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
         """A Verify that drafts the next tree too: here (this verifier's head) or at `nxt.drafter`
         (verifier_svc/direct_draft.py); its values checked before the verify runs."""
         params = codec.decode_tree_params(nxt.tree) if nxt.HasField("tree") else None
-        if nxt.drafter:
-            if nxt.round_index < 2:
-                raise InvalidRequest(f"next_draft.round_index must be >= 2 (1 is the drafter's prefill); "
-                                     f"got {nxt.round_index}")
-            drafter = check_address(nxt.drafter)
-        elif self.drafter_servicer is None:
-            raise InvalidRequest("next_draft: this verifier drafts nothing (start it with --draft to serve a head "
-                                 "too, or name the sequence's drafter in next_draft.drafter)")
-        else:
-            self.drafter_servicer.check_next(nxt.round_index, params)
-            drafter = ""
+        if nxt.drafter and nxt.round_index < 2:
+            raise InvalidRequest(f"next_draft.round_index must be >= 2 (1 is the drafter's prefill); "
+                                 f"got {nxt.round_index}")
+        drafter = self._drafter_of(nxt, params)
         return NextDraftVerify(call.seq_id, call.tree, call.round_index, next_round=nxt.round_index,
                                next_params=params, run=run, drafter=drafter)
 
