@@ -8,7 +8,9 @@ Every answer carries the drafter's load as the sequence sees it (`busy`, drafter
 share of the last seconds spent on other sequences' batches), for the coordinator's overlap policy.
 Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
-of extending the draft KV twice. A verifier that drafts too (started with --draft) serves this
+of extending the draft KV twice; so is a Prefill at its index (a verifier's Prefill to this drafter,
+verifier_svc/first_draft.py, that missed its deadline, then the coordinator's own), in a later batch
+or in the same one. A verifier that drafts too (started with --draft) serves this
 servicer on its own port and calls `draft_next` on its model thread after a batch's Verify calls that
 ask for it: the same `_run_batch` (one at a time with the worker thread's), the same idempotency. DraftAhead (drafting ahead, services/spec/ahead.py) runs
 `Drafter.draft_ahead` alone in its batch slot (its guessed rows are one-row head steps of its own).
@@ -278,6 +280,8 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     def _answer(self, batch: list["_Work"]) -> list:
         results: list = [None] * len(batch)
         todo: list[int] = []
+        started: dict[str, int] = {}  # sequence id -> the Prefill of this batch that starts its KV
+        again: list[tuple[int, int]] = []  # (a Prefill sent again within this batch, the one it repeats)
         for i, w in enumerate(batch):
             seq_id = w.call.seq_id
             try:
@@ -287,7 +291,12 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                         # sent again (a verifier's call to this drafter that missed its deadline; a retry)
                         results[i] = last[1].response() if isinstance(last[1], QueuedDraft) else last[1]
                         continue
+                    first = started.get(seq_id)
+                    if first is not None and batch[first].round_index == w.round_index:
+                        again.append((i, first))  # (the retry arrived before the first one ran)
+                        continue
                     self.drafter.start(seq_id, w.max_rows, w.sampling)
+                    started[seq_id] = i
                     self.idle.touch(seq_id)
                 else:
                     if seq_id in self._last:
@@ -325,6 +334,8 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                 # the prefill's tree is the one round 1 verifies
                 self._last[w.call.seq_id] = (w.round_index, response)
                 results[i] = response
+        for i, first in again:
+            results[i] = results[first]
         SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
         return results
 

@@ -238,6 +238,23 @@ def test_round_one_is_drafted_at_the_drafter_the_prefill_names(split):
     assert split.verifier.num_sequences == 0
 
 
+def test_a_drafter_prefill_sent_again_in_the_same_batch_gets_the_first_ones_answer(split):
+    """The verifier's Prefill to the drafter missed its deadline while still queued there, and the
+    coordinator's own (the same index) lands in the same batch: one draft KV, both get its tree (a
+    second start would refuse the id and fail the sequence). The batch is built directly: which calls
+    share a batch over gRPC depends on timing."""
+    from drafter_svc.servicer import _Work
+    from services.engine.drafter import DraftCall
+
+    servicer = split.drafter
+    features = torch.randn(len(PROMPT), servicer.feature_size, generator=torch.Generator().manual_seed(0))
+    call = DraftCall("h", torch.tensor(PROMPT), features, TREE)
+    first, again = servicer._run_batch([_Work(call, 1, 64, False), _Work(call, 1, 64, False)])
+    assert first.HasField("tree") and again == first
+    assert servicer.drafter.num_sequences == 1 and servicer.drafter._caches["h"].length == len(PROMPT)
+    servicer._release("h")
+
+
 def direct_prefill(seq_id: str, drafter: str, chunk: int = 0) -> list[vpb.VerifierPrefillRequest]:
     calls = _prefill_drafting(seq_id, chunk)
     for c in calls:
