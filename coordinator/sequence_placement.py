@@ -247,6 +247,8 @@ class SequencePlacement:
 
         def next_draft(rv: RemoteVerifier) -> NextDraft | None:
             sent[0] = self._first_draft(rv, first_draft)  # asked whenever a verifier starts at row 0
+            if sent[0] is not None:  # (a prefill stopped after its draft ran still leaves no draft KV behind)
+                self._rd.prefilling_elsewhere(seq_id)  # type: ignore[union-attr]
             return sent[0]
 
         pre = self._prefill_chunks(ChunkedPrefill(seq_id, self.prompt, sampling, capacity, False,

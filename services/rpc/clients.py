@@ -450,6 +450,7 @@ class RemoteDrafter:
         self._feature_kind = codec.FEATURE_KINDS[info.feature_kind]
         self._pending: dict[str, tuple[int, bool, int]] = {}  # started, not yet prefilled: (max_rows, sampling, index)
         self._round: dict[str, int] = {}  # the round the latest tree is for
+        self._elsewhere: set[str] = set()  # a verifier was asked to send the sequence's Prefill here
         self.busy = 0.0  # the drafter's load in its latest answer (DraftResponse.busy, 0..1)
 
     @property
@@ -525,6 +526,11 @@ class RemoteDrafter:
         reach the drafter (a run's DraftAhead), which then refuses it as older than ours."""
         self._round[seq_id] = self.next_index(seq_id)
 
+    def prefilling_elsewhere(self, seq_id: str) -> None:
+        """A verifier was asked to send this drafter the sequence's Prefill (round 1's tree in its own
+        Prefill): whether or not an answer says it ran, `release` must reach the drafter."""
+        self._elsewhere.add(seq_id)
+
     def drafted_elsewhere(self, seq_id: str, round_index: int, busy: float) -> None:
         """A draft at `round_index` ran inside a Verify, or the drafter's Prefill inside the verifier's
         (its `start` is then done: nothing pending)."""
@@ -538,5 +544,7 @@ class RemoteDrafter:
 
     def release(self, seq_id: str) -> None:
         self._pending.pop(seq_id, None)
-        if self._round.pop(seq_id, None) is not None:
+        elsewhere = seq_id in self._elsewhere
+        self._elsewhere.discard(seq_id)
+        if self._round.pop(seq_id, None) is not None or elsewhere:
             self.client.release(seq_id)

@@ -255,6 +255,26 @@ def test_a_drafter_prefill_sent_again_in_the_same_batch_gets_the_first_ones_answ
     servicer._release("h")
 
 
+def test_a_release_reaches_a_drafter_the_verifier_was_asked_to_prefill(split):
+    """The coordinator asked the verifier for round 1's tree at the drafter and then released the
+    sequence without reading an answer (a cancel mid-prefill): the drafter's KV that the verifier's
+    Prefill made is released too (RemoteDrafter.prefilling_elsewhere)."""
+    from services.rpc.clients import DrafterClient
+
+    list(split.verifier_stub().Prefill(direct_prefill("k", split.addresses["drafter"])[0], timeout=60))
+    assert "k" in split.drafter.drafter._caches
+    client = DrafterClient(split.addresses["drafter"], split.service.max_message_bytes, 30)
+    try:
+        remote = client.for_sequence()
+        remote.start("k", 128, False)
+        remote.prefilling_elsewhere("k")
+        remote.release("k")  # (it never saw an answer: no tree, no index)
+        wait_until(lambda: "k" not in split.drafter.drafter._caches)
+    finally:
+        client.close()
+    split.verifier_stub().Release(pb.ReleaseRequest(sequence_id="k"), timeout=60)
+
+
 def direct_prefill(seq_id: str, drafter: str, chunk: int = 0) -> list[vpb.VerifierPrefillRequest]:
     calls = _prefill_drafting(seq_id, chunk)
     for c in calls:
