@@ -99,6 +99,50 @@ def test_without_a_verifier_that_drafts_nothing_changes(llama_pair):
     assert not any(s.stats.drafted_in_verify for s in steps) and not engine.verdict_counts
 
 
+class PrefillDraftingVerifier(DraftingVerifier):
+    """... which drafts round 1's tree inside its prefill too (the coordinator's placement does it over
+    gRPC: VerifierPrefillRequest.next_draft), from the drafter the engine started: its Prefill's rows
+    (prompt[1:] and the first token) with the prompt's features; the answer then has no features."""
+
+    def __init__(self, verifier: Verifier, drafter: Drafter) -> None:
+        super().__init__(verifier, drafter)
+        self.asked: list[TreeParams | None] = []  # each prefill's first_draft
+
+    def drafts_first(self, seq_id: str) -> bool:
+        return True
+
+    def prefill(self, seq_id, prompt, sampling, capacity, first_draft: TreeParams | None = None):
+        pre = self.verifier.prefill(seq_id, prompt, sampling, capacity)
+        self.asked.append(first_draft)
+        if first_draft is None:
+            return pre
+        tokens = torch.cat([prompt[1:], torch.tensor([pre.first_token])])
+        return replace(pre, features=pre.features[:0], next_tree=self.drafter.draft(seq_id, tokens, pre.features,
+                                                                                  first_draft), next_draft_s=1e-3)
+
+
+def test_round_one_is_drafted_in_the_prefill_as_planned_once(llama_pair):
+    """Round 1 is planned before the prefill and its tree comes with it: the same plans, trees and
+    acceptance round by round as the engine that drafts round 1 after the prefill (the budget asked
+    once per round either way), the target's tokens; a plain first plan prefills without asking."""
+    hf, target, head = llama_pair
+    runs = {}
+    for name, script in (("large", SCRIPT), ("plain", (None, *SCRIPT))):
+        for role in (DraftingVerifier, PrefillDraftingVerifier):
+            drafter = Drafter(head, LARGE)
+            verifier = role(Verifier(target, head.feature_kind), drafter)
+            budget = ScriptedBudget(costs(), prior_stats({"top1_agreement": 0.3}), largest=LARGE, detach=False,
+                                    script=script)
+            steps = list(Engine(verifier, drafter, 512, VOCAB, budget=budget).generate(GenerationRequest(tuple(PROMPT), 32)))
+            assert [t for s in steps for t in s.tokens] == hf_greedy(hf, PROMPT, 32)
+            runs[name, role] = ([(s.stats.tree_size, s.stats.accept_length) for s in steps], budget.count[0],
+                                steps[1].stats.drafted_in_verify, getattr(verifier, "asked", None))
+        before, after = runs[name, DraftingVerifier], runs[name, PrefillDraftingVerifier]
+        assert after[:2] == before[:2]  # the same rounds, and as many plans
+        assert not before[2] and after[2] == (name == "large")  # round 1's tree came with the prefill
+        assert after[3] == [LARGE if name == "large" else None]
+
+
 class RunningVerifier(DraftingVerifier):
     """A verifier that drafts too and runs tree rounds (verify_run) as the verifier service does: a
     run verifies each next tree in the run's shape, LOOKAHEAD rounds past the round the engine reads
