@@ -83,6 +83,9 @@ def main() -> None:
     p.add_argument("--per-category", type=int, default=0, help="the first N prompts of each category (0: all)")
     p.add_argument("--categories", default="", help="comma list: only these Spec-Bench categories (e.g. summarization,rag)")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: sampled requests (top_p 0.95, prompt i seeded with i; every side draws different "
+                        "tokens from the same distributions, so `exact` is for greedy runs only)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="on", help="comma list of overlap modes to run beside the serial pipeline: on,always")
     p.add_argument("--up-args", default="", help="extra `aerie up` flags for both pipelines, space separated")
@@ -106,8 +109,9 @@ def main() -> None:
     load_start = os.getloadavg()
 
     from aerie_cli.flags import set_torch_threads
-    from services.bench.bench import load_prompts, run_engine, run_steps
+    from services.bench.bench import load_prompts, run_steps
     from services.engine.engine import GenerationRequest
+    from services.spec.sampling import SamplingParams
     from services.engine.local import build_local_engine
     from services.rpc.coordinator_client import RemoteEngine, RemoteSession
 
@@ -162,8 +166,14 @@ def main() -> None:
             other.engine.drafter.ahead_branches = 2  # the draft KV's ahead rows, as `aerie up --overlap` drafters
             engines[f"in_process-{m}"] = other.engine
 
+        def request(prompt, n):
+            if not args.temperature:
+                return GenerationRequest(prompt.ids, n)
+            seed = next(i for i, p in enumerate(prompts) if p is prompt)
+            return GenerationRequest(prompt.ids, n, SamplingParams(args.temperature, top_p=0.95, seed=seed))
+
         def pipeline(name, prompt, n=args.max_new_tokens):
-            req = GenerationRequest(prompt.ids, n)
+            req = request(prompt, n)
             if args.pin:
                 pin_process(os.getpid(), other_cpus)
             return run_steps(lambda: RemoteEngine(sessions[name]).generate(req))
@@ -171,7 +181,7 @@ def main() -> None:
         def in_process(engine, prompt, n=args.max_new_tokens):
             if args.pin:
                 pin_process(os.getpid(), verify_cpus)
-            return run_engine(engine, prompt, n)
+            return run_steps(lambda: engine.generate(request(prompt, n)))
 
         for name in ups:  # warm-up: first-call allocations in every process
             pipeline(name, prompts[0], 8)
@@ -212,7 +222,7 @@ def main() -> None:
     report["config"] = {"model": f"tiny (tests/helpers.py), {args.tiny_layers} layers, {args.tiny_tree} tree" if args.tiny else args.target or "default",
                         "draft": args.draft, "prompts": len(prompts), "prompt_file": args.prompts,
                         "categories": args.categories, "per_category": args.per_category, "repeats": args.repeats,
-                        "max_new_tokens": args.max_new_tokens,
+                        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                         "torch_threads_per_process": os.environ.get("AERIE_TORCH_THREADS", "default"),
                         "pinned": args.pin,
                         "modes": modes, "up_args": args.up_args, "baseline_up_args": args.baseline_up_args,
