@@ -8,9 +8,9 @@ Every answer carries the drafter's load as the sequence sees it (`busy`, drafter
 share of the last seconds spent on other sequences' batches), for the coordinator's overlap policy.
 Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
-of extending the draft KV twice; so is a Prefill at its index (a verifier's Prefill to this drafter,
-verifier_svc/first_draft.py, that missed its deadline, then the coordinator's own), in a later batch
-or in the same one. A verifier that drafts too (started with --draft) serves this
+of extending the draft KV twice; so is a Prefill at its index with the same rows and root (a
+verifier's Prefill to this drafter, verifier_svc/first_draft.py, that missed its deadline, then the
+coordinator's own), in a later batch or in the same one; another Prefill under a held id is refused. A verifier that drafts too (started with --draft) serves this
 servicer on its own port and calls `draft_next` on its model thread after a batch's Verify calls that
 ask for it: the same `_run_batch` (one at a time with the worker thread's), the same idempotency. DraftAhead (drafting ahead, services/spec/ahead.py) runs
 `Drafter.draft_ahead` alone in its batch slot (its guessed rows are one-row head steps of its own).
@@ -68,6 +68,7 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
         self.dtype = drafter.head.feature_dtype  # the target's features (the draft may run in bf16/int8)
         self.max_rows = max_context + config.max_tree_nodes  # the server's cap, never the caller's
         self._last: dict[str, tuple[int, dpb.DraftResponse | QueuedDraft]] = {}  # sequence id -> latest (round, tree)
+        self._prefilled: dict[str, tuple[int, int]] = {}  # sequence id -> its Prefill's rows and root (_rows_key)
         # the Drafter, `_last` and the load meter: the worker thread's, and a verifier's model thread's
         # when it drafts too (draft_next)
         self._lock = threading.Lock()
@@ -287,12 +288,14 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
             try:
                 if w.max_rows is not None:  # Prefill: a new draft KV
                     last = self._last.get(seq_id)
-                    if last is not None and w.round_index == last[0]:  # (`_last` goes with the KV)
+                    if (last is not None and w.round_index == last[0]  # (`_last` goes with the KV)
+                            and self._prefilled.get(seq_id) == _rows_key(w)):
                         # sent again (a verifier's call to this drafter that missed its deadline; a retry)
                         results[i] = last[1].response() if isinstance(last[1], QueuedDraft) else last[1]
                         continue
                     first = started.get(seq_id)
-                    if first is not None and batch[first].round_index == w.round_index:
+                    if (first is not None and batch[first].round_index == w.round_index
+                            and _rows_key(batch[first]) == _rows_key(w)):
                         again.append((i, first))  # (the retry arrived before the first one ran)
                         continue
                     self.drafter.start(seq_id, w.max_rows, w.sampling)
@@ -333,6 +336,8 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
                 response = dpb.DraftResponse(tree=codec.encode_tree(tree))
                 # the prefill's tree is the one round 1 verifies
                 self._last[w.call.seq_id] = (w.round_index, response)
+                if w.max_rows is not None:
+                    self._prefilled[w.call.seq_id] = _rows_key(w)
                 results[i] = response
         for i, first in again:
             results[i] = results[first]
@@ -352,11 +357,17 @@ class DrafterServicer(drafter_grpc.DrafterServicer):
     def _release(self, seq_id: str) -> bool:
         with self._lock:
             self._last.pop(seq_id, None)
+            self._prefilled.pop(seq_id, None)
             self.idle.forget(seq_id)
             before = self.drafter.num_sequences
             self.drafter.release(seq_id)
             SEQUENCES_IN_FLIGHT.labels(SERVICE).set(self.drafter.num_sequences)
             return self.drafter.num_sequences < before
+
+
+def _rows_key(w: "_Work") -> tuple[int, int]:
+    """What tells a Prefill sent again from another under the same id: its rows and its root token."""
+    return int(w.call.tokens.shape[0]), int(w.call.tokens[-1])
 
 
 class QueuedDraft:

@@ -217,13 +217,13 @@ def test_round_one_is_drafted_at_the_drafter_the_prefill_names(split):
         if not chunk:  # (a chunked prefill's features may differ in the last bits)
             assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
         assert int(tree.tokens[0]) == answers[-1][0].first_token and head._caches[seq_id].length == len(PROMPT)
-        trees[seq_id] = answers[-1][0].next_tree
-    # the drafter's Prefill sent again at index 1: its stored answer
+        trees[seq_id] = answers[-1][0].next_tree, answers[-1][0].first_token
+    # the drafter's Prefill sent again at index 1 (the same rows, the same root): its stored answer
     features = codec.encode_tensor(torch.zeros(len(PROMPT), split.drafter.feature_size))
-    again = split.drafter_stub().Prefill(iter([dpb.DrafterPrefillRequest(sequence_id="g1", max_rows=128,
-                                                                         tokens=list(PROMPT), features=features)]),
-                                         timeout=60)
-    assert again.tree == trees["g1"]
+    tree, first_token = trees["g1"]
+    again = split.drafter_stub().Prefill(iter([dpb.DrafterPrefillRequest(
+        sequence_id="g1", max_rows=128, tokens=[*PROMPT[1:], first_token], features=features)]), timeout=60)
+    assert again.tree == tree
     assert head._caches["g1"].length == len(PROMPT)
     # nobody listens at the drafter: every row's features come back, no tree
     gone = [list(stub.Prefill(r, timeout=60)) for r in direct_prefill("g3", f"127.0.0.1:{unused_port()}", 4)]
@@ -252,6 +252,12 @@ def test_a_drafter_prefill_sent_again_in_the_same_batch_gets_the_first_ones_answ
     first, again = servicer._run_batch([_Work(call, 1, 64, False), _Work(call, 1, 64, False)])
     assert first.HasField("tree") and again == first
     assert servicer.drafter.num_sequences == 1 and servicer.drafter._caches["h"].length == len(PROMPT)
+    servicer._release("h")
+    # another Prefill under the same id (other rows) is no retry: refused, the first one's KV untouched
+    other = DraftCall("h", torch.tensor(PROMPT[:-1]), features[:-1], TREE)
+    first, refused = servicer._run_batch([_Work(call, 1, 64, False), _Work(other, 1, 64, False)])
+    assert first.HasField("tree") and "already exists" in str(refused)
+    assert servicer.drafter._caches["h"].length == len(PROMPT)
     servicer._release("h")
 
 

@@ -78,8 +78,13 @@ def test_drafter_rows_beyond_the_reserved_kv_mutate_nothing(pipeline):
         grpc.StatusCode.RESOURCE_EXHAUSTED, "draft KV of sequence 'dtight' holds 16 rows; 2 used, 10 committed rows "
                                             "and 12 tree rows requested")
     assert pipeline.drafter.drafter._caches["dtight"].length == rows
-    assert status_of(lambda: stub.Prefill(iter([first]), timeout=30)) == \
+    # the same Prefill again is a retry (its stored answer); another one under the id is refused
+    assert stub.Prefill(iter([first]), timeout=30).tree.tokens.data
+    other = dpb.DrafterPrefillRequest(sequence_id="dtight", tokens=[1, 2, 3], max_rows=4,
+                                      features=codec.encode_tensor(torch.zeros(3, f)))
+    assert status_of(lambda: stub.Prefill(iter([other]), timeout=30)) == \
         (INVALID, "sequence 'dtight' already exists on this drafter")
+    assert pipeline.drafter.drafter._caches["dtight"].length == rows
     fits = dpb.DraftRequest(sequence_id="dtight", round_index=2, tokens=[3],
                             features=codec.encode_tensor(torch.zeros(1, f)))
     assert stub.Draft(fits, timeout=30).tree.tokens.data
