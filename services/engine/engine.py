@@ -92,12 +92,8 @@ budget's dynamic-depth threshold (`TreeParams.stop_logprob`) moves with every ve
 changes only it is the run's shape (`TreeParams.shape`): the run goes on with the threshold of its
 first round (its trees are verified as the verifier drafted them), and the plan's threshold applies
 from the first round no run computed. (Closing the run at every new threshold closed every run.) How many
-rounds a closed run computed depends on timing, so a sampling sequence's run is decided by rounds
-instead (`hold`): the run's N rounds verify the trees drafted in its shape, whatever the plan, the
-run going on or broken (then single Verify calls in that shape), and the plan applies from the round
-after them, which no run computed: the same trees whatever the verifier computed ahead or when a
-fault broke the run, so a seed replays the same tokens. (Before the twelfth session a sampling
-sequence with the adaptive budget verified one round a call.)
+rounds a closed run computed depends on timing, so a sampling sequence with the adaptive budget
+verifies one round a call (its seed replays the same trees).
 
 Drafting ahead (`ahead`: an AheadPolicy; services/spec/ahead.py and overlap.py): while a tree is
 verified, a drafter thread grows the next tree from a guessed verdict (the top path's first j tokens;
@@ -652,8 +648,10 @@ class Engine:
         if run is not None and run.exhausted:  # every round it asked for was read: another run, not one Verify
             self._tree_runs.pop(seq_id).close()
             run = None
-        if run is not None or next_params is None or self.plain_run < 2 or draft.held or seq.hold is not None:
-            return run  # (a sampling run's rounds after it broke: single calls in its shape, no new run)
+        if run is not None or next_params is None or self.plain_run < 2 or draft.held:
+            return run
+        if self.budget.fixed is None and seq.sort_paths:  # sampling: which rounds are held depends on timing,
+            return None  # and a seed must replay the same trees (the budget's batch-1 plans: Engine._plan)
         if seq.policy is not None and not seq.sort_paths and seq.policy.needs_baseline:
             return None  # its baseline round: a run would keep the policy from choosing for up to plain_run rounds
         verify_run = getattr(self.verifier, "verify_run", None)
@@ -668,8 +666,6 @@ class Engine:
                verify_run(seq_id, draft.tree, round_index, next_params, self.plain_run, left, seq.stop_ids))
         if run is not None:
             self._tree_runs[seq_id] = run
-            if seq.sort_paths and self.budget.fixed is None:  # its rounds' shape, whatever the run computes
-                seq.hold = (next_params, round_index + self.plain_run - 1)
         return run
 
     def _in_tree_run(self, seq_id: str) -> bool:
@@ -789,8 +785,7 @@ class Engine:
         if done.pending_rows:  # (a run that drafts ahead at the verifier says which rows the draft KV lacks)
             _replace_pending(seq, done)
         if done.next is not None:
-            return self._drafted_in_verify(seq_id, seq, done.next, len(done.tokens), done.stats.round_index,
-                                           done.next_ahead_s)
+            return self._drafted_in_verify(seq_id, seq, done.next, len(done.tokens), done.next_ahead_s)
         queued = self._verdicts.pop(seq_id, None)
         plan = None
         if queued is not None:  # a draft queued from this verdict (no retrieval, no ahead: __init__)
@@ -809,7 +804,6 @@ class Engine:
         if seq.index is not None:
             seq.index.extend(done.tokens)
         ahead, seq.ahead = seq.ahead, None
-        seq.hold = None  # (a round drafted here, not in the Verify: the run's shape is left)
         if ahead is None or ahead.tree is None:
             return self._draft(seq_id, seq, seq.root, plan=plan)
         hit = use_ahead(ahead.tree, ahead.guess, done.tokens, seq.sort_paths)
@@ -820,8 +814,8 @@ class Engine:
         return self._draft(seq_id, seq, seq.root, hit, ahead.ahead_s if hit is not None else 0.0)
 
     def _drafted_in_verify(self, seq_id: str, seq: _SequenceState,
-                           drafted: tuple[DraftTree, float, TreeParams, bool], rows: int, round_index: int,
-                           ahead_s: float = 0.0) -> _Draft:
+                           drafted: tuple[DraftTree, float, TreeParams, bool], rows: int, ahead_s: float = 0.0
+                           ) -> _Draft:
         """The next round from the tree the verifier's own head drafted in the Verify (its draft KV took the
         round's `rows` already): the budget plans as after any verdict; the tree is cut to the plan's shape
         (services/spec/ahead.py trim; a plan larger than the tree keeps the tree as drafted), or left
@@ -829,26 +823,18 @@ class Engine:
         is when the plan changes the shape: the verifier may have verified it already, in the run; the run
         is closed, and the plan applies from the first round a run did not compute. A plan that changes
         only the dynamic-depth threshold (`TreeParams.shape` the same) keeps the run and its threshold.
-        A sampling sequence's run (`seq.hold`) holds the trees of every round up to its last (`round_index`
-        is the verdict's), run or not, and the plan applies from the round after it.
         `ahead_s` > 0: the tree was drafted ahead at the verifier (a hit: no draft waited for, the round's
         rows still pending)."""
         tree, draft_s, params, from_run = drafted
         if not ahead_s:
             self._observe_draft(params, rows, draft_s)
         plan = self._plan(seq_id, seq, 0)
-        if seq.hold is not None:  # a sampling sequence's run: decided by rounds, never by what the run computed
-            held, last = seq.hold
-            from_run = round_index < last and plan.tree != held  # (its next round is one of the run's)
-            if round_index >= last:
-                seq.hold = None
         if from_run and plan.tree is not None and plan.tree.shape == params.shape:
             plan = replace(plan, tree=params)  # the run's threshold for its rounds (module doc, "Tree runs")
         if from_run and plan.tree != params:
-            if seq.hold is None:
-                run = self._tree_runs.pop(seq_id, None)
-                if run is not None:
-                    run.close()  # no further round in the run's shape
+            run = self._tree_runs.pop(seq_id, None)
+            if run is not None:
+                run.close()  # no further round in the run's shape
             self.verdict_counts["held"] += 1
             # (the plan's predictions for its own shape; no head gain: `realized` learns nothing from it)
             return _Draft(tree, RoundPlan(params, 0, plan.tokens, plan.seconds), [], None, draft_s, in_verify=True,
@@ -1008,6 +994,3 @@ class _SequenceState:
     run_ahead: RunAhead | None = None  # the open run of tree rounds drafts ahead at the verifier so
     verdict_drafts: bool = False  # greedy, no penalty: its next draft may be queued from the verdict
     stop_ids: frozenset[int] = frozenset()  # the token ids that end it (Engine.stop_ids)
-    # a sampling sequence's run of tree rounds with the adaptive budget: (its shape, the last round it may
-    # verify); the trees of the rounds up to that one are verified in that shape, run or not (module doc)
-    hold: tuple[TreeParams, int] | None = None

@@ -158,31 +158,6 @@ def test_seeded_sampling_equals_the_split_pipeline(colocated, split):
     assert len(runs[0]) == 32 and all(0 <= t < VOCAB for t in runs[0])
 
 
-def test_seeded_sampling_with_the_adaptive_budget_runs_and_replays(model_dirs, redis_url, monkeypatch):
-    """The adaptive budget (scripted: its plans change the shape every few rounds) and a sampling
-    sequence: its rounds run as runs of tree rounds (VerifyRun) too, the plans apply only after each
-    run's last round (tests/engine/test_draft_in_verify.py), so however far the verifier computed
-    ahead, a seed gives the same tokens again."""
-    from services.spec.acceptance import prior_stats
-    from tests.engine.test_draft_in_verify import ScriptedBudget, costs
-
-    small = TreeParams(2, 2, 5)
-    script = (TREE,) * 3 + (small,) * 2 + (TREE,) * 4 + (None,) + (small,) * 3
-    monkeypatch.setattr(codec, "decode_budget", lambda *a: ScriptedBudget(
-        costs(), prior_stats({"top1_agreement": 0.3}), largest=TREE, detach=False, script=script))
-    p = start_pipeline(model_dirs, redis_url, draft_dtype=DRAFT_DTYPE, colocate=True, plain_run=4)
-    try:
-        sampling = SamplingParams(0.9, top_p=0.95, seed=11)
-        before = counter("tree_run_rounds")
-        runs = [generate(p, 40, sampling) for _ in range(2)]
-        assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 40
-        assert counter("tree_run_rounds") - before >= 4  # the sampled rounds ran in runs
-        sizes = [[s.tree_size for s in rounds(m)] for _, m in runs]
-        assert sizes[0] == sizes[1] and any(1 < n <= small.size for n in sizes[0])  # the plans applied
-    finally:
-        p.close()
-
-
 @pytest.fixture()
 def pair(model_dirs, redis_url):
     """Two verifiers that draft too behind one coordinator (each its own drafter pool entry)."""
