@@ -10,10 +10,12 @@ Draft and DraftAhead are idempotent per (sequence, round), numbered together:
 the latest round's tree is kept and a repeated call (a retry after UNAVAILABLE) returns it instead
 of extending the draft KV twice; so is a Prefill at its index with the same rows and root (a
 verifier's Prefill to this drafter, verifier_svc/first_draft.py, that missed its deadline, then the
-coordinator's own), in a later batch or in the same one; another Prefill under a held id is refused. A verifier that drafts too (started with --draft) serves this
-servicer on its own port and calls `draft_next` on its model thread after a batch's Verify calls that
-ask for it: the same `_run_batch` (one at a time with the worker thread's), the same idempotency. DraftAhead (drafting ahead, services/spec/ahead.py) runs
-`Drafter.draft_ahead` alone in its batch slot (its guessed rows are one-row head steps of its own).
+coordinator's own), in a later batch or in the same one; another Prefill under a held id is refused.
+A verifier that drafts too (started with --draft) serves this servicer on its own port and calls
+`draft_next` on its model thread after a batch's Verify calls that ask for it: the same `_run_batch`
+(one at a time with the worker thread's), the same idempotency; and `prefill` for round 1's tree in
+its own Prefill. DraftAhead (drafting ahead, services/spec/ahead.py) runs `Drafter.draft_ahead`
+alone in its batch slot (its guessed rows are one-row head steps of its own).
 """
 
 from __future__ import annotations
