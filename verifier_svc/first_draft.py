@@ -37,7 +37,7 @@ Draft = Callable[[torch.Tensor, torch.Tensor], Awaitable[dpb.DraftResponse | Non
 
 class FirstDrafts:
     """The chunks of prompts whose first tree is drafted here, kept until their last chunk, and each
-    last chunk's answer (for that chunk sent again) until the sequence is released."""
+    last chunk's answer (for that chunk sent again) until the sequence's first round or release."""
 
     def __init__(self) -> None:
         # sequence id -> offset -> (tokens [c], features [c, F]) of each chunk done so far
@@ -78,6 +78,11 @@ class FirstDrafts:
         answer = (every, None) if drafted is None else (features[:0], drafted)
         self._done[seq_id] = (offset, *answer)
         return answer
+
+    def settled(self, seq_id: str) -> None:
+        """The sequence's first round reached the verifier: its last chunk will not be sent again (a
+        failed draft's answer holds every row's features: not kept for the sequence's life)."""
+        self._done.pop(seq_id, None)
 
     def forget(self, seq_id: str) -> None:
         self._rows.pop(seq_id, None)

@@ -76,7 +76,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -101,6 +101,7 @@ from services.rpc.errors import rpc_errors
 from services.rpc.reaper import IdleSequences, Reaper
 from services.rpc.server import batch_observer, timed
 from services.rpc.stubs import common as pb
+from services.rpc.stubs import drafter as dpb
 from services.rpc.stubs import verifier as vpb
 from services.rpc.stubs import verifier_grpc
 from services.spec.cost import CostCurve
@@ -130,7 +131,8 @@ class NextDrafter(Protocol):
 
     def draft_next(self, drafts: list[tuple[DraftCall, int]]) -> list: ...
 
-    async def prefill(self, call: DraftCall, round_index: int, max_rows: int, sampling: bool) -> Any: ...
+    async def prefill(self, call: DraftCall, round_index: int, max_rows: int, sampling: bool
+                      ) -> dpb.DraftResponse: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,6 +704,7 @@ class VerifierServicer(verifier_grpc.VerifierServicer):
                 elif isinstance(call, PrefillMoreCall):
                     self._check(call.seq_id)
                 else:
+                    self._first.settled(call.seq_id)  # (its prefill will not be sent again)
                     replay = self._replay(call)
                     if replay is not None:
                         results[i] = replay

@@ -299,6 +299,10 @@ def test_round_one_is_drafted_in_the_prefill(colocated, split):
     assert _rows(answers[0]) == 0 and not answers[-1][0].HasField("next_tree") and _rows(answers[-1]) == len(PROMPT)
     got = codec.decode_tensor(answers[-1][0].features, "features", shape=(len(PROMPT), None))
     assert torch.equal(got, features)  # (the same chunks as p4's)
+    # that answer (every row's features) is kept for the last chunk sent again, until the first round
+    assert "x" in colocated.verifier._first._done
+    stub.Decode(vpb.DecodeRequest(sequence_id="x", round_index=1, token=answers[-1][0].first_token), timeout=60)
+    assert "x" not in colocated.verifier._first._done
     for seq_id in ("p0", "p2", "p4", "f0", "f2", "f4", "x"):
         stub.Release(_release(seq_id), timeout=60)
         head.release(seq_id)
