@@ -21,15 +21,12 @@ drafts with its own Prefill to the drafter (whose idempotency answers it if the 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 
 import torch
 
 from services.errors import InvalidRequest
 from services.rpc.stubs import drafter as dpb
-
-log = logging.getLogger("aerie.verifier")
 
 # (tokens [n] prompt[1:] and the first token, features [n, F]) -> the drafter's answer, or None: it failed
 Draft = Callable[[torch.Tensor, torch.Tensor], Awaitable[dpb.DraftResponse | None]]
